@@ -1,0 +1,52 @@
+"""A parallel plan: how one job runs on one GPU type. Shared by estimator, scheduler and trainer."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Precision = Literal["fp32", "fp16", "bf16"]
+Optimizer = Literal["adamw", "adam", "sgd", "adafactor", "adamw8bit"]
+ActCkpt = Literal["none", "selective", "full"]
+Offload = Literal["none", "optimizer", "optimizer+params"]
+Attention = Literal["flash", "eager"]
+
+
+class Plan(BaseModel):
+    """One candidate way to run a job: GPU type and count, parallel degrees, memory knobs.
+
+    ``gpus == dp * tp * pp * cp``; ``micro_batch * grad_accum * dp == global_batch``.
+    Predictions (``device_used_gib``, ``step_time_s``) are filled by the estimator and the
+    throughput model; the scheduler never recomputes them.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    gpu_type: str
+    gpus: int = Field(ge=1)
+    dp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    zero: int = Field(0, ge=0, le=3)
+    offload: Offload = "none"
+    act_ckpt: ActCkpt = "none"
+    micro_batch: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    precision: Precision = "bf16"
+    optimizer: Optimizer = "adamw"
+    attention: Attention = "flash"
+    # predictions
+    allocated_peak_gib: float = 0.0
+    reserved_peak_gib: float = 0.0
+    device_used_gib: float = 0.0
+    step_time_s: float = 0.0
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp
+
+    def short(self) -> str:
+        return (f"{self.gpus}x{self.gpu_type} dp{self.dp} tp{self.tp} pp{self.pp} z{self.zero}"
+                f"{'' if self.offload == 'none' else ' off:' + self.offload} ckpt:{self.act_ckpt}"
+                f" mb{self.micro_batch}x{self.grad_accum}")
