@@ -1,0 +1,44 @@
+"""Shared fixtures. Pure tests need nothing; flow tests ask for the one Prefect server:
+
+    pytestmark = pytest.mark.usefixtures("prefect_server")
+
+Starting a Prefect test server costs 12-25 s on 2 cores (migrations), so there is exactly one
+per pytest session, created lazily by the first test that asks for it.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+# Isolate Prefect and Frenzy state before anything imports prefect.
+_HOME = tempfile.mkdtemp(prefix="frenzy-test-home-")
+os.environ.setdefault("PREFECT_HOME", os.path.join(_HOME, "prefect"))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+os.environ.setdefault("FRENZY_HOME", os.path.join(_HOME, "frenzy"))
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def postgres_url():
+    url = os.environ.get("FRENZY_TEST_POSTGRES_URL")
+    if not url:
+        pytest.skip("FRENZY_TEST_POSTGRES_URL is not set: PostgreSQL tests need a server")
+    return url
+
+
+@pytest.fixture
+def frenzy_home(tmp_path, monkeypatch):
+    """A private FRENZY_HOME (ledger, runs, calibration) for one test."""
+    monkeypatch.setenv("FRENZY_HOME", str(tmp_path / "frenzy"))
+    return tmp_path / "frenzy"
