@@ -30,3 +30,17 @@ class DoesNotFitError(FrenzyInputError):
                      f"zero={getattr(c, 'zero', '?')} act_ckpt={getattr(c, 'act_ckpt', '?')} "
                      f"micro_batch={getattr(c, 'micro_batch', '?')}) misses by {shortfall_gib:.2f} GiB")
         super().__init__("job", f"fits no GPU in the inventory{where}{(' ' + detail) if detail else ''}")
+
+
+def from_validation_error(err, prefix: str = "") -> FrenzyInputError:
+    """Turn a pydantic ValidationError into one FrenzyInputError naming the first bad field."""
+    first = err.errors()[0]
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "__root__")
+    msg = first.get("msg", "invalid")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+        # our validators already say "field: rule"
+        if ": " in msg and not loc:
+            field, _, rule = msg.partition(": ")
+            return FrenzyInputError(prefix + field, rule)
+    return FrenzyInputError(prefix + (loc or "input"), msg)

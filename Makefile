@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` (set up + run the main job), `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.frenzy-installed
+# torch: the CPU build on machines without an NVIDIA GPU (never the multi-GB CUDA build there).
+TORCH_CPU := torch==2.13.0
+JOB       ?= examples/tiny-job.yaml
+
+.PHONY: setup demo test test-fast clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	    $(BIN)/python -m pip install -q torch; \
+	else \
+	    $(BIN)/python -m pip install -q $(TORCH_CPU); \
+	fi
+	# DeepSpeed's sdist imports torch while building: build it against the torch above.
+	$(BIN)/python -m pip install -q --no-build-isolation "deepspeed>=0.15"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/frenzy run $(JOB)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not prefect"
+
+clean:
+	rm -rf $(VENV) .frenzy .pytest_cache

@@ -1,0 +1,64 @@
+"""Human-readable rendering of a submission's result (rich tables)."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+PLANS_PER_TYPE = 5
+
+
+def print_result(result, console: Console | None = None) -> None:
+    console = console or Console()
+    est = result.estimate
+    plan = result.initial_plan
+
+    t = Table(title=f"Memory estimate per GPU: {result.job_name} on {plan.short()}",
+              title_justify="left")
+    t.add_column("term")
+    t.add_column("GiB", justify="right")
+    for name, gib in est.get("breakdown_gib", {}).items():
+        t.add_row(name, f"{gib:.3f}")
+    t.add_row("allocated peak", f"{est['allocated_peak_gib']:.3f}", style="bold")
+    t.add_row("reserved peak", f"{est['reserved_peak_gib']:.3f}")
+    t.add_row("device used (nvidia-smi)", f"{est['device_used_gib']:.3f}", style="bold")
+    console.print(f"parameters: {est.get('params', 0):,}")
+    console.print(t)
+
+    t = Table(title="Candidate plans per GPU type (fastest first)", title_justify="left")
+    for col in ("GPU type", "GPUs", "dp/tp/pp", "ZeRO", "offload", "ckpt", "micro x accum",
+                "device GiB", "step s", ""):
+        t.add_column(col, justify="right" if col not in ("GPU type", "ckpt", "offload", "") else "left")
+    for gpu_type, plans in result.plans.items():
+        shown = plans[:PLANS_PER_TYPE]
+        if plan in plans and plan not in shown:
+            shown.append(plan)
+        for p in shown:
+            mark = "<- chosen" if p == plan else ""
+            t.add_row(gpu_type, str(p.gpus), f"{p.dp}/{p.tp}/{p.pp}", str(p.zero), p.offload,
+                      p.act_ckpt, f"{p.micro_batch} x {p.grad_accum}", f"{p.device_used_gib:.2f}",
+                      f"{p.step_time_s:.3g}", mark, style="bold green" if mark else None)
+        if len(plans) > len(shown):
+            t.add_row(gpu_type, f"(+{len(plans) - len(shown)} more)", "", "", "", "", "", "", "", "")
+    console.print(t)
+
+    a = result.allocation
+    console.print(f"[bold]Assignment[/]: {a.gpu_type} pool [cyan]{a.pool}[/], "
+                  f"placement {a.placement}, allocation {a.allocation_id}")
+    for i, att in enumerate(result.attempts, 1):
+        console.print(f"  attempt {i}: {att.get('outcome')} on {att.get('plan', {}).get('gpu_type')}"
+                      f" (resumed from step {att.get('resumed_from_step', 0)})"
+                      + (f" - {att['error']}" if att.get("error") else ""))
+
+    t = Table(title="Training loss per step", title_justify="left")
+    t.add_column("step", justify="right")
+    t.add_column("loss", justify="right")
+    for step, loss in enumerate(result.losses, 1):
+        t.add_row(str(step), f"{loss:.4f}")
+    console.print(t)
+    m = result.measured
+    if m:
+        mem = (f"allocated {m.get('allocated_peak_gib')} GiB, reserved {m.get('reserved_peak_gib')} GiB"
+               if m.get("memory_measured") else "memory not measured (CPU)")
+        console.print(f"measured: step {m.get('step_time_s', 0):.3f} s, "
+                      f"{m.get('tokens_per_s', 0):,.0f} tokens/s, {mem}")
+    console.print(f"status: [bold]{result.status}[/]; checkpoints: {result.checkpoint_dir}")

@@ -1,0 +1,91 @@
+"""`frenzy run JOB.yaml`: the main job. Runs the `frenzy-submit` flow on Prefect's embedded
+default (an ephemeral server with SQLite under a project-local PREFECT_HOME) and prints the
+memory estimate, the candidate plans per GPU type, the assignment and the loss per step."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("run", help="estimate, select GPUs, assign and train a job (job YAML)",
+                       description=__doc__)
+    p.add_argument("job", help="job YAML (see examples/tiny-job.yaml)")
+    p.add_argument("--cluster", help="cluster YAML (pools per GPU type); default: the GPUs NVML "
+                                     "finds here, else a local CPU pool")
+    p.add_argument("--policy", default="frenzy", help="scheduling policy (default: frenzy)")
+    p.add_argument("--ledger", help="ledger SQLAlchemy URL (default: SQLite under .frenzy/)")
+    p.add_argument("--safety-margin-gib", type=float, default=None,
+                   help="GPU memory kept free beyond the prediction (GiB)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(handler=handle)
+
+
+def load_job(path: str):
+    import yaml
+    from pydantic import ValidationError
+
+    from estimator.errors import FrenzyInputError, from_validation_error
+    from estimator.job import TrainingJob
+
+    file = Path(path)
+    if not file.is_file():
+        raise FrenzyInputError("job", f"file {path} does not exist")
+    try:
+        raw = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as err:
+        raise FrenzyInputError("job", f"{path} is not valid YAML ({err.__class__.__name__})") from None
+    if not isinstance(raw, dict):
+        raise FrenzyInputError("job", f"{path} must hold a mapping of job fields")
+    try:
+        return TrainingJob.model_validate(raw)
+    except ValidationError as err:
+        raise from_validation_error(err) from None
+
+
+def embedded_prefect_env(json_mode: bool) -> None:
+    """Project-local state for the embedded default; never the user's ~/.prefect."""
+    home = Path(os.environ.setdefault("FRENZY_HOME", str(Path.cwd() / ".frenzy")))
+    os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    if json_mode:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+
+def handle(args) -> int:
+    job = load_job(args.job)
+    embedded_prefect_env(args.json)
+    # Validate the cluster file before the slow Prefect start-up.
+    from frenzy_flows.flow import load_cluster_or_local
+
+    topology = load_cluster_or_local(args.cluster)
+
+    from deployments.pools import sync_pools
+    from frenzy_flows import submit_training
+
+    from . import report
+
+    sync_pools(topology)
+    kwargs = {"cluster": args.cluster, "policy": args.policy, "ledger_url": args.ledger}
+    if args.safety_margin_gib is not None:
+        kwargs["safety_margin_gib"] = args.safety_margin_gib
+    try:
+        result = submit_training(job, **kwargs)
+    except Exception as err:
+        from estimator.errors import FrenzyInputError
+
+        if isinstance(err, FrenzyInputError):
+            raise
+        if args.json:
+            print(json.dumps({"status": "failed", "error": str(err)}))
+        else:
+            print(f"frenzy run: failed: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(result.model_dump_json())
+    else:
+        report.print_result(result)
+    return 0

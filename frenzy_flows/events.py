@@ -1,0 +1,71 @@
+"""Prefect events Frenzy emits, so automations can react to placements and OOM fallbacks.
+
+Resource: ``frenzy.job.<job name>``; related: the pool (role ``work-pool``) and the GPU type
+(role ``gpu-type``). Inside a run Prefect adds the flow/task run as related resources itself.
+Resource labels are strings (Prefect's rule); structured details go in the payload.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from estimator.plan import Plan
+
+PLACED = "frenzy.job.placed"
+OOM_FALLBACK = "frenzy.job.oom-fallback"
+
+
+def _alloc_fields(allocation: Any) -> dict[str, Any]:
+    """The parts of a ledger Allocation (or a dict with the same keys) worth publishing."""
+    if allocation is None:
+        return {}
+    get = (allocation.get if isinstance(allocation, Mapping)
+           else lambda k, d=None: getattr(allocation, k, d))
+    out = {k: get(k) for k in ("id", "pool", "gpu_type", "devices", "placement")}
+    out = {k: v for k, v in out.items() if v is not None}
+    if "id" in out:
+        out["id"] = str(out["id"])
+    return out
+
+
+def job_resource(job_name: str, **labels: str) -> dict[str, str]:
+    return {"prefect.resource.id": f"frenzy.job.{job_name}", "prefect.resource.name": job_name,
+            **{k: str(v) for k, v in labels.items()}}
+
+
+def _related(pool: str | None, gpu_type: str | None) -> list[dict[str, str]]:
+    rel = []
+    if pool:
+        rel.append({"prefect.resource.id": f"frenzy.pool.{pool}", "prefect.resource.role": "work-pool",
+                    "prefect.resource.name": pool})
+    if gpu_type:
+        rel.append({"prefect.resource.id": f"frenzy.gpu-type.{gpu_type}",
+                    "prefect.resource.role": "gpu-type", "prefect.resource.name": gpu_type})
+    return rel
+
+
+def placed(job_name: str, plan: Plan, allocation: Any):
+    """Emit ``frenzy.job.placed``: the job got ``allocation`` for ``plan``. Returns the Event."""
+    from prefect.events import emit_event
+
+    alloc = _alloc_fields(allocation)
+    pool = alloc.get("pool")
+    return emit_event(
+        event=PLACED,
+        resource=job_resource(job_name, **{"frenzy.gpu_type": plan.gpu_type, "frenzy.gpus": plan.gpus,
+                                           **({"frenzy.pool": pool} if pool else {})}),
+        related=_related(pool, plan.gpu_type),
+        payload={"plan": plan.model_dump(mode="json"), "allocation": alloc})
+
+
+def oom_fallback(job_name: str, from_plan: Plan, to_plan: Plan | None, step: int):
+    """Emit ``frenzy.job.oom-fallback``: training ran out of memory at ``step`` on ``from_plan``
+    and continues with ``to_plan`` (None: no fallback left). Returns the Event."""
+    from prefect.events import emit_event
+
+    return emit_event(
+        event=OOM_FALLBACK,
+        resource=job_resource(job_name, **{"frenzy.gpu_type": from_plan.gpu_type,
+                                           "frenzy.to_gpu_type": to_plan.gpu_type if to_plan else "none"}),
+        related=_related(None, from_plan.gpu_type),
+        payload={"step": int(step), "from_plan": from_plan.model_dump(mode="json"),
+                 "to_plan": to_plan.model_dump(mode="json") if to_plan else None})

@@ -1,0 +1,104 @@
+"""`frenzy-submit`: the flow a user runs from the UI, a schedule, or Python. They hand in a job;
+it estimates, selects GPU types among the registered pools, assigns GPUs on the ledger, and
+trains."""
+from __future__ import annotations
+
+import os
+
+from prefect import flow, get_run_logger, task
+from prefect.runtime import flow_run
+
+from estimator.errors import FrenzyInputError
+from estimator.job import TrainingJob
+from estimator.plan import Plan
+
+from . import artifacts, events
+from .results import Assignment, SubmitResult
+from .tasks import (assign, estimate_for_plan, estimate_memory, fastest, new_job_id, predicted_figures,
+                    select_resources)
+from .train_flow import train_on_pool
+
+DEFAULT_SAFETY_MARGIN_GIB = 2.0
+
+
+def load_cluster_or_local(cluster: str | None):
+    from scheduler.cluster import load_cluster
+    from scheduler.discover import local_cluster
+
+    return load_cluster(cluster) if cluster else local_cluster()
+
+
+async def _registered_pools() -> list[str]:
+    from prefect import get_client
+
+    async with get_client() as client:
+        return [p.name for p in await client.read_work_pools()]
+
+
+@task(name="train")
+def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
+          ledger_url: str | None) -> dict:
+    """Train on the assignment: on the pool's workers when any are online, else in-process as
+    the same `frenzy-train` flow (a subflow)."""
+    from . import dispatch
+
+    if dispatch.has_workers(assignment.pool):
+        get_run_logger().info("dispatching to work pool %s", assignment.pool)
+        return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id,
+                                         timeout_s=job.deadline_s)
+    return train_on_pool(job, plan, assignment=assignment, job_id=job_id, ledger_url=ledger_url)
+
+
+@flow(name="frenzy-submit", log_prints=False)
+def submit_training(job: TrainingJob, cluster: str | None = None, policy: str = "frenzy",
+                    safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB,
+                    ledger_url: str | None = None, wait_timeout_s: float = 3600.0) -> SubmitResult:
+    """Train ``job`` without naming a GPU.
+
+    ``cluster``: a cluster YAML path (pools per GPU type); default: the GPUs NVML finds here,
+    or a local CPU pool. ``ledger_url``: SQLAlchemy URL of the GPU ledger (default: env
+    FRENZY_LEDGER_URL, else SQLite under FRENZY_HOME)."""
+    from ledger import Ledger
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    log = get_run_logger()
+    if isinstance(job, dict):
+        job = TrainingJob.model_validate(job)
+    ledger_url = ledger_url or os.environ.get("FRENZY_LEDGER_URL")
+    topology = load_cluster_or_local(cluster)
+    Ledger(ledger_url).sync_cluster(topology)
+    job_id = new_job_id(job)
+
+    plans_by_type = estimate_memory(job, topology, safety_margin_gib)
+    best = fastest(plans_by_type)
+    artifacts.memory_breakdown(estimate_for_plan(job, best), best)
+
+    registered = run_coro_as_sync(_registered_pools())
+    candidates = select_resources(job, plans_by_type, topology, registered)
+    assignment = assign(job, job_id, candidates, ledger_url, policy=policy,
+                        wait_timeout_s=wait_timeout_s)
+    chosen = assignment.plan
+    artifacts.plans_table(plans_by_type, chosen, steps=job.steps)
+    events.placed(job.name, chosen, assignment)
+
+    try:
+        trained = train(job, job_id, chosen, assignment, ledger_url)
+        status, error = "completed", None
+    except FrenzyInputError:
+        raise
+    except Exception as err:  # the run failed for good: report it, GPUs already released
+        log.error("training failed: %s", err)
+        trained, status, error = {}, "failed", str(err)
+
+    final = Plan.model_validate(trained["final_plan"]) if trained.get("final_plan") else chosen
+    measured = trained.get("measured", {})
+    artifacts.summary(final, predicted_figures(final), measured)
+    result = SubmitResult(
+        status=status, job_id=job_id, job_name=job.name, plan=final, initial_plan=chosen,
+        allocation=assignment, estimate=estimate_for_plan(job, final).model_dump(mode="json"),
+        plans=plans_by_type, losses=trained.get("losses", []), attempts=trained.get("attempts", []),
+        measured=measured, checkpoint_dir=trained.get("checkpoint_dir"),
+        flow_run_id=str(flow_run.id) if flow_run.id else None, error=error)
+    if status == "failed":
+        raise RuntimeError(f"job {job.name} failed: {error}")
+    return result

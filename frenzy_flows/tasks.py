@@ -1,0 +1,128 @@
+"""The four stages of a submission, each a Prefect task:
+estimate_memory -> select_resources -> assign -> train.
+
+The logic lives in the pure core (estimator, scheduler) and the edges (ledger, trainer); these
+tasks only wire it to Prefect: logging, artifacts, events, retries."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from estimator import estimate
+from estimator.errors import DoesNotFitError, FrenzyInputError
+from estimator.job import TrainingJob
+from estimator.plan import Plan
+from estimator.plans import plans_for_job
+from scheduler.cluster import Cluster
+from scheduler.policies import get_policy
+from scheduler.types import JobRequest
+
+from .results import Assignment
+
+
+def estimate_for_plan(job: TrainingJob, plan: Plan):
+    """The full estimate (with breakdown and stages) of one plan of this job."""
+    dims = job.model if isinstance(job.model, dict) else {"model": job.model}
+    return estimate(
+        **dims, seq_len=job.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
+        dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero=plan.zero, offload=plan.offload,
+        precision=plan.precision, optimizer=plan.optimizer, act_ckpt=plan.act_ckpt,
+        attention=plan.attention, gpu=plan.gpu_type)
+
+
+def fastest(plans_by_type: dict[str, list[Plan]]) -> Plan:
+    return min((p for ps in plans_by_type.values() for p in ps), key=lambda p: p.step_time_s)
+
+
+@task(name="estimate_memory")
+def estimate_memory(job: TrainingJob, cluster: Cluster, safety_margin_gib: float) -> dict[str, list[Plan]]:
+    """Per-GPU memory of every feasible plan on every GPU type of the cluster."""
+    log = get_run_logger()
+    plans = plans_for_job(job, cluster.inventory(), gpus_per_node=cluster.gpus_per_node(),
+                          safety_margin_gib=safety_margin_gib)
+    n = sum(len(v) for v in plans.values())
+    log.info("estimated %d feasible plans over %d GPU types", n, len(plans))
+    return plans
+
+
+@task(name="select_resources")
+def select_resources(job: TrainingJob, plans_by_type: dict[str, list[Plan]], cluster: Cluster,
+                     registered_pools: list[str]) -> dict[str, list[Plan]]:
+    """Keep the GPU types that have a registered Prefect work pool, satisfy the job's
+    constraints and can hold the job; say why each other type was dropped."""
+    log = get_run_logger()
+    by_type_pools: dict[str, list[str]] = {}
+    for pool in cluster.pools:
+        if pool.name in registered_pools:
+            by_type_pools.setdefault(pool.gpu, []).append(pool.name)
+    kept: dict[str, list[Plan]] = {}
+    for gpu_type, plans in plans_by_type.items():
+        if gpu_type not in by_type_pools:
+            log.info("%s: no Prefect work pool registered for it", gpu_type)
+            continue
+        if job.allowed_gpu_types and gpu_type not in job.allowed_gpu_types:
+            log.info("%s: not in the job's allowed_gpu_types", gpu_type)
+            continue
+        fit = [p for p in plans if job.max_gpus is None or p.gpus <= job.max_gpus]
+        if not fit:
+            log.info("%s: every feasible plan needs more than max_gpus=%s", gpu_type, job.max_gpus)
+            continue
+        kept[gpu_type] = fit
+    if not kept:
+        raise FrenzyInputError(
+            "job", "no registered GPU pool can run it under its constraints "
+                   f"(registered pools: {', '.join(registered_pools) or 'none'}; "
+                   f"GPU types that fit: {', '.join(plans_by_type) or 'none'})")
+    log.info("selected GPU types: %s", ", ".join(f"{t} ({len(p)} plans)" for t, p in kept.items()))
+    return kept
+
+
+@task(name="assign")
+def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], ledger_url: str | None,
+           policy: str = "frenzy", wait_timeout_s: float = 3600.0, lease_s: float = 300.0) -> Assignment:
+    """Ask the scheduling policy for a placement on the ledger's current free GPUs and record
+    the allocation atomically. Waits (re-planning as leases expire and GPUs free up) when the
+    policy prefers to wait for a better GPU type than to start now on a worse one."""
+    from ledger import Ledger
+
+    log = get_run_logger()
+    ledger = Ledger(ledger_url)
+    pol = get_policy(policy)
+    plans = [p for ps in candidates.values() for p in ps]
+    submit_s = time.time()
+    deadline = submit_s + wait_timeout_s
+    delay = 1.0
+    while True:
+        ledger.expire_leases()
+        state = ledger.cluster_state()
+        request = JobRequest(job_id=job_id, submit_s=submit_s, plans=plans, steps_left=job.steps,
+                             model=job.model if isinstance(job.model, str) else "custom")
+        for decision in pol.schedule([request], state, time.time()):
+            if decision.action != "start" or decision.job_id != job_id:
+                continue
+            try:
+                alloc = ledger.allocate(job_id, decision.plan, decision.placement, lease_s=lease_s)
+            except Exception as err:  # another submitter took a GPU between read and write
+                log.info("placement raced with another submitter (%s); re-planning", err)
+                break
+            log.info("assigned %s on %s", decision.plan.short(), decision.placement)
+            return Assignment(allocation_id=str(alloc.id), plan=decision.plan, pool=alloc.pool, gpu_type=alloc.gpu_type,
+                              placement=alloc.placement, devices=list(alloc.devices))
+        if time.time() > deadline:
+            raise TimeoutError(f"no GPUs for job {job.name} within {wait_timeout_s:.0f} s")
+        log.info("waiting for GPUs (%d running allocations); next look in %.0f s",
+                 len(state.running), delay)
+        time.sleep(delay)
+        delay = min(delay * 2, 30.0)
+
+
+def new_job_id(job: TrainingJob) -> str:
+    return f"{job.name}-{uuid.uuid4().hex[:8]}"
+
+
+def predicted_figures(plan: Plan) -> dict[str, Any]:
+    return {"allocated_peak_gib": plan.allocated_peak_gib, "reserved_peak_gib": plan.reserved_peak_gib,
+            "device_used_gib": plan.device_used_gib, "step_time_s": plan.step_time_s}

@@ -1,0 +1,72 @@
+"""Run a job's training on an allocation, keeping the ledger in step: lease heartbeats while it
+runs, a new allocation when an out-of-memory fallback needs other GPUs, the measurement next to
+the prediction at the end, and every GPU released whatever happens.
+
+Called in-process by the submit flow's `train` task (embedded default) and by the
+`train_on_pool` flow that pool workers run: one implementation for both."""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from estimator.job import TrainingJob
+from estimator.plan import Plan
+
+from .results import Assignment
+
+
+def runs_dir() -> Path:
+    home = Path(os.environ.get("FRENZY_HOME", ".frenzy"))
+    return home / "runs"
+
+
+def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment, *,
+                           ledger_url: str | None, log: Callable[[str], None],
+                           inventory: dict[str, int] | None = None,
+                           on_step: Callable[[int, int, float], None] | None = None,
+                           on_attempt: Callable[[Any], None] | None = None):
+    """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``."""
+    from ledger import Ledger
+    from trainer.runner import run_training
+
+    ledger = Ledger(ledger_url)
+    current = {"alloc_id": assignment.allocation_id, "plan": plan, "devices": assignment.devices,
+               "first": True}
+    leases = contextlib.ExitStack()
+
+    def acquire(p: Plan) -> list[str]:
+        if current["first"] and p == current["plan"]:
+            current["first"] = False
+        else:
+            release()
+            alloc = ledger.allocate_best_fit(job_id, p)
+            if alloc is None:
+                raise RuntimeError(f"no free GPUs for fallback plan {p.short()}")
+            current.update(alloc_id=str(alloc.id), plan=p, devices=list(alloc.devices))
+            log(f"fallback allocation {alloc.id}: {p.short()} on {alloc.placement}")
+        leases.enter_context(ledger.lease(current["alloc_id"]))
+        return list(current["devices"])
+
+    def release() -> None:
+        leases.close()
+        if current["alloc_id"]:
+            ledger.release(current["alloc_id"])
+
+    run_dir = runs_dir() / job_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        result = run_training(job, plan, run_dir=run_dir, acquire=acquire, release=release, log=log,
+                              on_step=on_step, on_attempt=on_attempt, inventory=inventory,
+                              deadline_s=job.deadline_s)
+        final = result.final_plan
+        ledger.record_measurement(
+            job_id, current["alloc_id"], final.gpu_type, final,
+            predicted={"allocated_peak_gib": final.allocated_peak_gib,
+                       "reserved_peak_gib": final.reserved_peak_gib,
+                       "device_used_gib": final.device_used_gib, "step_time_s": final.step_time_s},
+            measured=result.measured.model_dump())
+        return result
+    finally:
+        release()
