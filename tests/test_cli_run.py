@@ -1,0 +1,55 @@
+"""`frenzy run`, end to end as a user runs it: a real subprocess, a fresh project-local
+Prefect home, the embedded ephemeral server, a real `accelerate launch` on the CPU."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def frenzy(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "FRENZY_"))}
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, "-m", "frenzy_cli.main", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_run_example_job_json(tmp_path):
+    proc = frenzy("run", str(ROOT / "examples/tiny-job.yaml"), "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["status"] == "completed"
+    plan = doc["plan"]
+    for key in ("gpu_type", "gpus", "dp", "tp", "pp", "zero", "act_ckpt", "micro_batch", "grad_accum"):
+        assert key in plan
+    assert plan["micro_batch"] * plan["grad_accum"] * plan["dp"] == 8
+    assert doc["estimate"]["allocated_peak_gib"] > 0
+    assert len(doc["losses"]) == 12 and doc["losses"][-1] < doc["losses"][0]
+    assert doc["attempts"] and doc["attempts"][-1]["outcome"] == "ok"
+    # state stayed project-local
+    assert (tmp_path / ".frenzy" / "prefect").is_dir()
+    assert Path(doc["checkpoint_dir"]).is_dir()
+
+
+def test_run_missing_job_file(tmp_path):
+    proc = frenzy("run", "nope.yaml", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "job" in proc.stderr and "nope.yaml" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_run_bad_field_names_it(tmp_path):
+    job = tmp_path / "bad.yaml"
+    job.write_text("model: gpt2-tiny\nseq_len: -4\nglobal_batch: 8\ntrain_steps: 3\n")
+    proc = frenzy("run", str(job), cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert "seq_len" in proc.stderr and "greater than 0" in proc.stderr
+    assert "Traceback" not in proc.stderr

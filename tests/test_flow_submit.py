@@ -1,0 +1,67 @@
+"""The submit flow under the session Prefect server: the four stages really run, the ledger
+ends clean, the result carries what `frenzy run --json` promises."""
+from __future__ import annotations
+
+import pytest
+
+from estimator.errors import DoesNotFitError, FrenzyInputError
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
+
+TINY = {"name": "flow-tiny", "model": "gpt2-tiny", "seq_len": 32, "global_batch": 4,
+        "train_steps": 6, "precision": "fp32", "lr": 0.003, "checkpoint_every": 3}
+
+
+@pytest.fixture
+def cpu_cluster(tmp_path):
+    path = tmp_path / "cpu.yaml"
+    path.write_text("pools:\n  - {name: cpu, gpu: CPU, nodes: 1, gpus_per_node: 2}\n")
+    return str(path)
+
+
+@pytest.fixture
+def registered(cpu_cluster):
+    from deployments.pools import sync_pools
+    from scheduler.cluster import load_cluster
+
+    sync_pools(load_cluster(cpu_cluster))
+    return cpu_cluster
+
+
+def test_submit_trains_and_releases(registered, frenzy_home):
+    from frenzy_flows import submit_training
+    from ledger import Ledger
+
+    result = submit_training(job=TINY, cluster=registered)
+    assert result.status == "completed"
+    assert result.plan.gpu_type == "CPU"
+    assert result.plan.global_batch == TINY["global_batch"]
+    assert len(result.losses) == TINY["train_steps"]
+    assert result.losses[-1] < result.losses[0]
+    assert result.estimate["allocated_peak_gib"] > 0
+    assert set(result.estimate["breakdown_gib"]) >= {"weights", "gradients", "optimizer", "activations", "other"}
+    assert "CPU" in result.plans and result.initial_plan in result.plans["CPU"]
+    # the ledger: nothing left allocated, the measurement stored next to the prediction
+    ledger = Ledger()
+    state = ledger.cluster_state()
+    assert state.running == []
+    assert all(len(n.free) == n.gpus for n in state.nodes)
+    rows = ledger.measurements(gpu_type="CPU")
+    assert any(r.job_id == result.job_id for r in rows)
+
+
+def test_unregistered_pool_is_reported(cpu_cluster, tmp_path, frenzy_home):
+    from frenzy_flows import submit_training
+
+    other = tmp_path / "other.yaml"
+    other.write_text("pools:\n  - {name: nowhere-cpu, gpu: CPU, nodes: 1, gpus_per_node: 1}\n")
+    with pytest.raises(FrenzyInputError, match="no registered GPU pool"):
+        submit_training(job=TINY, cluster=str(other))
+
+
+def test_job_that_fits_nowhere_names_closest_plan(registered, frenzy_home):
+    from frenzy_flows import submit_training
+
+    big = dict(TINY, model="llama-2-70b", seq_len=4096, global_batch=8)
+    with pytest.raises(DoesNotFitError, match="closest plan"):
+        submit_training(job=big, cluster=registered)
