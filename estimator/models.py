@@ -1,0 +1,471 @@
+"""Model shapes: presets from the models' published configs, Hugging Face config.json reading
+(offline), and exact parameter counts per architecture.
+
+One ``ModelSpec`` describes a dense decoder (or BERT encoder) by its dimensions plus the
+architectural switches that change the parameter count: GQA (``kv_heads``), SwiGLU vs GeLU MLP,
+biases, LayerNorm vs RMSNorm, tied or untied embeddings, learned vs rotary positions. The count
+follows the Hugging Face implementation each ``hf_model_type`` builds, so ``params`` equals
+``sum(p.numel() for p in AutoModelForCausalLM.from_config(...).parameters())``.
+
+Pure: no torch, no transformers at import (``hf_config`` only returns a dict).
+"""
+from __future__ import annotations
+
+import json
+import os
+from functools import cached_property
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import FrenzyInputError
+
+Arch = Literal["gpt", "llama", "bert", "opt"]
+
+# arch -> the Hugging Face model_type it builds by default
+_DEFAULT_HF_TYPE = {"gpt": "gpt2", "llama": "llama", "bert": "bert", "opt": "opt"}
+
+
+class ModelSpec(BaseModel):
+    """Dimensions of one transformer. Defaults per ``arch`` fill what is not given."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = "custom"
+    arch: Arch = "gpt"
+    layers: int = Field(..., description="transformer blocks")
+    hidden: int
+    heads: int
+    kv_heads: int | None = Field(None, description="key/value heads (GQA); default = heads")
+    ffn: int | None = Field(None, description="MLP inner size; default 4*hidden (gpt/bert/opt), "
+                                             "the LLaMA rule (2/3 * 4h rounded to 256) for llama")
+    vocab: int
+    tied_embeddings: bool | None = Field(None, description="LM head shares the input embedding")
+    max_positions: int = Field(2048, description="learned position table rows / rope context")
+    head_dim: int | None = Field(None, description="default hidden // heads")
+    qkv_bias: bool | None = Field(None, description="bias on q/k/v projections (qwen2: yes)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="residual/MLP/embedding dropout")
+    attn_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on attention probs")
+    hf_model_type: str | None = Field(None, description="gpt2 | llama | mistral | qwen2 | opt | bert")
+    # OPT-350m projects a 512-wide embedding to the 1024-wide model and back.
+    embed_dim: int | None = Field(None, description="word embedding width when it differs (opt-350m)")
+    pre_norm: bool = Field(True, description="LayerNorm before each sublayer (opt-350m: after)")
+    type_vocab: int = Field(2, description="BERT token-type embeddings")
+    vocab_multiple: int = Field(1, ge=1, description="frameworks that pad the vocabulary "
+                                                     "(Megatron: 128) round it up to this multiple")
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    sliding_window: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_raw(cls, data: Any) -> Any:
+        # Name the field and the rule before pydantic's generic messages.
+        if isinstance(data, dict):
+            for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_dim",
+                        "max_positions", "embed_dim"):
+                v = data.get(key)
+                if v is None:
+                    continue
+                if isinstance(v, bool) or not isinstance(v, int):
+                    try:
+                        iv = int(v)
+                    except (TypeError, ValueError):
+                        raise FrenzyInputError(key, f"must be a positive integer, got {v!r}") from None
+                    if iv != v:
+                        raise FrenzyInputError(key, f"must be a positive integer, got {v!r}")
+                    data = {**data, key: iv}
+                    v = iv
+                if v <= 0:
+                    raise FrenzyInputError(key, f"must be a positive integer, got {v}")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSpec":
+        if self.head_dim is None and self.hidden % self.heads:
+            raise FrenzyInputError("heads", f"must divide hidden ({self.hidden} % {self.heads} != 0)")
+        kv = self.kv_heads if self.kv_heads is not None else self.heads
+        if kv > self.heads or self.heads % kv:
+            raise FrenzyInputError("kv_heads", f"must divide heads ({self.heads} % {kv} != 0)")
+        if self.arch == "bert" and self.kv_heads not in (None, self.heads):
+            raise FrenzyInputError("kv_heads", "bert has no grouped-query attention (kv_heads == heads)")
+        return self
+
+    # ---- resolved dimensions (defaults per arch) ----
+    @property
+    def n_kv(self) -> int:
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def d_head(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def f(self) -> int:
+        if self.ffn is not None:
+            return self.ffn
+        if self.arch == "llama":          # LLaMA: 2/3 of 4h, rounded up to a multiple of 256
+            return 256 * ((int(8 * self.hidden / 3) + 255) // 256)
+        return 4 * self.hidden
+
+    @property
+    def tied(self) -> bool:
+        if self.tied_embeddings is not None:
+            return self.tied_embeddings
+        return self.arch != "llama"       # gpt2/opt/bert tie; llama-family default untied
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        if self.qkv_bias is not None:
+            return self.qkv_bias
+        return self.arch != "llama"
+
+    @property
+    def model_type(self) -> str:
+        return self.hf_model_type or _DEFAULT_HF_TYPE[self.arch]
+
+    @property
+    def vocab_padded(self) -> int:
+        m = self.vocab_multiple
+        return -(-self.vocab // m) * m
+
+    @property
+    def e(self) -> int:
+        """Word-embedding width."""
+        return self.embed_dim or self.hidden
+
+    @property
+    def swiglu(self) -> bool:
+        return self.arch == "llama"
+
+    @property
+    def rmsnorm(self) -> bool:
+        return self.arch == "llama"
+
+    # ---- parameter counts (exact, as the HF implementation builds them) ----
+    def layer_params(self) -> int:
+        """Parameters of one transformer block."""
+        h, f, dh = self.hidden, self.f, self.d_head
+        q = self.heads * dh
+        kv = self.n_kv * dh
+        if self.arch == "llama":
+            attn = h * q + 2 * h * kv + q * h
+            if self.has_qkv_bias:
+                attn += q + 2 * kv
+            mlp = 3 * h * f
+            norms = 2 * h
+        else:  # gpt2 / opt / bert: biases everywhere, LayerNorm weight + bias
+            attn = h * q + 2 * h * kv + q * h + q + 2 * kv + h
+            mlp = 2 * h * f + f + h
+            norms = 4 * h
+        return attn + mlp + norms
+
+    def embedding_params(self) -> int:
+        """Input side: token (+ position, token-type) embeddings and their norms/projections."""
+        h, V = self.hidden, self.vocab_padded
+        if self.arch == "gpt":
+            return V * h + self.max_positions * h
+        if self.arch == "opt":
+            n = V * self.e + (self.max_positions + 2) * h   # OPT offsets positions by 2
+            if self.e != h:
+                n += self.e * h                               # project_in (no bias)
+            return n
+        if self.arch == "bert":
+            return V * h + self.max_positions * h + self.type_vocab * h + 2 * h
+        return V * h
+
+    def head_params(self) -> int:
+        """Output side: final norm, LM head (0 when tied), BERT pooler."""
+        h, V = self.hidden, self.vocab_padded
+        if self.arch == "gpt":
+            final = 2 * h
+        elif self.arch == "opt":
+            final = (2 * h if self.pre_norm else 0) + (h * self.e if self.e != h else 0)
+        elif self.arch == "bert":
+            return h * h + h                                  # pooler (BertModel)
+        else:
+            final = h
+        return final + (0 if self.tied else V * self.e)
+
+    @cached_property
+    def params(self) -> int:
+        """Exact parameter count of the published model (BertModel for bert)."""
+        return self.embedding_params() + self.layers * self.layer_params() + self.head_params()
+
+    @cached_property
+    def train_params(self) -> int:
+        """Parameters of the model that trains: the causal LM; for bert the masked-LM model
+        (BertForMaskedLM: no pooler, plus the MLM transform, its LayerNorm and decoder bias)."""
+        if self.arch == "bert":
+            h = self.hidden
+            return self.params - (h * h + h) + (h * h + h) + 2 * h + self.vocab_padded
+        return self.params
+
+    def largest_layer_params(self) -> int:
+        """Largest single parameter tensor group ZeRO-3 gathers at once (embedding or a block)."""
+        return max(self.vocab_padded * self.e, self.layer_params())
+
+    def weight_shapes(self) -> list[tuple[int, ...]]:
+        """Shapes of every trainable tensor (for per-tensor optimizer states: Adafactor, 8-bit)."""
+        h, f, dh, V = self.hidden, self.f, self.d_head, self.vocab_padded
+        q, kv = self.heads * dh, self.n_kv * dh
+        per_layer: list[tuple[int, ...]] = []
+        if self.arch == "llama":
+            per_layer += [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f), (h,), (h,)]
+            if self.has_qkv_bias:
+                per_layer += [(q,), (kv,), (kv,)]
+        else:
+            per_layer += [(q, h), (kv, h), (kv, h), (h, q), (q,), (kv,), (kv,), (h,),
+                          (f, h), (f,), (h, f), (h,), (h,), (h,), (h,), (h,)]
+        shapes = per_layer * self.layers
+        shapes.append((V, self.e))
+        if self.arch == "gpt":
+            shapes += [(self.max_positions, h), (h,), (h,)]
+        elif self.arch == "opt":
+            shapes.append((self.max_positions + 2, h))
+            if self.e != h:
+                shapes += [(h, self.e), (self.e, h)]
+            if self.pre_norm:
+                shapes += [(h,), (h,)]
+        elif self.arch == "bert":
+            shapes += [(self.max_positions, h), (self.type_vocab, h), (h,), (h,),
+                       (h, h), (h,), (h,), (h,), (V,)]     # MLM transform, LN, decoder bias
+        else:
+            shapes.append((h,))
+        if not self.tied:
+            shapes.append((V, self.e))
+        return shapes
+
+    # ---- Hugging Face config ----
+    def hf_config(self) -> dict[str, Any]:
+        """Keyword arguments for ``transformers.AutoConfig.for_model(**d)`` that build exactly
+        this model (``model_type`` included). Offline: no hub access."""
+        t = self.model_type
+        h, V = self.hidden, self.vocab_padded
+        if t == "gpt2":
+            return dict(model_type="gpt2", n_embd=h, n_layer=self.layers, n_head=self.heads,
+                        n_inner=self.f, n_positions=self.max_positions, vocab_size=V,
+                        resid_pdrop=self.dropout, embd_pdrop=self.dropout,
+                        attn_pdrop=self.attn_dropout, tie_word_embeddings=self.tied,
+                        activation_function="gelu_new", layer_norm_epsilon=self.norm_eps or 1e-5,
+                        bos_token_id=V - 1, eos_token_id=V - 1)
+        if t == "opt":
+            return dict(model_type="opt", hidden_size=h, num_hidden_layers=self.layers,
+                        num_attention_heads=self.heads, ffn_dim=self.f, vocab_size=V,
+                        max_position_embeddings=self.max_positions, word_embed_proj_dim=self.e,
+                        do_layer_norm_before=self.pre_norm, dropout=self.dropout,
+                        attention_dropout=self.attn_dropout, activation_function="relu",
+                        tie_word_embeddings=self.tied, enable_bias=True,
+                        pad_token_id=1, bos_token_id=2, eos_token_id=2)
+        if t == "bert":
+            return dict(model_type="bert", hidden_size=h, num_hidden_layers=self.layers,
+                        num_attention_heads=self.heads, intermediate_size=self.f, vocab_size=V,
+                        max_position_embeddings=self.max_positions,
+                        type_vocab_size=self.type_vocab, hidden_dropout_prob=self.dropout,
+                        attention_probs_dropout_prob=self.attn_dropout,
+                        tie_word_embeddings=self.tied)
+        # llama family (llama, mistral, qwen2)
+        d: dict[str, Any] = dict(model_type=t, hidden_size=h, num_hidden_layers=self.layers,
+                                 num_attention_heads=self.heads, num_key_value_heads=self.n_kv,
+                                 intermediate_size=self.f, vocab_size=V,
+                                 max_position_embeddings=self.max_positions,
+                                 tie_word_embeddings=self.tied, attention_dropout=self.attn_dropout,
+                                 rms_norm_eps=self.norm_eps or 1e-5, hidden_act="silu")
+        if self.rope_theta is not None:
+            d["rope_theta"] = self.rope_theta
+        if t == "llama":
+            d["attention_bias"] = self.has_qkv_bias
+            d["mlp_bias"] = False
+            if self.head_dim is not None:
+                d["head_dim"] = self.head_dim
+        elif t == "mistral":
+            d["sliding_window"] = self.sliding_window
+            if self.head_dim is not None:
+                d["head_dim"] = self.head_dim
+        elif t == "qwen2":
+            d["use_sliding_window"] = False
+        return d
+
+    def dims(self) -> dict[str, Any]:
+        """The dimensions as plain keywords (for JSON and `frenzy models`)."""
+        return dict(arch=self.arch, layers=self.layers, hidden=self.hidden, heads=self.heads,
+                    kv_heads=self.n_kv, ffn=self.f, vocab=self.vocab, tied_embeddings=self.tied)
+
+
+def _llama(name, layers, hidden, heads, kv, ffn, vocab, *, tied=False, qkv_bias=False,
+           hf="llama", max_pos=4096, theta=None, eps=1e-5, **kw) -> ModelSpec:
+    return ModelSpec(name=name, arch="llama", layers=layers, hidden=hidden, heads=heads,
+                     kv_heads=kv, ffn=ffn, vocab=vocab, tied_embeddings=tied, qkv_bias=qkv_bias,
+                     hf_model_type=hf, max_positions=max_pos, rope_theta=theta, norm_eps=eps, **kw)
+
+
+def _gpt2(name, layers, hidden, heads) -> ModelSpec:
+    return ModelSpec(name=name, arch="gpt", layers=layers, hidden=hidden, heads=heads, vocab=50257,
+                     max_positions=1024, dropout=0.1, attn_dropout=0.1)
+
+
+def _opt(name, layers, hidden, heads, ffn, **kw) -> ModelSpec:
+    return ModelSpec(name=name, arch="opt", layers=layers, hidden=hidden, heads=heads, ffn=ffn,
+                     vocab=50272, max_positions=2048, dropout=0.1, attn_dropout=0.0, **kw)
+
+
+def _bert(name, layers, hidden, heads) -> ModelSpec:
+    return ModelSpec(name=name, arch="bert", layers=layers, hidden=hidden, heads=heads,
+                     vocab=30522, max_positions=512, dropout=0.1, attn_dropout=0.1, norm_eps=1e-12)
+
+
+# Facts from each model's published config.json on the Hugging Face hub.
+PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
+    ModelSpec(name="gpt2-tiny", arch="gpt", layers=2, hidden=64, heads=4, vocab=256,
+              max_positions=256),
+    _gpt2("gpt2", 12, 768, 12),
+    _gpt2("gpt2-medium", 24, 1024, 16),
+    _gpt2("gpt2-large", 36, 1280, 20),
+    _gpt2("gpt2-xl", 48, 1600, 25),
+    _bert("bert-base-uncased", 12, 768, 12),
+    _bert("bert-large-uncased", 24, 1024, 16),
+    _opt("opt-125m", 12, 768, 12, 3072),
+    _opt("opt-350m", 24, 1024, 16, 4096, embed_dim=512, pre_norm=False),
+    _opt("opt-1.3b", 24, 2048, 32, 8192),
+    _opt("opt-2.7b", 32, 2560, 32, 10240),
+    _opt("opt-6.7b", 32, 4096, 32, 16384),
+    _opt("opt-13b", 40, 5120, 40, 20480),
+    _opt("opt-30b", 48, 7168, 56, 28672),
+    _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
+    _llama("llama-2-13b", 40, 5120, 40, 40, 13824, 32000),
+    _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000),
+    _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, max_pos=8192, theta=500000.0),
+    _llama("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, max_pos=131072, theta=500000.0),
+    _llama("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256, max_pos=131072, theta=500000.0),
+    _llama("llama-3.2-1b", 16, 2048, 32, 8, 8192, 128256, tied=True, max_pos=131072,
+           theta=500000.0),
+    _llama("llama-3.2-3b", 28, 3072, 24, 8, 8192, 128256, tied=True, max_pos=131072,
+           theta=500000.0),
+    _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32000, hf="mistral", max_pos=32768,
+           theta=10000.0, sliding_window=4096),
+    _llama("qwen2.5-0.5b", 24, 896, 14, 2, 4864, 151936, tied=True, qkv_bias=True, hf="qwen2",
+           max_pos=32768, theta=1000000.0, eps=1e-6),
+    _llama("qwen2.5-1.5b", 28, 1536, 12, 2, 8960, 151936, tied=True, qkv_bias=True, hf="qwen2",
+           max_pos=32768, theta=1000000.0, eps=1e-6),
+    _llama("qwen2.5-3b", 36, 2048, 16, 2, 11008, 151936, tied=True, qkv_bias=True, hf="qwen2",
+           max_pos=32768, theta=1000000.0, eps=1e-6),
+    _llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, tied=False, qkv_bias=True, hf="qwen2",
+           max_pos=32768, theta=1000000.0, eps=1e-6),
+    _llama("qwen2.5-14b", 48, 5120, 40, 8, 13824, 152064, tied=False, qkv_bias=True, hf="qwen2",
+           max_pos=32768, theta=1000000.0, eps=1e-5),
+]}
+
+_DIM_KEYS = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied_embeddings")
+
+
+def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
+    """Map a Hugging Face config.json to a ModelSpec."""
+    t = cfg.get("model_type")
+    g = cfg.get
+    try:
+        if t == "gpt2":
+            return ModelSpec(name=name, arch="gpt", layers=g("n_layer"), hidden=g("n_embd"),
+                             heads=g("n_head"), ffn=g("n_inner"), vocab=g("vocab_size"),
+                             max_positions=g("n_positions", 1024),
+                             tied_embeddings=g("tie_word_embeddings", True),
+                             dropout=g("resid_pdrop", 0.1), attn_dropout=g("attn_pdrop", 0.1))
+        if t == "opt":
+            return ModelSpec(name=name, arch="opt", layers=g("num_hidden_layers"),
+                             hidden=g("hidden_size"), heads=g("num_attention_heads"),
+                             ffn=g("ffn_dim"), vocab=g("vocab_size"),
+                             max_positions=g("max_position_embeddings", 2048),
+                             embed_dim=(g("word_embed_proj_dim") if g("word_embed_proj_dim")
+                                        not in (None, g("hidden_size")) else None),
+                             pre_norm=g("do_layer_norm_before", True),
+                             tied_embeddings=g("tie_word_embeddings", True),
+                             dropout=g("dropout", 0.1), attn_dropout=g("attention_dropout", 0.0))
+        if t == "bert":
+            return ModelSpec(name=name, arch="bert", layers=g("num_hidden_layers"),
+                             hidden=g("hidden_size"), heads=g("num_attention_heads"),
+                             ffn=g("intermediate_size"), vocab=g("vocab_size"),
+                             max_positions=g("max_position_embeddings", 512),
+                             type_vocab=g("type_vocab_size", 2),
+                             dropout=g("hidden_dropout_prob", 0.1),
+                             attn_dropout=g("attention_probs_dropout_prob", 0.1))
+        if t in ("llama", "mistral", "qwen2"):
+            default_bias = t == "qwen2"
+            return ModelSpec(name=name, arch="llama", layers=g("num_hidden_layers"),
+                             hidden=g("hidden_size"), heads=g("num_attention_heads"),
+                             kv_heads=g("num_key_value_heads") or g("num_attention_heads"),
+                             ffn=g("intermediate_size"), vocab=g("vocab_size"),
+                             tied_embeddings=g("tie_word_embeddings", False),
+                             qkv_bias=g("attention_bias", default_bias),
+                             head_dim=(g("head_dim") if g("head_dim") not in
+                                       (None, g("hidden_size") // g("num_attention_heads")) else None),
+                             max_positions=g("max_position_embeddings", 4096), hf_model_type=t,
+                             rope_theta=g("rope_theta"), norm_eps=g("rms_norm_eps"),
+                             attn_dropout=g("attention_dropout", 0.0) or 0.0,
+                             sliding_window=g("sliding_window") if t == "mistral" else None)
+    except ValidationError as err:
+        e = err.errors()[0]
+        raise FrenzyInputError(f"model.{'.'.join(map(str, e['loc'])) or 'config'}", e["msg"]) from None
+    except TypeError as err:
+        raise FrenzyInputError("model", f"config.json is missing a dimension ({err})") from None
+    raise FrenzyInputError("model", f"config.json model_type {t!r} is not supported "
+                                    "(gpt2, opt, bert, llama, mistral, qwen2)")
+
+
+def resolve_model(model: "str | dict[str, Any] | ModelSpec | os.PathLike") -> ModelSpec:
+    """A preset name, a path to a Hugging Face config.json (or its folder), a dict of
+    dimensions, or a ModelSpec -> ModelSpec. Bad input raises FrenzyInputError."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, dict):
+        d = dict(model)
+        if "model_type" in d:
+            return _from_hf_dict(d, str(d.get("name", d["model_type"])))
+        missing = [k for k in ("layers", "hidden", "heads", "vocab") if d.get(k) is None]
+        if missing:
+            raise FrenzyInputError(missing[0], "required when the model is given by dimensions")
+        try:
+            return ModelSpec(**d)
+        except ValidationError as err:
+            e = err.errors()[0]
+            field = ".".join(map(str, e["loc"])) or "model"
+            raise FrenzyInputError(field, e["msg"]) from None
+    if isinstance(model, (str, os.PathLike)):
+        key = str(model)
+        if key in PRESETS:
+            return PRESETS[key]
+        if key.lower() in PRESETS:
+            return PRESETS[key.lower()]
+        path = key
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    cfg = json.load(fh)
+            except (OSError, json.JSONDecodeError) as err:
+                raise FrenzyInputError("model", f"cannot read {path}: {err}") from None
+            if not isinstance(cfg, dict):
+                raise FrenzyInputError("model", f"{path} is not a JSON object")
+            name = os.path.basename(os.path.dirname(os.path.abspath(path))) or "config"
+            return _from_hf_dict(cfg, name)
+        if key.endswith(".json") or os.sep in key:
+            raise FrenzyInputError("model", f"config file not found: {key}")
+        raise FrenzyInputError("model", f"unknown preset {key!r} (see `frenzy models`)")
+    raise FrenzyInputError("model", f"expected a preset name, config path or dimensions, got {type(model).__name__}")
+
+
+def model_from_kwargs(model: Any = None, **dims: Any) -> ModelSpec:
+    """``model=`` or the dimension keywords (``arch``, ``layers``, ...) of the estimate contract."""
+    given = {k: v for k, v in dims.items() if k in _DIM_KEYS and v is not None}
+    if model is not None:
+        spec = resolve_model(model)
+        if given:   # explicit dimensions override the preset's
+            try:
+                spec = ModelSpec(**{**spec.model_dump(exclude_none=True), **given})
+            except ValidationError as err:
+                e = err.errors()[0]
+                raise FrenzyInputError(".".join(map(str, e["loc"])) or "model", e["msg"]) from None
+        return spec
+    if not given:
+        raise FrenzyInputError("model", "give a preset name, a config.json path, or the dimensions "
+                                        "(arch, layers, hidden, heads, vocab)")
+    return resolve_model(given)
