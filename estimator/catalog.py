@@ -1,0 +1,202 @@
+"""GPU catalog: what each GPU type can hold and how fast it computes and communicates.
+
+Pure data + lookups (no torch, no NVML). Cluster files and workloads name GPU types by the
+catalog names below; a cluster file may add its own types (``gpu_types:``), which reach the
+catalog through ``get_gpu(name, extra=...)``.
+
+Units
+-----
+* ``memory_gib``: total device memory as NVML / ``nvidia-smi`` reports it (MiB / 1024), i.e.
+  the capacity a predicted ``device_used_gib`` is compared with (minus a safety margin).
+* ``*_tflops``: peak *dense* tensor throughput (no 2:4 sparsity) in TFLOP/s; ``fp32_tflops`` is
+  the non-tensor FP32 rate. ``bf16_tflops == 0`` means no native bf16 (V100, T4): bf16 matmuls
+  then run without tensor cores at roughly the FP32 rate (see ``GPU.peak_tflops``).
+  GeForce/RTX figures are with FP32 accumulation (what PyTorch training uses).
+* ``mem_bw_gbs``: HBM/GDDR bandwidth in GB/s.
+* ``intra_link_gbps`` / ``inter_node_gbps``: **gigabits per second** (like network specs).
+  ``intra_link_gbps`` is the per-GPU, per-direction bandwidth a collective inside one node can
+  use (NVLink: links x per-link rate; PCIe: an achievable bus bandwidth, below the x16 peak,
+  lower still where consumer cards lack peer-to-peer). ``inter_node_gbps`` is the typical
+  aggregate network bandwidth of one node of that class (e.g. DGX A100: 8 x 200 Gb/s HDR).
+* ``util``: the achievable fraction of peak (model-FLOPs utilisation) for dense transformer
+  training on that GPU class. A named, recalibratable factor: measured runs refine it
+  (``frenzy calibrate``); the defaults come from published MFU figures (A100 ~50% with
+  Megatron-style kernels, H100 bf16 ~40%) and from the flatter-than-peak measured ratios in
+  Lambda's benchmark (H100 SXM / V100 ~5x measured vs ~8x peak).
+
+Sources: NVIDIA datasheets (V100, A100, H100, H200, A10, L4, L40S, T4, RTX A6000 and the
+Ampere/Ada GA102/AD102 architecture whitepapers for RTX 3090 / 4090); NVML memory totals as
+printed by ``nvidia-smi`` on the respective cards; AWS / GCP instance pages for typical
+inter-node bandwidth of cloud-only cards (A10G on g5, L4 on g6/g2, T4 on g4dn, L40S on g6e);
+/work/shared/notes/scheduling.md section 4 for measured speed ratios.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import FrenzyInputError
+
+
+class GPU(BaseModel):
+    """One GPU type. Frozen: share instances freely."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(..., min_length=1)
+    memory_gib: float = Field(..., gt=0)
+    bf16_tflops: float = Field(..., ge=0)
+    fp16_tflops: float = Field(..., gt=0)
+    fp32_tflops: float = Field(..., gt=0)
+    mem_bw_gbs: float = Field(..., gt=0)
+    intra_link: str = "pcie4"
+    intra_link_gbps: float = Field(128.0, gt=0)
+    inter_node_gbps: float = Field(100.0, gt=0)
+    util: float = Field(0.4, gt=0, le=1)
+    is_cpu: bool = False
+
+    @property
+    def supports_bf16(self) -> bool:
+        return self.bf16_tflops > 0
+
+    def peak_tflops(self, precision: str) -> float:
+        """Peak dense TFLOP/s for ``precision`` (fp32 | fp16 | bf16)."""
+        if precision == "bf16":
+            # No native bf16 (V100, T4): matmuls fall back to non-tensor-core kernels.
+            return self.bf16_tflops if self.bf16_tflops > 0 else self.fp32_tflops
+        if precision == "fp16":
+            return self.fp16_tflops
+        if precision == "fp32":
+            return self.fp32_tflops
+        raise FrenzyInputError("precision", f"must be one of fp32, fp16, bf16 (got {precision!r})")
+
+    @property
+    def nvlink(self) -> bool:
+        return self.intra_link.startswith("nvlink")
+
+
+# Peer-to-peer collectives inside a node, per GPU and direction, in Gbit/s.
+NVLINK2_GBPS = 150 * 8      # V100 SXM2: 6 links x 25 GB/s
+NVLINK3_GBPS = 300 * 8      # A100 SXM4: 12 links x 25 GB/s
+NVLINK4_GBPS = 450 * 8      # H100/H200 SXM: 18 links x 25 GB/s
+PCIE3_GBPS = 80.0           # ~10 GB/s achievable bus bandwidth for all-reduce over PCIe 3 x16
+PCIE4_GBPS = 128.0          # ~16 GB/s achievable over PCIe 4 x16 with P2P
+PCIE4_NOP2P_GBPS = 80.0     # GeForce Ada (RTX 4090): no P2P, traffic bounces through host memory
+
+# CPU pseudo-type: local CPU training (processes over gloo). Fixed, documented figures so that
+# plans and tests are reproducible across machines: 8 GiB of host RAM per training process
+# (the demo's tiny models use megabytes), ~0.1 TFLOP/s fp32 per process on a couple of cores;
+# bf16/fp16 matmuls on generic x86 CPUs are slower than fp32.
+CPU_MEMORY_GIB = 8.0
+
+_G = GPU  # brevity in the table below
+
+CATALOG: dict[str, GPU] = {g.name: g for g in [
+    _G(name="V100-16GB", memory_gib=15.78, bf16_tflops=0, fp16_tflops=125, fp32_tflops=15.7,
+       mem_bw_gbs=900, intra_link="nvlink2", intra_link_gbps=NVLINK2_GBPS, inter_node_gbps=400, util=0.45),
+    _G(name="V100-32GB", memory_gib=31.75, bf16_tflops=0, fp16_tflops=125, fp32_tflops=15.7,
+       mem_bw_gbs=900, intra_link="nvlink2", intra_link_gbps=NVLINK2_GBPS, inter_node_gbps=400, util=0.45),
+    _G(name="A100-40GB", memory_gib=39.59, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
+       mem_bw_gbs=1555, intra_link="nvlink3", intra_link_gbps=NVLINK3_GBPS, inter_node_gbps=1600, util=0.50),
+    _G(name="A100-80GB", memory_gib=80.0, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
+       mem_bw_gbs=2039, intra_link="nvlink3", intra_link_gbps=NVLINK3_GBPS, inter_node_gbps=1600, util=0.52),
+    _G(name="H100-80GB", memory_gib=79.65, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
+       mem_bw_gbs=3350, intra_link="nvlink4", intra_link_gbps=NVLINK4_GBPS, inter_node_gbps=3200, util=0.40),
+    _G(name="H200-141GB", memory_gib=140.4, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
+       mem_bw_gbs=4800, intra_link="nvlink4", intra_link_gbps=NVLINK4_GBPS, inter_node_gbps=3200, util=0.43),
+    _G(name="A10-24GB", memory_gib=22.49, bf16_tflops=125, fp16_tflops=125, fp32_tflops=31.2,
+       mem_bw_gbs=600, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100, util=0.42),
+    _G(name="A10G-24GB", memory_gib=22.49, bf16_tflops=70, fp16_tflops=70, fp32_tflops=31.2,
+       mem_bw_gbs=600, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100, util=0.45),
+    _G(name="L4-24GB", memory_gib=22.49, bf16_tflops=121, fp16_tflops=121, fp32_tflops=30.3,
+       mem_bw_gbs=300, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100, util=0.35),
+    _G(name="L40S-48GB", memory_gib=44.99, bf16_tflops=362, fp16_tflops=362, fp32_tflops=91.6,
+       mem_bw_gbs=864, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=400, util=0.38),
+    _G(name="T4-16GB", memory_gib=15.0, bf16_tflops=0, fp16_tflops=65, fp32_tflops=8.1,
+       mem_bw_gbs=320, intra_link="pcie3", intra_link_gbps=PCIE3_GBPS, inter_node_gbps=50, util=0.40),
+    _G(name="RTX3090-24GB", memory_gib=24.0, bf16_tflops=71, fp16_tflops=71, fp32_tflops=35.6,
+       mem_bw_gbs=936, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=25, util=0.50),
+    _G(name="RTX4090-24GB", memory_gib=23.99, bf16_tflops=165, fp16_tflops=165, fp32_tflops=82.6,
+       mem_bw_gbs=1008, intra_link="pcie4", intra_link_gbps=PCIE4_NOP2P_GBPS, inter_node_gbps=25, util=0.45),
+    _G(name="RTXA6000-48GB", memory_gib=47.99, bf16_tflops=155, fp16_tflops=155, fp32_tflops=38.7,
+       mem_bw_gbs=768, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100, util=0.45),
+    _G(name="CPU", memory_gib=CPU_MEMORY_GIB, bf16_tflops=0.05, fp16_tflops=0.02, fp32_tflops=0.1,
+       mem_bw_gbs=20, intra_link="shm", intra_link_gbps=40, inter_node_gbps=10, util=0.3, is_cpu=True),
+]}
+
+GPU_NAMES: tuple[str, ...] = tuple(n for n in CATALOG if n != "CPU")
+
+
+def make_gpu(name: str, fields: dict[str, Any], *, where: str = "gpu_types") -> GPU:
+    """Build a custom GPU type from a cluster file's ``gpu_types`` entry.
+
+    Missing speed figures default sensibly (fp16 = bf16, fp32 = bf16 / 8) so a user can add an
+    unknown card with just ``memory_gib`` and ``bf16_tflops``; errors name the field.
+    """
+    d = dict(fields)
+    d["name"] = name
+    if "bf16_tflops" in d:
+        d.setdefault("fp16_tflops", d["bf16_tflops"] or d.get("fp32_tflops", 0) * 2 or 1.0)
+    if "fp16_tflops" in d:
+        d.setdefault("bf16_tflops", d["fp16_tflops"])
+        d.setdefault("fp32_tflops", max(d["fp16_tflops"] / 8, 0.01))
+    d.setdefault("mem_bw_gbs", 500.0)
+    try:
+        return GPU(**d)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "?"
+        raise FrenzyInputError(f"{where}.{name}.{loc}", err["msg"].lower()) from None
+    except TypeError as e:  # a non-mapping entry
+        raise FrenzyInputError(f"{where}.{name}", f"must be a mapping of GPU fields ({e})") from None
+
+
+def get_gpu(name: str, extra: dict[str, GPU] | None = None) -> GPU:
+    """The GPU type called ``name``: from ``extra`` (a cluster's custom types) first, then the catalog."""
+    if extra and name in extra:
+        return extra[name]
+    try:
+        return CATALOG[name]
+    except KeyError:
+        known = sorted(set(CATALOG) | set(extra or ()))
+        raise FrenzyInputError("gpu", f"unknown GPU type {name!r}; known types: {', '.join(known)}") from None
+
+
+# NVML product names -> catalog names. Ordered: the first matching rule wins. Patterns run on
+# the upper-cased name with the vendor words removed ("NVIDIA", "TESLA", "GEFORCE").
+_NVML_RULES: list[tuple[str, str | None]] = [
+    (r"^H200", "H200-141GB"),
+    (r"^H100", "H100-80GB"),          # SXM5 "H100 80GB HBM3", "H100 PCIE" (80 GB)
+    (r"^A100.*80GB", "A100-80GB"),
+    (r"^A100", "A100-40GB"),          # SXM4-40GB, PCIE-40GB
+    (r"^V100S?.*32GB", "V100-32GB"),
+    (r"^V100", None),                 # resolved by memory below (16 or 32 GB)
+    (r"^A10G\b", "A10G-24GB"),
+    (r"^A10\b", "A10-24GB"),
+    (r"^L40S\b", "L40S-48GB"),
+    (r"^L4\b", "L4-24GB"),
+    (r"^T4\b", "T4-16GB"),
+    (r"^RTX 3090", "RTX3090-24GB"),
+    (r"^RTX 4090", "RTX4090-24GB"),
+    (r"^RTX A6000", "RTXA6000-48GB"),
+]
+_VENDOR = re.compile(r"\b(NVIDIA|TESLA|GEFORCE)\b")
+
+
+def from_nvml_name(nvml_name: str, memory_gib: float | None = None) -> str | None:
+    """Map an NVML product name ("NVIDIA A100-SXM4-80GB") to a catalog name ("A100-80GB").
+
+    ``memory_gib`` (NVML's total) disambiguates names without a size (e.g. "Tesla V100-SXM2").
+    Returns None for a GPU the catalog does not know; discovery then makes a custom type.
+    """
+    s = " ".join(_VENDOR.sub(" ", nvml_name.upper()).split())
+    for pattern, target in _NVML_RULES:
+        if re.search(pattern, s):
+            if target is None:  # V100 without size in the name
+                if memory_gib is not None and memory_gib > 20:
+                    return "V100-32GB"
+                return "V100-16GB"
+            return target
+    return None

@@ -1,0 +1,99 @@
+"""Throughput model: behaviour of each term (directions and ratios, not pinned numbers)."""
+from types import SimpleNamespace as NS
+
+import pytest
+
+from estimator.catalog import get_gpu
+from estimator.plan import Plan
+from estimator.throughput import (DEFAULT_FACTORS, flops_per_token, job_duration_s, step_time,
+                                  step_time_breakdown, tokens_per_s)
+
+L8 = NS(params=8.03e9, layers=32, hidden=4096, vocab=128256, tied_embeddings=False)
+G2 = NS(params=124e6, layers=12, hidden=768, vocab=50257, tied_embeddings=True)
+
+
+def plan(g="A100-80GB", dp=1, tp=1, pp=1, zero=0, mb=4, ga=1, ckpt="none", **kw):
+    return Plan(gpu_type=g, gpus=dp * tp * pp, dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb,
+                grad_accum=ga, act_ckpt=ckpt, **kw)
+
+
+def st(p, spec=G2, seq=1024, **kw):
+    return step_time_breakdown(spec, p, get_gpu(p.gpu_type), seq_len=seq, **kw)
+
+
+def test_flops_per_token_6p_plus_attention_and_recompute_ordering():
+    f0 = flops_per_token(G2, 1024)
+    assert f0 == pytest.approx(6 * 124e6 + 12 * 12 * 768 * 1024)
+    fs, ff = flops_per_token(G2, 1024, "selective"), flops_per_token(G2, 1024, "full")
+    assert f0 < fs < ff == pytest.approx(f0 * 4 / 3)
+    # untied embeddings: the input table is a lookup, not FLOPs
+    assert flops_per_token(L8, 0) == pytest.approx(6 * (8.03e9 - 128256 * 4096))
+
+
+def test_faster_gpu_is_faster_and_compute_scales_with_tokens():
+    a = st(plan("A100-80GB")).total
+    h = st(plan("H100-80GB")).total
+    r = st(plan("RTX3090-24GB")).total
+    assert h < a < r
+    one = st(plan(mb=8, ga=1))
+    two = st(plan(mb=8, ga=2))
+    assert two.compute == pytest.approx(2 * one.compute)
+
+
+def test_data_parallel_scales_and_pays_communication():
+    one = st(plan(dp=1, mb=8, ga=4), spec=L8, seq=2048)
+    four = st(plan(dp=4, mb=8, ga=1), spec=L8, seq=2048)
+    assert four.compute == pytest.approx(one.compute / 4)
+    assert four.dp_comm > 0 and one.dp_comm == 0
+    # the same DP group across nodes (slow network) costs more than inside an NVLink node
+    across = st(plan(dp=4, mb=8, ga=1), spec=L8, seq=2048, nodes=4, inter_node_gbps=25)
+    assert across.dp_comm > four.dp_comm
+
+
+def test_zero3_communicates_more_than_zero1_and_pcie_more_than_nvlink():
+    z1 = st(plan(dp=8, zero=1, mb=1, ga=4), spec=L8, seq=2048)
+    z3 = st(plan(dp=8, zero=3, mb=1, ga=4), spec=L8, seq=2048)
+    assert z3.dp_comm > z1.dp_comm
+    nv = st(plan("A100-80GB", tp=4, mb=1, ga=4), spec=L8, seq=2048).tp_comm
+    pcie = st(plan("A10-24GB", tp=4, mb=1, ga=4), spec=L8, seq=2048).tp_comm
+    assert pcie > nv > 0
+
+
+def test_pipeline_bubble_shrinks_with_more_microbatches():
+    few = st(plan(pp=4, mb=1, ga=4), spec=L8, seq=2048)
+    many = st(plan(pp=4, mb=1, ga=32), spec=L8, seq=2048)
+    assert few.bubble / few.compute == pytest.approx(3 / 4)
+    assert many.bubble / many.compute == pytest.approx(3 / 32)
+    assert few.pp_comm > 0
+
+
+def test_offload_and_recompute_cost_time():
+    base = st(plan(dp=2, zero=2, mb=2, ga=2), spec=L8, seq=2048).total
+    off = st(plan(dp=2, zero=2, mb=2, ga=2, offload="optimizer"), spec=L8, seq=2048).total
+    ck = st(plan(dp=2, zero=2, mb=2, ga=2, ckpt="full"), spec=L8, seq=2048).total
+    assert off > base and ck > base
+
+
+def test_factors_recalibrate_utilisation():
+    p = plan("A100-80GB", mb=8, ga=2)
+    g = get_gpu("A100-80GB")
+    slow = DEFAULT_FACTORS.with_(util={"A100-80GB": g.util / 2})
+    a = step_time_breakdown(G2, p, g, seq_len=1024)
+    b = step_time_breakdown(G2, p, g, seq_len=1024, factors=slow)
+    assert b.compute == pytest.approx(2 * a.compute)
+
+
+def test_duration_and_tokens_per_s_are_consistent():
+    p = plan("H100-80GB", dp=2, mb=4, ga=2)
+    g = get_gpu("H100-80GB")
+    t = step_time(G2, p, g, seq_len=512)
+    assert job_duration_s(G2, p, g, seq_len=512, steps=100) == pytest.approx(100 * t)
+    assert tokens_per_s(G2, p, g, seq_len=512) == pytest.approx(4 * 2 * 2 * 512 / t)
+
+
+def test_fp32_slower_than_bf16_and_bf16_on_v100_slow():
+    g = get_gpu("A100-80GB")
+    assert step_time(G2, plan(precision="fp32"), g, seq_len=1024) > step_time(G2, plan(), g, seq_len=1024)
+    v = get_gpu("V100-32GB")
+    assert step_time(G2, plan("V100-32GB"), v, seq_len=1024) > \
+        2 * step_time(G2, plan("V100-32GB", precision="fp16"), v, seq_len=1024)
