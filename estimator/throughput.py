@@ -100,7 +100,10 @@ def _spec_dims(spec: Any) -> tuple[float, int, int, int, bool]:
     layers = int(spec.layers)
     hidden = int(spec.hidden)
     vocab = int(getattr(spec, "vocab", 0) or 0)
-    tied = bool(getattr(spec, "tied_embeddings", True))
+    tied = getattr(spec, "tied", None)          # ModelSpec resolves the arch default here
+    if tied is None:
+        tied = getattr(spec, "tied_embeddings", None)
+    tied = True if tied is None else bool(tied)
     return params, layers, hidden, vocab, tied
 
 
