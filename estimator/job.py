@@ -47,6 +47,11 @@ class TrainingJob(BaseModel):
     lr: float = Field(3e-4, gt=0)
     seed: int = 0
     data: DataSpec = Field(default_factory=DataSpec)
+    entry_point: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
+        description="custom model: 'module:function' called with the model's Hugging Face config dict, "
+                    "returning a torch module whose forward(input_ids=, labels=) gives a loss; "
+                    "`model` still gives the dimensions the estimator sizes")
     checkpoint_every: int = Field(50, gt=0, description="save a checkpoint every N steps (and at the end)")
     # constraints (all optional)
     allowed_gpu_types: list[str] | None = Field(None, description="only these GPU types (catalog names)")
