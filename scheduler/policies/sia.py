@@ -1,0 +1,138 @@
+"""``sia``: Sia-style goodput optimisation (Jayaram Subramanya et al., SOSP'23).
+
+Every ``round_s`` (60 s, the paper's round) an ILP (``scipy.optimize.milp``, HiGHS) chooses for
+every active job at most one configuration (GPU type, GPU count): counts are powers of two up
+to a node, then whole nodes (Sia's configuration set). A configuration's goodput is the job's
+predicted steps/s on its fastest plan there (global batch fixed, so statistical efficiency is
+constant and goodput = throughput), normalised by the job's goodput on its smallest
+configuration. The objective follows Sia's p-norm form with ``p = -0.5``: each allocated job
+contributes ``LAMBDA_N - G^p`` (``LAMBDA_N`` = 1.1 rewards giving every job something before
+speeding any one up; ``-G^p`` favours more goodput with diminishing returns); a running job
+whose configuration changes loses ``RESTART_PENALTY`` (Sia's lambda_a, scaled to these units);
+in the simulator the change also costs a checkpoint-restore delay (the start-up delay).
+Capacity: ``sum count x <= GPUs`` per type. Jobs keeping their configuration keep their GPUs.
+"""
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from estimator.plan import Plan
+from scheduler.types import ClusterState, Decision, JobRequest, Policy
+
+from .baseline_common import free_index, take, forget_plans_like, gpu_types
+
+ROUND_S = 60.0
+P_NORM = -0.5
+LAMBDA_N = 1.1
+RESTART_PENALTY = 0.05
+TIME_LIMIT_S = 30.0
+
+
+def config_counts(gpus_per_node: int, capacity: int) -> list[int]:
+    """Sia's configuration set on one type: 1, 2, 4, ... up to a node, then whole nodes."""
+    counts, c = [], 1
+    while c < gpus_per_node and c <= capacity:
+        counts.append(c)
+        c *= 2
+    n = gpus_per_node
+    while n <= capacity:
+        counts.append(n)
+        n += gpus_per_node
+    return counts
+
+
+class Sia(Policy):
+    name = "sia"
+    round_s = ROUND_S
+
+    def __init__(self, round_s: float = ROUND_S) -> None:
+        self.round_s = round_s
+        self._reqs: dict[str, JobRequest] = {}
+
+    @staticmethod
+    def configs(job: JobRequest, counts: dict[str, set[int]]) -> list[Plan]:
+        """The job's fastest plan per Sia configuration (type, count) it can run in."""
+        best: dict[tuple[str, int], Plan] = {}
+        for p in job.plans:
+            if p.gpus not in counts.get(p.gpu_type, ()):
+                continue
+            key = (p.gpu_type, p.gpus)
+            if key not in best or p.step_time_s < best[key].step_time_s:
+                best[key] = p
+        return list(best.values())
+
+    def solve(self, jobs: list[JobRequest], state: ClusterState, current: dict[str, tuple[str, int]]):
+        """Returns {job index: chosen plan}."""
+        types = gpu_types(state)
+        capacity = {t: 0 for t in types}
+        per_node = {t: 0 for t in types}
+        for n in state.nodes:
+            capacity[n.gpu_type] += n.gpus
+            per_node[n.gpu_type] = max(per_node[n.gpu_type], n.gpus)
+        counts = {t: set(config_counts(per_node[t], capacity[t])) for t in types}
+        var_job, var_plan, util = [], [], []
+        for j, job in enumerate(jobs):
+            cfgs = self.configs(job, counts)
+            if not cfgs:
+                continue
+            smallest = min(p.gpus for p in cfgs)
+            base = min(1.0 / p.step_time_s for p in cfgs if p.gpus == smallest)
+            cur = current.get(job.job_id)
+            for p in cfgs:
+                g = (1.0 / p.step_time_s) / base
+                u = LAMBDA_N - g ** P_NORM
+                if cur is not None and cur != (p.gpu_type, p.gpus):
+                    u -= RESTART_PENALTY
+                var_job.append(j)
+                var_plan.append(p)
+                util.append(u)
+        if not var_plan:
+            return {}
+        nv = len(var_plan)
+        job_rows = {j: r for r, j in enumerate(sorted(set(var_job)))}
+        t_rows = {t: len(job_rows) + i for i, t in enumerate(types)}
+        rows = [job_rows[j] for j in var_job] + [t_rows[p.gpu_type] for p in var_plan]
+        cols = list(range(nv)) * 2
+        vals = [1.0] * nv + [float(p.gpus) for p in var_plan]
+        a = coo_matrix((vals, (rows, cols)), shape=(len(job_rows) + len(types), nv)).tocsr()
+        ub = np.concatenate([np.ones(len(job_rows)), [capacity[t] for t in types]])
+        res = milp(-np.asarray(util), constraints=LinearConstraint(a, -np.inf, ub),
+                   integrality=np.ones(nv), bounds=Bounds(0, 1),
+                   options={"time_limit": TIME_LIMIT_S, "disp": False})
+        if res.x is None:
+            return {}
+        return {var_job[i]: var_plan[i] for i in range(nv) if res.x[i] > 0.5}
+
+    def schedule(self, pending: list[JobRequest], state: ClusterState, now: float) -> list[Decision]:
+        running = {r.job_id: r for r in state.running}
+        self._reqs = {jid: req for jid, req in self._reqs.items() if jid in running}
+        jobs = [self._reqs[jid] for jid in running if jid in self._reqs] + list(pending)
+        if not jobs:
+            return []
+        current = {jid: (r.plan.gpu_type, r.plan.gpus) for jid, r in running.items()}
+        chosen = self.solve(jobs, state, current)
+        out: list[Decision] = []
+        free = free_index(state)
+        starts = []
+        for j, job in enumerate(jobs):
+            r = running.get(job.job_id)
+            p = chosen.get(j)
+            if r is not None:
+                if p is not None and (p.gpu_type, p.gpus) == current[job.job_id]:
+                    continue
+                out.append(Decision(job.job_id, None, {}, action="preempt"))
+                free.release(r.placement)
+            if p is not None:
+                starts.append((job, p))
+        starts.sort(key=lambda jp: -jp[1].gpus)
+        for job, p in starts:
+            placement = take(free, p)
+            if placement is not None:
+                out.append(Decision(job.job_id, p, placement))
+                self._reqs[job.job_id] = job
+        return out
+
+    def on_oom(self, job: JobRequest, plan: Plan) -> JobRequest:
+        return forget_plans_like(job, plan)

@@ -1,0 +1,379 @@
+"""The discrete-event loop.
+
+Events: a job arrives; a run ends (completion, or the out-of-memory crash of a run whose real
+peak exceeds the GPU, ``startup_s`` after it started: the launcher dies, its allocation is
+released, and the policy's own ``on_oom`` rule resubmits it); a periodic tick (event-driven
+policies: every ``tick_s`` while jobs wait, so aging can act) or a round (round-based policies:
+every ``policy.round_s``, aligned to multiples of it, and only then).
+
+Every start (first start, restart after preemption, retry after OOM) pays ``startup_s`` of
+allocated-but-idle time: launch, model build, checkpoint restore. A preempted run keeps the
+optimizer steps it completed (checkpoint) and loses nothing else. A run progresses at its real
+step time: the throughput model's step time for the placement it got (nodes spanned, slowest
+inter-node link among the pools it touches) times the job's noise factor (``truth.py``).
+
+Decisions are applied preempt-first; a decision that names GPUs that are not free, a node of
+another GPU type, or the wrong number of GPUs is a policy bug and raises ``ValueError``.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.types import ClusterState, Decision, JobRequest, Node, Policy, RunningJob
+
+from .jobs import PlanBook, StepTimes
+from .metrics import SimResult, summarise
+from .truth import memory_factor, step_factor
+
+_END, _ARRIVE, _ROUND = 0, 1, 2
+
+
+@dataclass(slots=True)
+class SimConfig:
+    seed: int = 0
+    noise: float = 0.1
+    startup_s: float = 60.0
+    tick_s: float = 300.0
+    max_restarts: int = 8
+    progress: bool = False
+    idle_rounds_limit: int = 3   # stop when nothing runs, nothing arrives and rounds place nothing
+
+
+@dataclass(slots=True)
+class SimCluster:
+    """What the simulator needs to know about the cluster (built from ``scheduler.cluster``)."""
+
+    nodes: list[Node]
+    gpus: dict[str, Any]                      # gpu_type -> estimator.catalog.GPU
+    inter_node_gbps: dict[str, float] = field(default_factory=dict)   # pool -> Gb/s
+
+    @classmethod
+    def from_cluster(cls, cluster) -> "SimCluster":
+        state = cluster.initial_state()
+        return cls(nodes=state.nodes, gpus=cluster.gpu_catalog(),
+                   inter_node_gbps=dict(state.inter_node_gbps))
+
+    @property
+    def inventory(self) -> dict[str, int]:
+        inv: dict[str, int] = {}
+        for n in self.nodes:
+            inv[n.gpu_type] = inv.get(n.gpu_type, 0) + n.gpus
+        return inv
+
+    @property
+    def gpus_per_node(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for n in self.nodes:
+            out[n.gpu_type] = max(out.get(n.gpu_type, 0), n.gpus)
+        return out
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(n.gpus for n in self.nodes)
+
+
+@dataclass(slots=True)
+class _Run:
+    plan: Any
+    placement: dict[str, list[int]]
+    start_s: float
+    ready_s: float
+    step_s: float
+    end_s: float
+    oom: bool
+    token: int
+
+
+@dataclass(slots=True)
+class SimJob:
+    wl: Any                          # scheduler.workload.WorkloadJob
+    req: JobRequest
+    steps_total: int
+    mem_factor: float
+    steps_done: float = 0.0
+    state: str = "future"            # future | pending | running | done | failed | rejected
+    first_start: float | None = None
+    end_s: float | None = None
+    run: _Run | None = None
+    ooms: int = 0
+    preemptions: int = 0
+    starts: int = 0
+
+
+class Simulator:
+    def __init__(self, jobs, cluster: SimCluster, policy: Policy, config: SimConfig | None = None,
+                 plan_book: PlanBook | None = None, step_times: StepTimes | None = None):
+        self.cfg = config or SimConfig()
+        self.cluster = cluster
+        self.policy = policy
+        self.book = plan_book or PlanBook(cluster.inventory, cluster.gpus_per_node)
+        self.steps = step_times or StepTimes(cluster.gpus)
+        self.nodes = {n.node_id: Node(n.node_id, n.pool, n.gpu_type, n.gpus, list(n.free), n.intra_link)
+                      for n in cluster.nodes}
+        self.state = ClusterState(nodes=list(self.nodes.values()),
+                                  inter_node_gbps=dict(cluster.inter_node_gbps),
+                                  gpu_memory_gib={t: g.memory_gib for t, g in cluster.gpus.items()})
+        self.jobs: list[SimJob] = []
+        self.by_id: dict[str, SimJob] = {}
+        for wl in sorted(jobs, key=lambda w: w.submit_s):
+            req = JobRequest(job_id=wl.job_id, submit_s=wl.submit_s, plans=[], steps_left=wl.steps,
+                             requested_gpu_type=wl.requested_gpu_type, requested_gpus=wl.requested_gpus,
+                             model=wl.model)
+            sj = SimJob(wl=wl, req=req, steps_total=wl.steps,
+                        mem_factor=memory_factor(self.cfg.seed, wl.job_id, self.cfg.noise))
+            self.jobs.append(sj)
+            self.by_id[wl.job_id] = sj
+        self._index = {sj.wl.job_id: i for i, sj in enumerate(self.jobs)}
+        self.pending: dict[str, SimJob] = {}
+        self.running: dict[str, RunningJob] = {}
+        self.heap: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self._token = 0
+        self.sched_ms: list[float] = []
+        self.queue_series: list[tuple[float, int]] = []
+        self.busy_gpu_s = 0.0
+        self.oom_events = 0
+        self._finished = 0
+
+    # ------------------------------------------------------------------ event plumbing
+    def _push(self, t: float, kind: int, ji: int = -1, token: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (t, kind, self._seq, ji, token))
+
+    def run(self) -> SimResult:
+        for i, sj in enumerate(self.jobs):
+            self._push(sj.wl.submit_s, _ARRIVE, i)
+        round_based = self.policy.round_s is not None
+        round_queued = False
+        tick_queued = False
+        arrivals_left = len(self.jobs)
+        idle_rounds = 0
+        bar = _progress(self.cfg.progress, len(self.jobs), self.policy.name)
+        wall0 = time.perf_counter()
+        try:
+            while self.heap:
+                t = self.heap[0][0]
+                changed = False
+                round_due = False
+                while self.heap and self.heap[0][0] <= t:
+                    _, kind, _, ji, token = heapq.heappop(self.heap)
+                    if kind == _ARRIVE:
+                        arrivals_left -= 1
+                        self._arrive(self.jobs[ji])
+                        changed = True
+                    elif kind == _END:
+                        sj = self.jobs[ji]
+                        if sj.run is None or sj.run.token != token:
+                            continue                   # a preempted run's stale end
+                        self._end(sj, t)
+                        changed = True
+                    else:
+                        round_due = True
+                        round_queued = tick_queued = False
+                started = 0
+                if round_based:
+                    r = self.policy.round_s
+                    if round_due:
+                        started = self._round(t)
+                        if self.pending or self.running:
+                            self._push(t + r, _ROUND)
+                            round_queued = True
+                    elif changed and not round_queued:
+                        self._push(math.ceil(t / r) * r, _ROUND)   # the next round boundary
+                        round_queued = True
+                else:
+                    if changed or (round_due and self.pending and self._any_free()):
+                        started = self._round(t)
+                    if self.pending and not tick_queued:
+                        self._push(t + self.cfg.tick_s, _ROUND)
+                        tick_queued = True
+                self._record_queue(t)
+                if bar is not None:
+                    bar.update(self._finished)
+                # nothing can ever change again: nothing runs, nothing arrives, rounds place nothing
+                if not self.running and arrivals_left == 0 and self.pending:
+                    idle_rounds = 0 if started else idle_rounds + (1 if (round_due or changed) else 0)
+                    if idle_rounds >= self.cfg.idle_rounds_limit:
+                        break
+        finally:
+            if bar is not None:
+                bar.close()
+        wall = time.perf_counter() - wall0
+        return summarise(self, wall)
+
+    # ------------------------------------------------------------------ handlers
+    def _arrive(self, sj: SimJob) -> None:
+        wl = sj.wl
+        sj.req.plans = self.book.plans(wl.model, wl.seq_len, wl.global_batch)
+        if not sj.req.plans:
+            sj.state = "rejected"               # fits no GPU type of this cluster at any plan
+            self._finished += 1
+            return
+        sj.state = "pending"
+        self.pending[wl.job_id] = sj
+
+    def _end(self, sj: SimJob, t: float) -> None:
+        run = sj.run
+        self._release(sj, t)
+        if run.oom:
+            self.oom_events += 1
+            sj.ooms += 1
+            sj.req = self.policy.on_oom(sj.req, run.plan)
+            if sj.ooms > self.cfg.max_restarts or not sj.req.plans:
+                sj.state = "failed"
+                self._finished += 1
+            else:
+                sj.state = "pending"
+                self.pending[sj.wl.job_id] = sj
+            return
+        sj.steps_done = sj.steps_total
+        sj.req.steps_left = 0
+        sj.state = "done"
+        sj.end_s = t
+        self._finished += 1
+
+    def _release(self, sj: SimJob, t: float) -> None:
+        run = sj.run
+        for node_id, devs in run.placement.items():
+            node = self.nodes[node_id]
+            node.free = sorted(node.free + devs)
+        gpus = run.plan.gpus
+        self.busy_gpu_s += gpus * (t - run.start_s)
+        sj.req.attained_gpu_s += gpus * (t - run.start_s)
+        del self.running[sj.wl.job_id]
+        sj.run = None
+
+    def _preempt(self, d: Decision, t: float) -> None:
+        sj = self.by_id.get(d.job_id)
+        if sj is None or sj.state != "running":
+            raise ValueError(f"policy {self.policy.name}: preempt of {d.job_id}, which is not running")
+        run = sj.run
+        if not run.oom and t > run.ready_s:
+            sj.steps_done = min(sj.steps_total, sj.steps_done + (t - run.ready_s) / run.step_s)
+        sj.req.steps_left = max(1, math.ceil(sj.steps_total - sj.steps_done - 1e-9))
+        self._release(sj, t)
+        sj.preemptions += 1
+        sj.state = "pending"
+        self.pending[sj.wl.job_id] = sj
+
+    def _start(self, d: Decision, t: float) -> None:
+        sj = self.by_id.get(d.job_id)
+        name = self.policy.name
+        if sj is None or sj.state != "pending":
+            raise ValueError(f"policy {name}: start of {d.job_id}, which is not pending")
+        plan = d.plan
+        if plan is None:
+            raise ValueError(f"policy {name}: start of {d.job_id} without a plan")
+        ngpu = 0
+        for node_id, devs in d.placement.items():
+            node = self.nodes.get(node_id)
+            if node is None:
+                raise ValueError(f"policy {name}: {d.job_id} placed on unknown node {node_id}")
+            if node.gpu_type != plan.gpu_type:
+                raise ValueError(f"policy {name}: {d.job_id} plan {plan.gpu_type} placed on {node.gpu_type} node")
+            free = set(node.free)
+            if len(set(devs)) != len(devs) or not free.issuperset(devs):
+                raise ValueError(f"policy {name}: {d.job_id} placed on busy GPUs {node_id}:{devs}")
+            ngpu += len(devs)
+        if ngpu != plan.gpus:
+            raise ValueError(f"policy {name}: {d.job_id} plan needs {plan.gpus} GPUs, placement has {ngpu}")
+        for node_id, devs in d.placement.items():
+            node = self.nodes[node_id]
+            used = set(devs)
+            node.free = [i for i in node.free if i not in used]
+        wl = sj.wl
+        span = len([n for n, devs in d.placement.items() if devs])
+        gbps = None
+        if span > 1:
+            pools = {self.nodes[n].pool for n in d.placement}
+            known = [self.state.inter_node_gbps[p] for p in pools if p in self.state.inter_node_gbps]
+            gbps = min(known) if known else None
+        predicted = self.steps.at(wl.model, wl.seq_len, plan, span, gbps)
+        real_step = predicted * step_factor(self.cfg.seed, wl.job_id, plan.gpu_type, self.cfg.noise)
+        capacity = self.cluster.gpus[plan.gpu_type].memory_gib
+        oom = plan.device_used_gib * sj.mem_factor > capacity
+        steps_left = max(0.0, sj.steps_total - sj.steps_done)
+        ready = t + self.cfg.startup_s
+        end = ready if oom else ready + steps_left * real_step
+        self._token += 1
+        sj.run = _Run(plan=plan, placement={k: list(v) for k, v in d.placement.items()}, start_s=t,
+                      ready_s=ready, step_s=real_step, end_s=end, oom=oom, token=self._token)
+        sj.state = "running"
+        sj.starts += 1
+        if sj.first_start is None:
+            sj.first_start = t
+        del self.pending[wl.job_id]
+        self.running[wl.job_id] = RunningJob(job_id=wl.job_id, plan=plan, placement=sj.run.placement,
+                                             start_s=t, expected_end_s=ready + steps_left * predicted)
+        self._push(end, _END, self._index[wl.job_id], self._token)
+
+    def _any_free(self) -> bool:
+        return any(n.free for n in self.state.nodes)
+
+    def _round(self, t: float) -> int:
+        self.state.running = list(self.running.values())
+        pending = [sj.req for sj in self.pending.values()]
+        t0 = time.perf_counter()
+        decisions = self.policy.schedule(pending, self.state, t)
+        self.sched_ms.append((time.perf_counter() - t0) * 1e3)
+        started = 0
+        for d in decisions:
+            if d.action == "preempt":
+                self._preempt(d, t)
+        for d in decisions:
+            if d.action == "start":
+                self._start(d, t)
+                started += 1
+        return started
+
+    def _record_queue(self, t: float) -> None:
+        q = len(self.pending)
+        if not self.queue_series or self.queue_series[-1][1] != q:
+            self.queue_series.append((t, q))
+
+
+def _progress(enabled: bool, total: int, label: str):
+    if not enabled:
+        return None
+    return _Bar(total, label)
+
+
+class _Bar:
+    """A rich progress bar on stderr over finished jobs, refreshed at most ~10 times a second."""
+
+    def __init__(self, total: int, label: str):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        self._p = Progress(TextColumn(f"simulating [bold]{label}[/]"), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("jobs"), TimeElapsedColumn(), console=Console(stderr=True),
+                           transient=True)
+        self._p.start()
+        self._task = self._p.add_task(label, total=total)
+        self._last = 0.0
+
+    def update(self, done: int) -> None:
+        now = time.perf_counter()
+        if now - self._last > 0.1:
+            self._p.update(self._task, completed=done)
+            self._last = now
+
+    def close(self) -> None:
+        self._p.stop()
+
+
+def simulate(jobs, cluster, policy: "Policy | str", *, seed: int = 0, noise: float = 0.1,
+             config: SimConfig | None = None, plan_book: PlanBook | None = None,
+             step_times: StepTimes | None = None, progress: bool = False) -> SimResult:
+    """Simulate ``jobs`` (``WorkloadJob`` rows) on ``cluster`` (a ``scheduler.cluster.Cluster``
+    or a ``SimCluster``) under ``policy`` (a ``Policy`` or a registered name)."""
+    if isinstance(policy, str):
+        from scheduler.policies import get_policy
+        policy = get_policy(policy)
+    if not isinstance(cluster, SimCluster):
+        cluster = SimCluster.from_cluster(cluster)
+    cfg = config or SimConfig(seed=seed, noise=noise, progress=progress)
+    return Simulator(jobs, cluster, policy, cfg, plan_book, step_times).run()

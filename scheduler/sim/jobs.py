@@ -1,0 +1,114 @@
+"""Plans and step times for simulated jobs, computed by the live estimator and cached.
+
+A 15,000-job trace has only a few hundred distinct job shapes (model, seq_len, global_batch), so
+plans are enumerated once per shape (``estimator.plans.plans_for_job``, the same call the
+submit flow makes) and step times once per (plan, node span, network bandwidth)
+(``estimator.throughput.step_time``).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from estimator.errors import DoesNotFitError
+from estimator.plan import Plan
+
+# The simulator hands policies every plan the memory model says fits physically; each policy
+# applies its own safety margin (that choice is part of what is being compared).
+SIM_SAFETY_MARGIN_GIB = 0.0
+
+
+def _training_job(model: str, seq_len: int, global_batch: int):
+    from estimator.job import TrainingJob
+    return TrainingJob(name="sim", model=model, seq_len=seq_len, global_batch=global_batch,
+                       train_steps=1)
+
+
+def pareto(plans: list[Plan]) -> list[Plan]:
+    """Per (GPU type, count), drop plans that are both slower and bigger than another one.
+
+    What is left is what any policy could want: the fastest plan, and plans that trade speed
+    for memory headroom (useful after an out-of-memory failure).
+    """
+    groups: dict[tuple[str, int], list[Plan]] = {}
+    for p in plans:
+        groups.setdefault((p.gpu_type, p.gpus), []).append(p)
+    out: list[Plan] = []
+    for group in groups.values():
+        group.sort(key=lambda p: (p.step_time_s, p.device_used_gib))
+        best_mem = float("inf")
+        for p in group:
+            if p.device_used_gib < best_mem - 1e-9:
+                out.append(p)
+                best_mem = p.device_used_gib
+    out.sort(key=lambda p: p.step_time_s)
+    return out
+
+
+class PlanBook:
+    """All plans of each job shape on one cluster, Pareto-pruned, fastest first."""
+
+    def __init__(self, inventory: dict[str, int], gpus_per_node: dict[str, int],
+                 safety_margin_gib: float = SIM_SAFETY_MARGIN_GIB):
+        self.inventory = dict(inventory)
+        self.gpus_per_node = dict(gpus_per_node)
+        self.safety_margin_gib = safety_margin_gib
+        self._cache: dict[tuple[str, int, int], list[Plan]] = {}
+
+    def plans(self, model: str, seq_len: int, global_batch: int) -> list[Plan]:
+        key = (model, seq_len, global_batch)
+        hit = self._cache.get(key)
+        if hit is None:
+            from estimator.plans import plans_for_job
+            try:
+                by_type = plans_for_job(_training_job(model, seq_len, global_batch), self.inventory,
+                                        gpus_per_node=self.gpus_per_node,
+                                        safety_margin_gib=self.safety_margin_gib)
+            except DoesNotFitError:
+                by_type = {}
+            hit = pareto([p for ps in by_type.values() for p in ps])
+            self._cache[key] = hit
+        return hit
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+@lru_cache(maxsize=4096)
+def fastest_plan_at(model: str, seq_len: int, global_batch: int, gpu_type: str, gpus: int,
+                    gpus_per_node: int = 8) -> Plan | None:
+    """The fastest plan of exactly ``gpus`` GPUs of ``gpu_type`` that fits (estimator's default
+    safety margin): what a competent author would run when asking for that type and count."""
+    from estimator.plans import enumerate_plans
+    try:
+        plans = enumerate_plans(_training_job(model, seq_len, global_batch), gpu_type,
+                                max_gpus=gpus, gpus_per_node=gpus_per_node)
+    except DoesNotFitError:
+        return None
+    exact = [p for p in plans if p.gpus == gpus]
+    return min(exact, key=lambda p: p.step_time_s) if exact else None
+
+
+@lru_cache(maxsize=None)
+def model_spec(model: str):
+    from estimator.models import resolve_model
+    return resolve_model(model)
+
+
+class StepTimes:
+    """Predicted step time of a plan on the placement it actually got (node span, slowest
+    network among the pools it touches), from the live throughput model, memoised."""
+
+    def __init__(self, gpus: dict):
+        self.gpus = gpus                  # gpu_type -> estimator.catalog.GPU
+        self._memo: dict[tuple[int, str, int, int, float], tuple[Plan, float]] = {}
+
+    def at(self, model: str, seq_len: int, plan: Plan, nodes: int, inter_node_gbps: float | None) -> float:
+        key = (id(plan), model, seq_len, nodes, inter_node_gbps or 0.0)
+        hit = self._memo.get(key)
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        from estimator.throughput import step_time
+        t = step_time(model_spec(model), plan, self.gpus[plan.gpu_type], seq_len=seq_len,
+                      nodes=nodes, inter_node_gbps=inter_node_gbps)
+        self._memo[key] = (plan, t)       # keep the plan alive so its id is not reused
+        return t

@@ -1,0 +1,327 @@
+"""Workloads for the simulator: the CSV contract, its validating reader, and the mapping from
+real Microsoft ITP trace jobs (ElasticFlow traces) to LLM training jobs.
+
+Contract (other tools read it; keep it stable)::
+
+    job_id,submit_s,model,seq_len,global_batch,train_tokens,requested_gpu_type,requested_gpus
+
+``model`` is a preset name (``estimator.models.PRESETS``); ``requested_gpu_type`` a catalog name.
+
+The mapping (``frenzy workload``), reproducible from (trace, mix file, seed):
+
+1. Read the trace (``job_id,submission_time,duration,num_gpu``); optionally cut a window
+   ``[start_s, end_s)`` of submission times and keep the first ``max_jobs``; rebase arrivals so
+   the first job arrives at 0 and divide them by ``time_scale`` (> 1 = heavier load).
+2. For trace job *i* draw, from ``random.Random(f"{seed}:{i}")`` (so a job's draw does not
+   depend on the other jobs), a model from the weighted presets of the first mix class whose
+   ``max_gpus`` >= the job's ``num_gpu``, a sequence length and a global batch from the weighted
+   lists. The draw is repeated (up to ``MAX_DRAWS`` times) until the estimator finds a plan of
+   exactly ``num_gpu`` GPUs of the reference type that fits in memory, so that the author's
+   request is one a competent user could actually run.
+3. ``train_tokens = steps x global_batch x seq_len`` with ``steps = round(duration / t)`` where
+   ``t`` is the predicted step time of the fastest such plan (the trace's GPUs are taken to be the
+   reference type, e.g. A100-40GB): the job takes the trace's duration on its trace GPU count of
+   the reference type.
+4. The author's request is the reference type and the trace's GPU count.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import yaml
+
+from estimator.errors import FrenzyInputError
+
+WORKLOAD_COLUMNS = ("job_id", "submit_s", "model", "seq_len", "global_batch", "train_tokens",
+                    "requested_gpu_type", "requested_gpus")
+TRACE_COLUMNS = ("job_id", "submission_time", "duration", "num_gpu")
+MAX_DRAWS = 50  # redraws per trace job before the mix is declared unable to serve its GPU count
+
+
+@dataclass(slots=True, frozen=True)
+class WorkloadJob:
+    """One row of a workload CSV."""
+
+    job_id: str
+    submit_s: float
+    model: str
+    seq_len: int
+    global_batch: int
+    train_tokens: int
+    requested_gpu_type: str
+    requested_gpus: int
+
+    @property
+    def steps(self) -> int:
+        return max(1, math.ceil(self.train_tokens / (self.global_batch * self.seq_len)))
+
+
+# ----------------------------------------------------------------------------- reading
+
+def _known_models() -> set[str]:
+    from estimator.models import PRESETS
+    return set(PRESETS)
+
+
+def _known_gpus() -> set[str]:
+    from estimator.catalog import CATALOG
+    return set(CATALOG)
+
+
+def _int_field(raw: str, where: str, col: str, *, positive: bool = True) -> int:
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise FrenzyInputError(f"{where}: {col}", f"must be an integer, got {raw!r}") from None
+    if positive and value <= 0:
+        raise FrenzyInputError(f"{where}: {col}", f"must be > 0, got {value}")
+    return value
+
+
+def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
+                  gpu_types: Iterable[str] | None = None) -> list[WorkloadJob]:
+    """Read and validate a workload CSV; the first bad row raises ``FrenzyInputError`` naming
+    ``<file>:<line>: <column>`` and the rule, before anything is simulated.
+
+    ``models`` / ``gpu_types`` default to the estimator's presets and the GPU catalog (a cluster
+    file may add custom GPU types: pass them in).
+    """
+    path = Path(path)
+    known_models = set(models) if models is not None else _known_models()
+    known_gpus = set(gpu_types) if gpu_types is not None else _known_gpus()
+    if not path.is_file():
+        raise FrenzyInputError("workload", f"no such file: {path}")
+    jobs: list[WorkloadJob] = []
+    seen: set[str] = set()
+    with path.open(newline="") as fh:
+        reader = csv.reader(fh)
+        header = next(reader, None)
+        if header is None or tuple(h.strip() for h in header) != WORKLOAD_COLUMNS:
+            raise FrenzyInputError(f"{path}:1: header",
+                                   f"columns must be exactly {','.join(WORKLOAD_COLUMNS)}")
+        for row in reader:
+            line = reader.line_num
+            if not row or all(not c.strip() for c in row):
+                continue
+            where = f"{path}:{line}"
+            if len(row) != len(WORKLOAD_COLUMNS):
+                raise FrenzyInputError(where, f"expected {len(WORKLOAD_COLUMNS)} columns, got {len(row)}")
+            job_id, submit, model, seq, gb, tokens, gtype, ngpu = (c.strip() for c in row)
+            if not job_id:
+                raise FrenzyInputError(f"{where}: job_id", "must not be empty")
+            if job_id in seen:
+                raise FrenzyInputError(f"{where}: job_id", f"duplicate job_id {job_id!r}")
+            seen.add(job_id)
+            try:
+                submit_s = float(submit)
+            except ValueError:
+                raise FrenzyInputError(f"{where}: submit_s", f"must be a number, got {submit!r}") from None
+            if not math.isfinite(submit_s) or submit_s < 0:
+                raise FrenzyInputError(f"{where}: submit_s", f"must be a time >= 0, got {submit}")
+            if model not in known_models:
+                raise FrenzyInputError(f"{where}: model",
+                                       f"unknown model {model!r} (must be a preset: see `frenzy models`)")
+            if gtype not in known_gpus:
+                raise FrenzyInputError(f"{where}: requested_gpu_type",
+                                       f"unknown GPU type {gtype!r} (known: {', '.join(sorted(known_gpus))})")
+            jobs.append(WorkloadJob(
+                job_id=job_id, submit_s=submit_s, model=model,
+                seq_len=_int_field(seq, where, "seq_len"),
+                global_batch=_int_field(gb, where, "global_batch"),
+                train_tokens=_int_field(tokens, where, "train_tokens"),
+                requested_gpu_type=gtype,
+                requested_gpus=_int_field(ngpu, where, "requested_gpus")))
+    if not jobs:
+        raise FrenzyInputError(str(path), "workload has no jobs")
+    jobs.sort(key=lambda j: j.submit_s)
+    return jobs
+
+
+def write_workload(jobs: Iterable[WorkloadJob], path: str | Path) -> None:
+    with Path(path).open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(WORKLOAD_COLUMNS)
+        for j in jobs:
+            w.writerow([j.job_id, f"{j.submit_s:.0f}" if j.submit_s == int(j.submit_s) else f"{j.submit_s:.3f}",
+                        j.model, j.seq_len, j.global_batch, j.train_tokens, j.requested_gpu_type,
+                        j.requested_gpus])
+
+
+# ----------------------------------------------------------------------------- the mix
+
+@dataclass(slots=True)
+class MixClass:
+    max_gpus: int
+    models: dict[str, float]
+
+
+@dataclass(slots=True)
+class Mix:
+    """A workload mix file (see examples/workload-mix.yaml)."""
+
+    reference_gpu: str
+    classes: list[MixClass]
+    seq_len: dict[int, float]
+    global_batch: dict[int, float]
+    gpus_per_node: int = 8
+    start_s: float | None = None
+    end_s: float | None = None
+    max_jobs: int | None = None
+    time_scale: float = 1.0
+
+    def class_for(self, num_gpu: int) -> MixClass:
+        for c in self.classes:
+            if num_gpu <= c.max_gpus:
+                return c
+        return self.classes[-1]
+
+
+def _weights(raw, where: str, keytype) -> dict:
+    if not isinstance(raw, dict) or not raw:
+        raise FrenzyInputError(where, "must be a non-empty mapping of value -> weight")
+    out = {}
+    for k, w in raw.items():
+        try:
+            key = keytype(k)
+            weight = float(w)
+        except (TypeError, ValueError):
+            raise FrenzyInputError(f"{where}.{k}", "weights must be numbers") from None
+        if weight < 0 or (keytype is int and key <= 0):
+            raise FrenzyInputError(f"{where}.{k}", "values must be > 0 and weights >= 0")
+        out[key] = weight
+    if sum(out.values()) <= 0:
+        raise FrenzyInputError(where, "weights must not all be zero")
+    return out
+
+
+def load_mix(path: str | Path, *, models: Iterable[str] | None = None,
+             gpu_types: Iterable[str] | None = None) -> Mix:
+    path = Path(path)
+    if not path.is_file():
+        raise FrenzyInputError("mix", f"no such file: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise FrenzyInputError(f"{path}{line}", f"not valid YAML ({getattr(err, 'problem', err)})") from None
+    if not isinstance(raw, dict):
+        raise FrenzyInputError(str(path), "must be a mapping")
+    known_models = set(models) if models is not None else _known_models()
+    known_gpus = set(gpu_types) if gpu_types is not None else _known_gpus()
+    ref = raw.get("reference_gpu")
+    if ref not in known_gpus:
+        raise FrenzyInputError(f"{path}: reference_gpu", f"unknown GPU type {ref!r}")
+    classes = []
+    for i, c in enumerate(raw.get("classes") or []):
+        if not isinstance(c, dict) or "max_gpus" not in c or "models" not in c:
+            raise FrenzyInputError(f"{path}: classes[{i}]", "needs max_gpus and models")
+        ms = _weights(c["models"], f"{path}: classes[{i}].models", str)
+        for m in ms:
+            if m not in known_models:
+                raise FrenzyInputError(f"{path}: classes[{i}].models", f"unknown model {m!r}")
+        classes.append(MixClass(max_gpus=int(c["max_gpus"]), models=ms))
+    if not classes:
+        raise FrenzyInputError(f"{path}: classes", "at least one class is required")
+    classes.sort(key=lambda c: c.max_gpus)
+    scale = float(raw.get("time_scale", 1.0))
+    if scale <= 0:
+        raise FrenzyInputError(f"{path}: time_scale", "must be > 0")
+    return Mix(reference_gpu=ref, classes=classes,
+               seq_len=_weights(raw.get("seq_len"), f"{path}: seq_len", int),
+               global_batch=_weights(raw.get("global_batch"), f"{path}: global_batch", int),
+               gpus_per_node=int(raw.get("gpus_per_node", 8)),
+               start_s=raw.get("start_s"), end_s=raw.get("end_s"),
+               max_jobs=raw.get("max_jobs"), time_scale=scale)
+
+
+# ----------------------------------------------------------------------------- the trace
+
+@dataclass(slots=True, frozen=True)
+class TraceJob:
+    job_id: str
+    submission_time: float
+    duration: float
+    num_gpu: int
+
+
+def read_trace(path: str | Path) -> list[TraceJob]:
+    path = Path(path)
+    if not path.is_file():
+        raise FrenzyInputError("trace", f"no such file: {path}")
+    out = []
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        if tuple(reader.fieldnames or ()) != TRACE_COLUMNS:
+            raise FrenzyInputError(f"{path}:1: header", f"columns must be {','.join(TRACE_COLUMNS)}")
+        for row in reader:
+            where = f"{path}:{reader.line_num}"
+            try:
+                t, d, n = float(row["submission_time"]), float(row["duration"]), int(row["num_gpu"])
+            except (TypeError, ValueError):
+                raise FrenzyInputError(where, "submission_time, duration and num_gpu must be numbers") from None
+            if t < 0 or d <= 0 or n <= 0:
+                raise FrenzyInputError(where, "submission_time must be >= 0, duration and num_gpu > 0")
+            out.append(TraceJob(row["job_id"], t, d, n))
+    out.sort(key=lambda j: j.submission_time)
+    return out
+
+
+# step time of the fastest plan of exactly `gpus` GPUs of `gpu_type` that fits, or None
+RefStepFn = Callable[[str, int, int, str, int, int], "float | None"]
+
+
+def estimator_ref_step(model: str, seq_len: int, global_batch: int, gpu_type: str, gpus: int,
+                       gpus_per_node: int) -> float | None:
+    """The estimator's answer (same plan enumeration and throughput model as live runs)."""
+    from scheduler.sim.jobs import fastest_plan_at
+    plan = fastest_plan_at(model, seq_len, global_batch, gpu_type, gpus, gpus_per_node)
+    return None if plan is None else plan.step_time_s
+
+
+def _draw(rng: random.Random, weights: dict):
+    keys = list(weights)
+    return rng.choices(keys, weights=[weights[k] for k in keys], k=1)[0]
+
+
+def map_trace(trace: list[TraceJob], mix: Mix, seed: int, *, ref_step: RefStepFn | None = None,
+              progress: Callable[[int], None] | None = None) -> list[WorkloadJob]:
+    """Map trace jobs to LLM training jobs (see the module docstring for the rules)."""
+    ref_step = ref_step or estimator_ref_step
+    jobs = [j for j in trace
+            if (mix.start_s is None or j.submission_time >= mix.start_s)
+            and (mix.end_s is None or j.submission_time < mix.end_s)]
+    if mix.max_jobs:
+        jobs = jobs[: int(mix.max_jobs)]
+    if not jobs:
+        raise FrenzyInputError("trace", "no trace jobs in the selected window")
+    t0 = jobs[0].submission_time
+    out: list[WorkloadJob] = []
+    for i, tj in enumerate(jobs):
+        rng = random.Random(f"{seed}:{i}")
+        cls = mix.class_for(tj.num_gpu)
+        for _ in range(MAX_DRAWS):
+            model = _draw(rng, cls.models)
+            seq = _draw(rng, mix.seq_len)
+            gb = _draw(rng, mix.global_batch)
+            step = ref_step(model, seq, gb, mix.reference_gpu, tj.num_gpu, mix.gpus_per_node)
+            if step:
+                break
+        else:
+            raise FrenzyInputError(
+                "mix", f"no model of the class max_gpus={cls.max_gpus} fits on {tj.num_gpu} x "
+                       f"{mix.reference_gpu} after {MAX_DRAWS} draws (trace job {tj.job_id}); "
+                       "widen the class or the batch/sequence choices")
+        steps = max(1, round(tj.duration / step))
+        out.append(WorkloadJob(
+            job_id=f"j{i:05d}", submit_s=round((tj.submission_time - t0) / mix.time_scale, 3),
+            model=model, seq_len=seq, global_batch=gb, train_tokens=steps * gb * seq,
+            requested_gpu_type=mix.reference_gpu, requested_gpus=tj.num_gpu))
+        if progress:
+            progress(i + 1)
+    return out

@@ -1,0 +1,175 @@
+"""The simulator's event loop, truth model and metrics, on hand-built plans and clusters.
+
+The throughput model is replaced by a table here (``TableSteps``) so every expected time is
+computable by hand; tests of the simulator over the real estimator live in test_sim_live.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from estimator.catalog import get_gpu
+from estimator.plan import Plan
+from scheduler.policies.fifo_user import FifoUser
+from scheduler.policies.tiresias import Tiresias
+from scheduler.sim import SimConfig
+from scheduler.sim.engine import SimCluster, Simulator
+from scheduler.sim.metrics import CONTRACT_KEYS, percentile
+from scheduler.sim.truth import memory_factor, step_factor
+from scheduler.types import Node
+from scheduler.workload import WorkloadJob
+
+A100 = "A100-40GB"
+R3090 = "RTX3090-24GB"
+
+
+def cluster(spec: dict[str, tuple[int, int]], gbps: float = 100.0) -> SimCluster:
+    """{gpu_type: (nodes, gpus_per_node)} -> SimCluster with pools named after the type."""
+    nodes = []
+    for gtype, (n, per) in spec.items():
+        for i in range(n):
+            nodes.append(Node(f"{gtype}-{i}", gtype, gtype, per, list(range(per))))
+    return SimCluster(nodes=nodes, gpus={t: get_gpu(t) for t in spec},
+                      inter_node_gbps={t: gbps for t in spec})
+
+
+def plan(gtype: str, gpus: int, step: float, mem: float, tp: int = 1) -> Plan:
+    return Plan(gpu_type=gtype, gpus=gpus, dp=gpus // tp, tp=tp, micro_batch=1,
+                grad_accum=max(1, 64 // (gpus // tp)), device_used_gib=mem, step_time_s=step)
+
+
+class Book:
+    """A PlanBook stand-in: the same plan list for every job shape, or per model."""
+
+    def __init__(self, plans):
+        self._plans = plans
+
+    def plans(self, model, seq_len, global_batch):
+        return self._plans[model] if isinstance(self._plans, dict) else self._plans
+
+
+class TableSteps:
+    """Step time = the plan's predicted one, x ``multi_node_penalty`` when it spans nodes."""
+
+    def __init__(self, multi_node_penalty: float = 1.0):
+        self.penalty = multi_node_penalty
+        self.calls: list[tuple[int, int, float | None]] = []
+
+    def at(self, model, seq_len, plan, nodes, gbps):
+        self.calls.append((plan.gpus, nodes, gbps))
+        return plan.step_time_s * (self.penalty if nodes > 1 else 1.0)
+
+
+def job(jid: str, submit: float, steps: int, *, gpus: int = 1, gtype: str = A100, model: str = "gpt2") -> WorkloadJob:
+    return WorkloadJob(job_id=jid, submit_s=submit, model=model, seq_len=1024, global_batch=64,
+                       train_tokens=steps * 64 * 1024, requested_gpu_type=gtype, requested_gpus=gpus)
+
+
+def run(jobs, clu, policy, plans, *, noise=0.0, steps=None, **cfg):
+    sim = Simulator(jobs, clu, policy, SimConfig(noise=noise, **cfg), Book(plans), steps or TableSteps())
+    return sim, sim.run()
+
+
+def test_single_job_runs_startup_plus_steps():
+    sim, res = run([job("a", 10.0, 100)], cluster({A100: (1, 8)}), FifoUser(), [plan(A100, 1, 2.0, 10)],
+                   startup_s=60.0)
+    assert res.completed == 1
+    assert res.avg_jct_s == pytest.approx(60 + 100 * 2.0)
+    assert res.avg_queue_s == 0.0
+    assert res.makespan_s == pytest.approx(260.0)
+    # 1 of 8 GPUs busy for the whole makespan
+    assert res.gpu_util == pytest.approx(1 / 8)
+    assert res.lower_bound_avg_jct_s == pytest.approx(260.0)
+    assert list(res.summary()) == list(CONTRACT_KEYS)
+    json.dumps(res.summary())
+
+
+def test_fifo_without_backfill_blocks_behind_the_head():
+    clu = cluster({A100: (1, 2)})
+    plans = [plan(A100, 1, 1.0, 10), plan(A100, 2, 0.6, 8)]
+    jobs = [job("big-running", 0, 1000, gpus=1), job("head", 1, 100, gpus=2), job("small", 2, 10, gpus=1)]
+    sim, res = run(jobs, clu, FifoUser(), plans, startup_s=0.0)
+    by = {r["job_id"]: r for r in res.per_job}
+    assert res.completed == 3
+    # the 2-GPU head waits for the 1-GPU job; the small job must not jump the queue
+    assert by["head"]["first_start_s"] == pytest.approx(1000.0)
+    assert by["small"]["first_start_s"] >= by["head"]["end_s"] - 1e-9
+
+
+def test_out_of_memory_fails_after_startup_and_fifo_user_doubles_gpus():
+    # find a job id whose (seeded, clipped lognormal) memory error is > +5%
+    jid = next(f"j{i}" for i in range(1000) if memory_factor(0, f"j{i}", 0.1) > 1.06)
+    cap = get_gpu(A100).memory_gib
+    plans = [plan(A100, 1, 1.0, cap * 0.97), plan(A100, 2, 0.55, cap * 0.6)]
+    sim, res = run([job(jid, 0, 100, gpus=1)], cluster({A100: (1, 8)}), FifoUser(), plans,
+                   noise=0.1, startup_s=30.0)
+    assert res.oom_events == 1
+    assert res.completed == 1
+    sj = sim.by_id[jid]
+    assert sj.req.requested_gpus == 2 and sj.starts == 2
+    real = 0.55 * step_factor(0, jid, A100, 0.1)
+    # failed run: 30 s start-up, then the 2-GPU retry: 30 s + 100 real steps
+    assert res.avg_jct_s == pytest.approx(30 + 30 + 100 * real)
+
+
+def test_noise_is_seeded_per_job_and_independent_of_order():
+    f1 = [memory_factor(3, f"j{i}", 0.1) for i in range(200)]
+    assert f1 == [memory_factor(3, f"j{i}", 0.1) for i in range(200)]
+    assert f1 != [memory_factor(4, f"j{i}", 0.1) for i in range(200)]
+    logs = [math.log(f) for f in f1]
+    assert abs(sum(logs) / len(logs)) < 0.03 and 0.07 < (sum(x * x for x in logs) / len(logs)) ** 0.5 < 0.13
+    assert max(abs(x) for x in logs) <= 0.3 + 1e-12          # clipped at 3 sigma
+    assert memory_factor(0, "x", 0.0) == 1.0 and step_factor(0, "x", A100, 0.0) == 1.0
+
+
+def test_placement_spanning_nodes_runs_at_the_multi_node_step_time():
+    clu = cluster({A100: (2, 8)}, gbps=200.0)
+    steps = TableSteps(multi_node_penalty=1.5)
+    sim, res = run([job("wide", 0, 100, gpus=16)], clu, FifoUser(), [plan(A100, 16, 1.0, 20)],
+                   steps=steps, startup_s=0.0)
+    assert (16, 2, 200.0) in steps.calls
+    assert res.avg_jct_s == pytest.approx(150.0)
+
+
+def test_unplaceable_and_unfit_jobs_end_the_simulation():
+    clu = cluster({A100: (1, 8)})
+    plans = {"gpt2": [plan(A100, 1, 1.0, 10)], "llama-2-70b": []}
+    jobs = [job("ok", 0, 10), job("huge", 0, 10, model="llama-2-70b")]
+    sim, res = run(jobs, clu, FifoUser(), plans, startup_s=0.0)
+    assert res.completed == 1 and res.rejected == 1 and res.jobs == 2
+
+
+def test_bad_policy_decision_is_an_error():
+    from scheduler.types import Decision, Policy
+
+    class Greedy(Policy):
+        name = "greedy"
+
+        def schedule(self, pending, state, now):
+            return [Decision(j.job_id, j.plans[0], {state.nodes[0].node_id: [0]}) for j in pending]
+
+    with pytest.raises(ValueError, match="busy GPUs"):
+        run([job("a", 0, 10), job("b", 0, 10)], cluster({A100: (1, 8)}), Greedy(), [plan(A100, 1, 1.0, 5)])
+
+
+def test_tiresias_preempts_a_long_job_for_a_new_one_and_resumes_it():
+    clu = cluster({A100: (1, 1)})
+    plans = [plan(A100, 1, 1.0, 10)]
+    # the long job attains > 1 GPU-hour, drops to queue 1; the newcomer (queue 0) preempts it
+    jobs = [job("long", 0, 10_000), job("new", 5_000, 100)]
+    sim, res = run(jobs, clu, Tiresias(), plans, startup_s=10.0, tick_s=60.0)
+    by = {r["job_id"]: r for r in res.per_job}
+    assert res.completed == 2 and res.preemptions >= 1
+    assert by["new"]["first_start_s"] < 5_000 + 400         # within a tick or two
+    assert by["new"]["end_s"] < by["long"]["end_s"]
+    # the long job keeps its completed steps: total = 10,000 steps + one extra start-up each restart
+    long = sim.by_id["long"]
+    assert by["long"]["end_s"] == pytest.approx(10_000 + 10.0 * long.starts + (by["new"]["end_s"] - by["new"]["first_start_s"]), rel=0.02)
+
+
+def test_percentile_matches_linear_interpolation():
+    assert percentile([], 50) == 0.0
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
