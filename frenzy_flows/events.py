@@ -20,10 +20,10 @@ def _alloc_fields(allocation: Any) -> dict[str, Any]:
         return {}
     get = (allocation.get if isinstance(allocation, Mapping)
            else lambda k, d=None: getattr(allocation, k, d))
-    out = {k: get(k) for k in ("id", "pool", "gpu_type", "devices", "placement")}
+    out = {k: get(k) for k in ("allocation_id", "id", "pool", "gpu_type", "devices", "placement")}
     out = {k: v for k, v in out.items() if v is not None}
-    if "id" in out:
-        out["id"] = str(out["id"])
+    if "id" in out:      # a ledger Allocation calls it id, the flow's Assignment allocation_id
+        out.setdefault("allocation_id", str(out.pop("id")))
     return out
 
 

@@ -1,0 +1,281 @@
+"""Mirror a Frenzy cluster into Prefect: one work pool per cluster pool (one GPU type each),
+a global concurrency limit ``gpu:<pool>`` holding one slot per GPU, and the pool's training
+deployment ``frenzy-train-<pool>``; plus a small control pool for the submit flow.
+
+``sync_pools`` is idempotent and all-or-nothing on bad input: it validates the whole cluster
+and reads the server's current pools before it writes anything, so duplicate names, unknown
+GPU types or a pool of the wrong type change nothing.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+from estimator.errors import FrenzyInputError
+
+from .templates import pool_template
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+TRAIN_ENTRYPOINT = "frenzy_flows/train_flow.py:train_on_pool"
+TRAIN_DEPLOYMENT_PREFIX = "frenzy-train-"
+CONTROL_POOL = "frenzy"
+POOL_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+PoolType = Literal["process", "kubernetes"]
+
+
+def train_deployment_name(pool: str) -> str:
+    return f"{TRAIN_DEPLOYMENT_PREFIX}{pool}"
+
+
+def gpu_limit_name(pool: str) -> str:
+    return f"gpu:{pool}"
+
+
+@dataclass
+class PoolSpec:
+    """What Prefect should hold for one cluster pool."""
+
+    name: str
+    gpu_type: str
+    gpus: int
+    nodes: int
+    gpus_per_node: int
+
+
+@dataclass
+class SyncReport:
+    pool_type: str
+    pools: dict[str, str] = field(default_factory=dict)        # name -> created | updated | unchanged
+    limits: dict[str, int] = field(default_factory=dict)       # gcl name -> slots
+    deployments: dict[str, str] = field(default_factory=dict)  # deployment name -> id
+
+
+# ---------------------------------------------------------------- validation (pure)
+
+def pool_specs(cluster: Any) -> list[PoolSpec]:
+    """The pools of a loaded cluster (``scheduler.cluster.Cluster`` or anything with ``.pools``
+    of objects/dicts carrying name, gpu, nodes, gpus_per_node), validated for Prefect."""
+    raw = cluster.pools if hasattr(cluster, "pools") else cluster["pools"]
+    specs: list[PoolSpec] = []
+    seen: set[str] = set()
+    for i, p in enumerate(raw):
+        get = p.get if isinstance(p, dict) else (lambda k, p=p: getattr(p, k, None))
+        name, gpu = get("name"), get("gpu")
+        nodes, per_node = int(get("nodes") or 0), int(get("gpus_per_node") or 0)
+        where = f"pools[{i}].name"
+        if not isinstance(name, str) or not POOL_NAME.match(name):
+            raise FrenzyInputError(where, f"{name!r} is not a valid pool name (lowercase letters, digits, "
+                                          f"'-', '_', '.'; at most 63 characters)")
+        if name == CONTROL_POOL:
+            raise FrenzyInputError(where, f"{name!r} is reserved for the submit flow's control pool")
+        if name in seen:
+            raise FrenzyInputError(where, f"duplicate pool name {name!r}")
+        if nodes < 1 or per_node < 1:
+            raise FrenzyInputError(f"pools[{i}]", "nodes and gpus_per_node must be at least 1")
+        seen.add(name)
+        specs.append(PoolSpec(name=name, gpu_type=str(gpu), gpus=nodes * per_node, nodes=nodes,
+                              gpus_per_node=per_node))
+    if not specs:
+        raise FrenzyInputError("pools", "the cluster file lists no pools")
+    return specs
+
+
+def pool_description(spec: PoolSpec) -> str:
+    return (f"Frenzy GPU pool: {spec.gpus} x {spec.gpu_type} ({spec.nodes} node(s) x {spec.gpus_per_node}). "
+            f"frenzy={json.dumps({'gpu_type': spec.gpu_type, 'gpus': spec.gpus, 'nodes': spec.nodes, 'gpus_per_node': spec.gpus_per_node})}")
+
+
+def parse_pool_description(description: str | None) -> dict[str, Any] | None:
+    """The GPU facts ``pool_description`` wrote, or None for a pool Frenzy does not manage."""
+    if not description or "frenzy=" not in description:
+        return None
+    try:
+        return json.loads(description.split("frenzy=", 1)[1])
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------- sync
+
+def _default_templates(client) -> dict[str, dict]:
+    meta = client.read_worker_metadata()
+    out = {"process": meta["prefect"]["process"]["default_base_job_configuration"]}
+    k8s = meta.get("prefect-kubernetes", {}).get("kubernetes", {})
+    if k8s.get("default_base_job_configuration"):
+        out["kubernetes"] = k8s["default_base_job_configuration"]
+    return out
+
+
+def _train_flow_schema(entrypoint: str, project_dir: Path) -> tuple[str, dict]:
+    """Flow name and parameter schema of the training flow, as `prefect deploy` derives them."""
+    import os
+    import sys
+
+    from prefect.flows import load_flow_from_entrypoint
+    from prefect.utilities.callables import parameter_schema
+
+    cwd = os.getcwd()
+    sys.path.insert(0, str(project_dir))
+    os.chdir(project_dir)
+    try:
+        fl = load_flow_from_entrypoint(entrypoint)
+    finally:
+        os.chdir(cwd)
+        sys.path.remove(str(project_dir))
+    return fl.name, parameter_schema(fl).model_dump_for_openapi()
+
+
+def sync_pools(cluster: Any, *, pool_type: PoolType = "process", entrypoint: str = TRAIN_ENTRYPOINT,
+               project_dir: Path | str = PROJECT_DIR, control_pool: bool = True,
+               log=print) -> SyncReport:
+    """Create or update, for every pool of ``cluster``: the work pool (GPU template variables),
+    the ``gpu:<pool>`` limit sized to its GPU count, and its ``frenzy-train-<pool>`` deployment.
+    Idempotent. Bad input raises ``FrenzyInputError`` before anything changes."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    if pool_type not in ("process", "kubernetes"):
+        raise FrenzyInputError("--type", f"must be process or kubernetes, not {pool_type!r}")
+    specs = pool_specs(cluster)
+    _check_gpu_types(cluster, specs)
+    project_dir = Path(project_dir).resolve()
+    flow_name, schema = _train_flow_schema(entrypoint, project_dir)
+    report = SyncReport(pool_type=pool_type)
+
+    with get_client(sync_client=True) as client:
+        templates = _default_templates(client)
+        if pool_type not in templates:
+            raise FrenzyInputError("--type", f"the Prefect server knows no {pool_type!r} worker template")
+        existing = {}
+        for spec in specs:           # read everything first: a wrong-type pool changes nothing
+            try:
+                wp = client.read_work_pool(spec.name)
+            except ObjectNotFound:
+                continue
+            if wp.type != pool_type:
+                raise FrenzyInputError("--type", f"work pool {spec.name!r} already exists with type "
+                                                 f"{wp.type!r}; delete it (prefect work-pool delete "
+                                                 f"{spec.name}) or sync with --type {wp.type}")
+            existing[spec.name] = wp
+
+        if control_pool:
+            try:
+                client.read_work_pool(CONTROL_POOL)
+            except ObjectNotFound:
+                client.create_work_pool(WorkPoolCreate(
+                    name=CONTROL_POOL, type="process", base_job_template=templates["process"],
+                    description="Frenzy control pool: runs frenzy-submit (planning, assignment, dispatch)"))
+                report.pools[CONTROL_POOL] = "created"
+
+        flow_id = client.create_flow_from_name(flow_name)
+        for spec in specs:
+            template = pool_template(pool_type, templates[pool_type], spec.gpu_type, spec.gpus)
+            desc = pool_description(spec)
+            old = existing.get(spec.name)
+            if old is None:
+                client.create_work_pool(WorkPoolCreate(name=spec.name, type=pool_type,
+                                                       base_job_template=template, description=desc))
+                report.pools[spec.name] = "created"
+            elif old.base_job_template != template or old.description != desc:
+                client.update_work_pool(spec.name, WorkPoolUpdate(base_job_template=template, description=desc))
+                report.pools[spec.name] = "updated"
+            else:
+                report.pools[spec.name] = "unchanged"
+
+            client.upsert_global_concurrency_limit_by_name(gpu_limit_name(spec.name), limit=spec.gpus)
+            report.limits[gpu_limit_name(spec.name)] = spec.gpus
+
+            dep_id = client.create_deployment(   # upsert on (flow, name)
+                flow_id=flow_id, name=train_deployment_name(spec.name), work_pool_name=spec.name,
+                entrypoint=entrypoint, parameter_openapi_schema=schema, enforce_parameter_schema=True,
+                pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(project_dir)}}],
+                job_variables={"gpu_type": spec.gpu_type},
+                tags=["frenzy", "frenzy-train", f"gpu:{spec.gpu_type}"],
+                description=f"Frenzy training on pool {spec.name} ({spec.gpus} x {spec.gpu_type}).")
+            report.deployments[train_deployment_name(spec.name)] = str(dep_id)
+            log(f"pool {spec.name}: {report.pools[spec.name]} ({pool_type}, {spec.gpus} x {spec.gpu_type}); "
+                f"limit {gpu_limit_name(spec.name)}={spec.gpus}; deployment {flow_name}/{train_deployment_name(spec.name)}")
+    return report
+
+
+def _check_gpu_types(cluster: Any, specs: Iterable[PoolSpec]) -> None:
+    """Every pool's GPU type must be in the catalog or the cluster's own ``gpu_types``."""
+    from estimator.catalog import get_gpu
+
+    extra = getattr(cluster, "gpu_types", None) or getattr(cluster, "extra_gpus", None) or None
+    for i, spec in enumerate(specs):
+        if extra and spec.gpu_type in extra:
+            continue
+        try:
+            get_gpu(spec.gpu_type)
+        except FrenzyInputError as err:
+            raise FrenzyInputError(f"pools[{i}].gpu", err.rule) from None
+
+
+# ---------------------------------------------------------------- status
+
+@dataclass
+class PoolStatus:
+    name: str
+    pool_type: str
+    gpu_type: str
+    gpus: int | None          # slots of gpu:<pool> (None: no limit, i.e. never synced)
+    in_use: int | None        # slots held now
+    queued: int               # flow runs scheduled to start by now or pending
+    running: int
+    workers_online: int
+    state: str                # READY / NOT_READY / PAUSED
+
+
+def pools_status(names: Iterable[str] | None = None) -> list[PoolStatus]:
+    """Per Frenzy pool (or the named pools): GPUs, GPUs in use, queued and running runs, workers."""
+    import datetime as dt
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterExpectedStartTime,
+                                                FlowRunFilterState, FlowRunFilterStateType,
+                                                WorkerFilter, WorkerFilterStatus, WorkPoolFilter,
+                                                WorkPoolFilterName)
+    from prefect.client.schemas.objects import StateType
+    from prefect.exceptions import ObjectNotFound
+
+    now = dt.datetime.now(dt.timezone.utc)
+    out: list[PoolStatus] = []
+    with get_client(sync_client=True) as client:
+        pools = client.read_work_pools()
+        wanted = set(names) if names else None
+        for wp in sorted(pools, key=lambda p: p.name):
+            facts = parse_pool_description(wp.description)
+            if wanted is not None:
+                if wp.name not in wanted:
+                    continue
+            elif facts is None:
+                continue          # not a Frenzy GPU pool
+            try:
+                gcl = client.read_global_concurrency_limit_by_name(gpu_limit_name(wp.name))
+                gpus, in_use = gcl.limit, gcl.active_slots
+            except ObjectNotFound:
+                gpus, in_use = None, None
+            pool_filter = WorkPoolFilter(name=WorkPoolFilterName(any_=[wp.name]))
+            due = client.read_flow_runs(work_pool_filter=pool_filter, flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+                expected_start_time=FlowRunFilterExpectedStartTime(before_=now)))
+            pending = client.read_flow_runs(work_pool_filter=pool_filter, flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING]))))
+            running = client.read_flow_runs(work_pool_filter=pool_filter, flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))))
+            workers = client.read_workers_for_work_pool(
+                wp.name, worker_filter=WorkerFilter(status=WorkerFilterStatus(any_=["ONLINE"])))
+            out.append(PoolStatus(
+                name=wp.name, pool_type=wp.type, gpu_type=(facts or {}).get("gpu_type", "-"),
+                gpus=gpus, in_use=in_use, queued=len(due) + len(pending), running=len(running),
+                workers_online=len(workers), state=str(wp.status.value if wp.status else "NOT_READY")))
+    if names:
+        missing = set(names) - {s.name for s in out}
+        if missing:
+            raise FrenzyInputError("pool", f"no such work pool: {', '.join(sorted(missing))}")
+    return out

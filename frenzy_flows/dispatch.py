@@ -1,0 +1,235 @@
+"""Send a placed training job to its GPU pool's deployment and wait for it.
+
+The submit flow has already chosen the plan and recorded the allocation in the ledger. Here we
+hold the pool's GPU slots in Prefect's own accounting (global concurrency limit ``gpu:<pool>``,
+``strict=True`` so a missing limit is an error, not a silent pass) for as long as the training
+run lives, start the pool's ``frenzy-train-<pool>`` deployment with the devices as job variables,
+and wait. A run that sits unclaimed because the pool has no workers online is reported in the
+log with the command that fixes it, never waited on silently; on timeout, error or interrupt
+the child run is cancelled (Prefect does not cascade cancellation to ``run_deployment`` runs).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Mapping
+from uuid import UUID
+
+from estimator.errors import FrenzyInputError
+from estimator.plan import Plan
+
+from deployments.pools import gpu_limit_name, train_deployment_name
+
+NO_WORKER_REPORT_EVERY_S = 30.0
+
+
+class DispatchError(RuntimeError):
+    """The training run on the pool did not complete (failed, crashed, cancelled or timed out)."""
+
+    def __init__(self, message: str, flow_run_id: UUID | None = None, state: str | None = None):
+        super().__init__(message)
+        self.flow_run_id = flow_run_id
+        self.state = state
+
+
+def _logger():
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("frenzy.dispatch")
+
+
+def _get(obj: Any, key: str, default: Any = None) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+# ---------------------------------------------------------------- workers
+
+def workers_online(pool_name: str) -> int:
+    """Workers polling ``pool_name`` now (0 when the pool does not exist)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import WorkerFilter, WorkerFilterStatus
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            workers = client.read_workers_for_work_pool(
+                pool_name, worker_filter=WorkerFilter(status=WorkerFilterStatus(any_=["ONLINE"])))
+        except ObjectNotFound:
+            return 0
+    return len(workers)
+
+
+def has_workers(pool_name: str) -> bool:
+    """Whether any worker is online for ``pool_name``: the submit flow dispatches to the pool
+    when true, else trains in-process as a subflow."""
+    return workers_online(pool_name) > 0
+
+
+# ---------------------------------------------------------------- job variables
+
+def job_variables(plan: Plan, allocation: Any, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The pool template variables for one run: ``gpu_ids`` (becomes CUDA_VISIBLE_DEVICES),
+    ``gpu_type``, ``num_processes`` and extra ``env`` (merged into the template's env)."""
+    devices = _get(allocation, "devices") or []
+    out: dict[str, Any] = {"gpu_type": plan.gpu_type, "num_processes": len(devices) or plan.gpus}
+    if devices:
+        out["gpu_ids"] = ",".join(str(d) for d in devices)
+    extra = dict(env or {})
+    if os.environ.get("FRENZY_HOME") and "FRENZY_HOME" not in extra:
+        # a worker on this machine must find the same ledger and run folders
+        extra["FRENZY_HOME"] = os.path.abspath(os.environ["FRENZY_HOME"])
+    if extra:
+        out["env"] = extra
+    return out
+
+
+def _assignment_dict(allocation: Any) -> dict[str, Any]:
+    """The allocation as the train flow's ``assignment`` parameter (JSON)."""
+    if hasattr(allocation, "model_dump"):
+        d = allocation.model_dump(mode="json")
+    elif isinstance(allocation, Mapping):
+        d = dict(allocation)
+    else:
+        d = {k: getattr(allocation, k) for k in ("id", "pool", "gpu_type", "placement", "devices")
+             if hasattr(allocation, k)}
+    if "allocation_id" not in d and d.get("id") is not None:
+        d["allocation_id"] = str(d.pop("id"))
+    if "devices" in d:
+        d["devices"] = [str(x) for x in d["devices"]]
+    return d
+
+
+def _job_dict(job: Any) -> dict[str, Any]:
+    return job.model_dump(mode="json") if hasattr(job, "model_dump") else dict(job)
+
+
+def find_train_deployment(pool: str) -> UUID:
+    """The id of ``frenzy-train-<pool>``; a clear error when pools were never synced."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    name = train_deployment_name(pool)
+    with get_client(sync_client=True) as client:
+        found = client.read_deployments(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[name])))
+    if not found:
+        raise FrenzyInputError("pool", f"no deployment {name!r} on the Prefect server; run "
+                                       f"`frenzy pools sync --cluster <file>` first")
+    return found[0].id
+
+
+# ---------------------------------------------------------------- dispatch
+
+def _cancel(flow_run_id: UUID, reason: str) -> None:
+    from prefect import get_client
+    from prefect.states import Cancelled
+
+    try:
+        with get_client(sync_client=True) as client:
+            fr = client.read_flow_run(flow_run_id)
+            if fr.state is None or not fr.state.is_final():
+                client.set_flow_run_state(flow_run_id, Cancelled(message=reason), force=True)
+    except Exception as err:  # best effort: never mask the original error
+        _logger().warning("could not cancel flow run %s: %s", flow_run_id, err)
+
+
+def _wait(flow_run_id: UUID, pool: str, deadline: float, poll_s: float):
+    """Poll the run until final; explain a wait caused by a pool without workers."""
+    from prefect import get_client
+
+    log = _logger()
+    last_report = -1e9
+    with get_client(sync_client=True) as client:
+        while True:
+            fr = client.read_flow_run(flow_run_id)
+            state = fr.state
+            if state is not None and state.is_final():
+                return fr
+            now = time.monotonic()
+            if now >= deadline:
+                return fr
+            waiting = state is None or state.is_scheduled() or state.is_pending()
+            if waiting and now - last_report >= NO_WORKER_REPORT_EVERY_S:
+                n = workers_online(pool)
+                if n == 0:
+                    log.warning("waiting: pool %r has no workers online, so flow run %s stays %s; "
+                                "start one with `prefect worker start --pool %s`",
+                                pool, fr.name, state.name if state else "unscheduled", pool)
+                else:
+                    log.info("waiting for one of %d worker(s) of pool %r to pick up flow run %s",
+                             n, pool, fr.name)
+                last_report = now
+            time.sleep(min(poll_s, max(0.05, deadline - now)))
+
+
+def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float | None,
+                     job_id: str | None = None, env: Mapping[str, str] | None = None,
+                     poll_s: float = 2.0, slot_timeout_s: float | None = None) -> dict:
+    """Run ``job`` with ``plan`` on ``allocation.pool`` through its ``frenzy-train-<pool>``
+    deployment and return that flow's result (a dict; the train flow persists its result).
+
+    ``allocation``: the submit flow's ``Assignment`` (or a ledger Allocation / dict with
+    ``pool``, ``devices``, ``allocation_id`` or ``id``); it is passed on as the train flow's
+    ``assignment`` parameter, with ``job`` and ``job_id``. ``timeout_s=None`` waits as long as
+    it takes. Holds ``concurrency("gpu:<pool>", occupy=<devices>, strict=True)`` for the whole run.
+    Raises ``DispatchError`` when the run ends other than COMPLETED or outlives ``timeout_s``
+    (the run is cancelled then), ``FrenzyInputError`` when the pool was never synced.
+    """
+    from prefect.concurrency.sync import concurrency
+    from prefect.deployments import run_deployment
+
+    pool = _get(allocation, "pool")
+    if not pool:
+        raise FrenzyInputError("allocation.pool", "must name the work pool to dispatch to")
+    log = _logger()
+    deployment_id = find_train_deployment(pool)
+    variables = job_variables(plan, allocation, env)
+    job_d = _job_dict(job)
+    assignment = _assignment_dict(allocation)
+    occupy = int(variables["num_processes"])
+    deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
+    try:
+        slots = concurrency(gpu_limit_name(pool), occupy=occupy, strict=True,
+                            timeout_seconds=slot_timeout_s if slot_timeout_s is not None else timeout_s)
+        # (the wait for slots counts against the run's deadline too)
+        slots.__enter__()
+    except Exception as err:
+        if "not found" in str(err).lower() or "does not exist" in str(err).lower():
+            raise FrenzyInputError("pool", f"no concurrency limit {gpu_limit_name(pool)!r}; run "
+                                           f"`frenzy pools sync --cluster <file>` first") from err
+        raise
+    flow_run_id = None
+    try:
+        fr = run_deployment(
+            deployment_id,
+            parameters={"job": job_d, "plan": plan.model_dump(mode="json"),
+                        "assignment": assignment, "job_id": job_id},
+            job_variables=variables, timeout=0,
+            tags=["frenzy", f"pool:{pool}", f"job:{job_d.get('name', 'job')}"])
+        flow_run_id = fr.id
+        log.info("dispatched job %s to pool %r as flow run %s (%s)", job_d.get("name"), pool,
+                 fr.name, ", ".join(f"{k}={v}" for k, v in variables.items() if k != "env"))
+        final = _wait(fr.id, pool, deadline, poll_s)
+        state = final.state
+        if state is None or not state.is_final():
+            _cancel(fr.id, f"frenzy: no result within {timeout_s}s")
+            raise DispatchError(f"training on pool {pool!r} did not finish within {timeout_s}s "
+                                f"(flow run {final.name} was {state.name if state else 'unscheduled'}; cancelled)",
+                                fr.id, state.name if state else None)
+        if not state.is_completed():
+            raise DispatchError(f"training on pool {pool!r} ended {state.name}: {state.message or ''}".rstrip(": "),
+                                fr.id, state.name)
+        result = state.result(raise_on_failure=True)
+        return result if isinstance(result, dict) else {"result": result}
+    except BaseException as err:
+        if flow_run_id is not None and not isinstance(err, DispatchError):
+            _cancel(flow_run_id, f"frenzy: dispatcher stopped ({type(err).__name__})")
+        raise
+    finally:
+        slots.__exit__(None, None, None)
