@@ -51,6 +51,7 @@ class ClusterState:
     nodes: list[Node]
     running: list[RunningJob] = field(default_factory=list)
     inter_node_gbps: dict[str, float] = field(default_factory=dict)  # pool -> bandwidth
+    gpu_memory_gib: dict[str, float] = field(default_factory=dict)  # gpu_type -> device memory (custom types too)
 
 
 @dataclass(slots=True)

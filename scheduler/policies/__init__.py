@@ -1,0 +1,28 @@
+"""Policy registry: ``get_policy(name)`` builds a fresh policy (policies keep per-job caches).
+
+A plain dict so every policy module adds one line; all policies implement
+``scheduler.types.Policy`` and run unchanged live and in the simulator.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from estimator.errors import FrenzyInputError
+from scheduler.types import Policy
+
+from .frenzy import FrenzyPolicy
+from .frenzy_paper import FrenzyPaperPolicy
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    "frenzy": FrenzyPolicy,
+    "frenzy-paper": FrenzyPaperPolicy,
+}
+
+
+def get_policy(name: str, **kwargs: Any) -> Policy:
+    """A new instance of the policy registered as ``name`` (keyword arguments go to it)."""
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise FrenzyInputError("policy", f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+    return factory(**kwargs)

@@ -1,0 +1,271 @@
+"""The cluster file: pools of identical nodes, one GPU type per pool (one Prefect work pool each).
+
+Contract (cluster YAML)::
+
+    pools:                          # required, at least one
+      - name: a100                  # unique; node ids are <name>-<i>
+        gpu: A100-80GB              # a catalog name or a name defined under gpu_types
+        nodes: 2
+        gpus_per_node: 8
+        inter_node_gbps: 200        # optional, Gbit/s per node; default: the GPU class's typical figure
+        addresses: [10.0.0.1, 10.0.0.2]   # optional, one per node
+        devices: [0, 1, 2, 3]       # optional: physical device indices on each node (default 0..n-1)
+    gpu_types:                      # optional: GPU types the catalog lacks
+      B200-192GB: {memory_gib: 178, bf16_tflops: 2250, mem_bw_gbs: 8000, intra_link: nvlink5}
+
+Every error names the file, the line, the field and the rule, and nothing is half-loaded.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from estimator.catalog import CATALOG, GPU, get_gpu, make_gpu
+from estimator.errors import FrenzyInputError
+
+from .types import ClusterState, Node
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+POOL_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "inter_node_gbps", "addresses", "devices")
+
+
+class Pool(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    gpu: str
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(..., ge=1)
+    inter_node_gbps: float | None = Field(None, gt=0)
+    addresses: list[str] | None = None
+    devices: list[int] | None = None
+
+    def node_ids(self) -> list[str]:
+        return [f"{self.name}-{i}" for i in range(self.nodes)]
+
+    def device_indices(self) -> list[int]:
+        return list(self.devices) if self.devices is not None else list(range(self.gpus_per_node))
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class Cluster(BaseModel):
+    """Pools plus the cluster's own GPU types (merged over the catalog for this cluster only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pools: list[Pool]
+    gpu_types: dict[str, GPU] = Field(default_factory=dict)
+
+    def gpu(self, name: str) -> GPU:
+        return get_gpu(name, self.gpu_types)
+
+    def gpu_catalog(self) -> dict[str, GPU]:
+        """GPU type -> GPU for every type this cluster uses."""
+        return {p.gpu: self.gpu(p.gpu) for p in self.pools}
+
+    def pool(self, name: str) -> Pool:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise FrenzyInputError("pool", f"unknown pool {name!r}; pools: {', '.join(p.name for p in self.pools)}")
+
+    def nodes(self) -> Iterator[tuple[str, Pool]]:
+        """``(node_id, pool)`` for every node, node ids ``<pool>-<i>``."""
+        for p in self.pools:
+            for nid in p.node_ids():
+                yield nid, p
+
+    def inventory(self) -> dict[str, int]:
+        """GPU type -> number of GPUs."""
+        inv: dict[str, int] = {}
+        for p in self.pools:
+            inv[p.gpu] = inv.get(p.gpu, 0) + p.gpus
+        return inv
+
+    def gpus_per_node(self) -> dict[str, int]:
+        """GPU type -> the largest node of that type (what one NVLink/PCIe domain can hold)."""
+        out: dict[str, int] = {}
+        for p in self.pools:
+            out[p.gpu] = max(out.get(p.gpu, 0), p.gpus_per_node)
+        return out
+
+    def inter_node_gbps(self, pool: str) -> float:
+        p = self.pool(pool)
+        return p.inter_node_gbps if p.inter_node_gbps else self.gpu(p.gpu).inter_node_gbps
+
+    def initial_state(self) -> ClusterState:
+        """Every GPU free, nothing running."""
+        nodes = []
+        for p in self.pools:
+            g = self.gpu(p.gpu)
+            for nid in p.node_ids():
+                nodes.append(Node(node_id=nid, pool=p.name, gpu_type=p.gpu, gpus=p.gpus_per_node,
+                                  free=sorted(p.device_indices()), intra_link=g.intra_link))
+        return ClusterState(nodes=nodes, running=[],
+                            inter_node_gbps={p.name: self.inter_node_gbps(p.name) for p in self.pools},
+                            gpu_memory_gib={t: g.memory_gib for t, g in self.gpu_catalog().items()})
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+class _LineLoader(yaml.SafeLoader):
+    """A SafeLoader that remembers the line of every mapping and of every mapping key."""
+
+
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> dict:
+    mapping = _LineDict(loader.construct_mapping(node, deep=True))
+    mapping.line = node.start_mark.line + 1
+    mapping.key_lines = {k.value: k.start_mark.line + 1 for k, _ in node.value if hasattr(k, "value")}
+    return mapping
+
+
+class _LineDict(dict):
+    line: int = 0
+    key_lines: dict[str, int] = {}
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _line(obj: Any, key: str | None = None) -> int | None:
+    if isinstance(obj, _LineDict):
+        if key is not None and key in obj.key_lines:
+            return obj.key_lines[key]
+        return obj.line
+    return None
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read and validate a cluster YAML file (see module docstring)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise FrenzyInputError("cluster", f"file {str(p)!r} does not exist") from None
+    except OSError as e:
+        raise FrenzyInputError("cluster", f"cannot read {str(p)!r}: {e.strerror}") from None
+    return parse_cluster(text, source=str(p))
+
+
+def parse_cluster(text: str, source: str = "cluster") -> Cluster:
+    """Validate cluster YAML text; ``source`` names it in errors."""
+    try:
+        data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise FrenzyInputError(f"{source}{where}", f"is not valid YAML ({getattr(e, 'problem', e)})") from None
+    return cluster_from_dict(data, source=source)
+
+
+def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
+    """Validate a cluster given as a mapping (a parsed YAML file, a block's value, ...)."""
+
+    def err(obj: Any, key: str | None, field: str, rule: str) -> FrenzyInputError:
+        ln = _line(obj, key)
+        return FrenzyInputError(f"{source}{f' line {ln}' if ln else ''}: {field}", rule)
+
+    if not isinstance(data, dict):
+        raise FrenzyInputError(source, "must be a mapping with a 'pools' list")
+    unknown = set(data) - {"pools", "gpu_types"}
+    if unknown:
+        k = sorted(unknown)[0]
+        raise err(data, k, k, "unknown top-level key; allowed: pools, gpu_types")
+
+    # custom GPU types first: pools may use them
+    extra: dict[str, GPU] = {}
+    gt = data.get("gpu_types") or {}
+    if not isinstance(gt, dict):
+        raise err(data, "gpu_types", "gpu_types", "must be a mapping of GPU type name -> fields")
+    for name, fields in gt.items():
+        name = str(name)
+        if name in CATALOG:
+            raise err(gt, name, f"gpu_types.{name}", "is already a catalog GPU type; choose another name")
+        if not _NAME.match(name):
+            raise err(gt, name, f"gpu_types.{name}", "name must be letters, digits, '.', '_' or '-'")
+        if not isinstance(fields, dict):
+            raise err(gt, name, f"gpu_types.{name}", "must be a mapping of GPU fields (memory_gib, bf16_tflops, ...)")
+        for k in fields:
+            if k not in GPU.model_fields or k == "name":
+                raise err(fields, k, f"gpu_types.{name}.{k}",
+                          f"unknown field; allowed: {', '.join(f for f in GPU.model_fields if f != 'name')}")
+        for need in ("memory_gib",):
+            if need not in fields:
+                raise err(fields, None, f"gpu_types.{name}.{need}", "is required")
+        if not any(k in fields for k in ("bf16_tflops", "fp16_tflops")):
+            raise err(fields, None, f"gpu_types.{name}.bf16_tflops", "give bf16_tflops or fp16_tflops")
+        try:
+            extra[name] = make_gpu(name, dict(fields))
+        except FrenzyInputError as e:
+            raise err(fields, e.field.rsplit(".", 1)[-1], e.field, e.rule) from None
+
+    pools_raw = data.get("pools")
+    if not isinstance(pools_raw, list) or not pools_raw:
+        raise err(data, "pools", "pools", "must be a non-empty list of {name, gpu, nodes, gpus_per_node}")
+    pools: list[Pool] = []
+    seen: dict[str, int] = {}
+    for i, raw in enumerate(pools_raw):
+        where = f"pools[{i}]"
+        if not isinstance(raw, dict):
+            raise err(data, "pools", where, "must be a mapping {name, gpu, nodes, gpus_per_node}")
+        for k in raw:
+            if k not in POOL_KEYS:
+                raise err(raw, k, f"{where}.{k}", f"unknown key; allowed: {', '.join(POOL_KEYS)}")
+        for k in ("name", "gpu", "gpus_per_node"):
+            if k not in raw:
+                raise err(raw, None, f"{where}.{k}", "is required")
+        name = raw["name"]
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise err(raw, "name", f"{where}.name", "must be 1-63 letters, digits, '.', '_' or '-', starting alphanumeric")
+        if name in seen:
+            raise err(raw, "name", f"{where}.name", f"duplicate pool name {name!r} (also pools[{seen[name]}])")
+        seen[name] = i
+        gpu = raw["gpu"]
+        if not isinstance(gpu, str) or (gpu not in CATALOG and gpu not in extra):
+            known = ", ".join(sorted(set(CATALOG) | set(extra)))
+            raise err(raw, "gpu", f"{where}.gpu", f"unknown GPU type {gpu!r}; known types: {known} "
+                                                  "(or define it under gpu_types)")
+        for k in ("nodes", "gpus_per_node"):
+            v = raw.get(k, 1)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise err(raw, k, f"{where}.{k}", f"must be a whole number >= 1 (got {v!r})")
+        nodes = raw.get("nodes", 1)
+        gpn = raw["gpus_per_node"]
+        bw = raw.get("inter_node_gbps")
+        if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float)) or bw <= 0):
+            raise err(raw, "inter_node_gbps", f"{where}.inter_node_gbps", f"must be a number > 0 (Gbit/s), got {bw!r}")
+        addrs = raw.get("addresses")
+        if addrs is not None:
+            if not isinstance(addrs, list) or not all(isinstance(a, str) and a for a in addrs):
+                raise err(raw, "addresses", f"{where}.addresses", "must be a list of host names/addresses")
+            if len(addrs) != nodes:
+                raise err(raw, "addresses", f"{where}.addresses", f"needs one address per node ({nodes}), got {len(addrs)}")
+            if len(set(addrs)) != len(addrs):
+                raise err(raw, "addresses", f"{where}.addresses", "addresses must be distinct")
+        devs = raw.get("devices")
+        if devs is not None:
+            if (not isinstance(devs, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devs)
+                    or len(set(devs)) != len(devs)):
+                raise err(raw, "devices", f"{where}.devices", "must be a list of distinct device indices >= 0")
+            if len(devs) != gpn:
+                raise err(raw, "devices", f"{where}.devices", f"needs gpus_per_node ({gpn}) indices, got {len(devs)}")
+        pools.append(Pool(name=name, gpu=gpu, nodes=nodes, gpus_per_node=gpn,
+                          inter_node_gbps=float(bw) if bw is not None else None,
+                          addresses=list(addrs) if addrs is not None else None,
+                          devices=list(devs) if devs is not None else None))
+    return Cluster(pools=pools, gpu_types=extra)
+
+
+def dump_cluster(cluster: Cluster) -> str:
+    """The cluster as contract YAML (round-trips through ``parse_cluster``)."""
+    data: dict[str, Any] = {"pools": [p.model_dump(exclude_none=True) for p in cluster.pools]}
+    if cluster.gpu_types:
+        data["gpu_types"] = {n: g.model_dump(exclude={"name"}) for n, g in cluster.gpu_types.items()}
+    return yaml.safe_dump(data, sort_keys=False)
