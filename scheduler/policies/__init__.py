@@ -10,12 +10,20 @@ from typing import Any, Callable
 from estimator.errors import FrenzyInputError
 from scheduler.types import Policy
 
+from .fifo_user import FifoUser
 from .frenzy import FrenzyPolicy
 from .frenzy_paper import FrenzyPaperPolicy
+from .gavel import Gavel
+from .sia import Sia
+from .tiresias import Tiresias
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "frenzy": FrenzyPolicy,
     "frenzy-paper": FrenzyPaperPolicy,
+    "fifo-user": FifoUser,
+    "gavel": Gavel,
+    "sia": Sia,
+    "tiresias": Tiresias,
 }
 
 
