@@ -1,0 +1,156 @@
+"""Training tokens for the training program: synthetic, a text file, JSONL, or a `datasets`
+folder saved to disk; tokenised offline (byte-level, or a tokenizer from a local folder).
+
+Also ``check_data``: the same loaders' preconditions, checked in the orchestrator before any
+process starts, so a missing file or an unloadable tokenizer fails with a message naming it.
+Torch is imported lazily (the checks run where torch may be absent or unwanted).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from estimator.errors import FrenzyInputError
+
+BYTE_VOCAB = 256
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
+
+
+def _datasets_folder_ok(p: Path) -> bool:
+    # save_to_disk writes state.json + dataset_info.json (Dataset) or dataset_dict.json (DatasetDict)
+    return (p / "state.json").is_file() or (p / "dataset_dict.json").is_file()
+
+
+def load_tokenizer(name: str):
+    """A tokenizer from a local folder, offline. Raises FrenzyInputError naming the folder."""
+    p = Path(name)
+    if not p.is_dir():
+        raise FrenzyInputError("data.tokenizer", f"must be 'byte' or a local tokenizer folder; {name!r} is not a folder")
+    if not any((p / f).is_file() for f in _TOKENIZER_FILES):
+        raise FrenzyInputError("data.tokenizer", f"folder {name!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:
+        msg = " ".join(str(e).split())[:200]
+        raise FrenzyInputError("data.tokenizer", f"cannot load tokenizer from {name!r} offline: {msg}") from None
+
+
+def tokenizer_vocab(data: dict[str, Any]) -> int:
+    if data.get("tokenizer", "byte") == "byte":
+        return BYTE_VOCAB
+    return len(load_tokenizer(data["tokenizer"]))
+
+
+def check_data(data: dict[str, Any], *, vocab: int, seq_len: int) -> None:
+    """Fail before launch if the data or tokenizer cannot be used, naming the file or setting."""
+    kind = data.get("kind", "synthetic")
+    path = data.get("path")
+    if kind in ("text", "jsonl"):
+        if not path or not Path(path).is_file():
+            raise FrenzyInputError("data.path", f"{kind} file not found: {path!r}")
+    elif kind == "datasets":
+        if not path or not Path(path).is_dir():
+            raise FrenzyInputError("data.path", f"datasets folder not found: {path!r}")
+        if not _datasets_folder_ok(Path(path)):
+            raise FrenzyInputError("data.path", f"{path!r} is not a folder written by datasets' save_to_disk "
+                                                "(no state.json or dataset_dict.json)")
+        try:
+            import datasets  # noqa: F401
+        except ImportError:
+            raise FrenzyInputError("data.kind", "'datasets' needs the datasets package (pip install datasets)") from None
+    if kind != "synthetic":
+        tv = tokenizer_vocab(data)
+        if tv > vocab:
+            raise FrenzyInputError("data.tokenizer", f"its vocabulary ({tv}) is larger than the model's vocab ({vocab})")
+        n = len(token_stream(data)) if kind in ("text", "jsonl") else None
+        if n is not None and n < seq_len + 1:
+            raise FrenzyInputError("data.path", f"{path!r} holds {n} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+
+
+def _texts(data: dict[str, Any]) -> list[str]:
+    kind, path, field = data.get("kind"), data.get("path"), data.get("text_field", "text")
+    if kind == "text":
+        return [Path(path).read_text(encoding="utf-8", errors="replace")]
+    if kind == "jsonl":
+        out = []
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise FrenzyInputError("data.path", f"{path}:{i} is not JSON ({e.msg})") from None
+                if not isinstance(rec, dict) or field not in rec:
+                    raise FrenzyInputError("data.text_field", f"{path}:{i} has no field {field!r}")
+                out.append(str(rec[field]))
+        return out
+    if kind == "datasets":
+        import datasets
+
+        ds = datasets.load_from_disk(path)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+        if field not in ds.column_names:
+            raise FrenzyInputError("data.text_field", f"datasets folder {path!r} has no column {field!r} "
+                                                      f"(columns: {', '.join(ds.column_names)})")
+        return [str(t) for t in ds[field]]
+    raise FrenzyInputError("data.kind", f"unknown kind {kind!r}")
+
+
+def token_stream(data: dict[str, Any]) -> list[int]:
+    """All documents tokenised and concatenated (documents separated by EOS / a newline byte)."""
+    texts = _texts(data)
+    if data.get("tokenizer", "byte") == "byte":
+        out: list[int] = []
+        for t in texts:
+            out.extend(t.encode("utf-8"))
+            out.append(10)
+        return out
+    tok = load_tokenizer(data["tokenizer"])
+    sep = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    out = []
+    for t in texts:
+        out.extend(tok.encode(t, add_special_tokens=False))
+        out.extend(sep)
+    return out
+
+
+class TokenSource:
+    """Sequence number -> ``seq_len`` tokens, deterministic, independent of the parallel plan.
+
+    Optimizer step ``s`` always consumes sequences ``[s * G, (s + 1) * G)`` (G: global batch),
+    however they are split over ranks and micro-batches, so a resumed or re-planned run sees
+    exactly the data the failed one would have.
+    """
+
+    def __init__(self, data: dict[str, Any], *, seq_len: int, vocab: int, seed: int):
+        import torch
+
+        self.seq_len, self.vocab, self.seed = seq_len, vocab, seed
+        self.kind = data.get("kind", "synthetic")
+        self.tokens = None
+        if self.kind != "synthetic":
+            self.tokens = torch.tensor(token_stream(data), dtype=torch.long)
+            self.windows = max(1, (len(self.tokens) - 1) // seq_len)
+
+    def sequence(self, n: int):
+        import torch
+
+        if self.tokens is None:
+            # Learnable synthetic text: arithmetic progressions modulo the vocabulary, with a
+            # random start and a small random stride per sequence, so the loss really falls.
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + n)
+            start = int(torch.randint(0, self.vocab, (1,), generator=g))
+            stride = int(torch.randint(1, 8, (1,), generator=g))
+            return (start + stride * torch.arange(self.seq_len)) % self.vocab
+        w = n % self.windows
+        return self.tokens[w * self.seq_len: w * self.seq_len + self.seq_len]
+
+    def batch(self, first: int, count: int):
+        import torch
+
+        return torch.stack([self.sequence(first + i) for i in range(count)])

@@ -1,0 +1,226 @@
+"""From a plan to the files that launch it: Accelerate config, DeepSpeed config, training spec.
+
+Everything here is plain data (dicts, YAML/JSON files) derived from ``Plan`` + ``TrainingJob``;
+the files are saved in the run folder so a person can rerun exactly what Frenzy ran with
+``accelerate launch --config_file accelerate.yaml -m trainer.train --run-dir <run_dir>``.
+
+The trainer realises data parallelism (+ ZeRO 1-3 and offload through DeepSpeed): plans with
+tensor, pipeline or context parallelism need Megatron-style model code and are refused here
+with an error naming the setting, before anything starts.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+
+from estimator.errors import FrenzyInputError
+from estimator.job import TrainingJob
+from estimator.plan import Plan
+
+ACCELERATE_FILE = "accelerate.yaml"
+DEEPSPEED_FILE = "deepspeed.json"
+SPEC_FILE = "train_spec.json"
+
+_MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+def is_cpu_plan(plan: Plan) -> bool:
+    """The CPU pseudo GPU type (training processes over gloo on this machine)."""
+    return plan.gpu_type.upper() == "CPU"
+
+
+def check_realisable(plan: Plan) -> None:
+    """Refuse what the trainer cannot run, naming the setting."""
+    for knob in ("tp", "pp", "cp"):
+        if getattr(plan, knob) != 1:
+            raise FrenzyInputError(
+                f"plan.{knob}", f"must be 1: the trainer runs data parallel + ZeRO only (got {getattr(plan, knob)})")
+    if plan.gpus != plan.dp:
+        raise FrenzyInputError("plan.gpus", f"must equal plan.dp for a data-parallel run (gpus={plan.gpus}, dp={plan.dp})")
+    if plan.offload != "none" and plan.zero == 0:
+        raise FrenzyInputError("plan.offload", f"{plan.offload!r} needs ZeRO (zero >= 1); got zero=0")
+    if plan.offload == "optimizer+params" and plan.zero != 3:
+        raise FrenzyInputError("plan.offload", f"'optimizer+params' needs zero=3 (got zero={plan.zero})")
+
+
+def accelerate_config(plan: Plan, *, num_machines: int = 1, machine_rank: int = 0,
+                      main_address: str | None = None, main_port: int = 29500, cpu: bool = False,
+                      deepspeed_config_file: str = DEEPSPEED_FILE) -> dict[str, Any]:
+    """The Accelerate config (as ``accelerate config`` writes it) for ``plan``.
+
+    ``plan.gpus`` processes in total over ``num_machines`` machines. Mixed precision comes from
+    ``plan.precision`` (fp32 master weights always); with ZeRO the DeepSpeed file carries it.
+    """
+    check_realisable(plan)
+    if num_machines < 1 or not 0 <= machine_rank < num_machines:
+        raise FrenzyInputError("machine_rank", f"must be in [0, {num_machines}) (got {machine_rank})")
+    if plan.gpus % num_machines:
+        raise FrenzyInputError("num_machines", f"must divide plan.gpus={plan.gpus} (got {num_machines})")
+    if num_machines > 1 and not main_address:
+        raise FrenzyInputError("main_address", "required when num_machines > 1")
+    cfg: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "num_machines": num_machines,
+        "num_processes": plan.gpus,
+        "machine_rank": machine_rank,
+        "main_process_port": int(main_port),
+        "rdzv_backend": "static",
+        "same_network": True,
+        "gpu_ids": "all",
+        "use_cpu": bool(cpu),
+        "main_training_function": "main",
+        "downcast_bf16": "no",
+    }
+    if main_address:
+        cfg["main_process_ip"] = main_address
+    if plan.zero > 0:
+        cfg["distributed_type"] = "DEEPSPEED"
+        cfg["deepspeed_config"] = {"deepspeed_config_file": deepspeed_config_file,
+                                   "zero3_init_flag": plan.zero == 3}
+        # With a DeepSpeed file, Accelerate insists mixed precision is left to that file.
+    else:
+        cfg["distributed_type"] = "MULTI_GPU" if plan.gpus > 1 else "NO"
+        cfg["mixed_precision"] = _MIXED[plan.precision]
+    return cfg
+
+
+def deepspeed_config(plan: Plan, job: TrainingJob) -> dict[str, Any] | None:
+    """The DeepSpeed config for a ZeRO plan (None when ``plan.zero == 0``).
+
+    The batch triple keeps the job's global batch: micro_batch x grad_accum x dp == global_batch.
+    """
+    if plan.zero == 0:
+        return None
+    check_realisable(plan)
+    if plan.global_batch != job.global_batch:
+        raise FrenzyInputError(
+            "plan.grad_accum",
+            f"micro_batch x grad_accum x dp must equal the job's global_batch {job.global_batch} "
+            f"(got {plan.micro_batch} x {plan.grad_accum} x {plan.dp} = {plan.global_batch})")
+    zero: dict[str, Any] = {"stage": plan.zero, "overlap_comm": False, "contiguous_gradients": True,
+                            "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7}
+    if plan.offload in ("optimizer", "optimizer+params"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not is_cpu_plan(plan)}
+    if plan.offload == "optimizer+params":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": not is_cpu_plan(plan)}
+    if plan.zero == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    return {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": plan.precision == "bf16"},
+        "fp16": {"enabled": plan.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        # The training program checkpoints activations itself (Hugging Face gradient
+        # checkpointing, per plan.act_ckpt); this section records the choice and keeps
+        # DeepSpeed's own partitioning off (it needs Megatron-style model code).
+        "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                     "contiguous_memory_optimization": False,
+                                     "number_checkpoints": None, "synchronize_checkpoint_boundary": False,
+                                     "profile": False},
+        "zero_allow_untested_optimizer": True,   # the program passes a torch optimizer
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def validate_deepspeed_config(cfg: dict[str, Any], *, dp: int | None = None) -> None:
+    """Check ``cfg`` with DeepSpeed's own config class (batch triple, ZeRO, offload and precision
+    sections); raise ``FrenzyInputError("deepspeed_config", ...)`` naming what it rejects.
+
+    DeepSpeed's class takes the world size from an initialised process group and falls back to
+    1 without one (its ``mpu`` argument is ignored then), so the data-parallel factor ``dp`` is
+    checked here and DeepSpeed checks the per-rank triple. DeepSpeed is imported lazily.
+    """
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except ImportError as e:  # pragma: no cover - deepspeed is a dependency
+        raise FrenzyInputError("deepspeed_config", f"ZeRO plans need the deepspeed package ({e})") from None
+    try:
+        tb, mb, ga = cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+    except KeyError as e:
+        raise FrenzyInputError("deepspeed_config", f"missing {e.args[0]}") from None
+    per_rank = dict(cfg)
+    if dp is not None:
+        if tb != mb * ga * dp:
+            raise FrenzyInputError("deepspeed_config", f"train_batch_size {tb} != micro batch {mb} x grad accum {ga} x dp {dp}")
+        per_rank["train_batch_size"] = mb * ga
+    try:
+        DeepSpeedConfig(per_rank)
+    except Exception as e:  # DeepSpeed raises AssertionError / ValueError / pydantic errors
+        msg = " ".join(str(e).split()) or type(e).__name__
+        raise FrenzyInputError("deepspeed_config", f"rejected by DeepSpeed: {msg[:300]}") from None
+
+
+def training_spec(job: TrainingJob, plan: Plan) -> dict[str, Any]:
+    """What the training program needs, as plain JSON (it never imports pydantic models).
+
+    The model is resolved here, in the orchestrator, through the estimator's one model
+    resolver, so the program trains exactly the architecture that was estimated.
+    """
+    from estimator.models import resolve_model  # the estimator's (H1) single source of models
+
+    spec = resolve_model(job.model)
+    hf = spec.hf_config()
+    entry = getattr(job, "entry_point", None)
+    if entry is None and hf.get("model_type") == "bert":
+        raise FrenzyInputError("model", "bert is not a causal language model; the trainer trains causal LMs "
+                                        "(give an entry_point for a custom model)")
+    return {
+        "job_name": job.name,
+        "hf_config": hf,
+        "entry_point": entry,
+        "seq_len": job.seq_len,
+        "global_batch": job.global_batch,
+        "steps": job.steps,
+        "lr": job.lr,
+        "seed": job.seed,
+        "checkpoint_every": job.checkpoint_every,
+        "data": job.data.model_dump(),
+        "plan": plan.model_dump(),
+    }
+
+
+class Paths(NamedTuple):
+    """The launch files of one attempt, all inside the run folder."""
+
+    run_dir: Path
+    accelerate: Path
+    deepspeed: Path | None
+    spec: Path
+
+
+def write_launch_files(run_dir: str | Path, plan: Plan, job: TrainingJob, *, num_machines: int = 1,
+                       machine_rank: int = 0, main_address: str | None = None, main_port: int = 29500,
+                       cpu: bool | None = None, validate: bool = True) -> Paths:
+    """Write accelerate.yaml, deepspeed.json (ZeRO plans, validated first) and train_spec.json.
+
+    Nothing is written when any check fails, so a rejected plan leaves no half-made run folder.
+    """
+    run_dir = Path(run_dir)
+    cpu = is_cpu_plan(plan) if cpu is None else cpu
+    ds = deepspeed_config(plan, job)
+    if ds is not None and validate:
+        validate_deepspeed_config(ds, dp=plan.dp)
+    spec = training_spec(job, plan)
+    acc = accelerate_config(plan, num_machines=num_machines, machine_rank=machine_rank,
+                            main_address=main_address, main_port=main_port, cpu=cpu,
+                            deepspeed_config_file=str((run_dir / DEEPSPEED_FILE).resolve()))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    acc_path = run_dir / ACCELERATE_FILE
+    acc_path.write_text(yaml.safe_dump(acc, sort_keys=False))
+    ds_path = None
+    if ds is not None:
+        ds_path = run_dir / DEEPSPEED_FILE
+        ds_path.write_text(json.dumps(ds, indent=2))
+    else:
+        (run_dir / DEEPSPEED_FILE).unlink(missing_ok=True)   # a fallback from ZeRO to none
+    spec_path = run_dir / SPEC_FILE
+    spec_path.write_text(json.dumps(spec, indent=2))
+    return Paths(run_dir, acc_path, ds_path, spec_path)

@@ -1,0 +1,164 @@
+"""Run a training launcher (``accelerate launch`` / ``torchrun``) as a child process group.
+
+Why a subprocess in its own session (see /work/shared/notes/prefect.md section 9): torch's
+launchers install signal handlers and fork workers, neither of which is safe inside a Prefect
+task thread, and CUDA must never be initialised in the orchestrating process. The deadline
+does not depend on the child printing anything (a reader thread pumps the output while the
+caller waits on the process), and whatever ends the wait - the deadline, an exception, a
+KeyboardInterrupt (Prefect cancellation) - the whole tree is killed. Torch elastic starts each
+rank in a session of its own, so ranks are not in the launcher's process group: we collect all
+descendants with psutil *before* signalling and signal each of them too.
+
+No prefect and no torch here: the flow passes ``on_line`` (its run logger) and we stay testable
+with plain subprocesses.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import psutil
+
+# A line that means CUDA (or the injected rehearsal of it) ran out of memory.
+OOM_MARKERS = ("FRENZY_OOM", "CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory")
+TAIL_LINES = 200
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed: bool = False,
+               base: Mapping[str, str] | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The child's environment: the allocated devices and nothing else visible.
+
+    ``devices`` are what the ledger allocated (GPU indices or UUIDs); on a CPU plan they are
+    labels only and every GPU is hidden. ``attempt`` tells the training program which attempt
+    it is (``FRENZY_INJECT_OOM_AT_STEP`` fires on the first only).
+    """
+    env = dict(os.environ if base is None else base)
+    env["CUDA_VISIBLE_DEVICES"] = "" if cpu else ",".join(str(d) for d in devices)
+    env["FRENZY_ATTEMPT"] = str(attempt)
+    env["PYTHONUNBUFFERED"] = "1"
+    # The training program is run as `-m trainer.train`: the repo root must be importable even
+    # when the project is not installed (the GPU check runs it straight from a checkout).
+    paths = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    # DeepSpeed compiles a small op on first use; keep the build where reruns and CI find it.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "frenzy" / "torch_extensions"))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["HF_HUB_OFFLINE"] = "1"           # never reach a hub from a training run
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    if cpu:
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if deepspeed:
+            env["DS_ACCELERATOR"] = "cpu"
+        else:
+            # Accelerate's multi-process launcher only picks gloo-on-CPU when told so by env:
+            # `use_cpu` in a config file does not reach the ranks (verified, accelerate 1.15).
+            env["ACCELERATE_USE_CPU"] = "true"
+    if extra:
+        env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port free right now on loopback (for the rendezvous of one attempt)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_tree(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the child's group and every descendant, wait ``grace_s``, then SIGKILL the rest."""
+    try:
+        parent = psutil.Process(proc.pid)
+        tree = [parent] + parent.children(recursive=True)   # collected before any signal
+    except psutil.NoSuchProcess:
+        tree = []
+    pgids = set()
+    for p in tree:
+        try:
+            pgids.add(os.getpgid(p.pid))
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def signal_all(sig: int) -> None:
+        for pg in pgids:
+            try:
+                os.killpg(pg, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for p in tree:
+            try:
+                p.send_signal(sig)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+
+    signal_all(signal.SIGTERM)
+    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    if alive:
+        signal_all(signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=10)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_process_group(cmd: list[str], env: Mapping[str, str] | None, deadline_s: float | None,
+                      on_line: Callable[[str], None] | None = None, grace_s: float = 30.0,
+                      cwd: str | os.PathLike | None = None) -> tuple[int | None, bool, list[str]]:
+    """Run ``cmd`` (an argument list, never a shell string) in a new session.
+
+    Every output line (stdout and stderr merged) goes to ``on_line`` as it arrives. Returns
+    ``(returncode or None when the deadline passed, oom_seen, last lines)``. On timeout, on an
+    exception in the caller's thread or a KeyboardInterrupt the whole process tree is killed
+    (SIGTERM, ``grace_s``, SIGKILL) before this returns or re-raises.
+    """
+    if isinstance(cmd, (str, bytes)):
+        raise TypeError("cmd must be a list of arguments, not a shell string")
+    proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, cwd=cwd,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace", bufsize=1, start_new_session=True)
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    oom = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip("\n")
+            tail.append(line)
+            if any(m in line for m in OOM_MARKERS):
+                oom.set()
+            if on_line is not None:
+                try:
+                    on_line(line)
+                except Exception:  # a broken logger must not stall the pipe (the child would block)
+                    pass
+
+    reader = threading.Thread(target=pump, name="frenzy-launch-reader", daemon=True)
+    reader.start()
+    rc: int | None = None
+    try:
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        while True:  # short waits so a KeyboardInterrupt reaches us promptly in the main thread
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                rc = None
+                break
+            try:
+                rc = proc.wait(timeout=1.0 if left is None else min(1.0, left))
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc, grace_s)
+        reader.join(10)
+    return rc, oom.is_set(), list(tail)

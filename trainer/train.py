@@ -1,0 +1,371 @@
+"""The training program that ``accelerate launch`` runs on every rank.
+
+    accelerate launch --config_file <run>/accelerate.yaml -m trainer.train --run-dir <run>
+
+It reads ``<run>/train_spec.json`` (plain JSON written by ``trainer.launch_config``: the Hugging
+Face config of the model, data, batch geometry, the plan), builds a causal LM from that config
+with transformers (no hub download) or calls the user's ``module:function``, trains with
+Accelerate (DeepSpeed ZeRO when the plan says so), checkpoints with ``save_state`` every N steps
+and at the end, resumes from the newest checkpoint, and speaks to the runner in single lines:
+
+    FRENZY_RESUME {"step": 4, "mode": "full"}
+    FRENZY_STEP {"step": 5, "loss": 5.41, "step_time_s": 0.12, "tokens": 1024, "lr": 0.0003}
+    FRENZY_RESULT {"steps": 8, "step_time_s": ..., "tokens_per_s": ..., "memory_measured": false, ...}
+    FRENZY_OOM {"step": 3, "rank": 0, "injected": true}
+    FRENZY_ERROR {"type": "ValueError", "message": "...", "transient": false}
+
+Rank and world come from the launcher's environment (RANK / WORLD_SIZE), not from Accelerate's
+state: on CPU, Accelerate's DeepSpeed path reports every rank as process 0 of 1 (accelerate 1.15).
+Imports only torch, transformers, accelerate (+ deepspeed for ZeRO): no pydantic models, no
+prefect, so it runs on a bare GPU box from a checkout.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+GIB = 1024 ** 3
+
+
+def emit(tag: str, payload: dict[str, Any]) -> None:
+    print(f"{tag} {json.dumps(payload, separators=(', ', ': '))}", flush=True)
+
+
+class InputProblem(Exception):
+    """Bad input found inside the program (a retry would fail the same way)."""
+
+
+def dist_info() -> tuple[int, int, int]:
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return rank, world, local
+
+
+# ---------------------------------------------------------------------------------------- model
+def build_model(spec: dict[str, Any]):
+    import torch
+
+    hf = dict(spec["hf_config"])
+    attn = "sdpa" if spec["plan"].get("attention", "flash") == "flash" else "eager"
+    if spec.get("entry_point"):
+        mod_name, _, fn_name = spec["entry_point"].partition(":")
+        try:
+            fn = getattr(importlib.import_module(mod_name), fn_name)
+        except (ImportError, AttributeError) as e:
+            raise InputProblem(f"entry_point: cannot import {spec['entry_point']!r} ({e})") from None
+        model = fn(hf)
+        if not isinstance(model, torch.nn.Module):
+            raise InputProblem(f"entry_point: {spec['entry_point']!r} returned {type(model).__name__}, not a torch module")
+        return model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**hf)
+    cfg.use_cache = False
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+
+
+def apply_activation_checkpointing(model, mode: str) -> str:
+    """``full``: recompute every block (HF gradient checkpointing). ``selective``: recompute only
+    the attention sub-modules (the part whose activations grow fastest), as Megatron's selective
+    recomputation does. Returns what was applied."""
+    if mode == "none":
+        return "none"
+    import torch.utils.checkpoint as ckpt
+
+    if mode == "selective":
+        wrapped = 0
+        for name, module in model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("attn", "self_attn", "attention") and hasattr(module, "forward"):
+                orig = module.forward
+
+                def fwd(*args, __orig=orig, **kwargs):
+                    return ckpt.checkpoint(__orig, *args, use_reentrant=False, **kwargs)
+
+                module.forward = fwd
+                wrapped += 1
+        if wrapped:
+            return f"selective ({wrapped} attention modules)"
+    if hasattr(model, "gradient_checkpointing_enable") and getattr(model, "supports_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return "full"
+    return "none (model does not support it)"
+
+
+def make_optimizer(name: str, params, lr: float):
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.95))
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False)
+    if name == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise InputProblem("optimizer: adamw8bit needs the bitsandbytes package") from None
+        return bnb.optim.AdamW8bit(params, lr=lr)
+    raise InputProblem(f"optimizer: unknown {name!r}")
+
+
+def lr_at(step: int, base: float, steps: int) -> float:
+    """Linear warm-up over the first ~10% of steps (at most 100), then constant: a function of
+    the step alone, so a resumed run needs no scheduler state."""
+    warm = max(1, min(100, steps // 10))
+    return base * min(1.0, step / warm)
+
+
+# -------------------------------------------------------------------------------- measurement
+class MemoryProbe:
+    """Peak allocated/reserved from torch's caching allocator and the device's NVML used memory."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+        self.device = device
+        self.nvml = None
+        self.nvml_peak = 0.0
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+                if uuid is not None:
+                    self.nvml = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+                else:  # pragma: no cover - old torch
+                    vis = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                    self.nvml = pynvml.nvmlDeviceGetHandleByIndex(int(vis[device.index or 0]))
+            except Exception as e:  # NVML missing: allocator peaks are still measured
+                print(f"frenzy: NVML unavailable ({e}); device used memory not measured", flush=True)
+                self.nvml = None
+
+    def sample(self) -> None:
+        if self.nvml is not None:
+            import pynvml
+
+            self.nvml_peak = max(self.nvml_peak, pynvml.nvmlDeviceGetMemoryInfo(self.nvml).used / GIB)
+
+    def result(self) -> dict[str, Any]:
+        if not self.cuda:
+            return {"memory_measured": False}
+        import torch
+
+        self.sample()
+        return {"memory_measured": True,
+                "allocated_peak_gib": torch.cuda.max_memory_allocated(self.device) / GIB,
+                "reserved_peak_gib": torch.cuda.max_memory_reserved(self.device) / GIB,
+                "nvml_used_gib": self.nvml_peak if self.nvml is not None else None}
+
+
+# ----------------------------------------------------------------------------------- training
+def train(run_dir: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    from trainer import checkpoints as ck
+    from trainer.data import TokenSource
+
+    spec = json.loads((run_dir / "train_spec.json").read_text())
+    plan = spec["plan"]
+    rank, world, _local = dist_info()
+    main = rank == 0
+    attempt = int(os.environ.get("FRENZY_ATTEMPT", "1"))
+    inject = os.environ.get("FRENZY_INJECT_OOM_AT_STEP")
+    inject_at = int(inject) if inject and attempt == 1 else None
+    deepspeed = plan["zero"] > 0
+    mb, ga, dp = plan["micro_batch"], plan["grad_accum"], plan["dp"]
+    if world != dp:
+        raise InputProblem(f"plan.dp: {dp} but the launcher started {world} processes")
+    G, seq_len, steps = spec["global_batch"], spec["seq_len"], spec["steps"]
+    if mb * ga * dp != G:
+        raise InputProblem(f"plan: micro_batch {mb} x grad_accum {ga} x dp {dp} != global_batch {G}")
+
+    torch.manual_seed(spec["seed"])
+    accelerator = Accelerator() if deepspeed else Accelerator(gradient_accumulation_steps=ga)
+    device = accelerator.device
+    vocab = int(spec["hf_config"].get("vocab_size", 256))
+    source = TokenSource(spec["data"], seq_len=seq_len, vocab=vocab, seed=spec["seed"])
+
+    model = build_model(spec)
+    applied = apply_activation_checkpointing(model, plan.get("act_ckpt", "none"))
+    fmt = ck.state_format(zero=plan["zero"], world=world, offload=plan.get("offload", "none"))
+    latest = ck.latest_checkpoint(run_dir)
+    resume_mode = None
+    if latest is not None and not ck.full_resume_possible(latest.meta.get("format", {}), fmt):
+        load_weights_only(model, latest)          # before prepare: DeepSpeed then shards them
+        resume_mode = "weights"
+    optimizer = make_optimizer(plan.get("optimizer", "adamw"), model.parameters(), spec["lr"])
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if latest is not None and resume_mode is None:
+        accelerator.load_state(str(latest.path))
+        resume_mode = "full"
+    start = latest.step if latest is not None else 0
+    if main:
+        print(f"frenzy: rank 0/{world} device={device} plan={plan['gpu_type']} zero={plan['zero']} "
+              f"act_ckpt={applied} micro_batch={mb} grad_accum={ga} attempt={attempt}", flush=True)
+        if latest is not None:
+            emit("FRENZY_RESUME", {"step": start, "mode": resume_mode, "from": str(latest.path)})
+
+    probe = MemoryProbe(device)
+    step_times: list[float] = []
+    tokens_per_step = G * seq_len
+    for step in range(start + 1, steps + 1):
+        t0 = time.perf_counter()
+        if inject_at is not None and step == inject_at:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. (rehearsal injected by FRENZY_INJECT_OOM_AT_STEP={inject_at} at step {step})")
+        lr = lr_at(step, spec["lr"], steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for j in range(ga):
+            first = (step - 1) * G + (j * dp + rank) * mb
+            x = source.batch(first, mb).to(device)
+            with accelerator.accumulate(model):
+                out = model(input_ids=x, labels=x)
+                loss = out.loss if hasattr(out, "loss") else out
+                accelerator.backward(loss)
+                if not deepspeed and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            loss_sum += loss.detach().float()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(loss_sum)
+        mean_loss = float(loss_sum) / (ga * world)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        probe.sample()
+        if not math.isfinite(mean_loss):
+            raise FloatingPointError(f"loss is {mean_loss} at step {step}")
+        if main:
+            emit("FRENZY_STEP", {"step": step, "total": steps, "loss": round(mean_loss, 6),
+                                 "step_time_s": round(dt, 6), "tokens": tokens_per_step, "lr": lr})
+        if step % spec["checkpoint_every"] == 0 or step == steps:
+            save_checkpoint(accelerator, run_dir, step, fmt, main)
+
+    # Measurements: every rank's peaks, gathered to rank 0.
+    mine = {"rank": rank, **probe.result()}
+    ranks = [mine]
+    if dist.is_available() and dist.is_initialized():
+        ranks = [None] * world
+        dist.all_gather_object(ranks, mine)
+    if main:
+        timed = step_times[1:] or step_times          # the first step pays warm-up
+        st = statistics.median(timed) if timed else 0.0
+        result: dict[str, Any] = {"steps": steps, "resumed_from": start, "steps_run": len(step_times),
+                                  "step_time_s": st, "tokens_per_s": tokens_per_step / st if st else 0.0,
+                                  "memory_measured": all(r.get("memory_measured") for r in ranks),
+                                  "per_rank": ranks}
+        if result["memory_measured"]:
+            for key in ("allocated_peak_gib", "reserved_peak_gib", "nvml_used_gib"):
+                vals = [r[key] for r in ranks if r.get(key) is not None]
+                result[key] = max(vals) if vals else None
+        emit("FRENZY_RESULT", result)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def save_checkpoint(accelerator, run_dir: Path, step: int, fmt: dict[str, Any], main: bool) -> None:
+    from trainer import checkpoints as ck
+
+    path = ck.checkpoint_path(run_dir, step)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(path))
+    accelerator.wait_for_everyone()                   # every rank has written its shard
+    if main:
+        (path / ck.MARKER).write_text(json.dumps({"step": step, "format": fmt, "time": time.time()}))
+        ck.prune(run_dir, keep=2)
+        print(f"frenzy: checkpoint step {step} -> {path}", flush=True)
+    accelerator.wait_for_everyone()
+
+
+def load_weights_only(model, latest) -> None:
+    """Model weights from a checkpoint of another format (the plan changed ZeRO stage or world
+    size): Accelerate's ``model.safetensors`` or DeepSpeed's shards consolidated to fp32. The
+    optimizer restarts; the step count and the data order continue."""
+    path = latest.path
+    if (path / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(str(path / "model.safetensors"))
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    real_missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+    if real_missing or unexpected:
+        raise RuntimeError(f"checkpoint {path} does not match the model: missing {real_missing[:5]}, "
+                           f"unexpected {list(unexpected)[:5]}")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Frenzy training program (run by accelerate launch)")
+    ap.add_argument("--run-dir", required=True, type=Path)
+    args = ap.parse_args(argv)
+    rank, _, _ = dist_info()
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover
+        emit("FRENZY_ERROR", {"type": "ImportError", "message": str(e), "transient": False})
+        return 2
+    try:
+        train(args.run_dir)
+        return 0
+    except torch.OutOfMemoryError as e:
+        traceback.print_exc()
+        emit("FRENZY_OOM", {"rank": rank, "message": str(e)[:300],
+                            "injected": "FRENZY_INJECT_OOM_AT_STEP" in str(e)})
+        return 3
+    except InputProblem as e:
+        emit("FRENZY_ERROR", {"rank": rank, "type": "InputProblem", "message": str(e), "transient": False})
+        return 2
+    except Exception as e:
+        traceback.print_exc()
+        emit("FRENZY_ERROR", {"rank": rank, "type": type(e).__name__, "message": str(e)[:500],
+                              "transient": is_transient(e)})
+        return 1
+
+
+def is_transient(e: BaseException) -> bool:
+    """Failures a retry can fix: lost peers, collective timeouts, vanished nodes."""
+    import torch.distributed as dist
+
+    kinds = tuple(k for k in (getattr(dist, "DistError", None), getattr(dist, "DistBackendError", None),
+                              getattr(dist, "DistNetworkError", None), getattr(dist, "DistStoreError", None))
+                  if k is not None)
+    if kinds and isinstance(e, kinds):
+        return True
+    text = str(e)
+    return any(m in text for m in ("NCCL", "Gloo", "gloo", "Connection reset", "Connection closed",
+                                   "Broken pipe", "timed out", "Timeout", "ECC error", "unspecified launch failure"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
