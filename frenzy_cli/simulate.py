@@ -1,0 +1,144 @@
+"""`frenzy simulate` (trace-driven cluster simulation) and `frenzy workload` (ITP trace ->
+LLM training workload CSV).
+
+    frenzy workload --trace ../shared/traces/elasticflow/cluster01.csv --mix examples/workload-mix.yaml \\
+        --seed 0 --out W.csv
+    frenzy simulate --workload W.csv --cluster examples/clusters/small-3type.yaml --policy frenzy --json
+    frenzy simulate --workload W.csv --cluster C.yaml --compare frenzy,frenzy-paper,gavel,sia,fifo-user \\
+        --plot out.png
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("simulate", help="simulate a workload on a cluster under one or more policies",
+                       description=__doc__)
+    p.add_argument("--workload", required=True, help="workload CSV (see `frenzy workload`)")
+    p.add_argument("--cluster", required=True, help="cluster YAML (pools of GPU types)")
+    p.add_argument("--policy", default="frenzy", help="scheduling policy (default: frenzy)")
+    p.add_argument("--compare", help="comma-separated policies to run side by side (overrides --policy)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the truth noise (default 0)")
+    p.add_argument("--noise", type=float, default=0.1,
+                   help="lognormal sigma of real vs predicted step time and peak memory (default 0.1)")
+    p.add_argument("--startup-s", type=float, default=60.0,
+                   help="seconds every (re)start spends launching / restoring before training (default 60)")
+    p.add_argument("--tick-s", type=float, default=300.0,
+                   help="periodic tick of event-driven policies while jobs wait (default 300)")
+    p.add_argument("--plot", help="with --compare: write the JCT CDF and queue-length figure here (PNG)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (with --compare: a list, one object per policy)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=handle_simulate)
+
+    w = sub.add_parser("workload", help="map an ITP trace to an LLM training workload CSV",
+                       description=__doc__)
+    w.add_argument("--trace", required=True, help="ElasticFlow/ITP trace CSV (job_id,submission_time,duration,num_gpu)")
+    w.add_argument("--mix", required=True, help="mix YAML (see examples/workload-mix.yaml)")
+    w.add_argument("--seed", type=int, default=0, help="seed of the model/shape draws (default 0)")
+    w.add_argument("--out", required=True, help="workload CSV to write")
+    w.add_argument("--max-jobs", type=int, help="keep the first N trace jobs (after --start-s)")
+    w.add_argument("--start-s", type=float, help="first trace submission_time to keep")
+    w.add_argument("--end-s", type=float, help="keep trace jobs submitted before this time")
+    w.add_argument("--time-scale", type=float,
+                   help="divide arrival times by this (>1 compresses them: heavier load)")
+    w.set_defaults(handler=handle_workload)
+
+
+def _policies(args) -> list[str]:
+    from estimator.errors import FrenzyInputError
+    from scheduler.policies import POLICIES
+    names = [n.strip() for n in (args.compare or args.policy).split(",") if n.strip()]
+    for n in names:
+        if n not in POLICIES:
+            raise FrenzyInputError("policy", f"unknown policy {n!r}; known: {', '.join(sorted(POLICIES))}")
+    if not names:
+        raise FrenzyInputError("policy", "give at least one policy")
+    return names
+
+
+def handle_simulate(args) -> int:
+    from estimator.catalog import CATALOG
+    from estimator.errors import FrenzyInputError
+    from scheduler.cluster import load_cluster
+    from scheduler.sim import SimConfig, simulate
+    from scheduler.sim.engine import SimCluster
+    from scheduler.sim.jobs import PlanBook
+    from scheduler.workload import read_workload
+
+    if args.noise < 0:
+        raise FrenzyInputError("noise", f"must be >= 0, got {args.noise}")
+    if args.startup_s < 0 or args.tick_s <= 0:
+        raise FrenzyInputError("startup-s/tick-s", "startup must be >= 0 and tick > 0")
+    if args.plot and not args.compare:
+        raise FrenzyInputError("plot", "needs --compare (one figure compares policies)")
+    names = _policies(args)
+    # validate everything before simulating anything
+    cluster = load_cluster(args.cluster)
+    jobs = read_workload(args.workload, gpu_types=set(CATALOG) | set(cluster.gpu_types))
+    sim_cluster = SimCluster.from_cluster(cluster)
+    book = PlanBook(sim_cluster.inventory, sim_cluster.gpus_per_node)
+    show = not args.no_progress and sys.stderr.isatty()
+    results = []
+    for name in names:
+        cfg = SimConfig(seed=args.seed, noise=args.noise, startup_s=args.startup_s, tick_s=args.tick_s,
+                        progress=show)
+        results.append(simulate(jobs, sim_cluster, name, config=cfg, plan_book=book))
+    if args.json:
+        payload = [r.summary() for r in results]
+        print(json.dumps(payload[0] if not args.compare else payload, indent=None))
+    else:
+        print_table(results, title=f"{args.workload} on {args.cluster} (seed {args.seed}, noise {args.noise})")
+    if args.plot:
+        from scheduler.sim.plot import plot_comparison
+        out = plot_comparison(results, args.plot, title=f"{args.workload} on {args.cluster}")
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def print_table(results, title: str = "") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title or None, title_justify="left")
+    cols = ["policy", "jobs", "done", "avg JCT h", "p50 h", "p99 h", "makespan h", "avg queue h",
+            "GPU util", "OOM", "sched ms p50", "p99", "lower bound h", "preempt", "sim s"]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "policy" else "right")
+    for r in results:
+        t.add_row(r.policy, str(r.jobs), str(r.completed), f"{r.avg_jct_s / 3600:.2f}",
+                  f"{r.p50_jct_s / 3600:.2f}", f"{r.p99_jct_s / 3600:.2f}", f"{r.makespan_s / 3600:.1f}",
+                  f"{r.avg_queue_s / 3600:.2f}", f"{r.gpu_util:.2f}", str(r.oom_events),
+                  f"{r.sched_ms_p50:.2f}", f"{r.sched_ms_p99:.2f}", f"{r.lower_bound_avg_jct_s / 3600:.2f}",
+                  str(r.preemptions), f"{r.sim_wall_s:.1f}")
+    Console().print(t)
+
+
+def handle_workload(args) -> int:
+    from scheduler.workload import load_mix, map_trace, read_trace, write_workload
+
+    mix = load_mix(args.mix)
+    for attr, val in (("max_jobs", args.max_jobs), ("start_s", args.start_s), ("end_s", args.end_s),
+                      ("time_scale", args.time_scale)):
+        if val is not None:
+            setattr(mix, attr, val)
+    if mix.time_scale <= 0:
+        from estimator.errors import FrenzyInputError
+        raise FrenzyInputError("time-scale", "must be > 0")
+    trace = read_trace(args.trace)
+    show = sys.stderr.isatty()
+    if show:
+        from rich.console import Console
+        from rich.progress import Progress
+        with Progress(console=Console(stderr=True), transient=True) as prog:
+            task = prog.add_task("mapping trace jobs", total=len(trace))
+            jobs = map_trace(trace, mix, args.seed, progress=lambda n: prog.update(task, completed=n))
+    else:
+        jobs = map_trace(trace, mix, args.seed)
+    write_workload(jobs, args.out)
+    n_gpu = sum(j.requested_gpus for j in jobs)
+    print(f"wrote {len(jobs)} jobs to {args.out} (seed {args.seed}, reference {mix.reference_gpu}, "
+          f"{n_gpu} requested GPUs in total)", file=sys.stderr)
+    return 0

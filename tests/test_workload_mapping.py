@@ -1,0 +1,128 @@
+"""Workload CSV contract, its validation (line numbers + rule), and the ITP trace mapping."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from estimator.errors import FrenzyInputError
+from scheduler.workload import (WORKLOAD_COLUMNS, Mix, MixClass, load_mix, map_trace, read_trace,
+                                read_workload, write_workload)
+
+HEADER = ",".join(WORKLOAD_COLUMNS)
+GOOD = "j1,0,gpt2,1024,32,3276800,A100-40GB,1"
+
+
+def write(tmp_path, *rows, header=HEADER, name="w.csv"):
+    p = tmp_path / name
+    p.write_text("\n".join([header, *rows]) + "\n")
+    return p
+
+
+def test_reads_a_valid_workload(tmp_path):
+    jobs = read_workload(write(tmp_path, GOOD, "j2,5.5,llama-2-7b,4096,64,26214400,RTX3090-24GB,8"))
+    assert [j.job_id for j in jobs] == ["j1", "j2"]
+    assert jobs[0].steps == 100 and jobs[1].submit_s == 5.5 and jobs[1].requested_gpus == 8
+
+
+@pytest.mark.parametrize("row, line_col, rule", [
+    ("j2,0,gpt-5,1024,32,100,A100-40GB,1", ":3: model", "unknown model 'gpt-5'"),
+    ("j2,-1,gpt2,1024,32,100,A100-40GB,1", ":3: submit_s", "must be a time >= 0"),
+    ("j2,0,gpt2,1024,32,0,A100-40GB,1", ":3: train_tokens", "must be > 0"),
+    ("j2,0,gpt2,1024,32,100,B300-288GB,1", ":3: requested_gpu_type", "unknown GPU type 'B300-288GB'"),
+    ("j2,0,gpt2,1024,x,100,A100-40GB,1", ":3: global_batch", "must be an integer"),
+    ("j1,0,gpt2,1024,32,100,A100-40GB,1", ":3: job_id", "duplicate job_id"),
+    ("j2,0,gpt2,1024,32,100,A100-40GB", ":3", "expected 8 columns"),
+])
+def test_bad_rows_name_line_column_and_rule(tmp_path, row, line_col, rule):
+    path = write(tmp_path, GOOD, row)
+    with pytest.raises(FrenzyInputError) as err:
+        read_workload(path)
+    msg = str(err.value)
+    assert f"{path}{line_col}" in msg and rule in msg
+
+
+def test_bad_header_and_empty_file(tmp_path):
+    with pytest.raises(FrenzyInputError, match=r":1: header"):
+        read_workload(write(tmp_path, GOOD, header="job,submit,model"))
+    with pytest.raises(FrenzyInputError, match="no jobs"):
+        read_workload(write(tmp_path))
+
+
+def _trace(tmp_path):
+    p = tmp_path / "trace.csv"
+    p.write_text("job_id,submission_time,duration,num_gpu\n"
+                 "a,1000,3600,1\nb,1100,7200,8\nc,1500,600,2\nd,9000,100000,32")   # no final newline
+    return p
+
+
+def fake_step(model, seq, gb, gpu_type, gpus, per_node):
+    """Stand-in for the estimator: 70B does not fit below 32 GPUs; time ~ tokens / GPUs."""
+    if model == "llama-2-70b" and gpus < 32:
+        return None
+    return seq * gb / (1000.0 * gpus)
+
+
+MIX = Mix(reference_gpu="A100-40GB",
+          classes=[MixClass(1, {"gpt2": 1, "opt-125m": 1}), MixClass(8, {"llama-2-7b": 1}),
+                   MixClass(64, {"llama-2-70b": 1, "llama-2-13b": 1})],
+          seq_len={1024: 1, 2048: 1}, global_batch={32: 1, 64: 1})
+
+
+def test_mapping_is_reproducible_and_matches_the_trace(tmp_path):
+    trace = read_trace(_trace(tmp_path))
+    assert len(trace) == 4
+    w1 = map_trace(trace, MIX, seed=7, ref_step=fake_step)
+    assert w1 == map_trace(trace, MIX, seed=7, ref_step=fake_step)
+    assert [j.submit_s for j in w1] == [0, 100, 500, 8000]
+    assert [j.requested_gpus for j in w1] == [1, 8, 2, 32]
+    assert all(j.requested_gpu_type == "A100-40GB" for j in w1)
+    for j, t in zip(w1, trace):
+        step = fake_step(j.model, j.seq_len, j.global_batch, "A100-40GB", t.num_gpu, 8)
+        assert j.steps * step == pytest.approx(t.duration, rel=0.01, abs=step)
+    assert w1[0].model in ("gpt2", "opt-125m") and w1[1].model == "llama-2-7b"
+    seeds = {tuple(j.model + str(j.seq_len) + str(j.global_batch) for j in map_trace(trace, MIX, seed=s, ref_step=fake_step))
+             for s in range(20)}
+    assert len(seeds) > 1
+
+
+def test_mapping_redraws_until_the_request_fits_and_scales_time(tmp_path):
+    trace = read_trace(_trace(tmp_path))
+    only70 = Mix(reference_gpu="A100-40GB", classes=[MixClass(64, {"llama-2-70b": 1})],
+                 seq_len={1024: 1}, global_batch={32: 1}, time_scale=2.0)
+    with pytest.raises(FrenzyInputError, match="no model"):
+        map_trace(trace, only70, seed=0, ref_step=fake_step)      # 1-GPU jobs cannot hold 70B
+    only70.start_s, only70.end_s = 5000, None
+    w = map_trace(trace, only70, seed=0, ref_step=fake_step)
+    assert len(w) == 1 and w[0].model == "llama-2-70b" and w[0].submit_s == 0
+    two = Mix(reference_gpu="A100-40GB", classes=[MixClass(64, {"gpt2": 1})], seq_len={1024: 1},
+              global_batch={32: 1}, time_scale=2.0, max_jobs=2)
+    assert [j.submit_s for j in map_trace(trace, two, seed=0, ref_step=fake_step)] == [0, 50]
+
+
+def test_written_workload_reads_back(tmp_path):
+    w = map_trace(read_trace(_trace(tmp_path)), MIX, seed=1, ref_step=fake_step)
+    out = tmp_path / "w.csv"
+    write_workload(w, out)
+    assert next(csv.reader(out.open())) == list(WORKLOAD_COLUMNS)
+    assert read_workload(out) == w
+
+
+def test_mix_file_errors(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("reference_gpu: A100-40GB\nclasses:\n  - {max_gpus: 1, models: {gpt-9: 1}}\n"
+                 "seq_len: {1024: 1}\nglobal_batch: {32: 1}\n")
+    with pytest.raises(FrenzyInputError, match=r"classes\[0\]\.models: unknown model 'gpt-9'"):
+        load_mix(p)
+    p.write_text("reference_gpu: Z100\n")
+    with pytest.raises(FrenzyInputError, match="reference_gpu"):
+        load_mix(p)
+    p.write_text("reference_gpu: [\n")
+    with pytest.raises(FrenzyInputError, match="not valid YAML"):
+        load_mix(p)
+
+
+def test_example_mix_loads():
+    mix = load_mix("examples/workload-mix.yaml")
+    assert mix.reference_gpu == "A100-40GB" and mix.class_for(64).max_gpus == 64
+    assert mix.class_for(3).max_gpus == 8
