@@ -1,0 +1,547 @@
+"""The GPU ledger: who holds which GPU, under a lease, in one transactional database.
+
+SQLite (default, WAL mode): every writing transaction starts with ``BEGIN IMMEDIATE``, which
+takes the database's write lock up front, so two submitters can never both read a GPU as free
+and both claim it. PostgreSQL: the rows to claim are locked with ``SELECT ... FOR UPDATE``
+(explicit placements, in id order so concurrent claims cannot deadlock) or
+``FOR UPDATE SKIP LOCKED`` (best fit: GPUs another transaction is claiming right now are
+skipped, not waited for). Either way the claim is one transaction: on any error nothing changes.
+
+Every allocation holds a lease (``lease_expires_at``) that a heartbeat renews while the run is
+alive; ``expire_leases`` frees the GPUs of runs that stopped renewing (a crashed process).
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import create_engine, event, text, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlmodel import Session, SQLModel, select
+
+from estimator.errors import FrenzyInputError
+from estimator.plan import Plan
+from scheduler.placement import FreeIndex
+from scheduler.types import ClusterState, Node, RunningJob
+
+from .tables import AllocationRow, GpuRow, JobRow, MeasurementRow, NodeRow, PlanRow, PoolRow
+
+DEFAULT_LEASE_S = 300.0
+
+
+class LedgerConflict(RuntimeError):
+    """The GPUs asked for are held by another allocation (nothing was changed)."""
+
+
+class LeaseLost(RuntimeError):
+    """The allocation is no longer active (released, or its lease expired and its GPUs were freed)."""
+
+
+class Allocation(BaseModel):
+    """GPUs held by one job. ``devices`` is the flat list for ``CUDA_VISIBLE_DEVICES`` on a
+    single node (``"0"``, ``"1"``...); on several nodes its entries are ``"<node>:<index>"``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    job_id: str
+    pool: str
+    gpu_type: str
+    plan: Plan
+    placement: dict[str, list[int]]
+    devices: list[str]
+    status: str = "active"
+    created_at: float = 0.0
+    lease_expires_at: float = 0.0
+    expected_end_at: float | None = None
+
+
+class Measurement(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    job_id: str
+    alloc_id: str | None
+    gpu_type: str
+    plan: dict[str, Any]
+    predicted: dict[str, Any]
+    measured: dict[str, Any]
+    predicted_device_used_gib: float | None = None
+    measured_device_used_gib: float | None = None
+    predicted_reserved_peak_gib: float | None = None
+    measured_reserved_peak_gib: float | None = None
+    predicted_step_time_s: float | None = None
+    measured_step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    created_at: float = 0.0
+
+
+def default_url() -> str:
+    url = os.environ.get("FRENZY_LEDGER_URL")
+    if url:
+        return url
+    home = Path(os.environ.get("FRENZY_HOME", ".frenzy"))
+    return f"sqlite:///{(home / 'ledger.db').resolve()}"
+
+
+def _normalise(url: str) -> str:
+    # plain postgresql:// means psycopg2 to SQLAlchemy; the project ships psycopg (3)
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+_ENGINES: dict[tuple[int, str], tuple[Engine, Engine]] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def _engines(url: str) -> tuple[Engine, Engine]:
+    """(write engine, read engine) for ``url``, one pair per process, tables created once."""
+    key = (os.getpid(), url)
+    with _ENGINES_LOCK:
+        hit = _ENGINES.get(key)
+        if hit is not None:
+            return hit
+        if url.startswith("sqlite"):
+            path = url.split("///", 1)[1] if "///" in url else ""
+            if path and path != ":memory:":
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            write = _sqlite_engine(url, immediate=True)
+            read = _sqlite_engine(url, immediate=False)
+        else:
+            write = create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=60)
+            read = write
+        _create_tables(write)
+        _ENGINES[key] = (write, read)
+        return write, read
+
+
+def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
+    eng = create_engine(url, connect_args={"check_same_thread": False, "timeout": 60},
+                        pool_size=10, max_overflow=60)
+
+    @event.listens_for(eng, "connect")
+    def _on_connect(dbapi_conn, _record):
+        dbapi_conn.isolation_level = None          # we issue BEGIN ourselves
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=60000")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(eng, "begin")
+    def _on_begin(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return eng
+
+
+def _create_tables(engine: Engine) -> None:
+    for attempt in range(20):          # concurrent first use from several processes
+        try:
+            SQLModel.metadata.create_all(engine)
+            return
+        except (OperationalError, IntegrityError):
+            if attempt == 19:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+        except Exception as e:  # PostgreSQL: a racing CREATE TABLE surfaces as a ProgrammingError
+            if "already exists" not in str(e) or attempt == 19:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+
+
+def _devices(placement: dict[str, list[int]]) -> list[str]:
+    if len(placement) == 1:
+        return [str(d) for d in next(iter(placement.values()))]
+    return [f"{n}:{d}" for n, ds in placement.items() for d in ds]
+
+
+def _allocation(row: AllocationRow) -> Allocation:
+    placement = {n: list(v) for n, v in row.placement.items()}
+    return Allocation(id=row.id, job_id=row.job_id, pool=row.pool, gpu_type=row.gpu_type,
+                      plan=Plan.model_validate(row.plan), placement=placement, devices=_devices(placement),
+                      status=row.status, created_at=row.created_at, lease_expires_at=row.lease_expires_at,
+                      expected_end_at=row.expected_end_at)
+
+
+def _steps_of(spec: dict[str, Any]) -> int | None:
+    for k in ("steps", "train_steps"):
+        if isinstance(spec.get(k), int):
+            return spec[k]
+    tok, gb, seq = spec.get("train_tokens"), spec.get("global_batch"), spec.get("seq_len")
+    if all(isinstance(v, int) and v > 0 for v in (tok, gb, seq)):
+        return max(1, math.ceil(tok / (gb * seq)))
+    return None
+
+
+class Ledger:
+    """The GPU ledger at ``url`` (default: env FRENZY_LEDGER_URL, else
+    ``sqlite:///$FRENZY_HOME/ledger.db`` with FRENZY_HOME defaulting to ``./.frenzy``)."""
+
+    def __init__(self, url: str | None = None):
+        self.url = _normalise(url or default_url())
+        self._write_engine, self._read_engine = _engines(self.url)
+        self.is_postgres = self._write_engine.dialect.name == "postgresql"
+
+    # --- sessions -------------------------------------------------------------------------
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        """A writing transaction (SQLite: BEGIN IMMEDIATE). Commits on success, else rolls back."""
+        with Session(self._write_engine, expire_on_commit=False) as s:
+            with s.begin():
+                yield s
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        with Session(self._read_engine, expire_on_commit=False) as s:
+            with s.begin():
+                yield s
+
+    def _locked(self, stmt, *, skip_locked: bool = False):
+        return stmt.with_for_update(skip_locked=skip_locked) if self.is_postgres else stmt
+
+    # --- topology -------------------------------------------------------------------------
+    def sync_cluster(self, cluster) -> None:
+        """Make pools/nodes/GPUs match ``cluster`` (a ``scheduler.cluster.Cluster``). Idempotent;
+        never touches who holds a GPU. Things no longer in the cluster become inactive."""
+        with self._tx() as s:
+            if self.is_postgres:    # concurrent syncs insert the same rows: serialise them
+                s.execute(text("SELECT pg_advisory_xact_lock(7346021)"))
+            pools = {p.name: p for p in s.exec(select(PoolRow)).all()}
+            nodes = {n.node_id: n for n in s.exec(select(NodeRow)).all()}
+            gpus = {(g.node_id, g.device_index): g for g in s.exec(select(GpuRow)).all()}
+            want_pools, want_nodes, want_gpus = set(), set(), set()
+            for p in cluster.pools:
+                g = cluster.gpu(p.gpu)
+                vals = dict(gpu_type=p.gpu, nodes=p.nodes, gpus_per_node=p.gpus_per_node,
+                            inter_node_gbps=cluster.inter_node_gbps(p.name), gpu_memory_gib=g.memory_gib,
+                            intra_link=g.intra_link, active=True)
+                row = pools.get(p.name)
+                if row is None:
+                    s.add(PoolRow(name=p.name, **vals))
+                else:
+                    for k, v in vals.items():
+                        setattr(row, k, v)
+                want_pools.add(p.name)
+            s.flush()
+            for p in cluster.pools:
+                for i, nid in enumerate(p.node_ids()):
+                    addr = p.addresses[i] if p.addresses else None
+                    row = nodes.get(nid)
+                    if row is None:
+                        s.add(NodeRow(node_id=nid, pool=p.name, idx=i, address=addr, active=True))
+                    else:
+                        row.pool, row.idx, row.address, row.active = p.name, i, addr, True
+                    want_nodes.add(nid)
+            s.flush()
+            for p in cluster.pools:
+                for nid in p.node_ids():
+                    for d in p.device_indices():
+                        row = gpus.get((nid, d))
+                        if row is None:
+                            s.add(GpuRow(node_id=nid, device_index=d, pool=p.name, gpu_type=p.gpu, active=True))
+                        else:
+                            row.pool, row.gpu_type, row.active = p.name, p.gpu, True
+                        want_gpus.add((nid, d))
+            for name, row in pools.items():
+                if name not in want_pools:
+                    row.active = False
+            for nid, row in nodes.items():
+                if nid not in want_nodes:
+                    row.active = False
+            for key, row in gpus.items():
+                if key not in want_gpus:
+                    row.active = False
+
+    # --- jobs and plans -------------------------------------------------------------------
+    def submit_job(self, job_id: str, name: str, spec: dict[str, Any]) -> None:
+        """Record a submitted job (idempotent: a second call updates name and spec)."""
+        with self._tx() as s:
+            row = s.get(JobRow, job_id)
+            if row is None:
+                s.add(JobRow(job_id=job_id, name=name, spec=dict(spec), steps=_steps_of(spec),
+                             submitted_at=time.time()))
+            else:
+                row.name, row.spec, row.steps = name, dict(spec), _steps_of(spec)
+
+    def record_plans(self, job_id: str, plans: list[Plan]) -> None:
+        """Store the job's candidate plans, in rank order (replacing earlier ones)."""
+        with self._tx() as s:
+            self._ensure_job(s, job_id)
+            for old in s.exec(select(PlanRow).where(PlanRow.job_id == job_id)).all():
+                s.delete(old)
+            for rank, p in enumerate(plans):
+                s.add(PlanRow(job_id=job_id, rank=rank, gpu_type=p.gpu_type, gpus=p.gpus,
+                              device_used_gib=p.device_used_gib, step_time_s=p.step_time_s,
+                              plan=p.model_dump(mode="json")))
+
+    def plans(self, job_id: str) -> list[Plan]:
+        with self._read() as s:
+            rows = s.exec(select(PlanRow).where(PlanRow.job_id == job_id).order_by(PlanRow.rank)).all()
+            return [Plan.model_validate(r.plan) for r in rows]
+
+    def _ensure_job(self, s: Session, job_id: str) -> JobRow:
+        row = s.get(JobRow, job_id)
+        if row is None:
+            row = JobRow(job_id=job_id, name=job_id, spec={}, submitted_at=time.time())
+            s.add(row)
+            s.flush()
+        return row
+
+    # --- allocation -----------------------------------------------------------------------
+    def allocate(self, job_id: str, plan: Plan, placement: dict[str, list[int]],
+                 lease_s: float = DEFAULT_LEASE_S) -> Allocation:
+        """Claim exactly ``placement`` (node -> device indices) for ``job_id`` running ``plan``.
+
+        Atomic: raises ``FrenzyInputError`` for a GPU the ledger does not know (or of another
+        type, or a placement that does not match the plan) and ``LedgerConflict`` when any of
+        the GPUs is held; in both cases nothing changes."""
+        wanted = self._check_placement(plan, placement)
+        with self._tx() as s:
+            stmt = (select(GpuRow).where(GpuRow.node_id.in_(list(placement)))
+                    .order_by(GpuRow.id))
+            rows = {(g.node_id, g.device_index): g for g in s.exec(self._locked(stmt)).all()}
+            chosen = []
+            for key in wanted:
+                g = rows.get(key)
+                if g is None or not g.active:
+                    raise FrenzyInputError("placement", f"unknown GPU {key[0]}:{key[1]} (not in the ledger's cluster)")
+                if g.gpu_type != plan.gpu_type:
+                    raise FrenzyInputError("placement", f"GPU {key[0]}:{key[1]} is a {g.gpu_type}, "
+                                                        f"the plan needs {plan.gpu_type}")
+                if g.alloc_id is not None:
+                    raise LedgerConflict(f"GPU {key[0]}:{key[1]} is held by allocation {g.alloc_id}")
+                chosen.append(g)
+            return self._claim(s, job_id, plan, placement, chosen, lease_s)
+
+    def allocate_best_fit(self, job_id: str, plan: Plan, lease_s: float = DEFAULT_LEASE_S) -> Allocation | None:
+        """Choose free GPUs of ``plan.gpu_type`` (fewest nodes, best fit: the placement code
+        the policies use) and claim them atomically; None when they are not free now."""
+        with self._tx() as s:
+            stmt = (select(GpuRow).where(GpuRow.gpu_type == plan.gpu_type, GpuRow.active == True,  # noqa: E712
+                                         GpuRow.alloc_id == None)  # noqa: E711
+                    .order_by(GpuRow.id))
+            free_rows = s.exec(self._locked(stmt, skip_locked=True)).all()
+            if len(free_rows) < plan.gpus:
+                return None
+            size = {p.name: p.gpus_per_node for p in s.exec(select(PoolRow)).all()}
+            by_node: dict[str, list[GpuRow]] = {}
+            for g in free_rows:
+                by_node.setdefault(g.node_id, []).append(g)
+            nodes = [Node(node_id=n, pool=rs[0].pool, gpu_type=plan.gpu_type,
+                          gpus=size.get(rs[0].pool, len(rs)), free=sorted(r.device_index for r in rs))
+                     for n, rs in by_node.items()]
+            nodes.sort(key=lambda n: _node_order(n.node_id))
+            placement = FreeIndex(nodes).place_compact(plan.gpu_type, plan.gpus, plan.tp)
+            if placement is None:
+                return None
+            index = {(g.node_id, g.device_index): g for g in free_rows}
+            chosen = [index[(n, d)] for n, ds in placement.items() for d in ds]
+            return self._claim(s, job_id, plan, placement, chosen, lease_s)
+
+    def _check_placement(self, plan: Plan, placement: dict[str, list[int]]) -> list[tuple[str, int]]:
+        if not placement or not all(isinstance(v, (list, tuple)) and v for v in placement.values()):
+            raise FrenzyInputError("placement", "must map each node id to a non-empty list of device indices")
+        wanted = [(n, int(d)) for n, ds in placement.items() for d in ds]
+        if len(set(wanted)) != len(wanted):
+            raise FrenzyInputError("placement", "names a GPU twice")
+        if len(wanted) != plan.gpus:
+            raise FrenzyInputError("placement", f"has {len(wanted)} GPUs, the plan needs {plan.gpus}")
+        return wanted
+
+    def _claim(self, s: Session, job_id: str, plan: Plan, placement: dict[str, list[int]],
+               rows: list[GpuRow], lease_s: float) -> Allocation:
+        job = self._ensure_job(s, job_id)
+        now = time.time()
+        alloc_id = uuid.uuid4().hex
+        ids = [g.id for g in rows]
+        counts: dict[str, int] = {}
+        for g in rows:
+            counts[g.pool] = counts.get(g.pool, 0) + 1
+        pool = max(counts, key=lambda k: (counts[k], k))
+        expected = now + plan.step_time_s * job.steps if job.steps and plan.step_time_s > 0 else None
+        placement = {n: sorted(int(d) for d in ds) for n, ds in placement.items()}
+        row = AllocationRow(id=alloc_id, job_id=job_id, pool=pool, gpu_type=plan.gpu_type,
+                            plan=plan.model_dump(mode="json"), placement=placement, status="active",
+                            created_at=now, lease_expires_at=now + lease_s, expected_end_at=expected)
+        s.add(row)
+        s.flush()
+        # the guard that makes double booking impossible even if a caller skipped the locks
+        res = s.execute(update(GpuRow).where(GpuRow.id.in_(ids), GpuRow.alloc_id == None)  # noqa: E711
+                        .values(alloc_id=alloc_id).execution_options(synchronize_session=False))
+        if res.rowcount != len(ids):
+            raise LedgerConflict("a GPU was claimed concurrently")
+        job.status = "placed"
+        return _allocation(row)
+
+    def heartbeat(self, alloc_id: str, lease_s: float = DEFAULT_LEASE_S) -> float:
+        """Renew the lease; returns the new expiry. ``LeaseLost`` if no longer active."""
+        with self._tx() as s:
+            row = s.exec(self._locked(select(AllocationRow).where(AllocationRow.id == alloc_id))).first()
+            if row is None:
+                raise FrenzyInputError("alloc_id", f"unknown allocation {alloc_id!r}")
+            if row.status != "active":
+                raise LeaseLost(f"allocation {alloc_id} is {row.status}")
+            row.lease_expires_at = time.time() + lease_s
+            return row.lease_expires_at
+
+    def release(self, alloc_id: str) -> bool:
+        """Free the allocation's GPUs. Idempotent: True if this call released it, False if it
+        was already released or expired. An unknown id is an error (nothing changes)."""
+        with self._tx() as s:
+            row = s.exec(self._locked(select(AllocationRow).where(AllocationRow.id == alloc_id))).first()
+            if row is None:
+                raise FrenzyInputError("alloc_id", f"unknown allocation {alloc_id!r}")
+            if row.status != "active":
+                return False
+            self._free(s, [row], "released")
+            return True
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        """Free the GPUs of every allocation whose lease ran out; returns their ids."""
+        now = time.time() if now is None else now
+        with self._tx() as s:
+            stmt = select(AllocationRow).where(AllocationRow.status == "active",
+                                               AllocationRow.lease_expires_at < now)
+            rows = s.exec(self._locked(stmt, skip_locked=True)).all()
+            if rows:
+                self._free(s, rows, "expired", now)
+            return [r.id for r in rows]
+
+    def _free(self, s: Session, rows: list[AllocationRow], status: str, now: float | None = None) -> None:
+        ids = [r.id for r in rows]
+        s.execute(update(GpuRow).where(GpuRow.alloc_id.in_(ids)).values(alloc_id=None)
+                  .execution_options(synchronize_session=False))
+        for r in rows:
+            r.status = status
+            r.ended_at = time.time() if now is None else now
+
+    def allocation(self, alloc_id: str) -> Allocation:
+        with self._read() as s:
+            row = s.get(AllocationRow, alloc_id)
+            if row is None:
+                raise FrenzyInputError("alloc_id", f"unknown allocation {alloc_id!r}")
+            return _allocation(row)
+
+    def allocations(self, *, active_only: bool = True) -> list[Allocation]:
+        with self._read() as s:
+            stmt = select(AllocationRow)
+            if active_only:
+                stmt = stmt.where(AllocationRow.status == "active")
+            return [_allocation(r) for r in s.exec(stmt.order_by(AllocationRow.created_at)).all()]
+
+    @contextmanager
+    def lease(self, alloc_id: str, every_s: float | None = None, lease_s: float = DEFAULT_LEASE_S):
+        """Renew the lease from a background thread while the block runs (every ``every_s``,
+        default a third of the lease). Stops on exit; does not release (callers do)."""
+        every = every_s if every_s is not None else max(0.05, lease_s / 3.0)
+        stop = threading.Event()
+        state: dict[str, Any] = {"error": None, "beats": 0}
+
+        def beat() -> None:
+            while not stop.wait(every):
+                try:
+                    self.heartbeat(alloc_id, lease_s)
+                    state["beats"] += 1
+                except LeaseLost as e:
+                    state["error"] = e
+                    return
+                except Exception as e:  # a transient database error: try again next period
+                    state["error"] = e
+
+        self.heartbeat(alloc_id, lease_s)
+        t = threading.Thread(target=beat, name=f"frenzy-lease-{alloc_id[:8]}", daemon=True)
+        t.start()
+        try:
+            yield state
+        finally:
+            stop.set()
+            t.join(timeout=max(5.0, every * 2))
+
+    # --- views ----------------------------------------------------------------------------
+    def cluster_state(self) -> ClusterState:
+        """Free GPUs per node and the running allocations, as the policies see them."""
+        with self._read() as s:
+            pools = {p.name: p for p in s.exec(select(PoolRow).where(PoolRow.active == True)).all()}  # noqa: E712
+            node_rows = [n for n in s.exec(select(NodeRow).where(NodeRow.active == True)).all()  # noqa: E712
+                         if n.pool in pools]
+            gpus = s.exec(select(GpuRow).where(GpuRow.active == True)).all()  # noqa: E712
+            allocs = s.exec(select(AllocationRow).where(AllocationRow.status == "active")).all()
+        per_node: dict[str, list[GpuRow]] = {}
+        for g in gpus:
+            per_node.setdefault(g.node_id, []).append(g)
+        nodes = []
+        for n in sorted(node_rows, key=lambda r: (list(pools).index(r.pool), r.idx)):
+            p = pools[n.pool]
+            rows = per_node.get(n.node_id, [])
+            nodes.append(Node(node_id=n.node_id, pool=n.pool, gpu_type=p.gpu_type, gpus=len(rows),
+                              free=sorted(g.device_index for g in rows if g.alloc_id is None),
+                              intra_link=p.intra_link))
+        running = [RunningJob(job_id=a.job_id, plan=Plan.model_validate(a.plan),
+                              placement={k: list(v) for k, v in a.placement.items()}, start_s=a.created_at,
+                              expected_end_s=a.expected_end_at if a.expected_end_at is not None else math.inf)
+                   for a in allocs]
+        return ClusterState(nodes=nodes, running=running,
+                            inter_node_gbps={p.name: p.inter_node_gbps for p in pools.values()},
+                            gpu_memory_gib={p.gpu_type: p.gpu_memory_gib for p in pools.values()})
+
+    def holders(self) -> dict[tuple[str, int], str]:
+        """(node, device) -> allocation id, for every held GPU."""
+        with self._read() as s:
+            return {(g.node_id, g.device_index): g.alloc_id
+                    for g in s.exec(select(GpuRow).where(GpuRow.alloc_id != None)).all()}  # noqa: E711
+
+    # --- measurements ---------------------------------------------------------------------
+    def record_measurement(self, job_id: str, alloc_id: str | None, gpu_type: str, plan: Plan | dict,
+                           predicted: dict[str, Any], measured: dict[str, Any]) -> int:
+        """Store what a run measured next to what was predicted (for calibration)."""
+        pd = plan.model_dump(mode="json") if isinstance(plan, BaseModel) else dict(plan)
+
+        def num(d: dict[str, Any], *keys: str) -> float | None:
+            for k in keys:
+                v = d.get(k)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    return float(v)
+            return None
+
+        with self._tx() as s:
+            row = MeasurementRow(
+                job_id=job_id, alloc_id=alloc_id, gpu_type=gpu_type, plan=pd,
+                predicted=_jsonable(predicted), measured=_jsonable(measured),
+                predicted_device_used_gib=num(predicted, "device_used_gib"),
+                measured_device_used_gib=num(measured, "device_used_gib", "nvml_used_gib"),
+                predicted_reserved_peak_gib=num(predicted, "reserved_peak_gib"),
+                measured_reserved_peak_gib=num(measured, "reserved_peak_gib"),
+                predicted_step_time_s=num(predicted, "step_time_s"),
+                measured_step_time_s=num(measured, "step_time_s"),
+                tokens_per_s=num(measured, "tokens_per_s"), created_at=time.time())
+            s.add(row)
+            s.flush()
+            return int(row.id)
+
+    def measurements(self, gpu_type: str | None = None) -> list[Measurement]:
+        with self._read() as s:
+            stmt = select(MeasurementRow)
+            if gpu_type is not None:
+                stmt = stmt.where(MeasurementRow.gpu_type == gpu_type)
+            return [Measurement.model_validate(r) for r in s.exec(stmt.order_by(MeasurementRow.id)).all()]
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    import json
+    return json.loads(json.dumps(d, default=str))
+
+
+def _node_order(node_id: str) -> tuple[str, int]:
+    head, _, tail = node_id.rpartition("-")
+    return (head, int(tail)) if tail.isdigit() else (node_id, 0)

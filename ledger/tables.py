@@ -1,0 +1,110 @@
+"""The ledger's tables (SQLModel). Times are Unix epoch seconds (floats): portable between
+SQLite and PostgreSQL and directly comparable with the scheduler's clock.
+
+A GPU is held by at most one allocation by construction: ``gpus.alloc_id`` is a single column,
+set only inside the allocating transaction while that row is locked and still NULL.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from sqlalchemy import JSON, Column, Index, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+class PoolRow(SQLModel, table=True):
+    __tablename__ = "pools"
+
+    name: str = Field(primary_key=True)
+    gpu_type: str
+    nodes: int
+    gpus_per_node: int
+    inter_node_gbps: float
+    gpu_memory_gib: float
+    intra_link: str = "pcie4"
+    active: bool = True
+
+
+class NodeRow(SQLModel, table=True):
+    __tablename__ = "nodes"
+
+    node_id: str = Field(primary_key=True)
+    pool: str = Field(foreign_key="pools.name", index=True)
+    idx: int
+    address: Optional[str] = None
+    active: bool = True
+
+
+class GpuRow(SQLModel, table=True):
+    __tablename__ = "gpus"
+    __table_args__ = (UniqueConstraint("node_id", "device_index", name="uq_gpu_node_device"),
+                      Index("ix_gpus_type_free", "gpu_type", "alloc_id"))
+
+    id: Optional[int] = Field(default=None, primary_key=True)
+    node_id: str = Field(foreign_key="nodes.node_id")
+    device_index: int
+    pool: str
+    gpu_type: str
+    alloc_id: Optional[str] = Field(default=None, index=True)
+    active: bool = True
+
+
+class JobRow(SQLModel, table=True):
+    __tablename__ = "jobs"
+
+    job_id: str = Field(primary_key=True)
+    name: str = ""
+    spec: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+    status: str = "pending"          # pending | placed | done | failed
+    steps: Optional[int] = None
+    submitted_at: float = 0.0
+
+
+class PlanRow(SQLModel, table=True):
+    __tablename__ = "plans"
+
+    id: Optional[int] = Field(default=None, primary_key=True)
+    job_id: str = Field(foreign_key="jobs.job_id", index=True)
+    rank: int
+    gpu_type: str
+    gpus: int
+    device_used_gib: float
+    step_time_s: float
+    plan: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+
+
+class AllocationRow(SQLModel, table=True):
+    __tablename__ = "allocations"
+
+    id: str = Field(primary_key=True)
+    job_id: str = Field(foreign_key="jobs.job_id", index=True)
+    pool: str
+    gpu_type: str
+    plan: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+    placement: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+    status: str = Field(default="active", index=True)   # active | released | expired
+    created_at: float
+    lease_expires_at: float
+    expected_end_at: Optional[float] = None
+    ended_at: Optional[float] = None
+
+
+class MeasurementRow(SQLModel, table=True):
+    __tablename__ = "measurements"
+
+    id: Optional[int] = Field(default=None, primary_key=True)
+    job_id: str = Field(index=True)
+    alloc_id: Optional[str] = None
+    gpu_type: str = Field(index=True)
+    plan: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+    predicted: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+    measured: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+    # flattened for calibration queries (NULL when not given)
+    predicted_device_used_gib: Optional[float] = None
+    measured_device_used_gib: Optional[float] = None
+    predicted_reserved_peak_gib: Optional[float] = None
+    measured_reserved_peak_gib: Optional[float] = None
+    predicted_step_time_s: Optional[float] = None
+    measured_step_time_s: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    created_at: float = 0.0
