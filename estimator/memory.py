@@ -1,0 +1,518 @@
+"""Analytic per-GPU training memory: the `estimate` contract (issue 2) and its model (issue 3).
+
+Peak allocated bytes = max over three phases of one training step, per pipeline stage:
+
+  A  loss backward:   states + saved activations + logits/loss buffers (fp32 log-softmax,
+                      its gradient and the gradient of its input: ~14 B per logit in bf16)
+  B  layer backward:  states + saved activations + held logits + LM-head gradient
+                      + one layer's backward temporaries (+ the recomputed layer under full ckpt)
+  C  optimizer step:  weights + gradients + optimizer states + foreach step temporaries
+
+Model states follow the mixed-precision regime the trainer runs:
+  * ``zero == 0`` with bf16/fp16 (Accelerate / HF Trainer AMP): fp32 weights, fp32 grads,
+    fp32 optimizer states, plus autocast's 16-bit copies of the weights, alive from the forward
+    until each layer's backward (2 B/param).
+  * ``zero >= 1`` (DeepSpeed / Megatron): 16-bit weights and grads, fp32 master weights and
+    states in the optimizer, an fp32 gradient partition for the step; ZeRO divides optimizer
+    (1), gradients (2) and weights (3) by the sharding degree ``dp * cp``.
+  * fp32: everything fp32, no copies.
+Activations are an inventory of the tensors Hugging Face's implementations save for backward
+(gpt2, llama/mistral/qwen2, opt, bert), per layer and token, split into the part tensor
+parallelism shards and the part it replicates (sharded too with ``sp``).
+
+Then the allocator and the runtime (estimator.overheads): reserved = allocated x (1 + frag)
++ workspace; device_used = reserved + CUDA context + NCCL per communicator.
+Pure: no torch.
+"""
+from __future__ import annotations
+
+import math
+import warnings as _warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from .errors import FrenzyInputError
+from .models import ModelSpec, model_from_kwargs
+from .overheads import Overheads, overheads_for
+
+GIB = float(2 ** 30)
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adamw8bit")
+ACT_CKPTS = ("none", "selective", "full")
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+ATTENTIONS = ("flash", "eager")
+MP_STYLES = ("auto", "amp", "master")
+
+
+# ---------------------------------------------------------------------------- result models
+class StageMemory(BaseModel):
+    stage: int
+    layers: int
+    allocated_peak_gib: float
+    reserved_peak_gib: float
+    device_used_gib: float
+
+
+class Estimate(BaseModel):
+    """Per-GPU memory of one training configuration (GiB; the most-loaded rank)."""
+
+    params: int = Field(description="model parameters (exact count)")
+    allocated_peak_gib: float = Field(description="tensors alive at the peak (max_memory_allocated)")
+    reserved_peak_gib: float = Field(description="caching-allocator segments (max_memory_reserved)")
+    device_used_gib: float = Field(description="what nvidia-smi shows: reserved + context + NCCL")
+    breakdown_gib: dict[str, float] = Field(description="weights, gradients, optimizer, activations, other")
+    stages: list[StageMemory]
+    method: str = "analytic"
+    model: str = ""
+    gpu: str | None = None
+    gpu_memory_gib: float | None = None
+    fits: bool | None = Field(None, description="device_used_gib <= the GPU's memory (when gpu given)")
+    overheads: dict[str, float] = Field(default_factory=dict)
+    warnings: list[str] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- validation
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """The validated job and parallel knobs (hashable: keys the caches)."""
+
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    sp: bool
+    vpp: int
+    zero: int
+    offload: str
+    precision: str
+    optimizer: str
+    act_ckpt: str
+    attention: str
+    mp_style: str
+
+
+def _pos_int(name: str, v: Any) -> int:
+    if isinstance(v, bool):
+        raise FrenzyInputError(name, f"must be a positive integer, got {v!r}")
+    try:
+        iv = int(v)
+    except (TypeError, ValueError):
+        raise FrenzyInputError(name, f"must be a positive integer, got {v!r}") from None
+    if iv != v and not (isinstance(v, str) and str(iv) == v.strip()):
+        raise FrenzyInputError(name, f"must be a positive integer, got {v!r}")
+    if iv <= 0:
+        raise FrenzyInputError(name, f"must be a positive integer, got {iv}")
+    return iv
+
+
+def _choice(name: str, v: Any, allowed: tuple[str, ...]) -> str:
+    if v not in allowed:
+        raise FrenzyInputError(name, f"must be one of {', '.join(allowed)} (got {v!r})")
+    return v
+
+
+def _bool(name: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("true", "1", "yes", "false", "0", "no"):
+        return v.lower() in ("true", "1", "yes")
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    raise FrenzyInputError(name, f"must be true or false (got {v!r})")
+
+
+def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_accum: Any = 1,
+                   dp: Any = 1, tp: Any = 1, pp: Any = 1, cp: Any = 1, sp: Any = False,
+                   vpp: Any = 1, zero: Any = 0, offload: Any = "none", precision: Any = "bf16",
+                   optimizer: Any = "adamw", act_ckpt: Any = "none", attention: Any = "flash",
+                   mp_style: Any = "auto") -> Knobs:
+    """Check every knob against the model; raise FrenzyInputError naming field and rule."""
+    s = _pos_int("seq_len", seq_len)
+    mb = _pos_int("micro_batch", micro_batch)
+    ga = _pos_int("grad_accum", grad_accum)
+    dp, tp, pp, cp, vpp = (_pos_int(n, v) for n, v in
+                           (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("vpp", vpp)))
+    sp = _bool("sp", sp)
+    if isinstance(zero, bool) or zero not in (0, 1, 2, 3, "0", "1", "2", "3"):
+        raise FrenzyInputError("zero", f"must be 0, 1, 2 or 3 (got {zero!r})")
+    zero = int(zero)
+    offload = _choice("offload", offload, OFFLOADS)
+    precision = _choice("precision", precision, PRECISIONS)
+    optimizer = _choice("optimizer", optimizer, OPTIMIZERS)
+    act_ckpt = _choice("act_ckpt", act_ckpt, ACT_CKPTS)
+    attention = _choice("attention", attention, ATTENTIONS)
+    mp_style = _choice("mp_style", mp_style, MP_STYLES)
+    if spec.heads % tp:
+        raise FrenzyInputError("tp", f"must divide heads ({spec.heads} % {tp} != 0)")
+    if spec.n_kv % tp and tp % spec.n_kv:
+        raise FrenzyInputError("tp", f"must divide kv_heads or be a multiple of it ({spec.n_kv} vs {tp})")
+    if pp > spec.layers:
+        raise FrenzyInputError("pp", f"must not exceed layers ({pp} > {spec.layers})")
+    if sp and tp == 1:
+        raise FrenzyInputError("sp", "sequence parallelism needs tp > 1")
+    if vpp > 1 and pp == 1:
+        raise FrenzyInputError("vpp", "virtual pipeline stages need pp > 1")
+    if vpp > 1 and spec.layers % (pp * vpp):
+        raise FrenzyInputError("vpp", f"pp * vpp must divide layers ({spec.layers} % {pp * vpp} != 0)")
+    if s % cp:
+        raise FrenzyInputError("cp", f"must divide seq_len ({s} % {cp} != 0)")
+    if sp and s % tp:
+        raise FrenzyInputError("sp", f"tp must divide seq_len with sequence parallelism ({s} % {tp} != 0)")
+    if spec.arch in ("gpt", "opt", "bert") and s > spec.max_positions:
+        raise FrenzyInputError("seq_len", f"exceeds the learned position table of {spec.name} "
+                                          f"({s} > {spec.max_positions})")
+    if optimizer in ("adafactor", "adamw8bit") and zero >= 1:
+        raise FrenzyInputError("zero", f"{optimizer} cannot be sharded by ZeRO (its states are "
+                                       "per-tensor: factored rows/columns or blockwise 8-bit); use zero 0")
+    if offload != "none" and zero == 0:
+        raise FrenzyInputError("offload", "needs ZeRO (zero >= 1): offload moves ZeRO's optimizer partition")
+    if offload == "optimizer+params" and zero != 3:
+        raise FrenzyInputError("offload", "optimizer+params needs zero 3 (parameters must be partitioned)")
+    if mp_style == "amp" and zero >= 1:
+        raise FrenzyInputError("mp_style", "amp (fp32 weights + autocast) is the zero-0 regime; "
+                                           "ZeRO keeps 16-bit weights with fp32 master copies")
+    return Knobs(s, mb, ga, dp, tp, pp, cp, sp, vpp, zero, offload, precision, optimizer,
+                 act_ckpt, attention, mp_style)
+
+
+# ---------------------------------------------------------------------------- model facts
+@lru_cache(maxsize=512)
+def _state_bytes_per_param(spec: ModelSpec, optimizer: str) -> float:
+    """Optimizer-state bytes per parameter (fp32 states), averaged over the model's tensors."""
+    if optimizer in ("adam", "adamw"):
+        return 8.0
+    if optimizer == "sgd":
+        return 4.0                                # momentum buffer
+    total = 0.0
+    n = 0
+    for shape in spec.weight_shapes():
+        numel = math.prod(shape)
+        n += numel
+        if optimizer == "adafactor":              # HF Adafactor, beta1=None: factored 2nd moment
+            total += 4.0 * (shape[0] + shape[1]) if len(shape) == 2 else 4.0 * numel
+        else:                                     # bitsandbytes AdamW8bit: 2 x 1 B + fp32 absmax/2048
+            total += 8.0 * numel if numel < 4096 else numel * (2.0 + 8.0 / 2048)
+    return total / n
+
+
+def _layer_vector_params(spec: ModelSpec) -> int:
+    """Norm and bias parameters of one block: replicated, not split by tensor parallelism."""
+    h, f = spec.hidden, spec.f
+    q, kv = spec.heads * spec.d_head, spec.n_kv * spec.d_head
+    if spec.arch == "llama":
+        return 2 * h + ((q + 2 * kv) if spec.has_qkv_bias else 0)
+    return 4 * h + q + 2 * kv + h + f + h
+
+
+@dataclass(frozen=True, slots=True)
+class _Sem:
+    """Kernel semantics that change saved-tensor sizes: CUDA (default) or CPU."""
+
+    mask_bytes: float        # dropout mask element (CUDA: bool; CPU: input dtype)
+    stat_bytes: float        # LayerNorm mean/rstd element (CUDA: fp32; CPU: input dtype)
+    amp_softmax_fp32: bool   # CUDA autocast runs softmax in fp32; CPU autocast does not
+
+
+CUDA_SEM = _Sem(1.0, 4.0, True)
+
+
+def _cpu_sem(c: float) -> _Sem:
+    return _Sem(c, c, False)
+
+
+def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attention: str,
+                           act_ckpt: str, sem: _Sem = CUDA_SEM) -> tuple[float, float]:
+    """Bytes per token one block saves for backward: (replicated under TP, sharded under TP).
+
+    ``c``: compute dtype bytes (2 for 16-bit, 4 for fp32); ``amp``: fp32 weights + autocast
+    (residual stream in fp32, one 16-bit cast of a norm output per consuming linear)."""
+    h, f, a = spec.hidden, spec.f, spec.heads
+    q = a * spec.d_head
+    kvd = spec.n_kv * spec.d_head
+    r = 4.0 if amp else c                      # residual stream dtype
+    st = 2 * sem.stat_bytes                    # LayerNorm mean + rstd per token
+    flash = attention == "flash"
+    score = 0.0 if act_ckpt == "selective" else 1.0   # selective recomputes the attention core
+    fp32_softmax = spec.arch in ("llama", "opt") or (amp and sem.amp_softmax_fp32)
+    probs = score * a * s * ((4.0 + c) if fp32_softmax else c)
+    if flash:
+        attn = c * (q + 2 * kvd) + 4.0 * a + c * q           # q, k, v, log-sum-exp, output
+    else:   # q, k^T and v (repeated to all heads), probabilities, merged output copy
+        attn = c * 3 * q + probs + c * h
+    drop_res = spec.dropout > 0
+    drop_attn = spec.attn_dropout > 0 and not flash
+    m = sem.mask_bytes
+    if spec.arch == "gpt":
+        rep = 2 * r * h + 2 * st + 2 * c * h                 # ln_1, ln_2: input, stats, output
+        shard = attn + 5 * c * f                              # gelu_new saves 4 f-tensors + output
+        if drop_res:
+            rep += 2 * m * h
+    elif spec.arch == "llama":
+        if amp:   # RMSNorm: fp32 input, fp32 normalized, a cast per consuming projection
+            rep = (8 * h + 3 * c * h + 4) + (8 * h + 2 * c * h + 4)
+        else:
+            rep = 2 * (4 * h + 2 * c * h + 4)
+        shard = attn + 4 * c * f                              # gate, up, silu(gate), product
+    elif spec.arch == "opt":
+        rep = 2 * r * h + 2 * st + ((4 * c * h) if amp else (2 * c * h))
+        shard = attn + c * f                                  # relu output (= fc2 input)
+        if drop_res:
+            rep += 2 * m * h
+    else:  # bert, post-LN
+        rep = 2 * r * h + 2 * st + ((4 * c * h) if amp else (2 * c * h))
+        shard = attn + 2 * c * f                              # gelu input, gelu output
+        if drop_res:
+            rep += 2 * m * h
+    if drop_attn:
+        shard += score * a * s * (m + c)
+    return rep, shard
+
+
+def layer_backward_transient(spec: ModelSpec, s: int, c: float, attention: str, tp: int) -> float:
+    """Bytes per token of temporaries while one block runs backward (activation gradients)."""
+    h, f, a = spec.hidden, spec.f, spec.heads
+    t = 2 * c * h + (2 * c * f) / tp
+    if attention == "eager":
+        t += a * s * (c + (4.0 if spec.arch in ("llama", "opt") else c)) / tp
+    return t
+
+
+def _loss_bytes_per_logit(spec: ModelSpec, c: float) -> tuple[float, float, float]:
+    """(held logits, peak in the loss forward, peak in the loss backward) bytes per logit.
+    Causal LMs in HF upcast logits to fp32 before cross-entropy; BERT's MLM loss does not."""
+    if spec.arch == "bert":
+        return c, 3 * c, 4 * c
+    lsm = 4.0
+    copy = 4.0 if c < 4 else 0.0
+    return c, c + copy + lsm, c + 3 * lsm
+
+
+# ---------------------------------------------------------------------------- the model
+@dataclass(slots=True)
+class StagePeak:
+    stage: int
+    layers: int
+    allocated: float
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    other: float
+
+
+def _stage_layers(layers: int, pp: int) -> list[int]:
+    base, extra = divmod(layers, pp)
+    return [base + (1 if i < extra else 0) for i in range(pp)]
+
+
+def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> list[StagePeak]:
+    """Peak allocated bytes per pipeline stage, with the breakdown at each stage's peak."""
+    c = 4.0 if k.precision == "fp32" else 2.0
+    amp = c < 4 and (k.mp_style == "amp" or (k.mp_style == "auto" and k.zero == 0))
+    master = c < 4 and not amp
+    sem = _cpu_sem(c) if cpu else CUDA_SEM
+    N = k.dp * k.cp                                   # ZeRO sharding degree
+    t, p = k.tp, k.pp
+    T = k.micro_batch * k.seq_len / k.cp              # tokens per micro-batch on this rank
+    h, V, e = spec.hidden, spec.vocab_padded, spec.e
+
+    # bytes per parameter by regime
+    if master:
+        w_b, g_b, opt_b, g32_b = 2.0, 2.0, 4.0, 4.0   # opt_b: fp32 master copy; g32: fp32 grads
+    else:
+        w_b, g_b, opt_b, g32_b = 4.0, 4.0, 0.0, 0.0
+    st_b = _state_bytes_per_param(spec, k.optimizer)
+    # torch's foreach Adam/AdamW (the CUDA default) materialises sqrt(v): one fp32 state copy
+    step_tmp_b = 4.0 if k.optimizer in ("adam", "adamw") else 0.0
+
+    vec = _layer_vector_params(spec)
+    layer_p = (spec.layer_params() - vec) / t + vec
+    emb_p = spec.embedding_params() - V * e + V * e / t
+    head_p = spec.head_params()
+    if not spec.tied:
+        head_p = head_p - V * e + V * e / t
+    if spec.arch == "bert":                            # MLM head instead of the pooler
+        head_p = spec.train_params - spec.embedding_params() - spec.layers * spec.layer_params()
+        head_p = head_p - V + V / t
+    largest = spec.largest_layer_params() / t
+
+    rep, shard = layer_activation_bytes(spec, k.seq_len, c, amp, k.attention, k.act_ckpt, sem)
+    per_layer_tok = (rep / t if k.sp else rep) + shard / t
+    r = 4.0 if amp else c
+    ckpt_keep_tok = r * h / (t if k.sp else 1)        # full ckpt keeps the block input
+    held_b, fwd_loss_b, bwd_loss_b = _loss_bytes_per_logit(spec, c)
+    logits_tok = V / t                                 # vocab-parallel logits per token
+    transient_tok = layer_backward_transient(spec, k.seq_len, c, k.attention, t)
+
+    out: list[StagePeak] = []
+    layers_per = _stage_layers(spec.layers, p)
+    m = k.grad_accum
+    for i, L_i in enumerate(layers_per):
+        first, last = i == 0, i == p - 1
+        P = L_i * layer_p + (emb_p if first else 0.0) + (head_p if last else 0.0)
+        if last and p > 1 and spec.tied:
+            P += V * e / t                             # last stage keeps its copy of the tied head
+        cast_P = 0.0
+        if amp:   # autocast's 16-bit copies of every weight a matmul uses (not the lookup tables)
+            cast_P = P - (emb_p if first and not spec.tied else 0.0)
+            if first and spec.tied and not last:
+                cast_P -= emb_p
+            if first and spec.arch in ("gpt", "opt", "bert"):
+                cast_P -= spec.max_positions * h
+        # --- model states (persistent) ---
+        weights = w_b * P / (N if k.zero >= 3 else 1)
+        if k.offload == "optimizer+params":
+            weights = 0.0
+        grads = g_b * P / (N if k.zero >= 2 else 1)
+        optim = (opt_b + st_b) * P / (N if k.zero >= 1 else 1)
+        if k.offload != "none":
+            optim = 0.0
+        grads32 = g32_b * P / (N if k.zero >= 1 else 1) if k.offload == "none" else 0.0
+        # --- persistent buffers ---
+        other_fixed = 0.0
+        if k.dp > 1 and k.zero == 0:
+            other_fixed += g_b * P                     # DDP buckets (gradient_as_bucket_view=False)
+        elif k.dp > 1 and k.zero in (1, 2):
+            other_fixed += 2 * 2.0 * min(P, ov.zero_bucket_elems)   # reduce + all-gather buckets
+        if k.zero == 3:
+            other_fixed += ov.zero3_live_units * largest * (c + g_b)  # gathered params + their grads
+        # --- activations of the in-flight micro-batches ---
+        inflight = min(m, p - i) if p > 1 else 1
+        if k.vpp > 1:
+            inflight = inflight * (1 + (p - 1) / (p * k.vpp))
+        keep_tok = ckpt_keep_tok if k.act_ckpt == "full" else per_layer_tok
+        acts = inflight * L_i * keep_tok * T
+        if first:
+            acts += inflight * T * 16.0                # input ids + labels (int64)
+            if spec.dropout > 0:
+                acts += inflight * T * sem.mask_bytes * h / (t if k.sp else 1)
+            if spec.arch == "bert":
+                acts += inflight * T * (r * h + 2 * sem.stat_bytes + (4 if amp else 1) * c * h)
+        loss_a = loss_b = 0.0
+        head_grad = 0.0
+        if last:
+            if spec.arch == "llama":
+                fin = (4 * h + (4 if amp else c) * h + c * h + 4)
+            elif spec.arch == "bert":
+                fin = 3 * c * h + 2 * sem.stat_bytes + r * h
+            else:
+                fin = r * h + 2 * sem.stat_bytes + c * h
+            acts += T * fin / (t if k.sp else 1)
+            acts += T * held_b * logits_tok            # logits held by the model output
+            loss_a = T * (bwd_loss_b - held_b) * logits_tok
+            head_grad = (g_b if k.zero < 2 else g_b / N) * V * e / t
+        # recomputation buffer and backward temporaries for one block
+        one_layer = per_layer_tok * T if k.act_ckpt == "full" else 0.0
+        trans = transient_tok * T
+        persist_grads = grads if (m > 1 or p > 1) else 0.0
+        states_fwd = weights + optim + persist_grads + other_fixed
+        copies = 2.0 * cast_P if amp else 0.0
+        # phase A: loss backward (last stage) / phase B: first block backward
+        a_total = states_fwd + copies + acts + loss_a
+        b_total = states_fwd + copies + acts + one_layer + trans + (0 if m > 1 or p > 1 else head_grad)
+        # phase C: optimizer step
+        tmp = step_tmp_b * P / (N if k.zero >= 1 else 1) if k.offload == "none" else 0.0
+        if k.optimizer == "adafactor":
+            tmp = 3 * 4.0 * max(V * e / t, spec.hidden * spec.f / t)
+        c_total = weights + grads + optim + grads32 + other_fixed + tmp
+        cands = [
+            (a_total, dict(weights=weights, gradients=persist_grads, optimizer=optim,
+                           activations=acts + loss_a, other=other_fixed + copies)),
+            (b_total, dict(weights=weights,
+                           gradients=persist_grads + (0 if m > 1 or p > 1 else head_grad),
+                           optimizer=optim, activations=acts + one_layer,
+                           other=other_fixed + copies + trans)),
+            (c_total, dict(weights=weights, gradients=grads, optimizer=optim + grads32,
+                           activations=0.0, other=other_fixed + tmp)),
+        ]
+        total, bd = max(cands, key=lambda x: x[0])
+        out.append(StagePeak(i, L_i, total, **bd))
+    return out
+
+
+def _comms(k: Knobs) -> int:
+    return sum(1 for d in (k.dp, k.tp, k.pp, k.cp) if d > 1)
+
+
+def _finish(alloc_b: float, ov: Overheads, k: Knobs) -> tuple[float, float, float]:
+    alloc = alloc_b / GIB
+    reserved = alloc * (1.0 + ov.fragmentation) + (ov.workspace_gib if alloc > 0 else 0.0)
+    used = reserved + ov.cuda_context_gib + ov.nccl_per_comm_gib * _comms(k)
+    return alloc, reserved, used
+
+
+@lru_cache(maxsize=65536)
+def peak_gib(spec: ModelSpec, k: Knobs, gpu_type: str | None, cpu: bool = False
+             ) -> tuple[float, float, float]:
+    """(allocated, reserved, device_used) GiB of the most-loaded stage: the fast path plans use."""
+    ov = overheads_for(gpu_type, is_cpu=cpu)
+    peaks = stage_peaks(spec, k, ov, cpu)
+    return _finish(max(s.allocated for s in peaks), ov, k)
+
+
+def _resolve_gpu(gpu: Any):
+    if gpu is None:
+        return None
+    from .catalog import get_gpu
+    return get_gpu(str(gpu))
+
+
+def estimate(model: Any = None, *, arch: str | None = None, layers: int | None = None,
+             hidden: int | None = None, heads: int | None = None, kv_heads: int | None = None,
+             ffn: int | None = None, vocab: int | None = None,
+             tied_embeddings: bool | None = None, seq_len: int = 1024, micro_batch: int = 1,
+             grad_accum: int = 1, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
+             sp: bool = False, vpp: int = 1, zero: int = 0, offload: str = "none",
+             precision: str = "bf16", optimizer: str = "adamw", act_ckpt: str = "none",
+             attention: str = "flash", gpu: str | None = None, method: str = "analytic",
+             mp_style: str = "auto", model_factory: Any = None) -> Estimate:
+    """Per-GPU training memory of one configuration (see the module docstring).
+
+    ``model``: preset name, path to a HF config.json, dict of dimensions or ModelSpec; or the
+    dimension keywords. ``method``: "analytic" (microseconds) or "traced" (runs one real step
+    of the model under FakeTensorMode on the CPU; falls back to analytic with a warning).
+    """
+    spec = model_from_kwargs(model, arch=arch, layers=layers, hidden=hidden, heads=heads,
+                             kv_heads=kv_heads, ffn=ffn, vocab=vocab,
+                             tied_embeddings=tied_embeddings)
+    k = validate_knobs(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
+                       dp=dp, tp=tp, pp=pp, cp=cp, sp=sp, vpp=vpp, zero=zero, offload=offload,
+                       precision=precision, optimizer=optimizer, act_ckpt=act_ckpt,
+                       attention=attention, mp_style=mp_style)
+    if method not in ("analytic", "traced"):
+        raise FrenzyInputError("method", f"must be analytic or traced (got {method!r})")
+    g = _resolve_gpu(gpu)
+    if method == "traced":
+        from .traced import traced_estimate
+        return traced_estimate(spec, k, gpu=g, model_factory=model_factory)
+    return analytic_estimate(spec, k, g)
+
+
+def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | None = None) -> Estimate:
+    is_cpu = bool(getattr(g, "is_cpu", False)) if cpu is None else cpu
+    ov = overheads_for(g.name if g is not None else None, is_cpu=is_cpu)
+    peaks = stage_peaks(spec, k, ov, is_cpu)
+    stages = []
+    for sp_ in peaks:
+        a, r, u = _finish(sp_.allocated, ov, k)
+        stages.append(StageMemory.model_construct(stage=sp_.stage, layers=sp_.layers,
+                                                  allocated_peak_gib=a, reserved_peak_gib=r,
+                                                  device_used_gib=u))
+    top = max(peaks, key=lambda s: s.allocated)
+    a, r, u = _finish(top.allocated, ov, k)
+    bd = {"weights": top.weights / GIB, "gradients": top.gradients / GIB,
+          "optimizer": top.optimizer / GIB, "activations": top.activations / GIB,
+          "other": top.other / GIB}
+    mem = getattr(g, "memory_gib", None)
+    return Estimate.model_construct(
+        params=spec.params, allocated_peak_gib=a, reserved_peak_gib=r, device_used_gib=u,
+        breakdown_gib=bd, stages=stages, method="analytic", model=spec.name,
+        gpu=getattr(g, "name", None), gpu_memory_gib=mem,
+        fits=(u <= mem) if mem is not None else None, overheads=ov.as_dict(), warnings=[])

@@ -1,0 +1,121 @@
+"""Memory outside the tensor model: the caching allocator and the CUDA runtime, as named terms.
+
+allocated (tensors alive, torch.cuda.max_memory_allocated)
+  -> reserved = allocated * (1 + fragmentation) + workspace        (torch.cuda.max_memory_reserved)
+  -> device_used = reserved + cuda_context + nccl_per_comm * comms (nvidia-smi)
+
+Defaults are documented figures (notes/memory-model.md section 8); ``frenzy calibrate`` fits
+them per GPU type from measured runs and writes ``$FRENZY_HOME/calibration.json``:
+
+    {"A100-80GB": {"cuda_context_gib": 0.52, "fragmentation": 0.06, ...}, ...}
+
+Only the keys present override the defaults. Pure: no torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+# --- documented defaults ------------------------------------------------------------------
+# CUDA context + kernel images per process with lazy module loading (CUDA 11.7+ default):
+# 0.3-0.5 GB measured on A100/H100; we take the upper end so a default never under-predicts.
+CUDA_CONTEXT_GIB = 0.5
+# cuBLAS / cuDNN / flash-attention workspaces the allocator reserves beyond live tensors.
+WORKSPACE_GIB = 0.125
+# Caching-allocator fragmentation: reserved exceeds allocated by a few % to 15 % in steady
+# training (blocks cannot span segments, sizes vary between forward and backward).
+FRAGMENTATION = 0.08
+# NCCL buffers per communicator a rank joins (NCCL_BUFFSIZE 4 MiB x channels x peers; 0.2-1 GB).
+NCCL_PER_COMM_GIB = 0.25
+# DeepSpeed ZeRO-1/2 communication buckets (elements): reduce + all-gather buckets of 16-bit
+# values. Accelerate's "auto" picks hidden^2; DeepSpeed's own default is 5e8 (9 GB with
+# overlap_comm). We budget min(params, 2e8) elements, the commonly recommended setting.
+ZERO_BUCKET_ELEMS = 2e8
+# ZeRO-3 / FSDP: gathered 16-bit parameters of the current and the prefetched unit.
+ZERO3_LIVE_UNITS = 2
+# CPU pseudo-GPU: no context, no allocator rounding we can see; processes share host RAM.
+CPU_CONTEXT_GIB = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Overheads:
+    """Per-GPU-type runtime and allocator terms (GiB unless noted)."""
+
+    cuda_context_gib: float = CUDA_CONTEXT_GIB
+    workspace_gib: float = WORKSPACE_GIB
+    fragmentation: float = FRAGMENTATION
+    nccl_per_comm_gib: float = NCCL_PER_COMM_GIB
+    zero_bucket_elems: float = ZERO_BUCKET_ELEMS
+    zero3_live_units: float = ZERO3_LIVE_UNITS
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+DEFAULT = Overheads()
+CPU_OVERHEADS = Overheads(cuda_context_gib=CPU_CONTEXT_GIB, workspace_gib=0.0, fragmentation=0.0,
+                          nccl_per_comm_gib=0.0)
+FIELDS = tuple(f.name for f in fields(Overheads))
+
+_cache: dict[str, tuple[float, dict[str, dict[str, float]]]] = {}
+
+
+def frenzy_home() -> Path:
+    return Path(os.environ.get("FRENZY_HOME", "./.frenzy"))
+
+
+def calibration_path() -> Path:
+    return frenzy_home() / "calibration.json"
+
+
+def load_calibration(path: str | os.PathLike | None = None) -> dict[str, dict[str, float]]:
+    """The calibration file's contents ({gpu_type: {term: value}}); {} when absent.
+    Re-read only when the file changes (mtime), so estimates stay fast."""
+    p = Path(path) if path else calibration_path()
+    try:
+        mtime = p.stat().st_mtime
+    except OSError:
+        return {}
+    key = str(p.resolve())
+    hit = _cache.get(key)
+    if hit and hit[0] == mtime:
+        return hit[1]
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    clean = {str(g): {k: float(v) for k, v in terms.items() if k in FIELDS}
+             for g, terms in data.items() if isinstance(terms, dict)}
+    _cache[key] = (mtime, clean)
+    return clean
+
+
+def overheads_for(gpu_type: str | None, *, is_cpu: bool = False) -> Overheads:
+    """Fitted terms for ``gpu_type`` where the calibration file has them, defaults otherwise."""
+    base = CPU_OVERHEADS if is_cpu or gpu_type == "CPU" else DEFAULT
+    if gpu_type:
+        fitted = load_calibration().get(gpu_type)
+        if fitted:
+            return replace(base, **fitted)
+    return base
+
+
+def write_calibration(fits: dict[str, dict[str, float]], path: str | os.PathLike | None = None) -> Path:
+    """Merge ``fits`` into the calibration file (other GPU types kept) and return its path."""
+    p = Path(path) if path else calibration_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    current = {}
+    if p.exists():
+        try:
+            current = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            current = {}
+    for g, terms in fits.items():
+        current.setdefault(g, {}).update({k: float(v) for k, v in terms.items() if k in FIELDS})
+    tmp = p.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(current, indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, p)
+    _cache.pop(str(p.resolve()), None)
+    return p

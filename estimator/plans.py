@@ -1,0 +1,240 @@
+"""Plan enumeration: for a job and a GPU type, every feasible way to run it (GPU count,
+dp/tp/pp, ZeRO stage, activation checkpointing, micro-batch x gradient accumulation keeping the
+global batch), with memory and step-time predictions, ranked fastest first.
+
+Speed: the allocated bytes of a configuration do not depend on the GPU type (only the
+overhead terms do), so the memory table of a job shape is computed once and cached; each GPU
+type then only applies its overheads, its capacity and the throughput model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from .catalog import GPU, get_gpu
+from .errors import DoesNotFitError, FrenzyInputError
+from .job import TrainingJob
+from .memory import GIB, Knobs, stage_peaks, validate_knobs, _comms
+from .models import ModelSpec, resolve_model
+from .overheads import Overheads, overheads_for
+from .plan import Plan
+from .throughput import step_time
+
+DEFAULT_SAFETY_MARGIN_GIB = 1.0     # GPU memory kept free beyond the prediction
+KEEP_PER_COUNT = 3                  # fastest plans kept per GPU count
+
+
+def _as_job(job: TrainingJob | dict[str, Any]) -> TrainingJob:
+    if isinstance(job, TrainingJob):
+        return job
+    if not isinstance(job, dict):
+        raise FrenzyInputError("job", f"expected a TrainingJob or a dict, got {type(job).__name__}")
+    d = dict(job)
+    if d.get("train_steps") is None and d.get("train_tokens") is None:
+        d["train_steps"] = 1
+    from pydantic import ValidationError
+    try:
+        return TrainingJob.model_validate(d)
+    except ValidationError as err:
+        e = err.errors()[0]
+        raise FrenzyInputError(".".join(map(str, e["loc"])) or "job", e["msg"]) from None
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    seq_len: int
+    global_batch: int
+    precision: str
+    optimizer: str
+    attention: str
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, v = [], 1
+    while v <= n:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@lru_cache(maxsize=256)
+def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
+                  optimizer: str, attention: str, max_gpus: int, gpus_per_node: int,
+                  cpu: bool) -> tuple[tuple[Knobs, int, float], ...]:
+    """(knobs at micro_batch 1, gpu count, allocated bytes per micro_batch) for every structure,
+    with the allocated bytes for each candidate micro-batch in a tuple kept alongside.
+
+    Returned as (structure knobs, gpus, ((micro_batch, allocated_bytes), ...)) entries."""
+    rows = []
+    counts = sorted(set(_pow2_upto(max_gpus)) | {g for g in range(gpus_per_node, max_gpus + 1,
+                                                                   gpus_per_node)})
+    ckpts = ("none", "selective", "full") if attention == "eager" else ("none", "full")
+    shard_ok = optimizer not in ("adafactor", "adamw8bit")
+    ov = overheads_for(None, is_cpu=cpu)      # allocated bytes need only the ZeRO bucket terms
+    for n in counts:
+        tps = [1] if cpu else [t for t in _pow2_upto(min(n, gpus_per_node)) if spec.heads % t == 0
+                               and (spec.n_kv % t == 0 or t % spec.n_kv == 0)]
+        for tp in tps:
+            pps = [1] if cpu else [p for p in _pow2_upto(n // tp) if p <= spec.layers]
+            for pp in pps:
+                if n % (tp * pp):
+                    continue
+                dp = n // (tp * pp)
+                if global_batch % dp:
+                    continue
+                if cpu:
+                    zeros = (0, 2) if dp > 1 and shard_ok else (0,)
+                elif dp == 1 or not shard_ok:
+                    zeros = (0,)
+                elif pp > 1:
+                    zeros = (0, 1)            # DeepSpeed's pipeline engine supports ZeRO-0/1 only
+                else:
+                    zeros = (0, 1, 2, 3)
+                per_rank = global_batch // dp
+                mbs = [m for m in _divisors(per_rank)]
+                for zero in zeros:
+                    for ck in ckpts:
+                        try:
+                            base = validate_knobs(spec, seq_len=seq_len, micro_batch=1,
+                                                  grad_accum=per_rank, dp=dp, tp=tp, pp=pp,
+                                                  zero=zero, precision=precision,
+                                                  optimizer=optimizer, act_ckpt=ck,
+                                                  attention=attention)
+                        except FrenzyInputError:
+                            continue
+                        allocs = []
+                        for mb in mbs:
+                            k = Knobs(**{**_knobs_dict(base), "micro_batch": mb,
+                                         "grad_accum": per_rank // mb})
+                            a = max(s.allocated for s in stage_peaks(spec, k, ov, cpu))
+                            allocs.append((mb, a))
+                        rows.append((base, n, tuple(allocs)))
+    return tuple(rows)
+
+
+def _knobs_dict(k: Knobs) -> dict[str, Any]:
+    return {f: getattr(k, f) for f in Knobs.__slots__}
+
+
+def _used_gib(alloc_b: float, ov: Overheads, k: Knobs) -> tuple[float, float, float]:
+    a = alloc_b / GIB
+    r = a * (1.0 + ov.fragmentation) + ov.workspace_gib
+    return a, r, r + ov.cuda_context_gib + ov.nccl_per_comm_gib * _comms(k)
+
+
+def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
+                   gpus_per_node: int, margin: float, keep_closest: list | None = None) -> list[Plan]:
+    ov = overheads_for(gpu.name, is_cpu=gpu.is_cpu)
+    plans, closest = _plans_cached(spec, job.seq_len, job.global_batch, job.precision,
+                                   job.optimizer, job.attention, gpu, max_gpus, gpus_per_node,
+                                   float(margin), ov)
+    if keep_closest is not None and closest is not None:
+        keep_closest.append(closest)
+    return list(plans)
+
+
+@lru_cache(maxsize=4096)
+def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
+                  optimizer: str, attention: str, gpu: GPU, max_gpus: int, gpus_per_node: int,
+                  margin: float, ov: Overheads) -> tuple[tuple[Plan, ...], tuple | None]:
+    """The plans of one job shape on one GPU type (and the closest miss when none fits)."""
+    job = _Shape(seq_len, global_batch, precision, optimizer, attention)
+    keep_closest: list = []
+    table = _memory_table(spec, seq_len, global_batch, precision, optimizer, attention,
+                          max_gpus, gpus_per_node, gpu.is_cpu)
+    cap = gpu.memory_gib - margin
+    by_count: dict[int, list[Plan]] = {}
+    for base, n, allocs in table:
+        best = None
+        for mb, a_b in allocs:                       # allocations grow with the micro-batch
+            a, r, u = _used_gib(a_b, ov, base)
+            if u <= cap:
+                best = (mb, a, r, u)
+            elif mb == allocs[0][0]:
+                keep_closest.append((u - cap, base, n, mb, a, r, u, gpu))
+        if best is None:
+            continue
+        mb, a, r, u = best
+        plan = Plan.model_construct(
+            gpu_type=gpu.name, gpus=n, dp=base.dp, tp=base.tp, pp=base.pp, cp=1, zero=base.zero,
+            offload="none", act_ckpt=base.act_ckpt, micro_batch=mb,
+            grad_accum=base.grad_accum // mb, precision=job.precision, optimizer=job.optimizer,
+            attention=job.attention, allocated_peak_gib=round(a, 4), reserved_peak_gib=round(r, 4),
+            device_used_gib=round(u, 4), step_time_s=0.0)
+        nodes = max(1, math.ceil(n / gpus_per_node))
+        st = step_time(spec, plan, gpu, seq_len=job.seq_len, nodes=nodes)
+        plan = plan.model_copy(update={"step_time_s": st})
+        by_count.setdefault(n, []).append(plan)
+    plans = []
+    for n, ps in by_count.items():
+        ps.sort(key=lambda p: (p.step_time_s, p.device_used_gib))
+        plans.extend(ps[:KEEP_PER_COUNT])
+    plans.sort(key=lambda p: (p.step_time_s, p.gpus, p.device_used_gib))
+    closest = min(keep_closest, key=lambda x: x[0]) if keep_closest and not plans else None
+    return tuple(plans), closest
+
+
+def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
+                    gpus_per_node: int = 8, safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB
+                    ) -> list[Plan]:
+    """Feasible plans of ``job`` on ``gpu_type`` using at most ``max_gpus`` GPUs, each with
+    ``device_used_gib <= memory - safety_margin_gib``, fastest first (predicted step time)."""
+    j = _as_job(job)
+    spec = resolve_model(j.model)
+    gpu = get_gpu(gpu_type)
+    if isinstance(max_gpus, bool) or not isinstance(max_gpus, int) or max_gpus < 1:
+        raise FrenzyInputError("max_gpus", f"must be a positive integer, got {max_gpus!r}")
+    if j.max_gpus:
+        max_gpus = min(max_gpus, j.max_gpus)
+    if safety_margin_gib is None:
+        safety_margin_gib = DEFAULT_SAFETY_MARGIN_GIB
+    if safety_margin_gib < 0:
+        raise FrenzyInputError("safety_margin_gib", f"must be >= 0, got {safety_margin_gib}")
+    gpn = max(1, int(gpus_per_node))
+    return _plans_for_gpu(j, spec, gpu, max_gpus, gpn, safety_margin_gib)
+
+
+def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
+                  gpus_per_node: dict[str, int] | int = 8,
+                  safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB) -> dict[str, list[Plan]]:
+    """Feasible plans per GPU type of the inventory (gpu_type -> GPUs in the cluster), each list
+    fastest first. GPU types the job does not allow or that hold no plan map to []. Raises
+    DoesNotFitError (closest plan, shortfall in GiB) when nothing fits anywhere."""
+    j = _as_job(job)
+    spec = resolve_model(j.model)
+    if safety_margin_gib is None:
+        safety_margin_gib = DEFAULT_SAFETY_MARGIN_GIB
+    if safety_margin_gib < 0:
+        raise FrenzyInputError("safety_margin_gib", f"must be >= 0, got {safety_margin_gib}")
+    out: dict[str, list[Plan]] = {}
+    closest: list = []
+    for gtype, count in inventory.items():
+        if j.allowed_gpu_types and gtype not in j.allowed_gpu_types:
+            out[gtype] = []
+            continue
+        if count <= 0:
+            out[gtype] = []
+            continue
+        gpu = get_gpu(gtype)
+        gpn = gpus_per_node.get(gtype, 8) if isinstance(gpus_per_node, dict) else gpus_per_node
+        n = min(int(count), j.max_gpus or int(count))
+        out[gtype] = _plans_for_gpu(j, spec, gpu, n, max(1, int(gpn)), safety_margin_gib, closest)
+    if not any(out.values()):
+        if closest:
+            short, base, n, mb, a, r, u, gpu = min(closest, key=lambda x: x[0])
+            plan = Plan.model_construct(
+                gpu_type=gpu.name, gpus=n, dp=base.dp, tp=base.tp, pp=base.pp, cp=1,
+                zero=base.zero, offload="none", act_ckpt=base.act_ckpt, micro_batch=mb,
+                grad_accum=base.grad_accum // mb, precision=j.precision, optimizer=j.optimizer,
+                attention=j.attention, allocated_peak_gib=a, reserved_peak_gib=r,
+                device_used_gib=u, step_time_s=0.0)
+            raise DoesNotFitError(plan, short, f"(safety margin {safety_margin_gib} GiB)")
+        raise DoesNotFitError(None, float("inf"), "(no GPU type of the inventory is allowed)")
+    return out

@@ -1,0 +1,209 @@
+"""`frenzy estimate`, `frenzy plan`, `frenzy models`: the memory estimator from the shell.
+
+Flags are the keywords of ``estimator.estimate`` with ``-`` for ``_``; ``--json`` prints one
+JSON object instead of tables. Answers in milliseconds (no torch, no Prefect imported)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from estimator.errors import FrenzyInputError
+
+
+def _bool(v: str) -> bool:
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Flag-value errors as FrenzyInputError (one line, exit 2), like every other bad input."""
+
+
+def register(sub) -> None:
+    e = sub.add_parser("estimate", help="per-GPU training memory of one configuration",
+                       description="Per-GPU training memory (GiB) of one configuration.")
+    m = e.add_argument_group("model (a preset / config.json, or the dimensions)")
+    m.add_argument("--model", help="preset name (see `frenzy models`) or path to a HF config.json")
+    m.add_argument("--arch", choices=["gpt", "llama", "bert", "opt"])
+    for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
+        m.add_argument(f"--{name}", type=int)
+    m.add_argument("--tied-embeddings", type=_bool, metavar="BOOL")
+    j = e.add_argument_group("job and parallelism")
+    j.add_argument("--seq-len", type=int, default=1024)
+    j.add_argument("--micro-batch", type=int, default=1)
+    j.add_argument("--grad-accum", type=int, default=1)
+    for name in ("dp", "tp", "pp", "cp", "vpp"):
+        j.add_argument(f"--{name}", type=int, default=1)
+    j.add_argument("--sp", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
+                   help="Megatron sequence parallelism (needs --tp > 1)")
+    k = e.add_argument_group("memory")
+    k.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (3 = FSDP full shard)")
+    k.add_argument("--offload", default="none", help="none | optimizer | optimizer+params")
+    k.add_argument("--precision", default="bf16", help="fp32 | fp16 | bf16")
+    k.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | adafactor | adamw8bit")
+    k.add_argument("--act-ckpt", default="none", help="none | selective | full")
+    k.add_argument("--attention", default="flash", help="flash | eager")
+    k.add_argument("--mp-style", default="auto",
+                   help="auto (zero 0: amp, zero>=1: master) | amp | master")
+    e.add_argument("--gpu", help="catalog GPU type, e.g. A100-80GB (adds fits / overheads)")
+    e.add_argument("--method", default="analytic", help="analytic | traced")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(handler=handle_estimate)
+
+    p = sub.add_parser("plan", help="feasible parallel plans of a job per GPU type",
+                       description="Feasible plans (fastest first) of a job on each GPU type.")
+    p.add_argument("--model", required=True, help="preset name or path to a HF config.json")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--precision", default="bf16")
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--attention", default="flash")
+    p.add_argument("--cluster", help="cluster YAML (GPU types and counts); default: 8 of every "
+                                     "catalog GPU type")
+    p.add_argument("--gpu", action="append", help="only this GPU type (repeatable)")
+    p.add_argument("--max-gpus", type=int, default=8, help="GPUs per type without --cluster")
+    p.add_argument("--safety-margin-gib", type=float, default=None)
+    p.add_argument("--top", type=int, default=5, help="plans shown per GPU type (table only)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=handle_plan)
+
+    ms = sub.add_parser("models", help="list the model presets",
+                        description="Model presets with their dimensions and exact parameter counts.")
+    ms.add_argument("--json", action="store_true")
+    ms.set_defaults(handler=handle_models)
+
+
+_EST_KEYS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
+             "tied_embeddings", "seq_len", "micro_batch", "grad_accum", "dp", "tp", "pp", "cp",
+             "sp", "vpp", "zero", "offload", "precision", "optimizer", "act_ckpt", "attention",
+             "gpu", "method", "mp_style")
+
+
+def handle_estimate(args) -> int:
+    from estimator import estimate
+
+    kw = {k: getattr(args, k) for k in _EST_KEYS if getattr(args, k) is not None}
+    with_warnings = []
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = estimate(**kw)
+        with_warnings = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if args.json:
+        print(json.dumps(est.model_dump(mode="json")))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    con = Console()
+    for w in with_warnings:
+        con.print(f"[yellow]warning:[/] {w}")
+    con.print(f"[bold]{est.model}[/]  {est.params:,} parameters  ({est.method})")
+    t = Table(title="per-GPU memory (GiB)", show_header=True)
+    t.add_column("stage")
+    t.add_column("layers", justify="right")
+    t.add_column("allocated", justify="right")
+    t.add_column("reserved", justify="right")
+    t.add_column("device used", justify="right")
+    for s in est.stages:
+        t.add_row(str(s.stage), str(s.layers), f"{s.allocated_peak_gib:.2f}",
+                  f"{s.reserved_peak_gib:.2f}", f"{s.device_used_gib:.2f}")
+    if len(est.stages) > 1:
+        t.add_row("peak", "", f"{est.allocated_peak_gib:.2f}", f"{est.reserved_peak_gib:.2f}",
+                  f"{est.device_used_gib:.2f}", style="bold")
+    con.print(t)
+    b = Table(title="breakdown at the peak (GiB)")
+    for k in est.breakdown_gib:
+        b.add_column(k, justify="right")
+    b.add_row(*(f"{v:.3f}" for v in est.breakdown_gib.values()))
+    con.print(b)
+    if est.gpu:
+        verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
+        con.print(f"{est.gpu} ({est.gpu_memory_gib:.1f} GiB): {verdict}")
+    return 0
+
+
+def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int]:
+    from estimator.catalog import GPU_NAMES, get_gpu
+    if args.cluster:
+        import yaml
+        from pathlib import Path
+        path = Path(args.cluster)
+        if not path.is_file():
+            raise FrenzyInputError("cluster", f"file {args.cluster} does not exist")
+        try:
+            from scheduler.cluster import load_cluster  # H2's loader when present
+            cl = load_cluster(str(path))
+            return cl.inventory(), cl.gpus_per_node()
+        except ImportError:
+            raw = yaml.safe_load(path.read_text())
+            inv: dict[str, int] = {}
+            gpn: dict[str, int] = {}
+            for node in (raw or {}).get("nodes", []):
+                g = node["gpu"]
+                inv[g] = inv.get(g, 0) + int(node.get("count", node.get("gpus", 1)))
+                gpn[g] = max(gpn.get(g, 0), int(node.get("count", node.get("gpus", 1))))
+            return inv, gpn
+    types = args.gpu or list(GPU_NAMES)
+    for g in types:
+        get_gpu(g)
+    if args.max_gpus < 1:
+        raise FrenzyInputError("max_gpus", f"must be a positive integer, got {args.max_gpus}")
+    return {g: args.max_gpus for g in types}, 8
+
+
+def handle_plan(args) -> int:
+    from estimator.errors import DoesNotFitError
+    from estimator.plans import plans_for_job
+
+    job = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
+           "precision": args.precision, "optimizer": args.optimizer, "attention": args.attention}
+    inv, gpn = _inventory(args)
+    if args.gpu and args.cluster:
+        inv = {g: n for g, n in inv.items() if g in args.gpu}
+    try:
+        plans = plans_for_job(job, inv, gpus_per_node=gpn, safety_margin_gib=args.safety_margin_gib)
+    except DoesNotFitError:
+        raise
+    if args.json:
+        print(json.dumps({g: [p.model_dump(mode="json") for p in ps] for g, ps in plans.items()}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    con = Console()
+    for g, ps in plans.items():
+        if not ps:
+            con.print(f"[dim]{g}: no feasible plan[/]")
+            continue
+        t = Table(title=f"{g}: {len(ps)} feasible plans (fastest first)")
+        for col in ("gpus", "dp", "tp", "pp", "zero", "ckpt", "mb x accum", "used GiB", "step s"):
+            t.add_column(col, justify="right")
+        for p in ps[: args.top]:
+            t.add_row(str(p.gpus), str(p.dp), str(p.tp), str(p.pp), str(p.zero), p.act_ckpt,
+                      f"{p.micro_batch} x {p.grad_accum}", f"{p.device_used_gib:.2f}",
+                      f"{p.step_time_s:.3f}")
+        con.print(t)
+    return 0
+
+
+def handle_models(args) -> int:
+    from estimator.models import PRESETS
+    rows = [{"name": n, "params": m.params, **m.dims(), "hf_model_type": m.model_type}
+            for n, m in PRESETS.items()]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"{len(rows)} model presets")
+    for col in ("name", "params", "arch", "layers", "hidden", "heads", "kv", "ffn", "vocab", "tied"):
+        t.add_column(col, justify="right" if col not in ("name", "arch") else "left")
+    for r in rows:
+        t.add_row(r["name"], f"{r['params']:,}", r["arch"], str(r["layers"]), str(r["hidden"]),
+                  str(r["heads"]), str(r["kv_heads"]), str(r["ffn"]), str(r["vocab"]),
+                  "yes" if r["tied_embeddings"] else "no")
+    Console().print(t)
+    return 0
