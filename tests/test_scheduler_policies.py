@@ -1,0 +1,171 @@
+"""frenzy and frenzy-paper on hand-built clusters where the right answer is known."""
+import copy
+
+import pytest
+
+from estimator.errors import FrenzyInputError
+from estimator.plan import Plan
+from scheduler.cluster import parse_cluster
+from scheduler.policies import POLICIES, get_policy
+from scheduler.policies.frenzy import FrenzyPolicy
+from scheduler.types import ClusterState, JobRequest, RunningJob
+
+NOW = 1000.0
+
+
+def cluster(text):
+    return parse_cluster(text).initial_state()
+
+
+def plan(t, n, mem, step, **kw):
+    return Plan(gpu_type=t, gpus=n, dp=kw.pop("dp", n), device_used_gib=mem, step_time_s=step, **kw)
+
+
+def job(jid, plans, steps=1000, submit=NOW):
+    return JobRequest(job_id=jid, submit_s=submit, plans=plans, steps_left=steps)
+
+
+def occupy(state, node_id, devices, plan_, end):
+    """Mark devices of a node busy with a running job ending at ``end``."""
+    for n in state.nodes:
+        if n.node_id == node_id:
+            n.free = [d for d in n.free if d not in devices]
+    state.running.append(RunningJob(job_id=f"run-{node_id}-{devices[0]}", plan=plan_,
+                                    placement={node_id: list(devices)}, start_s=0, expected_end_s=end))
+
+
+MIXED = """
+pools:
+  - {name: a100, gpu: A100-80GB, nodes: 1, gpus_per_node: 8}
+  - {name: rtx, gpu: RTX3090-24GB, nodes: 2, gpus_per_node: 8}
+"""
+
+
+def test_big_job_waits_for_a100_instead_of_ooming_on_24gb_cards():
+    st = cluster(MIXED)
+    occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 600)
+    # estimator says the 24 GB plan "fits" with no margin (23.5 GiB): too tight to be safe
+    big = job("big", [plan("A100-80GB", 8, 60.0, 1.0), plan("RTX3090-24GB", 8, 23.5, 3.0)])
+    assert get_policy("frenzy").schedule([big], st, NOW) == []
+    # the published HAS takes the first plan it can serve now: the 24 GB cards
+    paper = get_policy("frenzy-paper").schedule([big], st, NOW)
+    assert [d.plan.gpu_type for d in paper] == ["RTX3090-24GB"]
+    # once the A100s free up, frenzy places it there
+    st2 = cluster(MIXED)
+    d = get_policy("frenzy").schedule([big], st2, NOW)
+    assert len(d) == 1 and d[0].plan.gpu_type == "A100-80GB" and d[0].placement == {"a100-0": list(range(8))}
+
+
+def test_waits_for_faster_type_only_when_that_finishes_sooner():
+    st = cluster(MIXED)
+    occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 100)
+    plans = [plan("A100-80GB", 8, 20, 1.0), plan("RTX3090-24GB", 8, 10, 4.0)]
+    # A100 free in 100 s, then 1000 s of work (done at +1100) beats 4000 s on RTX now
+    assert get_policy("frenzy").schedule([job("j", plans)], st, NOW) == []
+    # with the A100 busy for 10,000 s more, starting now on the RTX cards is sooner
+    st = cluster(MIXED)
+    occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 10_000)
+    d = get_policy("frenzy").schedule([job("j", plans)], st, NOW)
+    assert [x.plan.gpu_type for x in d] == ["RTX3090-24GB"]
+
+
+A100_ONLY = """
+pools:
+  - {name: a, gpu: A100-80GB, nodes: 1, gpus_per_node: 8}
+"""
+
+
+def test_small_job_backfills_without_delaying_the_head_reservation():
+    st = cluster(A100_ONLY)
+    occupy(st, "a-0", [0, 1, 2, 3], plan("A100-80GB", 4, 10, 1), end=NOW + 100)   # 4 free now, 8 at +100
+    head = job("head", [plan("A100-80GB", 8, 20, 1.0)], steps=1000, submit=NOW - 50)
+    short = job("short", [plan("A100-80GB", 2, 5, 1.0)], steps=50, submit=NOW)       # done by +50
+    long_ = job("long", [plan("A100-80GB", 2, 5, 1.0)], steps=5000, submit=NOW)      # would delay head
+    pol = FrenzyPolicy(aging_s=1.0)            # strong aging: the old head job is first in line
+    d = pol.schedule([head, short, long_], st, NOW)
+    assert [x.job_id for x in d] == ["short"]
+    assert set(d[0].placement["a-0"]) <= {4, 5, 6, 7}
+    # the published HAS has no reservations: both small jobs start, the head job waits longer
+    paper = get_policy("frenzy-paper").schedule([head, short, long_], st, NOW)
+    assert {x.job_id for x in paper} == {"short", "long"}
+
+
+def test_shortest_work_first_and_aging():
+    st = cluster("pools:\n  - {name: a, gpu: A100-80GB, nodes: 1, gpus_per_node: 1}\n")
+    p = plan("A100-80GB", 1, 10, 1.0)
+    old_long = job("old-long", [p], steps=10_000, submit=NOW - 10)
+    new_short = job("new-short", [p], steps=100, submit=NOW)
+    assert [d.job_id for d in FrenzyPolicy().schedule([old_long, new_short], st, NOW)] == ["new-short"]
+    # after waiting long enough (aging), the long job goes before a newly arrived short one
+    later = NOW + 40 * 3600
+    new_short.submit_s = later
+    assert [d.job_id for d in FrenzyPolicy(aging_s=600).schedule([old_long, new_short], st, later)] == ["old-long"]
+    assert [d.job_id for d in FrenzyPolicy(aging_s=1e9).schedule([old_long, new_short], st, later)] == ["new-short"]
+    # frenzy-paper is FIFO
+    assert [d.job_id for d in get_policy("frenzy-paper").schedule([new_short, old_long], st, NOW)] == ["old-long"]
+
+
+def test_fewer_gpus_when_nearly_as_fast_and_single_node_placement():
+    st = cluster("pools:\n  - {name: a, gpu: A100-80GB, nodes: 4, gpus_per_node: 8}\n")
+    occupy(st, "a-0", [0, 1, 2, 3, 4, 5], plan("A100-80GB", 6, 1, 1), end=NOW + 1e6)
+    p4, p8 = plan("A100-80GB", 4, 30, 1.0), plan("A100-80GB", 8, 20, 0.95)
+    d = FrenzyPolicy().schedule([job("j", [p8, p4])], st, NOW)
+    assert d[0].plan == p4 and len(d[0].placement) == 1            # within 10%: the cheaper plan
+    p16 = plan("A100-80GB", 16, 10, 0.4, dp=16)
+    d = FrenzyPolicy().schedule([job("j", [p16])], st, NOW)
+    assert sorted(d[0].placement) == ["a-1", "a-2"]                 # two whole nodes, not 2 + 6 + 8
+
+
+def test_oom_resubmission_picks_a_roomier_plan():
+    st = cluster(A100_ONLY)
+    tight, roomy = plan("A100-80GB", 4, 50, 1.0), plan("A100-80GB", 8, 30, 0.95)
+    pol = FrenzyPolicy()
+    j = job("j", [tight, roomy])
+    assert pol.schedule([j], st, NOW)[0].plan == tight
+    j = pol.on_oom(j, tight)
+    assert j.restarts == 1
+    assert pol.schedule([j], st, NOW)[0].plan == roomy
+
+
+def test_never_places_a_plan_over_memory_minus_margin():
+    st = cluster(A100_ONLY)
+    over = plan("A100-80GB", 1, 79.9, 1.0)          # above 80 GB minus the margin
+    assert FrenzyPolicy().schedule([job("j", [over])], st, NOW) == []
+    ok_if_only = plan("A100-80GB", 1, 70.0, 1.0)    # no safe plan exists: falls back to margin-only fit
+    assert len(FrenzyPolicy().schedule([job("j", [ok_if_only])], st, NOW)) == 1
+
+
+@pytest.mark.parametrize("name", ["frenzy", "frenzy-paper"])
+def test_policies_do_not_mutate_inputs_and_never_double_book(name):
+    st = cluster(MIXED)
+    occupy(st, "rtx-0", [0, 1, 2], plan("RTX3090-24GB", 3, 5, 1), end=NOW + 50)
+    jobs = [job(f"j{i}", [plan("A100-80GB", n, 20, 1.0 / n), plan("RTX3090-24GB", n, 10, 3.0 / n)],
+                steps=100 * (i + 1), submit=NOW - i) for i, n in enumerate([1, 2, 4, 8, 1, 2, 4])]
+    st_before, jobs_before = copy.deepcopy(st), copy.deepcopy(jobs)
+    decisions = get_policy(name).schedule(jobs, st, NOW)
+    assert st == st_before and jobs == jobs_before
+    free = {n.node_id: set(n.free) for n in st.nodes}
+    seen = set()
+    for d in decisions:
+        assert sum(len(v) for v in d.placement.values()) == d.plan.gpus
+        for nid, devs in d.placement.items():
+            for dev in devs:
+                assert dev in free[nid] and (nid, dev) not in seen
+                seen.add((nid, dev))
+    assert len({d.job_id for d in decisions}) == len(decisions)
+
+
+def test_registry():
+    assert {"frenzy", "frenzy-paper"} <= set(POLICIES)
+    assert get_policy("frenzy") is not get_policy("frenzy")
+    assert get_policy("frenzy", aging_s=10).aging_s == 10
+    with pytest.raises(FrenzyInputError, match="unknown policy 'nope'"):
+        get_policy("nope")
+
+
+def test_frenzy_paper_uses_fewest_gpus_per_type_ranked_by_speed():
+    st = cluster(MIXED)
+    plans = [plan("A100-80GB", 8, 20, 0.5), plan("A100-80GB", 2, 60, 1.5), plan("RTX3090-24GB", 4, 20, 2.0)]
+    d = get_policy("frenzy-paper").schedule([job("j", plans)], st, NOW)
+    assert d[0].plan.gpus == 2 and d[0].plan.gpu_type == "A100-80GB"
+    assert isinstance(st, ClusterState)
