@@ -55,7 +55,7 @@ def workers_online(pool_name: str) -> int:
     """Workers polling ``pool_name`` now (0 when the pool does not exist)."""
     from prefect import get_client
     from prefect.client.schemas.filters import WorkerFilter, WorkerFilterStatus
-    from prefect.exceptions import ObjectNotFound
+    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 
     with get_client(sync_client=True) as client:
         try:
@@ -63,6 +63,10 @@ def workers_online(pool_name: str) -> int:
                 pool_name, worker_filter=WorkerFilter(status=WorkerFilterStatus(any_=["ONLINE"])))
         except ObjectNotFound:
             return 0
+        except PrefectHTTPStatusError as err:   # this endpoint answers a bare 404 for unknown pools
+            if err.response.status_code == 404:
+                return 0
+            raise
     return len(workers)
 
 
@@ -200,7 +204,7 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
         # (the wait for slots counts against the run's deadline too)
         slots.__enter__()
     except Exception as err:
-        if "not found" in str(err).lower() or "does not exist" in str(err).lower():
+        if "must be created" in str(err):    # strict=True and no gpu:<pool> limit
             raise FrenzyInputError("pool", f"no concurrency limit {gpu_limit_name(pool)!r}; run "
                                            f"`frenzy pools sync --cluster <file>` first") from err
         raise

@@ -1,0 +1,91 @@
+"""`frenzy pools sync|status`: mirror a cluster file into Prefect work pools (one per GPU type,
+with GPU template variables, a `gpu:<pool>` concurrency limit and a training deployment), and
+show each pool's GPUs, GPUs in use, queued runs and workers online.
+
+Talks to the Prefect server in PREFECT_API_URL (or the active Prefect profile). Without one it
+uses the same embedded server database as `frenzy run` (PREFECT_HOME under ./.frenzy)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("pools", help="sync the cluster's GPU pools into Prefect; show pool status",
+                       description=__doc__)
+    ps = p.add_subparsers(dest="pools_command", metavar="SUBCOMMAND")
+
+    s = ps.add_parser("sync", help="create/update one work pool per cluster pool (idempotent)")
+    s.add_argument("--cluster", required=True, help="cluster YAML: pools: [{name, gpu, nodes, gpus_per_node}]")
+    s.add_argument("--type", dest="pool_type", default="process", choices=["process", "kubernetes"],
+                   help="work pool type (default: process); kubernetes requests nvidia.com/gpu and "
+                        "selects nodes by GPU product")
+    s.add_argument("--json", action="store_true", help="print the sync report as JSON")
+    s.set_defaults(handler=handle_sync)
+
+    st = ps.add_parser("status", help="per pool: GPUs, in use, queued jobs, workers online")
+    st.add_argument("pool", nargs="*", help="only these pools (default: every Frenzy pool)")
+    st.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
+    st.set_defaults(handler=handle_status)
+    p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
+
+
+def _prefect_env() -> str | None:
+    """Same defaults as `frenzy run`; returns the API URL in use, or None for the embedded server."""
+    home = Path(os.environ.setdefault("FRENZY_HOME", str(Path.cwd() / ".frenzy")))
+    os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    return str(url) if url else None
+
+
+def handle_sync(args) -> int:
+    from scheduler.cluster import load_cluster
+
+    cluster = load_cluster(args.cluster)       # bad file: FrenzyInputError, nothing touched
+    url = _prefect_env()
+    from deployments.pools import sync_pools
+
+    lines: list[str] = []
+    report = sync_pools(cluster, pool_type=args.pool_type, log=lines.append)
+    if args.json:
+        print(json.dumps({"api_url": url, "pool_type": report.pool_type, "pools": report.pools,
+                          "limits": report.limits, "deployments": report.deployments}))
+        return 0
+    for line in lines:
+        print(line)
+    if url is None:
+        print(f"(no PREFECT_API_URL: wrote to the embedded server database under {os.environ['PREFECT_HOME']}, "
+              "which `frenzy run` uses; workers need a running server: `prefect server start`)",
+              file=sys.stderr)
+    return 0
+
+
+def handle_status(args) -> int:
+    _prefect_env()
+    from deployments.pools import pools_status
+
+    rows = pools_status(args.pool or None)
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows]))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="Frenzy GPU pools", title_justify="left")
+    for col in ("pool", "type", "GPU type", "GPUs", "in use", "queued", "running", "workers", "state"):
+        t.add_column(col, justify="right" if col in ("GPUs", "in use", "queued", "running", "workers") else "left")
+    for r in rows:
+        workers = str(r.workers_online) if r.workers_online else "[red]0 (no workers online)[/red]"
+        t.add_row(r.name, r.pool_type, r.gpu_type, "-" if r.gpus is None else str(r.gpus),
+                  "-" if r.in_use is None else str(r.in_use), str(r.queued), str(r.running), workers, r.state)
+    Console(width=None if sys.stdout.isatty() else 160).print(t)   # piped: do not truncate
+    if not rows:
+        print("no Frenzy pools on this server; run `frenzy pools sync --cluster <file>`", file=sys.stderr)
+    return 0

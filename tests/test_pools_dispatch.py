@@ -1,0 +1,176 @@
+"""Dispatch to a GPU pool: a real process worker picks the run up with the devices as job
+variables while the dispatcher holds the pool's GPU slots; a pool without workers times out
+with a visible reason, the run is cancelled and the slots come back.
+
+The module is also the entrypoint of the stand-in training flow (`fake_train`) that the worker
+runs, so keep its top-level imports light."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from prefect import flow
+
+ROOT = Path(__file__).resolve().parent.parent
+ENTRYPOINT = "tests/test_pools_dispatch.py:fake_train"
+
+
+@flow(name="frenzy-train-standin", persist_result=True)
+def fake_train(job: dict, plan: dict, assignment: dict | None = None, job_id: str | None = None) -> dict:
+    """Reports what the pool's worker handed it, and the GPU slots held while it runs."""
+    from prefect import get_client
+
+    pool = (assignment or {}).get("pool")
+    with get_client(sync_client=True) as client:
+        gcl = client.read_global_concurrency_limit_by_name(f"gpu:{pool}")
+    return {"cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpu_type": os.environ.get("FRENZY_GPU_TYPE"),
+            "num_processes": os.environ.get("FRENZY_NUM_PROCESSES"), "extra": os.environ.get("FRENZY_TEST_EXTRA"),
+            "job_id": job_id, "job_name": job["name"], "plan_gpus": plan["gpus"],
+            "allocation_id": (assignment or {}).get("allocation_id"), "slots_held": gcl.active_slots}
+
+
+def _plan_and_job():
+    from estimator.job import TrainingJob
+    from estimator.plan import Plan
+
+    job = TrainingJob(name="dispatch-test", model="gpt2-tiny", seq_len=16, global_batch=4, train_steps=2)
+    return job, Plan(gpu_type="CPU", gpus=2, dp=2, micro_batch=2, grad_accum=1)
+
+
+def _sync(pool: str):
+    from deployments.pools import sync_pools
+
+    return sync_pools({"pools": [{"name": pool, "gpu": "CPU", "nodes": 1, "gpus_per_node": 2}]},
+                      entrypoint=ENTRYPOINT, control_pool=False, log=lambda *_: None)
+
+
+def _slots(pool: str) -> int:
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_global_concurrency_limit_by_name(f"gpu:{pool}").active_slots
+
+
+def _runs(pool: str):
+    from prefect import get_client
+    from prefect.client.schemas.filters import WorkPoolFilter, WorkPoolFilterName
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])))
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_dispatch_without_workers_times_out_visibly_cancels_the_run_and_frees_slots(caplog):
+    from frenzy_flows import dispatch
+
+    pool = f"nw-{uuid.uuid4().hex[:6]}"
+    _sync(pool)
+    assert dispatch.has_workers(pool) is False and dispatch.workers_online("no-such-pool") == 0
+    job, plan = _plan_and_job()
+    caplog.set_level("INFO", logger="frenzy.dispatch")
+    with pytest.raises(dispatch.DispatchError, match="did not finish within 3"):
+        dispatch.dispatch_to_pool(job, plan, {"pool": pool, "devices": ["0", "1"], "allocation_id": "x"},
+                                  timeout_s=3, poll_s=0.3)
+    assert f"pool '{pool}' has no workers online" in caplog.text
+    assert f"prefect worker start --pool {pool}" in caplog.text
+    runs = _runs(pool)
+    assert len(runs) == 1 and runs[0].state.is_cancelled()
+    assert runs[0].job_variables["gpu_ids"] == "0,1" and runs[0].job_variables["num_processes"] == 2
+    assert _slots(pool) == 0
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_dispatch_to_an_unsynced_pool_names_the_fix():
+    from estimator.errors import FrenzyInputError
+    from frenzy_flows import dispatch
+
+    job, plan = _plan_and_job()
+    with pytest.raises(FrenzyInputError, match="frenzy pools sync"):
+        dispatch.dispatch_to_pool(job, plan, {"pool": "never-synced", "devices": ["0"]}, timeout_s=5)
+
+
+def test_job_variables_carry_devices_type_count_and_env(monkeypatch):
+    from frenzy_flows.dispatch import job_variables
+
+    job, plan = _plan_and_job()
+    monkeypatch.delenv("FRENZY_HOME", raising=False)
+    v = job_variables(plan, {"pool": "cpu", "devices": [0, 1]}, env={"A": "1"})
+    assert v == {"gpu_type": "CPU", "num_processes": 2, "gpu_ids": "0,1", "env": {"A": "1"}}
+    monkeypatch.setenv("FRENZY_HOME", "rel/home")
+    v = job_variables(plan, {"pool": "cpu"})     # no devices: the plan's GPU count, worker's own ids
+    assert "gpu_ids" not in v and v["num_processes"] == 2
+    assert v["env"]["FRENZY_HOME"] == os.path.abspath("rel/home")
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_dispatch_runs_on_a_real_worker_with_devices_and_holds_the_gpu_slots():
+    from prefect.settings import PREFECT_API_URL
+
+    from frenzy_flows import dispatch
+
+    pool = f"wk-{uuid.uuid4().hex[:6]}"
+    _sync(pool)
+    job, plan = _plan_and_job()
+    out: dict = {}
+
+    def run():
+        try:
+            out["result"] = dispatch.dispatch_to_pool(
+                job, plan, {"pool": pool, "devices": ["1", "0"], "allocation_id": "alloc-9"},
+                timeout_s=120, job_id="job-9", poll_s=0.5, env={"FRENZY_TEST_EXTRA": "yes"})
+        except BaseException as err:  # surfaced by the assertion below
+            out["error"] = err
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not _runs(pool) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert _runs(pool), "dispatcher created no flow run"
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    worker = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool,
+                               "--run-once", "--type", "process"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        t.join(120)
+        assert not t.is_alive(), "dispatch did not return"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        log = worker.communicate(timeout=30)[0]
+    assert "error" not in out, f"{out.get('error')!r}\n{log[-3000:]}"
+    r = out["result"]
+    assert r["cuda"] == "1,0" and r["gpu_type"] == "CPU" and r["num_processes"] == "2"
+    assert r["extra"] == "yes" and r["job_id"] == "job-9" and r["job_name"] == "dispatch-test"
+    assert r["allocation_id"] == "alloc-9" and r["plan_gpus"] == 2
+    assert r["slots_held"] == 2            # the dispatcher held gpu:<pool> while training ran
+    assert _slots(pool) == 0               # and gave the slots back
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_dispatch_refuses_a_pool_whose_gpu_limit_is_gone():
+    from prefect import get_client
+
+    from estimator.errors import FrenzyInputError
+    from frenzy_flows import dispatch
+
+    pool = f"ng-{uuid.uuid4().hex[:6]}"
+    _sync(pool)
+    with get_client(sync_client=True) as client:
+        client.delete_global_concurrency_limit_by_name(f"gpu:{pool}")
+    job, plan = _plan_and_job()
+    with pytest.raises(FrenzyInputError, match=f"no concurrency limit 'gpu:{pool}'"):
+        dispatch.dispatch_to_pool(job, plan, {"pool": pool, "devices": ["0"]}, timeout_s=5)
+    assert _runs(pool) == []               # nothing was started
