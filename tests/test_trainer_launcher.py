@@ -1,0 +1,97 @@
+"""The process-group launcher, with real child processes (no torch): streaming, deadline,
+killing the whole tree (also descendants in sessions of their own, as torch elastic's ranks)."""
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+from trainer.launcher import launch_env, run_process_group
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def test_lines_are_streamed_as_they_come_and_rc_returned():
+    seen: list[tuple[float, str]] = []
+    t0 = time.monotonic()
+    rc, oom, tail = run_process_group(
+        py("""
+        import time
+        print("first", flush=True); time.sleep(1.0); print("second", flush=True)
+        raise SystemExit(7)
+        """), None, 30, lambda l: seen.append((time.monotonic() - t0, l)))
+    assert rc == 7 and oom is False
+    assert [l for _, l in seen] == ["first", "second"] and tail == ["first", "second"]
+    assert seen[1][0] - seen[0][0] > 0.5            # streamed, not collected at the end
+
+
+def test_oom_marker_is_detected():
+    rc, oom, tail = run_process_group(
+        py("import sys; print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB'); sys.exit(1)"),
+        None, 30)
+    assert rc == 1 and oom is True
+
+
+def test_shell_strings_are_refused():
+    with pytest.raises(TypeError):
+        run_process_group("echo hi", None, 5)
+
+
+def _spawn_tree_code(pidfile: str) -> str:
+    # A child that starts a grandchild in a session of its own (like torch elastic's ranks),
+    # writes both pids and then stays silent.
+    return f"""
+    import subprocess, sys, time
+    g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    open({pidfile!r}, "w").write(f"{{g.pid}}")
+    time.sleep(600)
+    """
+
+
+def test_deadline_kills_a_silent_tree_including_other_sessions(tmp_path):
+    pidfile = str(tmp_path / "pids")
+    t0 = time.monotonic()
+    rc, oom, _ = run_process_group(py(_spawn_tree_code(pidfile)), None, 2.0, grace_s=2)
+    took = time.monotonic() - t0
+    assert rc is None and oom is False
+    assert took < 15
+    grandchild = int(open(pidfile).read())
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
+def test_exception_in_caller_kills_tree(tmp_path):
+    """A KeyboardInterrupt (Prefect cancellation) reaching the waiting thread kills everything."""
+    pidfile = str(tmp_path / "pids")
+    import _thread
+
+    def interrupt_soon():
+        for _ in range(100):
+            if os.path.exists(pidfile) and open(pidfile).read():
+                break
+            time.sleep(0.1)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_soon, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_process_group(py(_spawn_tree_code(pidfile)), None, 60, grace_s=2)
+    grandchild = int(open(pidfile).read())
+    time.sleep(0.2)
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
+def test_launch_env_sets_devices_attempt_and_cpu_mode():
+    env = launch_env(["2", "3"], cpu=False, attempt=2, base={"PATH": "/bin"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["FRENZY_ATTEMPT"] == "2"
+    assert "ACCELERATE_USE_CPU" not in env and env["HF_HUB_OFFLINE"] == "1"
+    cpu = launch_env(["cpu0", "cpu1"], cpu=True, base={})
+    assert cpu["CUDA_VISIBLE_DEVICES"] == "" and cpu["ACCELERATE_USE_CPU"] == "true"
+    ds = launch_env(["cpu0"], cpu=True, deepspeed=True, base={})
+    assert ds["DS_ACCELERATOR"] == "cpu" and "ACCELERATE_USE_CPU" not in ds
+    assert "torch_extensions" in ds["TORCH_EXTENSIONS_DIR"]
