@@ -18,7 +18,8 @@ def register(sub) -> None:
     ps = p.add_subparsers(dest="pools_command", metavar="SUBCOMMAND")
 
     s = ps.add_parser("sync", help="create/update one work pool per cluster pool (idempotent)")
-    s.add_argument("--cluster", required=True, help="cluster YAML: pools: [{name, gpu, nodes, gpus_per_node}]")
+    s.add_argument("--cluster", required=True, help="cluster YAML (pools: [{name, gpu, nodes, "
+                   "gpus_per_node}]) or block:<name> for a saved GPUCluster block")
     s.add_argument("--type", dest="pool_type", default="process", choices=["process", "kubernetes"],
                    help="work pool type (default: process); kubernetes requests nvidia.com/gpu and "
                         "selects nodes by GPU product")
@@ -45,11 +46,30 @@ def _prefect_env() -> str | None:
     return str(url) if url else None
 
 
-def handle_sync(args) -> int:
-    from scheduler.cluster import load_cluster
+def load_cluster_arg(ref: str):
+    """A cluster YAML path, or ``block:<name>`` for a GPUCluster block on the server."""
+    from estimator.errors import FrenzyInputError
 
-    cluster = load_cluster(args.cluster)       # bad file: FrenzyInputError, nothing touched
+    if not ref.startswith("block:"):
+        from scheduler.cluster import load_cluster
+        return load_cluster(ref)
+    from blocks import GPUCluster
+
+    name = ref.split(":", 1)[1]
+    try:
+        block = GPUCluster.load(name)
+    except ValueError as err:
+        if "Unable to find block document" in str(err):
+            raise FrenzyInputError("--cluster", f"no GPUCluster block named {name!r} on the Prefect server") from None
+        raise
+    return block.to_cluster()
+
+
+def handle_sync(args) -> int:
+    if not args.cluster.startswith("block:"):
+        load_cluster_arg(args.cluster)          # bad file: fail before Prefect starts, nothing touched
     url = _prefect_env()
+    cluster = load_cluster_arg(args.cluster)
     from deployments.pools import sync_pools
 
     lines: list[str] = []

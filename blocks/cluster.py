@@ -1,0 +1,55 @@
+"""`GPUCluster` block: the GPU inventory (pools, nodes, GPUs per node, GPU type, node addresses)
+kept on the Prefect server, editable in the UI, loadable by any flow or worker.
+
+The pool and GPU-type models are the cluster file's own (``scheduler.cluster.Pool``,
+``estimator.catalog.GPU``) and every block is validated by the cluster file's loader, so a block
+and a cluster YAML accept exactly the same inventories.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect.blocks.core import Block
+from pydantic import Field, SecretStr, model_validator
+
+from estimator.catalog import GPU
+from scheduler.cluster import Cluster, Pool, cluster_from_dict, load_cluster
+
+
+class GPUCluster(Block):
+    """The GPUs Frenzy may schedule on: one pool per GPU type (a Prefect work pool each)."""
+
+    _block_type_name = "GPU Cluster"
+    _block_type_slug = "gpu-cluster"
+    _description = ("Frenzy's GPU inventory: pools (one GPU type each), nodes, GPUs per node, node "
+                    "addresses and custom GPU types. `frenzy pools sync --cluster block:<name>` "
+                    "mirrors it into Prefect work pools.")
+    _documentation_url = "https://github.com/frenzy/frenzy#cluster-file"   # type: ignore[assignment]
+
+    pools: list[Pool] = Field(..., min_length=1, description="one entry per pool: name, gpu (catalog "
+                              "name), nodes, gpus_per_node, inter_node_gbps?, addresses?, devices?")
+    gpu_types: dict[str, GPU] = Field(default_factory=dict,
+                                      description="GPU types the catalog lacks, by name")
+    node_credentials: SecretStr | None = Field(
+        None, description="token or SSH key for the node addresses (stored encrypted, never logged)")
+
+    @model_validator(mode="after")
+    def _valid_inventory(self) -> "GPUCluster":
+        self.to_cluster()      # raises FrenzyInputError (a ValueError) naming the field and rule
+        return self
+
+    def to_cluster(self) -> Cluster:
+        """The inventory as ``scheduler.cluster.Cluster`` (what the scheduler and pool sync use)."""
+        data = {"pools": [p.model_dump(exclude_none=True) for p in self.pools]}
+        if self.gpu_types:
+            data["gpu_types"] = {k: g.model_dump(exclude={"name"}) for k, g in self.gpu_types.items()}
+        return cluster_from_dict(data, source="GPUCluster")
+
+    @classmethod
+    def from_cluster(cls, cluster: Cluster, **kw) -> "GPUCluster":
+        return cls(pools=list(cluster.pools), gpu_types=dict(cluster.gpu_types), **kw)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **kw) -> "GPUCluster":
+        """A block from a cluster YAML (validated by ``scheduler.cluster.load_cluster``)."""
+        return cls.from_cluster(load_cluster(path), **kw)

@@ -1,0 +1,71 @@
+"""`FrenzySettings` block: site-wide defaults for submissions, editable in the Prefect UI.
+
+Secrets (the ledger URL, which usually carries a database password, and a Hugging Face token)
+are ``SecretStr``: Prefect stores them encrypted, shows ``********`` in the UI and API, and
+their repr/str/JSON never contain the value. Read them only with ``*_value()`` at the place
+that connects.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Literal
+
+from prefect.blocks.core import Block
+from pydantic import Field, SecretStr
+
+from estimator.plan import Optimizer, Plan, Precision
+
+FallbackStep = Literal["act_ckpt", "zero", "offload", "more_gpus", "next_gpu_type"]
+# The issue's order, cheapest change first (trainer/fallback.py follows it).
+DEFAULT_FALLBACK_ORDER: tuple[FallbackStep, ...] = ("act_ckpt", "zero", "offload", "more_gpus", "next_gpu_type")
+
+
+def fallback_step(base: Plan, candidate: Plan) -> FallbackStep | None:
+    """Which kind of fallback ``candidate`` is relative to the plan that ran out of memory
+    (the largest change wins: a plan with offload usually also changed checkpointing)."""
+    if candidate.gpu_type != base.gpu_type:
+        return "next_gpu_type"
+    if candidate.gpus != base.gpus:
+        return "more_gpus"
+    if candidate.offload != base.offload:
+        return "offload"
+    if candidate.zero != base.zero:
+        return "zero"
+    if candidate.act_ckpt != base.act_ckpt:
+        return "act_ckpt"
+    return None
+
+
+class FrenzySettings(Block):
+    """Defaults every Frenzy submission on this Prefect server uses unless the job says otherwise."""
+
+    _block_type_name = "Frenzy Settings"
+    _block_type_slug = "frenzy-settings"
+    _description = ("Frenzy defaults: GPU ledger URL, memory safety margin, default precision and "
+                    "optimizer, scheduling policy and the out-of-memory fallback order.")
+
+    ledger_url: SecretStr | None = Field(
+        None, description="SQLAlchemy URL of the GPU ledger, e.g. postgresql+psycopg://user:pw@host/db "
+                          "(empty: SQLite under FRENZY_HOME)")
+    safety_margin_gib: float | None = Field(
+        None, ge=0, description="GPU memory kept free beyond the prediction, GiB (empty: Frenzy's default)")
+    default_precision: Precision = Field("bf16", description="precision for jobs that do not set one")
+    default_optimizer: Optimizer = Field("adamw", description="optimizer for jobs that do not set one")
+    policy: str = Field("frenzy", description="scheduling policy (see `frenzy simulate --help`)")
+    fallback_order: list[FallbackStep] = Field(
+        default_factory=lambda: list(DEFAULT_FALLBACK_ORDER),
+        description="out-of-memory fallbacks to try, in order; leave a kind out to forbid it")
+    hf_token: SecretStr | None = Field(None, description="Hugging Face token for private tokenizers/datasets")
+
+    def ledger_url_value(self) -> str | None:
+        return self.ledger_url.get_secret_value() if self.ledger_url else None
+
+    def hf_token_value(self) -> str | None:
+        return self.hf_token.get_secret_value() if self.hf_token else None
+
+    def order_fallbacks(self, base: Plan, candidates: Iterable[Plan]) -> list[Plan]:
+        """``candidates`` (e.g. ``trainer.fallback.fallback_plans``) filtered to the allowed kinds
+        and sorted by ``fallback_order``; the original order is kept within a kind."""
+        rank = {step: i for i, step in enumerate(self.fallback_order)}
+        keep = [(rank[s], i, p) for i, p in enumerate(candidates)
+                if (s := fallback_step(base, p)) is not None and s in rank]
+        return [p for _, _, p in sorted(keep, key=lambda t: (t[0], t[1]))]
