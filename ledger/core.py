@@ -420,6 +420,9 @@ class Ledger:
 
     def _free(self, s: Session, rows: list[AllocationRow], status: str, now: float | None = None) -> None:
         ids = [r.id for r in rows]
+        if self.is_postgres:
+            # lock the GPU rows in id order first, as allocate does: no lock-order deadlocks
+            s.exec(select(GpuRow.id).where(GpuRow.alloc_id.in_(ids)).order_by(GpuRow.id).with_for_update()).all()
         s.execute(update(GpuRow).where(GpuRow.alloc_id.in_(ids)).values(alloc_id=None)
                   .execution_options(synchronize_session=False))
         for r in rows:
