@@ -1,0 +1,205 @@
+"""Real training runs on the CPU: `accelerate launch` with 2 gloo processes, DeepSpeed ZeRO-2,
+an injected OOM that falls back and resumes, a killed rank that is retried and resumes, a
+deadline, a user entry point, and bad input refused before any process starts."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+
+import psutil
+import pytest
+
+from estimator.errors import FrenzyInputError
+from estimator.job import DataSpec, TrainingJob
+from estimator.plan import Plan
+from trainer.fallback import reestimate
+from trainer.runner import run_training
+
+
+class Devices:
+    """A tiny allocator standing in for the ledger: records every acquire and release."""
+
+    def __init__(self, count: int = 2, give: int | None = None):
+        self.count, self.give = count, give
+        self.acquired: list[Plan] = []
+        self.released = 0
+
+    def acquire(self, plan: Plan) -> list[str]:
+        self.acquired.append(plan)
+        n = plan.gpus if self.give is None else self.give
+        return [f"cpu{i}" for i in range(min(n, self.count))]
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def job(**kw) -> TrainingJob:
+    base = dict(model="gpt2-tiny", seq_len=64, global_batch=8, train_steps=6, lr=3e-3, checkpoint_every=2)
+    base.update(kw)
+    return TrainingJob(**base)
+
+
+def cpu_plan(j: TrainingJob, gpus: int = 1, **kw) -> Plan:
+    per_rank = j.global_batch // gpus
+    p = Plan(gpu_type="CPU", gpus=gpus, dp=gpus, micro_batch=min(4, per_rank), grad_accum=per_rank // min(4, per_rank), **kw)
+    return reestimate(j, p, safety_margin_gib=0.0) or p
+
+
+def train(j, plan, tmp_path, devices=None, **kw):
+    devices = devices or Devices()
+    lines: list[str] = []
+    steps: list[tuple[int, int, float]] = []
+    attempts = []
+    res = run_training(j, plan, run_dir=tmp_path / "run", acquire=devices.acquire, release=devices.release,
+                       log=lines.append, on_step=lambda s, t, l: steps.append((s, t, l)),
+                       on_attempt=attempts.append, backoff_s=0.1, grace_s=5, **kw)
+    return res, devices, lines, steps, attempts
+
+
+def no_training_processes_left():
+    me = psutil.Process()
+    return [p for p in me.children(recursive=True) if "trainer.train" in " ".join(p.cmdline())] == []
+
+
+@pytest.mark.slow
+def test_two_process_accelerate_trains_tiny_gpt2_with_falling_loss(tmp_path):
+    j = job(train_steps=8)
+    plan = cpu_plan(j, gpus=2)
+    res, dev, lines, steps, attempts = train(j, plan, tmp_path)
+    assert res.status == "completed", res.error
+    assert len(res.losses) == 8 and [s for s, _, _ in steps] == list(range(1, 9))
+    assert sum(res.losses[-2:]) / 2 < res.losses[0] - 0.1          # it learns
+    assert [a.outcome for a in res.attempts] == ["ok"] and attempts == res.attempts
+    assert dev.acquired == [plan] and dev.released == 1
+    assert res.measured.memory_measured is False and res.measured.allocated_peak_gib is None
+    assert res.measured.step_time_s > 0 and res.measured.tokens_per_s > 0
+    assert len(res.measured.per_rank) == 2                          # both ranks reported
+    assert res.checkpoint_dir.endswith("step-00000008")
+    assert any("frenzy: rank 0/2" in l for l in lines)
+    assert (tmp_path / "run" / "accelerate.yaml").read_text().count("num_processes: 2") == 1
+    assert no_training_processes_left()
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_on_cpu(tmp_path):
+    """First run builds DeepSpeed's shm comm op (~30 s-2 min), cached in TORCH_EXTENSIONS_DIR."""
+    j = job(train_steps=4)
+    plan = cpu_plan(j, gpus=2).model_copy(update={"zero": 2})
+    res, dev, lines, steps, _ = train(j, plan, tmp_path)
+    assert res.status == "completed", "\n".join(lines[-30:])
+    assert len(res.losses) == 4 and res.losses[-1] < res.losses[0]
+    ck = tmp_path / "run" / "checkpoints" / "step-00000004"
+    assert (ck / "pytorch_model").is_dir()                           # DeepSpeed's sharded state
+    assert len(list((ck / "pytorch_model").glob("*zero_pp_rank_*optim_states.pt"))) == 2
+    assert json.loads((ck / "frenzy_ckpt.json").read_text())["format"]["zero"] == 2
+    assert json.loads((tmp_path / "run" / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 2
+
+
+@pytest.mark.slow
+def test_injected_oom_falls_back_and_resumes_with_the_same_global_batch(tmp_path, monkeypatch):
+    monkeypatch.setenv("FRENZY_INJECT_OOM_AT_STEP", "3")
+    j = job(train_steps=5)
+    plan = cpu_plan(j, gpus=1)
+    res, dev, lines, steps, attempts = train(j, plan, tmp_path, inventory={"CPU": 1})
+    assert res.status == "completed", res.error
+    assert [a.outcome for a in res.attempts] == ["oom", "ok"]
+    first, second = res.attempts
+    assert first.plan == plan and first.resumed_from_step == 0 and "OutOfMemoryError" in first.error
+    assert second.resumed_from_step == 2                             # checkpoint_every=2: lost 0 finished steps
+    fb = second.plan
+    assert fb != plan and fb.act_ckpt != "none" and fb.global_batch == plan.global_batch == j.global_batch
+    assert res.final_plan == fb
+    assert dev.acquired == [plan, fb] and dev.released == 2
+    assert any(l.startswith("FRENZY_RESUME") and '"mode": "full"' in l for l in lines)
+    assert [s for s, _, _ in steps] == [1, 2, 3, 4, 5]               # step 3 ran only on the fallback
+    assert len(res.losses) == 5
+    assert json.loads((tmp_path / "run" / "attempts.json").read_text())[0]["outcome"] == "oom"
+
+
+@pytest.mark.slow
+def test_killed_rank_is_retried_and_resumes_from_checkpoint(tmp_path):
+    j = job(train_steps=8)
+    plan = cpu_plan(j, gpus=2)
+    killed = []
+
+    def kill_a_rank(step, total, loss):
+        if step == 3 and not killed:
+            ranks = [p for p in psutil.Process().children(recursive=True)
+                     if "trainer.train" in " ".join(p.cmdline())]
+            assert ranks, "no training process found"
+            os.kill(ranks[-1].pid, signal.SIGKILL)
+            killed.append(ranks[-1].pid)
+
+    dev = Devices()
+    res = run_training(j, plan, run_dir=tmp_path / "run", acquire=dev.acquire, release=dev.release,
+                       log=lambda l: None, on_step=kill_a_rank, backoff_s=0.1, grace_s=5)
+    assert killed
+    assert res.status == "completed", res.error
+    assert [a.outcome for a in res.attempts] == ["failed", "ok"]
+    assert res.attempts[1].plan == plan                              # transient: same plan
+    assert res.attempts[1].resumed_from_step in (2, 4, 6)
+    assert len(res.losses) == 8 and dev.released == 2
+    assert no_training_processes_left()
+
+
+@pytest.mark.slow
+def test_deadline_stops_the_run_and_leaves_nothing(tmp_path):
+    j = job(train_steps=100000, checkpoint_every=100000)
+    res, dev, *_ = train(j, cpu_plan(j, gpus=1), tmp_path, deadline_s=6)
+    assert res.status == "timeout" and [a.outcome for a in res.attempts] == ["timeout"]
+    assert dev.released == 1 and no_training_processes_left()
+
+
+@pytest.mark.slow
+def test_user_entry_point_model(tmp_path, monkeypatch):
+    (tmp_path / "mymodels.py").write_text(textwrap.dedent("""
+        import torch
+
+        class Bigram(torch.nn.Module):
+            def __init__(self, vocab):
+                super().__init__()
+                self.table = torch.nn.Embedding(vocab, vocab)
+
+            def forward(self, input_ids=None, labels=None):
+                logits = self.table(input_ids)
+                return torch.nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+
+        def build(cfg):
+            return Bigram(cfg["vocab_size"])
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    j = job(train_steps=4, entry_point="mymodels:build", lr=0.1)
+    res, *_ = train(j, cpu_plan(j, gpus=1), tmp_path)
+    assert res.status == "completed", res.error
+    assert res.losses[-1] < res.losses[0]
+
+
+def test_bad_input_fails_before_any_process(tmp_path):
+    dev = Devices()
+    missing = job(data=DataSpec(kind="text", path=str(tmp_path / "nope.txt")))
+    with pytest.raises(FrenzyInputError) as e:
+        run_training(missing, cpu_plan(missing), run_dir=tmp_path / "a", acquire=dev.acquire,
+                     release=dev.release, log=print)
+    assert e.value.field == "data.path" and "nope.txt" in str(e.value)
+    bad_entry = job(entry_point="no_such_module_xyz:build")
+    with pytest.raises(FrenzyInputError) as e:
+        run_training(bad_entry, cpu_plan(bad_entry), run_dir=tmp_path / "b", acquire=dev.acquire,
+                     release=dev.release, log=print)
+    assert e.value.field == "entry_point" and "no_such_module_xyz" in str(e.value)
+    assert dev.acquired == [] and dev.released == 0                  # nothing was taken
+    # more processes than allocated devices: refused, the allocation released, nothing launched
+    short = Devices(give=1)
+    two = job()
+    with pytest.raises(FrenzyInputError) as e:
+        run_training(two, cpu_plan(two, gpus=2), run_dir=tmp_path / "c", acquire=short.acquire,
+                     release=short.release, log=print)
+    assert e.value.field == "plan.gpus" and short.released == 1
+    assert not (tmp_path / "c" / "accelerate.yaml").exists()
+    long_seq = job(seq_len=1024)
+    with pytest.raises(FrenzyInputError, match="seq_len"):
+        run_training(long_seq, cpu_plan(long_seq), run_dir=tmp_path / "d", acquire=dev.acquire,
+                     release=dev.release, log=print)
