@@ -217,14 +217,13 @@ class _Sem:
 
     mask_bytes: float        # dropout mask element (CUDA: bool; CPU: input dtype)
     stat_bytes: float        # LayerNorm mean/rstd element (CUDA: fp32; CPU: input dtype)
-    amp_softmax_fp32: bool   # CUDA autocast runs softmax in fp32; CPU autocast does not
 
 
-CUDA_SEM = _Sem(1.0, 4.0, True)
+CUDA_SEM = _Sem(1.0, 4.0)
 
 
 def _cpu_sem(c: float) -> _Sem:
-    return _Sem(c, c, False)
+    return _Sem(c, c)
 
 
 def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attention: str,
@@ -237,10 +236,12 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
     q = a * spec.d_head
     kvd = spec.n_kv * spec.d_head
     r = 4.0 if amp else c                      # residual stream dtype
-    st = 2 * sem.stat_bytes                    # LayerNorm mean + rstd per token
+    st = 2 * (4.0 if amp else sem.stat_bytes)  # LayerNorm mean + rstd per token
     flash = attention == "flash"
     score = 0.0 if act_ckpt == "selective" else 1.0   # selective recomputes the attention core
-    fp32_softmax = spec.arch in ("llama", "opt") or (amp and sem.amp_softmax_fp32)
+    # llama/opt upcast softmax explicitly; under autocast gpt2's scores meet its fp32 mask
+    # value and softmax runs in fp32; either way a 16-bit copy of the probabilities follows
+    fp32_softmax = c < 4 and (spec.arch in ("llama", "opt") or (amp and spec.arch == "gpt"))
     probs = score * a * s * ((4.0 + c) if fp32_softmax else c)
     if flash:
         attn = c * (q + 2 * kvd) + 4.0 * a + c * q           # q, k, v, log-sum-exp, output
@@ -284,10 +285,11 @@ def layer_backward_transient(spec: ModelSpec, s: int, c: float, attention: str, 
     return t
 
 
-def _loss_bytes_per_logit(spec: ModelSpec, c: float) -> tuple[float, float, float]:
+def _loss_bytes_per_logit(spec: ModelSpec, c: float, amp: bool) -> tuple[float, float, float]:
     """(held logits, peak in the loss forward, peak in the loss backward) bytes per logit.
-    Causal LMs in HF upcast logits to fp32 before cross-entropy; BERT's MLM loss does not."""
-    if spec.arch == "bert":
+    Causal LMs in HF upcast logits to fp32 before cross-entropy; BERT's MLM loss does not,
+    except under autocast, which runs cross-entropy in fp32."""
+    if spec.arch == "bert" and not amp:
         return c, 3 * c, 4 * c
     lsm = 4.0
     copy = 4.0 if c < 4 else 0.0
@@ -347,7 +349,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     per_layer_tok = (rep / t if k.sp else rep) + shard / t
     r = 4.0 if amp else c
     ckpt_keep_tok = r * h / (t if k.sp else 1)        # full ckpt keeps the block input
-    held_b, fwd_loss_b, bwd_loss_b = _loss_bytes_per_logit(spec, c)
+    held_b, fwd_loss_b, bwd_loss_b = _loss_bytes_per_logit(spec, c, amp)
     logits_tok = V / t                                 # vocab-parallel logits per token
     transient_tok = layer_backward_transient(spec, k.seq_len, c, k.attention, t)
 
