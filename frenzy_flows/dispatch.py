@@ -85,12 +85,13 @@ def job_variables(plan: Plan, allocation: Any, env: Mapping[str, str] | None = N
     out: dict[str, Any] = {"gpu_type": plan.gpu_type, "num_processes": len(devices) or plan.gpus}
     if devices:
         out["gpu_ids"] = ",".join(str(d) for d in devices)
-    extra = dict(env or {})
+    # The dispatcher reads the train flow's return value from its persisted result, whatever
+    # the flow's decorator says. (Remote workers need shared result storage for that.)
+    extra = {"PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true", **(env or {})}
     if os.environ.get("FRENZY_HOME") and "FRENZY_HOME" not in extra:
         # a worker on this machine must find the same ledger and run folders
         extra["FRENZY_HOME"] = os.path.abspath(os.environ["FRENZY_HOME"])
-    if extra:
-        out["env"] = extra
+    out["env"] = extra
     return out
 
 
@@ -229,7 +230,12 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
         if not state.is_completed():
             raise DispatchError(f"training on pool {pool!r} ended {state.name}: {state.message or ''}".rstrip(": "),
                                 fr.id, state.name)
-        result = state.result(raise_on_failure=True)
+        try:
+            result = state.result(raise_on_failure=True)
+        except Exception as err:   # e.g. a remote worker whose result storage we cannot read
+            raise DispatchError(f"training on pool {pool!r} completed but its result is unreadable here "
+                                f"({type(err).__name__}: {err}); use shared result storage",
+                                fr.id, state.name) from err
         return result if isinstance(result, dict) else {"result": result}
     except BaseException as err:
         if flow_run_id is not None and not isinstance(err, DispatchError):

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENTRYPOINT = "tests/test_pools_dispatch.py:fake_train"
 
 
-@flow(name="frenzy-train-standin", persist_result=True)
+@flow(name="frenzy-train-standin")   # no persist_result: the dispatcher asks for it
 def fake_train(job: dict, plan: dict, assignment: dict | None = None, job_id: str | None = None) -> dict:
     """Reports what the pool's worker handed it, and the GPU slots held while it runs."""
     from prefect import get_client
@@ -103,7 +103,8 @@ def test_job_variables_carry_devices_type_count_and_env(monkeypatch):
     job, plan = _plan_and_job()
     monkeypatch.delenv("FRENZY_HOME", raising=False)
     v = job_variables(plan, {"pool": "cpu", "devices": [0, 1]}, env={"A": "1"})
-    assert v == {"gpu_type": "CPU", "num_processes": 2, "gpu_ids": "0,1", "env": {"A": "1"}}
+    assert v == {"gpu_type": "CPU", "num_processes": 2, "gpu_ids": "0,1",
+                 "env": {"A": "1", "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true"}}
     monkeypatch.setenv("FRENZY_HOME", "rel/home")
     v = job_variables(plan, {"pool": "cpu"})     # no devices: the plan's GPU count, worker's own ids
     assert "gpu_ids" not in v and v["num_processes"] == 2
