@@ -1,0 +1,139 @@
+"""Check the estimator on real GPUs: train a model (GPT-2 medium by default) under three plans
+for 30 steps each with Frenzy's own trainer, and print predicted vs measured peaks.
+
+    scripts/gpu_check.sh [--model gpt2-medium] [--steps 30] [--seq-len 1024] [--out DIR]
+
+Predicted: ``estimator.estimate`` for the plan on the catalog GPU type NVML reports.
+Measured: each rank's ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` and the
+device's NVML used memory, as the training program reports them (``FRENZY_RESULT``).
+Needs torch with CUDA, transformers, accelerate, pyyaml, psutil, pydantic; DeepSpeed only for
+the optional ZeRO plan (``--zero``). Runs from a checkout (PYTHONPATH=.), nothing installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+
+def gpus() -> list[tuple[str, str, float]]:
+    """(index, NVML name, memory GiB) of every GPU."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    out = []
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        name = pynvml.nvmlDeviceGetName(h)
+        name = name.decode() if isinstance(name, bytes) else name
+        out.append((str(i), name, pynvml.nvmlDeviceGetMemoryInfo(h).total / 1024 ** 3))
+    return out
+
+
+def pct(pred: float | None, meas: float | None) -> str:
+    if not pred or meas is None:
+        return "-"
+    return f"{100.0 * (pred - meas) / meas:+.1f}%"
+
+
+def f2(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2-medium")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs per plan (data parallel)")
+    ap.add_argument("--zero", action="store_true", help="add a ZeRO-2 plan (needs deepspeed)")
+    ap.add_argument("--out", default="gpu_check_out")
+    ap.add_argument("--deadline-s", type=float, default=240.0, help="per plan")
+    a = ap.parse_args(argv)
+
+    from estimator.catalog import from_nvml_name
+    from estimator.job import TrainingJob
+    from estimator.plan import Plan
+    from trainer.fallback import reestimate
+    from trainer.runner import run_training
+
+    found = gpus()
+    if len(found) < a.gpus:
+        print(f"gpu_check: needs {a.gpus} GPUs, NVML sees {len(found)}", file=sys.stderr)
+        return 2
+    gpu_type = from_nvml_name(found[0][1], found[0][2])
+    if gpu_type is None:
+        print(f"gpu_check: {found[0][1]!r} is not in the GPU catalog", file=sys.stderr)
+        return 2
+    devices = [i for i, _, _ in found[: a.gpus]]
+    print(f"gpu_check: {len(found)} x {found[0][1]} ({found[0][2]:.1f} GiB) -> catalog {gpu_type}; using {devices}")
+
+    job = TrainingJob(name="gpu-check", model=a.model, seq_len=a.seq_len, global_batch=a.global_batch,
+                      train_steps=a.steps, lr=1e-4, checkpoint_every=10 ** 6, precision="bf16")
+    n = a.gpus
+    per_rank = a.global_batch // n
+    shapes = [("mb4 no-ckpt", dict(micro_batch=min(4, per_rank), act_ckpt="none")),
+              ("mb16 no-ckpt", dict(micro_batch=min(16, per_rank), act_ckpt="none")),
+              ("mb16 full-ckpt", dict(micro_batch=min(16, per_rank), act_ckpt="full"))]
+    if a.zero:
+        shapes.append(("mb4 zero2", dict(micro_batch=min(4, per_rank), act_ckpt="none", zero=2)))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for label, kw in shapes:
+        plan = Plan(gpu_type=gpu_type, gpus=n, dp=n, grad_accum=per_rank // kw["micro_batch"], **kw)
+        pred = reestimate(job, plan, safety_margin_gib=0.0)
+        if pred is None:
+            print(f"gpu_check: {label}: the estimator says it does not fit; running it anyway")
+            pred = plan
+        t0 = time.time()
+
+        def log(line: str, label=label) -> None:
+            if line.startswith("FRENZY_STEP"):
+                step = json.loads(line.split(" ", 1)[1])
+                if step["step"] % 10 == 0 or step["step"] == 1:
+                    print(f"  [{label}] step {step['step']} loss {step['loss']:.3f} {step['step_time_s']:.3f}s", flush=True)
+            elif "Error" in line or line.startswith(("FRENZY_", "frenzy:")):
+                print(f"  [{label}] {line}", flush=True)
+
+        run_dir = out / label.replace(" ", "_")
+        shutil.rmtree(run_dir, ignore_errors=True)        # a rerun must not resume the last one
+        res = run_training(job, pred, run_dir=run_dir, acquire=lambda p: devices,
+                           release=lambda: None, log=log, deadline_s=a.deadline_s, max_transient_retries=0,
+                           fallbacks=iter(()))
+        m = res.measured
+        rows.append({"plan": label, "short": pred.short(), "status": res.status, "wall_s": round(time.time() - t0, 1),
+                     "predicted": {"allocated_peak_gib": pred.allocated_peak_gib, "reserved_peak_gib": pred.reserved_peak_gib,
+                                   "device_used_gib": pred.device_used_gib, "step_time_s": pred.step_time_s},
+                     "measured": m.model_dump(), "first_loss": res.losses[0] if res.losses else None,
+                     "last_loss": res.losses[-1] if res.losses else None, "error": res.error})
+        print(f"gpu_check: {label}: {res.status} in {time.time() - t0:.0f} s", flush=True)
+
+    (out / "gpu_check.json").write_text(json.dumps({"gpu": found[0][1], "catalog": gpu_type, "model": a.model,
+                                                    "seq_len": a.seq_len, "global_batch": a.global_batch,
+                                                    "steps": a.steps, "rows": rows}, indent=2))
+    hdr = ("plan", "alloc pred", "alloc meas", "err", "resv pred", "resv meas", "err", "used pred", "nvml meas",
+           "err", "step pred s", "step meas s", "tok/s")
+    table = [hdr]
+    for r in rows:
+        p, m = r["predicted"], r["measured"]
+        table.append((r["plan"] if r["status"] == "completed" else f"{r['plan']} ({r['status']})",
+                      f2(p["allocated_peak_gib"]), f2(m["allocated_peak_gib"]), pct(p["allocated_peak_gib"], m["allocated_peak_gib"]),
+                      f2(p["reserved_peak_gib"]), f2(m["reserved_peak_gib"]), pct(p["reserved_peak_gib"], m["reserved_peak_gib"]),
+                      f2(p["device_used_gib"]), f2(m["nvml_used_gib"]), pct(p["device_used_gib"], m["nvml_used_gib"]),
+                      f"{p['step_time_s']:.3f}", f"{m['step_time_s']:.3f}", f"{m['tokens_per_s']:.0f}"))
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(hdr))]
+    print(f"\n{a.model}, seq {a.seq_len}, global batch {a.global_batch}, {a.steps} steps, {n} x {gpu_type} (GiB; err = (pred - meas) / meas)")
+    for i, row in enumerate(table):
+        print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    return 0 if all(r["status"] == "completed" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
