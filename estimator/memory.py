@@ -217,13 +217,14 @@ class _Sem:
 
     mask_bytes: float        # dropout mask element (CUDA: bool; CPU: input dtype)
     stat_bytes: float        # LayerNorm mean/rstd element (CUDA: fp32; CPU: input dtype)
+    cuda: bool = True
 
 
 CUDA_SEM = _Sem(1.0, 4.0)
 
 
 def _cpu_sem(c: float) -> _Sem:
-    return _Sem(c, c)
+    return _Sem(c, c, False)
 
 
 def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attention: str,
@@ -245,6 +246,11 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
     probs = score * a * s * ((4.0 + c) if fp32_softmax else c)
     if flash:
         attn = c * (q + 2 * kvd) + 4.0 * a + c * q           # q, k, v, log-sum-exp, output
+        if spec.arch == "gpt" and amp and sem.cuda:
+            # Measured on H200 (torch 2.11): HF GPT-2 under autocast hands SDPA its fp32 additive
+            # mask, so CUDA picks the memory-efficient kernel, which saves the mask expanded to
+            # b x heads x s x s in 16 bits per layer (the CPU trace does not show it).
+            attn += c * a * s
     else:   # q, k^T and v (repeated to all heads), probabilities, merged output copy
         attn = c * 3 * q + probs + c * h
     drop_res = spec.dropout > 0
@@ -444,9 +450,11 @@ def _comms(k: Knobs) -> int:
 
 
 def _finish(alloc_b: float, ov: Overheads, k: Knobs) -> tuple[float, float, float]:
+    """allocated -> reserved (fragmentation; recomputation churns more) -> device used."""
     alloc = alloc_b / GIB
-    reserved = alloc * (1.0 + ov.fragmentation) + (ov.workspace_gib if alloc > 0 else 0.0)
-    used = reserved + ov.cuda_context_gib + ov.nccl_per_comm_gib * _comms(k)
+    frag = ov.fragmentation_recompute if k.act_ckpt == "full" else ov.fragmentation
+    reserved = alloc * (1.0 + frag)
+    used = reserved + ov.cuda_context_gib + ov.workspace_gib + ov.nccl_per_comm_gib * _comms(k)
     return alloc, reserved, used
 
 

@@ -1,8 +1,9 @@
 """Memory outside the tensor model: the caching allocator and the CUDA runtime, as named terms.
 
 allocated (tensors alive, torch.cuda.max_memory_allocated)
-  -> reserved = allocated * (1 + fragmentation) + workspace        (torch.cuda.max_memory_reserved)
-  -> device_used = reserved + cuda_context + nccl_per_comm * comms (nvidia-smi)
+  -> reserved = allocated * (1 + fragmentation)                     (torch.cuda.max_memory_reserved)
+     (fragmentation_recompute instead under full activation checkpointing)
+  -> device_used = reserved + cuda_context + workspace + nccl_per_comm * comms   (nvidia-smi)
 
 Defaults are documented figures (notes/memory-model.md section 8); ``frenzy calibrate`` fits
 them per GPU type from measured runs and writes ``$FRENZY_HOME/calibration.json``:
@@ -20,13 +21,17 @@ from pathlib import Path
 
 # --- documented defaults ------------------------------------------------------------------
 # CUDA context + kernel images per process with lazy module loading (CUDA 11.7+ default):
-# 0.3-0.5 GB measured on A100/H100; we take the upper end so a default never under-predicts.
-CUDA_CONTEXT_GIB = 0.5
-# cuBLAS / cuDNN / flash-attention workspaces the allocator reserves beyond live tensors.
-WORKSPACE_GIB = 0.125
-# Caching-allocator fragmentation: reserved exceeds allocated by a few % to 15 % in steady
-# training (blocks cannot span segments, sizes vary between forward and backward).
-FRAGMENTATION = 0.08
+# 0.3-0.5 GB on A100/H100 in the literature; 0.61 GiB measured on H200 (torch 2.11, CUDA 13).
+CUDA_CONTEXT_GIB = 0.6
+# Library workspaces and kernels loaded during training, outside the caching allocator
+# (cuBLAS/cuDNN/flash handles): nvidia-smi used - max_memory_reserved - context = 0.14 GiB
+# on every one of 30 H200 runs (bench/estimator_measured_h200.json).
+WORKSPACE_GIB = 0.15
+# Caching-allocator fragmentation: max_memory_reserved / max_memory_allocated - 1. Measured on
+# H200 over 25 runs without recomputation: 0.7-9 % (one outlier at 24 %); the documented range
+# is a few % to 15 %. Full recomputation churns blocks: 10-24 % measured.
+FRAGMENTATION = 0.07
+FRAGMENTATION_RECOMPUTE = 0.22
 # NCCL buffers per communicator a rank joins (NCCL_BUFFSIZE 4 MiB x channels x peers; 0.2-1 GB).
 NCCL_PER_COMM_GIB = 0.25
 # DeepSpeed ZeRO-1/2 communication buckets (elements): reduce + all-gather buckets of 16-bit
@@ -46,6 +51,7 @@ class Overheads:
     cuda_context_gib: float = CUDA_CONTEXT_GIB
     workspace_gib: float = WORKSPACE_GIB
     fragmentation: float = FRAGMENTATION
+    fragmentation_recompute: float = FRAGMENTATION_RECOMPUTE
     nccl_per_comm_gib: float = NCCL_PER_COMM_GIB
     zero_bucket_elems: float = ZERO_BUCKET_ELEMS
     zero3_live_units: float = ZERO3_LIVE_UNITS
@@ -56,7 +62,7 @@ class Overheads:
 
 DEFAULT = Overheads()
 CPU_OVERHEADS = Overheads(cuda_context_gib=CPU_CONTEXT_GIB, workspace_gib=0.0, fragmentation=0.0,
-                          nccl_per_comm_gib=0.0)
+                          fragmentation_recompute=0.0, nccl_per_comm_gib=0.0)
 FIELDS = tuple(f.name for f in fields(Overheads))
 
 _cache: dict[str, tuple[float, dict[str, dict[str, float]]]] = {}

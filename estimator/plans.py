@@ -16,7 +16,7 @@ from typing import Any
 from .catalog import GPU, get_gpu
 from .errors import DoesNotFitError, FrenzyInputError
 from .job import TrainingJob
-from .memory import GIB, Knobs, stage_peaks, validate_knobs, _comms
+from .memory import Knobs, _finish, stage_peaks, validate_knobs
 from .models import ModelSpec, resolve_model
 from .overheads import Overheads, overheads_for
 from .plan import Plan
@@ -124,9 +124,7 @@ def _knobs_dict(k: Knobs) -> dict[str, Any]:
 
 
 def _used_gib(alloc_b: float, ov: Overheads, k: Knobs) -> tuple[float, float, float]:
-    a = alloc_b / GIB
-    r = a * (1.0 + ov.fragmentation) + ov.workspace_gib
-    return a, r, r + ov.cuda_context_gib + ov.nccl_per_comm_gib * _comms(k)
+    return _finish(alloc_b, ov, k)
 
 
 def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,

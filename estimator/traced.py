@@ -177,10 +177,8 @@ def traced_estimate(spec: ModelSpec, k: Knobs, *, gpu: Any = None,
     alloc_b = max(0.0, traced_b + delta_b)
     scale = alloc_b / GIB / est.allocated_peak_gib if est.allocated_peak_gib > 0 else 1.0
     ovg = overheads_for(getattr(gpu, "name", None), is_cpu=bool(getattr(gpu, "is_cpu", False)))
-    a = alloc_b / GIB
-    r = a * (1 + ovg.fragmentation) + ovg.workspace_gib
-    from .memory import _comms
-    u = r + ovg.cuda_context_gib + ovg.nccl_per_comm_gib * _comms(k)
+    from .memory import _finish
+    a, r, u = _finish(alloc_b, ovg, k)
     bd = {"weights": cats.get("Parameter", 0.0) / GIB, "gradients": cats.get("Gradient", 0.0) / GIB,
           "optimizer": cats.get("Optstate", 0.0) / GIB, "activations": cats.get("Activation", 0.0) / GIB}
     bd["other"] = a - sum(bd.values())
