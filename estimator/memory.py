@@ -246,7 +246,7 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
     probs = score * a * s * ((4.0 + c) if fp32_softmax else c)
     if flash:
         attn = c * (q + 2 * kvd) + 4.0 * a + c * q           # q, k, v, log-sum-exp, output
-        if spec.arch == "gpt" and amp and sem.cuda:
+        if spec.arch == "gpt" and amp and sem.cuda and act_ckpt != "selective":
             # Measured on H200 (torch 2.11): HF GPT-2 under autocast hands SDPA its fp32 additive
             # mask, so CUDA picks the memory-efficient kernel, which saves the mask expanded to
             # b x heads x s x s in 16 bits per layer (the CPU trace does not show it).

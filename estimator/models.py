@@ -358,6 +358,17 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
 _DIM_KEYS = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied_embeddings")
 
 
+def _input_error(err: ValidationError, prefix: str = "") -> FrenzyInputError:
+    """The FrenzyInputError a validator raised (pydantic wraps it), or one built from the
+    first pydantic error."""
+    e = err.errors()[0]
+    orig = (e.get("ctx") or {}).get("error")
+    if isinstance(orig, FrenzyInputError):
+        return FrenzyInputError(prefix + orig.field, orig.rule)
+    loc = ".".join(map(str, e["loc"]))
+    return FrenzyInputError(prefix + loc if loc else (prefix.rstrip(".") or "model"), e["msg"])
+
+
 def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     """Map a Hugging Face config.json to a ModelSpec."""
     t = cfg.get("model_type")
@@ -402,8 +413,7 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                              attn_dropout=g("attention_dropout", 0.0) or 0.0,
                              sliding_window=g("sliding_window") if t == "mistral" else None)
     except ValidationError as err:
-        e = err.errors()[0]
-        raise FrenzyInputError(f"model.{'.'.join(map(str, e['loc'])) or 'config'}", e["msg"]) from None
+        raise _input_error(err, "model.") from None
     except TypeError as err:
         raise FrenzyInputError("model", f"config.json is missing a dimension ({err})") from None
     raise FrenzyInputError("model", f"config.json model_type {t!r} is not supported "
@@ -425,9 +435,7 @@ def resolve_model(model: "str | dict[str, Any] | ModelSpec | os.PathLike") -> Mo
         try:
             return ModelSpec(**d)
         except ValidationError as err:
-            e = err.errors()[0]
-            field = ".".join(map(str, e["loc"])) or "model"
-            raise FrenzyInputError(field, e["msg"]) from None
+            raise _input_error(err) from None
     if isinstance(model, (str, os.PathLike)):
         key = str(model)
         if key in PRESETS:
@@ -462,8 +470,7 @@ def model_from_kwargs(model: Any = None, **dims: Any) -> ModelSpec:
             try:
                 spec = ModelSpec(**{**spec.model_dump(exclude_none=True), **given})
             except ValidationError as err:
-                e = err.errors()[0]
-                raise FrenzyInputError(".".join(map(str, e["loc"])) or "model", e["msg"]) from None
+                raise _input_error(err) from None
         return spec
     if not given:
         raise FrenzyInputError("model", "give a preset name, a config.json path, or the dimensions "

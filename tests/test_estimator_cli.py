@@ -1,0 +1,61 @@
+"""`frenzy estimate`, `frenzy plan`, `frenzy models` (in-process, real argument parsing)."""
+import json
+
+from frenzy_cli.main import main
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_estimate_json_contract(capsys):
+    rc, out, _ = run(capsys, "estimate", "--model", "llama-3.1-8b", "--seq-len", "4096",
+                     "--micro-batch", "1", "--zero", "3", "--dp", "8", "--gpu", "H100-80GB", "--json")
+    assert rc == 0
+    d = json.loads(out)
+    for k in ("params", "allocated_peak_gib", "reserved_peak_gib", "device_used_gib",
+              "breakdown_gib", "stages"):
+        assert k in d
+    assert d["params"] == 8_030_261_248
+    assert set(d["breakdown_gib"]) == {"weights", "gradients", "optimizer", "activations", "other"}
+    assert d["fits"] is True
+
+
+def test_estimate_dimensions_and_table(capsys):
+    rc, out, _ = run(capsys, "estimate", "--arch", "llama", "--layers", "4", "--hidden", "256",
+                     "--heads", "8", "--kv-heads", "2", "--vocab", "1000", "--seq-len", "128",
+                     "--pp", "2", "--grad-accum", "4", "--sp", "false")
+    assert rc == 0
+    assert "stage" in out and "breakdown" in out
+
+
+def test_estimate_bad_input_exits_2_one_line(capsys):
+    rc, out, err = run(capsys, "estimate", "--model", "llama-2-7b", "--tp", "3")
+    assert rc == 2 and out == ""
+    assert err.strip().count("\n") == 0 and "tp" in err and "Traceback" not in err
+    rc, _, err = run(capsys, "estimate", "--model", "gpt2", "--sp", "--json")
+    assert rc == 2 and "sp" in err
+    rc, _, err = run(capsys, "estimate", "--model", "missing/config.json")
+    assert rc == 2 and "not found" in err
+
+
+def test_models_lists_presets(capsys):
+    rc, out, _ = run(capsys, "models", "--json")
+    assert rc == 0
+    names = {r["name"]: r for r in json.loads(out)}
+    assert names["gpt2"]["params"] == 124_439_808 and "qwen2.5-7b" in names
+
+
+def test_plan_json_and_does_not_fit(capsys):
+    rc, out, _ = run(capsys, "plan", "--model", "gpt2", "--seq-len", "1024", "--global-batch",
+                     "16", "--gpu", "T4-16GB", "--gpu", "A100-80GB", "--json")
+    assert rc == 0
+    d = json.loads(out)
+    assert set(d) == {"T4-16GB", "A100-80GB"} and d["A100-80GB"]
+    p = d["A100-80GB"][0]
+    assert p["micro_batch"] * p["grad_accum"] * p["dp"] == 16
+    rc, _, err = run(capsys, "plan", "--model", "llama-2-70b", "--seq-len", "4096",
+                     "--global-batch", "8", "--gpu", "T4-16GB", "--max-gpus", "1")
+    assert rc == 2 and "misses by" in err

@@ -1,0 +1,118 @@
+"""Model presets, exact parameter counts, config.json reading, hf_config round trip."""
+import json
+
+import pytest
+
+from estimator.errors import FrenzyInputError
+from estimator.models import PRESETS, ModelSpec, model_from_kwargs, resolve_model
+
+ISSUE_PRESETS = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "bert-base-uncased",
+                 "bert-large-uncased", "opt-125m", "opt-350m", "opt-1.3b", "opt-2.7b", "opt-6.7b",
+                 "opt-13b", "llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3.1-8b",
+                 "llama-3.1-70b", "mistral-7b", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b",
+                 "qwen2.5-7b", "gpt2-tiny"]
+
+# Published totals (model cards / papers / the notes' fixture table).
+PUBLISHED = {
+    "gpt2": 124_439_808, "gpt2-xl": 1_557_611_200, "bert-base-uncased": 109_482_240,
+    "bert-large-uncased": 335_141_888, "llama-2-7b": 6_738_415_616, "llama-2-13b": 13_015_864_320,
+    "llama-2-70b": 68_976_648_192, "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496,
+    "mistral-7b": 7_241_732_096, "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-7b": 7_615_616_512, "opt-125m": 125_239_296, "opt-350m": 331_196_416,
+}
+
+
+def test_issue_presets_exist():
+    missing = [n for n in ISSUE_PRESETS if n not in PRESETS]
+    assert not missing
+
+
+@pytest.mark.parametrize("name,total", sorted(PUBLISHED.items()))
+def test_published_parameter_counts(name, total):
+    assert PRESETS[name].params == total
+
+
+def test_gpt2_tiny_shape():
+    m = PRESETS["gpt2-tiny"]
+    assert (m.layers, m.hidden, m.heads, m.max_positions, m.vocab) == (2, 64, 4, 256, 256)
+    assert m.model_type == "gpt2"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt-350m", "llama-2-7b", "llama-3.1-8b", "mistral-7b",
+                                  "qwen2.5-0.5b", "qwen2.5-7b", "bert-base-uncased"])
+def test_hf_config_builds_exactly_this_model(name):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    spec = PRESETS[name]
+    cfg = transformers.AutoConfig.for_model(**spec.hf_config())
+    with torch.device("meta"):
+        cls = transformers.AutoModel if spec.arch == "bert" else transformers.AutoModelForCausalLM
+        model = cls.from_config(cfg)
+    assert sum(p.numel() for p in model.parameters()) == spec.params
+
+
+def test_weight_shapes_cover_the_training_model():
+    import math
+    for name in ("gpt2", "llama-2-7b", "qwen2.5-0.5b", "opt-350m", "bert-base-uncased"):
+        spec = PRESETS[name]
+        assert sum(math.prod(s) for s in spec.weight_shapes()) == spec.train_params
+
+
+def test_resolve_config_json(tmp_path):
+    cfg = {"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24,
+           "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864,
+           "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 32768}
+    path = tmp_path / "qwen" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    spec = resolve_model(str(path))
+    assert spec.params == PUBLISHED["qwen2.5-0.5b"]
+    assert resolve_model(str(path.parent)).params == spec.params     # folder works too
+    assert spec.name == "qwen"
+
+
+def test_dimensions_dict_and_keywords():
+    d = dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000,
+             tied_embeddings=False)
+    assert resolve_model(d).params == PUBLISHED["llama-2-7b"]
+    assert model_from_kwargs(None, **d).params == PUBLISHED["llama-2-7b"]
+    # GQA and tying change the count the way the architecture says
+    gqa = resolve_model({**d, "kv_heads": 8})
+    assert PUBLISHED["llama-2-7b"] - gqa.params == 32 * 2 * 4096 * (4096 - 1024)
+    tied = resolve_model({**d, "tied_embeddings": True})
+    assert PUBLISHED["llama-2-7b"] - tied.params == 32000 * 4096
+
+
+@pytest.mark.parametrize("bad,field", [
+    (dict(arch="gpt", layers=2, hidden=100, heads=3, vocab=10), "heads"),
+    (dict(arch="llama", layers=2, hidden=64, heads=4, kv_heads=3, vocab=10), "kv_heads"),
+    (dict(arch="gpt", layers=0, hidden=64, heads=4, vocab=10), "layers"),
+    (dict(arch="gpt", layers=2, hidden=-64, heads=4, vocab=10), "hidden"),
+    (dict(arch="gpt", layers=2, hidden=64, heads=4), "vocab"),
+])
+def test_bad_dimensions_name_the_field(bad, field):
+    with pytest.raises(FrenzyInputError) as err:
+        resolve_model(bad)
+    assert err.value.field == field
+
+
+def test_unknown_preset_and_missing_file():
+    with pytest.raises(FrenzyInputError, match="unknown preset"):
+        resolve_model("gpt5-ultra")
+    with pytest.raises(FrenzyInputError, match="not found"):
+        resolve_model("/nonexistent/config.json")
+
+
+def test_unsupported_model_type(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(FrenzyInputError, match="model_type"):
+        resolve_model(str(p))
+
+
+def test_spec_is_hashable_and_frozen():
+    spec = PRESETS["gpt2"]
+    assert hash(spec) == hash(PRESETS["gpt2"])
+    with pytest.raises(Exception):
+        spec.layers = 3
+    assert isinstance(spec, ModelSpec)

@@ -1,0 +1,87 @@
+"""Plan enumeration: feasibility, global batch, ranking, CPU rules, does-not-fit errors."""
+import pytest
+
+from estimator import estimate
+from estimator.catalog import get_gpu
+from estimator.errors import DoesNotFitError, FrenzyInputError
+from estimator.job import TrainingJob
+from estimator.plans import enumerate_plans, plans_for_job
+
+JOB = dict(model="llama-3.1-8b", seq_len=4096, global_batch=64)
+
+
+def test_plans_fit_keep_batch_and_are_ranked():
+    plans = enumerate_plans(JOB, "A100-80GB", max_gpus=16)
+    assert plans
+    cap = get_gpu("A100-80GB").memory_gib - 1.0
+    for p in plans:
+        assert p.gpu_type == "A100-80GB"
+        assert p.micro_batch * p.grad_accum * p.dp == 64
+        assert p.gpus == p.dp * p.tp * p.pp * p.cp <= 16
+        assert 0 < p.device_used_gib <= cap
+        assert p.step_time_s > 0
+        assert p.precision == "bf16" and p.optimizer == "adamw" and p.attention == "flash"
+    times = [p.step_time_s for p in plans]
+    assert times == sorted(times)
+
+
+def test_plan_predictions_match_estimate():
+    p = enumerate_plans(JOB, "H100-80GB", max_gpus=8)[0]
+    e = estimate(model=JOB["model"], seq_len=4096, micro_batch=p.micro_batch,
+                 grad_accum=p.grad_accum, dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero,
+                 act_ckpt=p.act_ckpt, gpu="H100-80GB")
+    assert p.device_used_gib == pytest.approx(e.device_used_gib, abs=1e-3)
+
+
+def test_safety_margin_removes_plans():
+    loose = enumerate_plans(JOB, "A100-40GB", max_gpus=8, safety_margin_gib=0)
+    tight = enumerate_plans(JOB, "A100-40GB", max_gpus=8, safety_margin_gib=10)
+    assert all(p.device_used_gib <= get_gpu("A100-40GB").memory_gib - 10 for p in tight)
+    assert len(tight) <= len(loose)
+
+
+def test_job_options_are_used():
+    job = TrainingJob(model="gpt2", seq_len=512, global_batch=32, train_steps=1,
+                      precision="fp32", optimizer="sgd", attention="eager")
+    plans = enumerate_plans(job, "T4-16GB", max_gpus=4)
+    assert plans and all(p.precision == "fp32" and p.optimizer == "sgd" for p in plans)
+
+
+def test_cpu_type_is_data_parallel_only():
+    plans = enumerate_plans(dict(model="gpt2-tiny", seq_len=64, global_batch=8), "CPU", max_gpus=4)
+    assert plans
+    assert all(p.tp == 1 and p.pp == 1 and p.zero in (0, 2) and p.offload == "none" for p in plans)
+    assert {p.gpus for p in plans} <= {1, 2, 4}
+
+
+def test_plans_for_job_per_type_and_constraints():
+    inv = {"A100-80GB": 8, "T4-16GB": 4, "H100-80GB": 0}
+    out = plans_for_job(dict(JOB, allowed_gpu_types=["A100-80GB", "T4-16GB"]), inv)
+    assert set(out) == set(inv)
+    assert out["H100-80GB"] == []
+    assert out["A100-80GB"] and all(p.gpus <= 8 for p in out["A100-80GB"])
+    capped = plans_for_job(dict(JOB, max_gpus=4), {"A100-80GB": 8})
+    assert capped["A100-80GB"] and all(p.gpus <= 4 for p in capped["A100-80GB"])
+
+
+def test_does_not_fit_names_closest_plan():
+    with pytest.raises(DoesNotFitError) as err:
+        plans_for_job(dict(model="llama-2-70b", seq_len=4096, global_batch=8), {"T4-16GB": 2})
+    e = err.value
+    assert e.closest is not None and e.closest.gpu_type == "T4-16GB"
+    assert e.shortfall_gib > 0
+    assert "misses by" in str(e) and e.field == "job"
+
+
+def test_gpus_per_node_limits_tensor_parallel():
+    out = plans_for_job(JOB, {"A10-24GB": 16}, gpus_per_node={"A10-24GB": 2})
+    assert out["A10-24GB"] and all(p.tp <= 2 for p in out["A10-24GB"])
+
+
+def test_bad_input():
+    with pytest.raises(FrenzyInputError):
+        enumerate_plans(JOB, "NOPE-1GB", max_gpus=4)
+    with pytest.raises(FrenzyInputError, match="max_gpus"):
+        enumerate_plans(JOB, "A100-80GB", max_gpus=0)
+    with pytest.raises(FrenzyInputError, match="seq_len"):
+        enumerate_plans(dict(JOB, seq_len=0), "A100-80GB", max_gpus=4)
