@@ -1,0 +1,105 @@
+"""Prefect's REST API, the few calls Airflow needs: start a deployment run with an idempotency
+key and wait for its final state. Plain httpx: this module must never import prefect (Prefect
+and Airflow cannot share one environment)."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Mapping
+from urllib.parse import quote
+
+import httpx
+
+FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CRASHED", "CANCELLED"})
+DEFAULT_DEPLOYMENT = "frenzy-submit/frenzy-submit"
+
+
+class FrenzyRunFailed(RuntimeError):
+    """The Prefect run ended in a state other than COMPLETED."""
+
+    def __init__(self, flow_run: Mapping[str, Any]):
+        self.flow_run = dict(flow_run)
+        st = flow_run.get("state") or {}
+        super().__init__(f"flow run {flow_run.get('name')} ({flow_run.get('id')}) ended "
+                         f"{st.get('type')}: {st.get('message') or ''}".rstrip(": "))
+
+
+def idempotency_key(dag_id: str, task_id: str, run_id: str, map_index: int = -1) -> str:
+    """One key per Airflow task instance, the same on every retry (no try number in it), so a
+    retried task finds the flow run its first try started instead of starting a second one."""
+    key = f"airflow:{dag_id}:{task_id}:{run_id}"
+    return key if map_index < 0 else f"{key}:{map_index}"
+
+
+def make_client(api_url: str | None = None, api_key: str | None = None, timeout_s: float = 30.0) -> httpx.Client:
+    """An HTTP client for a Prefect API (``http://host:4200/api``, or a Prefect Cloud workspace
+    URL with an API key)."""
+    url = (api_url or os.environ.get("PREFECT_API_URL") or "").rstrip("/")
+    if not url:
+        raise ValueError("api_url: give the Prefect API URL (or set PREFECT_API_URL)")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
+
+
+def _check(r: httpx.Response, what: str) -> Any:
+    if r.status_code >= 400:
+        raise RuntimeError(f"{what}: HTTP {r.status_code}: {r.text[:500]}")
+    return r.json()
+
+
+def find_deployment(client: httpx.Client, name: str) -> dict:
+    """``flow-name/deployment-name`` -> the deployment document."""
+    if "/" not in name:
+        raise ValueError(f"deployment: {name!r} must be '<flow name>/<deployment name>'")
+    flow, dep = name.split("/", 1)
+    r = client.get(f"/deployments/name/{quote(flow, safe='')}/{quote(dep, safe='')}")
+    if r.status_code == 404:
+        raise ValueError(f"deployment: no deployment {name!r} on the Prefect server")
+    return _check(r, f"read deployment {name}")
+
+
+def trigger(client: httpx.Client, deployment: str, *, parameters: Mapping[str, Any] | None = None,
+            job_variables: Mapping[str, Any] | None = None, idempotency_key: str | None = None,
+            tags: list[str] | None = None, name: str | None = None) -> dict:
+    """Create a flow run of ``deployment``. With the same ``idempotency_key`` the server returns
+    the run it created the first time, so callers may retry freely. The server validates the
+    parameters against the flow's schema (HTTP 409 naming the field)."""
+    dep = find_deployment(client, deployment)
+    body: dict[str, Any] = {"parameters": dict(parameters or {}), "tags": list(tags or [])}
+    if job_variables:
+        body["job_variables"] = dict(job_variables)
+    if idempotency_key:
+        body["idempotency_key"] = idempotency_key
+    if name:
+        body["name"] = name
+    r = client.post(f"/deployments/{dep['id']}/create_flow_run", json=body)
+    if r.status_code == 409:
+        raise ValueError(f"parameters: rejected by the Prefect server: {r.text[:500]}")
+    return _check(r, f"create a run of {deployment}")
+
+
+def read_flow_run(client: httpx.Client, flow_run_id: str) -> dict:
+    return _check(client.get(f"/flow_runs/{flow_run_id}"), f"read flow run {flow_run_id}")
+
+
+def state_type(flow_run: Mapping[str, Any]) -> str:
+    return ((flow_run.get("state") or {}).get("type") or "").upper()
+
+
+def wait(client: httpx.Client, flow_run_id: str, *, poll_s: float = 10.0, timeout_s: float | None = None,
+         on_poll: Callable[[dict], None] | None = None) -> dict:
+    """Poll until the run is final. Returns the run when COMPLETED; raises ``FrenzyRunFailed``
+    for any other final state and ``TimeoutError`` after ``timeout_s``."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        fr = read_flow_run(client, flow_run_id)
+        if on_poll:
+            on_poll(fr)
+        st = state_type(fr)
+        if st in FINAL_STATES:
+            if st != "COMPLETED":
+                raise FrenzyRunFailed(fr)
+            return fr
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"flow run {fr.get('name')} still {st} after {timeout_s}s")
+        time.sleep(poll_s)
