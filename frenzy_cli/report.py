@@ -8,7 +8,7 @@ PLANS_PER_TYPE = 5
 
 
 def print_result(result, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or Console(width=None if Console().is_terminal else 120)
     est = result.estimate
     plan = result.initial_plan
 
@@ -16,11 +16,13 @@ def print_result(result, console: Console | None = None) -> None:
               title_justify="left")
     t.add_column("term")
     t.add_column("GiB", justify="right")
-    for name, gib in est.get("breakdown_gib", {}).items():
-        t.add_row(name, f"{gib:.3f}")
-    t.add_row("allocated peak", f"{est['allocated_peak_gib']:.3f}", style="bold")
-    t.add_row("reserved peak", f"{est['reserved_peak_gib']:.3f}")
-    t.add_row("device used (nvidia-smi)", f"{est['device_used_gib']:.3f}", style="bold")
+    t.add_column("MiB", justify="right")
+    rows = list(est.get("breakdown_gib", {}).items()) + [
+        ("allocated peak", est["allocated_peak_gib"]), ("reserved peak", est["reserved_peak_gib"]),
+        ("device used (nvidia-smi)", est["device_used_gib"])]
+    for name, gib in rows:
+        t.add_row(name, f"{gib:.3f}", f"{gib * 1024:,.1f}",
+                  style="bold" if name in ("allocated peak", "device used (nvidia-smi)") else None)
     console.print(f"parameters: {est.get('params', 0):,}")
     console.print(t)
 

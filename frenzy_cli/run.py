@@ -49,6 +49,7 @@ def embedded_prefect_env(json_mode: bool) -> None:
     """Project-local state for the embedded default; never the user's ~/.prefect."""
     home = Path(os.environ.setdefault("FRENZY_HOME", str(Path.cwd() / ".frenzy")))
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # Prefect makes one level only
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     if json_mode:

@@ -8,8 +8,8 @@ from estimator.errors import DoesNotFitError, FrenzyInputError
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
 
-TINY = {"name": "flow-tiny", "model": "gpt2-tiny", "seq_len": 32, "global_batch": 4,
-        "train_steps": 6, "precision": "fp32", "lr": 0.003, "checkpoint_every": 3}
+TINY = {"name": "flow-tiny", "model": "gpt2-tiny", "seq_len": 64, "global_batch": 8,
+        "train_steps": 10, "precision": "fp32", "lr": 0.003, "checkpoint_every": 5}
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_submit_trains_and_releases(registered, frenzy_home):
     assert result.plan.gpu_type == "CPU"
     assert result.plan.global_batch == TINY["global_batch"]
     assert len(result.losses) == TINY["train_steps"]
-    assert result.losses[-1] < result.losses[0]
+    assert sum(result.losses[-2:]) < sum(result.losses[:2])
     assert result.estimate["allocated_peak_gib"] > 0
     assert set(result.estimate["breakdown_gib"]) >= {"weights", "gradients", "optimizer", "activations", "other"}
     assert "CPU" in result.plans and result.initial_plan in result.plans["CPU"]
