@@ -76,6 +76,17 @@ def has_workers(pool_name: str) -> bool:
     return workers_online(pool_name) > 0
 
 
+def pool_notes(cluster: Any) -> dict[str, str]:
+    """GPU type -> what its pools' workers look like now, for the plan table's ``pool`` column
+    (``artifacts.plans_table(..., pool_notes=...)``), e.g. ``"a100: no workers online"``."""
+    notes: dict[str, list[str]] = {}
+    for pool in cluster.pools:
+        n = workers_online(pool.name)
+        notes.setdefault(pool.gpu, []).append(
+            f"{pool.name}: {n} worker{'s' if n != 1 else ''} online" if n else f"{pool.name}: no workers online")
+    return {gpu: "; ".join(v) for gpu, v in notes.items()}
+
+
 # ---------------------------------------------------------------- job variables
 
 def job_variables(plan: Plan, allocation: Any, env: Mapping[str, str] | None = None) -> dict[str, Any]:

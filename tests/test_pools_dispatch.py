@@ -79,6 +79,9 @@ def test_dispatch_without_workers_times_out_visibly_cancels_the_run_and_frees_sl
         dispatch.dispatch_to_pool(job, plan, {"pool": pool, "devices": ["0", "1"], "allocation_id": "x"},
                                   timeout_s=3, poll_s=0.3)
     assert f"pool '{pool}' has no workers online" in caplog.text
+    from scheduler.cluster import cluster_from_dict
+    cl = cluster_from_dict({"pools": [{"name": pool, "gpu": "CPU", "nodes": 1, "gpus_per_node": 2}]})
+    assert dispatch.pool_notes(cl) == {"CPU": f"{pool}: no workers online"}
     assert f"prefect worker start --pool {pool}" in caplog.text
     runs = _runs(pool)
     assert len(runs) == 1 and runs[0].state.is_cancelled()
@@ -146,6 +149,9 @@ def test_dispatch_runs_on_a_real_worker_with_devices_and_holds_the_gpu_slots():
     try:
         t.join(120)
         assert not t.is_alive(), "dispatch did not return"
+        from scheduler.cluster import cluster_from_dict
+        cl = cluster_from_dict({"pools": [{"name": pool, "gpu": "CPU", "nodes": 1, "gpus_per_node": 2}]})
+        assert dispatch.pool_notes(cl) == {"CPU": f"{pool}: 1 worker online"}
     finally:
         if worker.poll() is None:
             worker.kill()
