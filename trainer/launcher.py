@@ -27,7 +27,8 @@ from pathlib import Path
 import psutil
 
 # A line that means CUDA (or the injected rehearsal of it) ran out of memory.
-OOM_MARKERS = ("FRENZY_OOM", "CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory")
+OOM_MARKERS = ("FRENZY_OOM", "CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory",
+               "CUBLAS_STATUS_ALLOC_FAILED")
 TAIL_LINES = 200
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
