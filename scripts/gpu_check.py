@@ -1,7 +1,8 @@
 """Check the estimator on real GPUs: train a model (GPT-2 medium by default) under three plans
 for 30 steps each with Frenzy's own trainer, and print predicted vs measured peaks.
 
-    scripts/gpu_check.sh [--model gpt2-medium] [--steps 30] [--seq-len 1024] [--out DIR]
+    scripts/gpu_check.sh [--model gpt2-medium] [--steps 30] [--seq-len 1024] [--zero] [--out DIR]
+    scripts/gpu_check.sh --rescore docs/data/gpu_check_h200.json   # no GPU: today's estimator vs saved measurements
 
 Predicted: ``estimator.estimate`` for the plan on the catalog GPU type NVML reports.
 Measured: each rank's ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` and the
@@ -43,6 +44,51 @@ def f2(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+KNOBS = {"gpu_type", "gpus", "dp", "zero", "offload", "act_ckpt", "micro_batch", "grad_accum", "precision",
+         "optimizer", "attention"}
+
+
+def print_table(report: dict) -> None:
+    rows = report["rows"]
+    hdr = ("plan", "alloc pred", "alloc meas", "err", "resv pred", "resv meas", "err", "used pred", "nvml meas",
+           "err", "step pred s", "step meas s", "tok/s")
+    table = [hdr]
+    for r in rows:
+        p, m = r["predicted"], r["measured"]
+        table.append((r["plan"] if r["status"] == "completed" else f"{r['plan']} ({r['status']})",
+                      f2(p["allocated_peak_gib"]), f2(m["allocated_peak_gib"]), pct(p["allocated_peak_gib"], m["allocated_peak_gib"]),
+                      f2(p["reserved_peak_gib"]), f2(m["reserved_peak_gib"]), pct(p["reserved_peak_gib"], m["reserved_peak_gib"]),
+                      f2(p["device_used_gib"]), f2(m["nvml_used_gib"]), pct(p["device_used_gib"], m["nvml_used_gib"]),
+                      f"{p['step_time_s']:.3f}", f"{m['step_time_s']:.3f}", f"{m['tokens_per_s']:.0f}"))
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(hdr))]
+    n = rows[0]["knobs"]["gpus"] if rows and "knobs" in rows[0] else 1
+    print(f"\n{report['model']}, seq {report['seq_len']}, global batch {report['global_batch']}, {report['steps']} steps, "
+          f"{n} x {report['catalog']} (GiB; err = (pred - meas) / meas)")
+    for i, row in enumerate(table):
+        print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def rescore(path: str) -> int:
+    """Recompute the predictions of a saved report with the estimator as it is now (no GPU)."""
+    from estimator.job import TrainingJob
+    from estimator.plan import Plan
+    from trainer.fallback import reestimate
+
+    report = json.loads(Path(path).read_text())
+    job = TrainingJob(name="gpu-check", model=report["model"], seq_len=report["seq_len"],
+                      global_batch=report["global_batch"], train_steps=report["steps"], precision="bf16")
+    for r in report["rows"]:
+        plan = Plan(**r["knobs"])
+        pred = reestimate(job, plan, safety_margin_gib=0.0) or plan
+        r["predicted"] = {k: getattr(pred, k) for k in ("allocated_peak_gib", "reserved_peak_gib",
+                                                       "device_used_gib", "step_time_s")}
+    print(f"gpu_check: predictions recomputed now for the measurements in {path}")
+    print_table(report)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2-medium")
@@ -53,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zero", action="store_true", help="add a ZeRO-2 plan (needs deepspeed)")
     ap.add_argument("--out", default="gpu_check_out")
     ap.add_argument("--deadline-s", type=float, default=240.0, help="per plan")
+    ap.add_argument("--rescore", metavar="JSON", help="no training: re-predict a saved gpu_check.json with "
+                                                      "the current estimator and print the table")
     a = ap.parse_args(argv)
+    if a.rescore:
+        return rescore(a.rescore)
 
     from estimator.catalog import from_nvml_name
     from estimator.job import TrainingJob
@@ -106,32 +156,18 @@ def main(argv: list[str] | None = None) -> int:
                            release=lambda: None, log=log, deadline_s=a.deadline_s, max_transient_retries=0,
                            fallbacks=iter(()))
         m = res.measured
-        rows.append({"plan": label, "short": pred.short(), "status": res.status, "wall_s": round(time.time() - t0, 1),
+        rows.append({"plan": label, "short": pred.short(), "knobs": plan.model_dump(include=KNOBS),
+                     "status": res.status, "wall_s": round(time.time() - t0, 1),
                      "predicted": {"allocated_peak_gib": pred.allocated_peak_gib, "reserved_peak_gib": pred.reserved_peak_gib,
                                    "device_used_gib": pred.device_used_gib, "step_time_s": pred.step_time_s},
                      "measured": m.model_dump(), "first_loss": res.losses[0] if res.losses else None,
                      "last_loss": res.losses[-1] if res.losses else None, "error": res.error})
         print(f"gpu_check: {label}: {res.status} in {time.time() - t0:.0f} s", flush=True)
 
-    (out / "gpu_check.json").write_text(json.dumps({"gpu": found[0][1], "catalog": gpu_type, "model": a.model,
-                                                    "seq_len": a.seq_len, "global_batch": a.global_batch,
-                                                    "steps": a.steps, "rows": rows}, indent=2))
-    hdr = ("plan", "alloc pred", "alloc meas", "err", "resv pred", "resv meas", "err", "used pred", "nvml meas",
-           "err", "step pred s", "step meas s", "tok/s")
-    table = [hdr]
-    for r in rows:
-        p, m = r["predicted"], r["measured"]
-        table.append((r["plan"] if r["status"] == "completed" else f"{r['plan']} ({r['status']})",
-                      f2(p["allocated_peak_gib"]), f2(m["allocated_peak_gib"]), pct(p["allocated_peak_gib"], m["allocated_peak_gib"]),
-                      f2(p["reserved_peak_gib"]), f2(m["reserved_peak_gib"]), pct(p["reserved_peak_gib"], m["reserved_peak_gib"]),
-                      f2(p["device_used_gib"]), f2(m["nvml_used_gib"]), pct(p["device_used_gib"], m["nvml_used_gib"]),
-                      f"{p['step_time_s']:.3f}", f"{m['step_time_s']:.3f}", f"{m['tokens_per_s']:.0f}"))
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(hdr))]
-    print(f"\n{a.model}, seq {a.seq_len}, global batch {a.global_batch}, {a.steps} steps, {n} x {gpu_type} (GiB; err = (pred - meas) / meas)")
-    for i, row in enumerate(table):
-        print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    report = {"gpu": found[0][1], "catalog": gpu_type, "model": a.model, "seq_len": a.seq_len,
+              "global_batch": a.global_batch, "steps": a.steps, "rows": rows}
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    print_table(report)
     return 0 if all(r["status"] == "completed" for r in rows) else 1
 
 
