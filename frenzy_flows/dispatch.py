@@ -10,6 +10,7 @@ the child run is cancelled (Prefect does not cascade cancellation to ``run_deplo
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -210,11 +211,15 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
     assignment = _assignment_dict(allocation)
     occupy = int(variables["num_processes"])
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
-    try:
-        slots = concurrency(gpu_limit_name(pool), occupy=occupy, strict=True,
-                            timeout_seconds=slot_timeout_s if slot_timeout_s is not None else timeout_s)
-        # (the wait for slots counts against the run's deadline too)
-        slots.__enter__()
+    slots = contextlib.ExitStack()
+    log.info("taking %d GPU slot(s) of %s", occupy, gpu_limit_name(pool))
+    try:   # the wait for slots counts against the run's deadline too
+        slots.enter_context(concurrency(
+            gpu_limit_name(pool), occupy=occupy, strict=True,
+            timeout_seconds=slot_timeout_s if slot_timeout_s is not None else timeout_s))
+    except TimeoutError as err:
+        raise DispatchError(f"{occupy} GPU slot(s) of {gpu_limit_name(pool)} did not free up within "
+                            f"{slot_timeout_s if slot_timeout_s is not None else timeout_s}s") from err
     except Exception as err:
         if "must be created" in str(err):    # strict=True and no gpu:<pool> limit
             raise FrenzyInputError("pool", f"no concurrency limit {gpu_limit_name(pool)!r}; run "
@@ -253,4 +258,4 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
             _cancel(flow_run_id, f"frenzy: dispatcher stopped ({type(err).__name__})")
         raise
     finally:
-        slots.__exit__(None, None, None)
+        slots.close()

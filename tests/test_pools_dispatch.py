@@ -181,3 +181,22 @@ def test_dispatch_refuses_a_pool_whose_gpu_limit_is_gone():
     with pytest.raises(FrenzyInputError, match=f"no concurrency limit 'gpu:{pool}'"):
         dispatch.dispatch_to_pool(job, plan, {"pool": pool, "devices": ["0"]}, timeout_s=5)
     assert _runs(pool) == []               # nothing was started
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_dispatch_waits_for_gpu_slots_and_gives_up_clearly_when_they_stay_busy():
+    from prefect.concurrency.sync import concurrency
+
+    from frenzy_flows import dispatch
+
+    pool = f"bz-{uuid.uuid4().hex[:6]}"
+    _sync(pool)
+    job, plan = _plan_and_job()
+    with concurrency(f"gpu:{pool}", occupy=2, strict=True):      # another job holds both GPUs
+        t0 = time.monotonic()
+        with pytest.raises(dispatch.DispatchError, match=f"1 GPU slot\\(s\\) of gpu:{pool} did not free up"):
+            dispatch.dispatch_to_pool(job, plan, {"pool": pool, "devices": ["0"]}, timeout_s=60, slot_timeout_s=2)
+        assert 1.5 < time.monotonic() - t0 < 30
+    assert _runs(pool) == []             # nothing started while the GPUs were busy
+    assert _slots(pool) == 0
