@@ -50,9 +50,15 @@ class _Cand:
 
 
 class _Profile:
-    """Availability of one GPU type over time: free now, predicted releases, reservations."""
+    """Availability of one GPU type over time: free now, predicted releases, reservations.
 
-    __slots__ = ("times", "counts", "cum", "dirty", "res", "total")
+    Without reservations free GPUs only grow with time, so the earliest start for n GPUs is a
+    bisection on the cumulative releases. With reservations the profile is rebuilt (lazily,
+    O(releases) in C-level loops) into prefix minima (can n GPUs start now and stay free for
+    the job's duration: backfilling) and suffix minima (from when on are n GPUs free for good).
+    """
+
+    __slots__ = ("times", "counts", "cum", "dirty", "res", "total", "_ev", "_pre", "_suf", "_built_for", "_memo")
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -61,12 +67,24 @@ class _Profile:
         self.dirty = True
         self.res: list[tuple[float, float, int]] = []   # (start, end, gpus)
         self.total = 0                                  # GPUs of this type in the cluster
+        self._ev: list[float] = []
+        self._pre: list[int] = []
+        self._suf: list[int] = []
+        self._built_for: tuple | None = None
+        self._memo: dict[tuple[int, int], float] = {}
 
     def add_release(self, t: float, n: int) -> None:
         i = bisect.bisect_right(self.times, t)
         self.times.insert(i, t)
         self.counts.insert(i, n)
         self.dirty = True
+        self._built_for = None
+        self._memo.clear()
+
+    def reserve(self, start: float, end: float, n: int) -> None:
+        self.res.append((start, end, n))
+        self._built_for = None
+        self._memo.clear()
 
     def _cumulative(self) -> list[int]:
         if self.dirty:
@@ -74,42 +92,59 @@ class _Profile:
             self.dirty = False
         return self.cum
 
-    def base(self, t: float, free_now: int) -> int:
-        """GPUs free at time t, ignoring reservations (nondecreasing in t)."""
-        i = bisect.bisect_right(self.times, t)
-        return free_now + (self._cumulative()[i - 1] if i else 0)
+    def _build(self, now: float, free_now: int) -> None:
+        key = (now, free_now)
+        if self._built_for == key:
+            return
+        events = list(zip(self.times, self.counts))
+        for r0, r1, m in self.res:
+            events.append((r0, -m))
+            events.append((r1, m))
+        events.sort(key=lambda e: (e[0], -e[1]))        # releases before reservations at a tie
+        self._ev = [now] + [t for t, _ in events]
+        free = list(accumulate([free_now] + [d for _, d in events]))
+        self._pre = list(accumulate(free, min))
+        self._suf = list(accumulate(reversed(free), min))[::-1]
+        self._built_for = key
 
-    def fits(self, start: float, dur: float, n: int, free_now: int) -> bool:
-        """Are n GPUs free throughout [start, start + dur), honouring reservations?"""
-        end = start + dur
-        checks = [start] + [r0 for r0, _, _ in self.res if start < r0 < end]
-        for t in checks:
-            reserved = sum(m for r0, r1, m in self.res if r0 <= t < r1)
-            if self.base(t, free_now) - reserved < n:
-                return False
-        return True
+    def fits_now(self, n: int, dur: float, now: float, free_now: int) -> bool:
+        """Can n GPUs start now and stay free for ``dur`` s without breaking a reservation?"""
+        if free_now < n:
+            return False
+        if not self.res:
+            return True
+        self._build(now, free_now)
+        j = bisect.bisect_left(self._ev, now + dur)       # events strictly inside the run
+        return self._pre[max(0, j - 1)] >= n
+
+    def wait_start(self, n: int, now: float, free_now: int) -> float:
+        """From when on n GPUs stay free for good (memoised until the profile changes)."""
+        key = (n, free_now)
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
+        if n > self.total:
+            t = INF
+        elif not self.res:
+            if free_now >= n:
+                t = now
+            else:
+                cum = self._cumulative()
+                i = bisect.bisect_left(cum, n - free_now)
+                t = INF if i >= len(cum) else max(now, self.times[i])
+        else:
+            self._build(now, free_now)
+            i = bisect.bisect_left(self._suf, n)
+            t = INF if i >= len(self._suf) else max(now, self._ev[i])
+        self._memo[key] = t
+        return t
 
     def earliest(self, n: int, dur: float, now: float, free_now: int) -> float:
-        """The earliest start >= now at which n GPUs stay free for ``dur`` seconds."""
-        if n > self.total:
-            return INF
-        if free_now >= n:
-            t = now
-        else:
-            cum = self._cumulative()
-            i = bisect.bisect_left(cum, n - free_now)
-            if i >= len(cum):
-                return INF
-            t = max(now, self.times[i])
-        if not self.res:
-            return t
-        candidates = sorted({t, *(x for x in self.times if x > t), *(r1 for _, r1, _ in self.res if r1 > t)})
-        for c in candidates:
-            if c == INF:
-                break
-            if self.fits(c, dur, n, free_now):
-                return c
-        return INF
+        """The earliest start >= now at which n GPUs stay free for ``dur`` seconds (a start
+        in a gap between reservations is found only for "now": backfilling)."""
+        if self.fits_now(n, dur, now, free_now):
+            return now
+        return self.wait_start(n, now, free_now)
 
 
 class FrenzyPolicy(Policy):
@@ -126,16 +161,38 @@ class FrenzyPolicy(Policy):
         self._cache: dict[str, tuple[tuple, list[_Cand]]] = {}
         self._oom_frac: dict[str, float] = {}   # job -> predicted/capacity of a plan that OOMed
         self._oom_plans: dict[str, list[Plan]] = {}
+        self._min_gpus: dict[str, list[tuple[str, int]]] = {}
+        self._work: dict[str, float] = {}       # job -> GPU-seconds per step of its cheapest plan
+        self._by_plans: dict[int, tuple] = {}   # id(plan list) -> (list, len, cands, mins, work)
+        self._mem_key: tuple = ()
         self._mem: dict[str, float] = {}        # gpu_type -> memory, from the last round's state
 
     # --- per-job candidates -------------------------------------------------------------
     def candidates(self, job: JobRequest, state: ClusterState) -> list[_Cand]:
-        """The job's memory-safe plans, per GPU type only those a bigger count makes faster."""
+        """The job's memory-safe plans, per GPU type only those a bigger count makes faster,
+        fastest first. Cached per job, and per plan list (jobs of one shape share it)."""
         key = (id(job.plans), len(job.plans), job.restarts)
         hit = self._cache.get(job.job_id)
         if hit is not None and hit[0] == key:
             return hit[1]
         oom_frac = self._oom_frac.get(job.job_id, INF)
+        shared = None
+        if oom_frac == INF:
+            shared = self._by_plans.get(id(job.plans))
+            if shared is not None and (shared[0] is not job.plans or shared[1] != len(job.plans)):
+                shared = None
+        if shared is not None:
+            cands, mins, work = shared[2], shared[3], shared[4]
+        else:
+            cands, mins, work = self._build_candidates(job, state, oom_frac)
+            if oom_frac == INF:
+                self._by_plans[id(job.plans)] = (job.plans, len(job.plans), cands, mins, work)
+        self._min_gpus[job.job_id] = mins
+        self._work[job.job_id] = work
+        self._cache[job.job_id] = (key, cands)
+        return cands
+
+    def _build_candidates(self, job: JobRequest, state: ClusterState, oom_frac: float):
         chosen = self._gate(job.plans, state, oom_frac)
         if not chosen and oom_frac < INF:            # nothing roomier exists: try the rest anyway
             failed = self._oom_plans.get(job.job_id, ())
@@ -151,8 +208,12 @@ class FrenzyPolicy(Policy):
                 if p.step_time_s < best - 1e-12:
                     cands.append(_Cand(p, t, p.gpus, p.step_time_s))
                     best = p.step_time_s
-        self._cache[job.job_id] = (key, cands)
-        return cands
+        cands.sort(key=lambda c: (c.step_s, c.gpus))
+        mins: dict[str, int] = {}
+        for c in cands:
+            mins[c.gpu_type] = min(mins.get(c.gpu_type, c.gpus), c.gpus)
+        work = min((c.gpus * c.step_s for c in cands), default=INF)
+        return cands, list(mins.items()), work
 
     def _gate(self, plans: list[Plan], state: ClusterState, oom_frac: float) -> list[Plan]:
         safe, fallback = [], []
@@ -170,6 +231,11 @@ class FrenzyPolicy(Policy):
     def schedule(self, pending: list[JobRequest], state: ClusterState, now: float) -> list[Decision]:
         idx = FreeIndex(state.nodes)
         self._mem.update(state.gpu_memory_gib or {})
+        mem_key = tuple(sorted((state.gpu_memory_gib or {}).items()))
+        if mem_key != self._mem_key:          # another cluster: the memory gate changes
+            self._mem_key = mem_key
+            self._by_plans.clear()
+            self._cache.clear()
         node_type = {n.node_id: n.gpu_type for n in state.nodes}
         profiles: dict[str, _Profile] = {}
         for n in state.nodes:
@@ -187,6 +253,11 @@ class FrenzyPolicy(Policy):
         live = {j.job_id for j in pending}
         for jid in [k for k in self._cache if k not in live]:
             del self._cache[jid]
+            self._min_gpus.pop(jid, None)
+            self._work.pop(jid, None)
+        if len(self._by_plans) > 2 * len(pending) + 256:   # live: plan lists of finished jobs
+            keep = {id(j.plans) for j in pending}
+            self._by_plans = {k: v for k, v in self._by_plans.items() if k in keep}
 
         # order: shortest remaining work first, with aging
         keyed = []
@@ -194,40 +265,56 @@ class FrenzyPolicy(Policy):
             cands = self.candidates(job, state)
             if not cands:
                 continue
-            work = min(c.gpus * c.step_s for c in cands) * max(job.steps_left, 0)
+            work = self._work[job.job_id] * max(job.steps_left, 0)
             wait = max(0.0, now - job.submit_s)
             keyed.append((work / (1.0 + wait / self.aging_s), job.submit_s, job.job_id, job, cands))
         keyed.sort(key=lambda k: k[:3])
 
         out: list[Decision] = []
         reservations = 0
+        total = idx.total
+        tol1 = 1.0 + self.tolerance
         for _, _, _, job, cands in keyed:
-            can_now = any(idx.total.get(c.gpu_type, 0) >= c.gpus for c in cands)
+            min_gpus = self._min_gpus[job.job_id]
+            can_now = any(total.get(t, 0) >= n for t, n in min_gpus)
             if not can_now and reservations >= self.max_reservations:
-                if not any(idx.total.values()):
+                if not any(total.values()):
                     break                 # nothing free and no reservations left: round is over
                 continue
             steps = max(job.steps_left, 1)
-            best = None                   # (relative completion, cand, start, duration)
-            options = []
-            for c in cands:
+            exhausted = reservations >= self.max_reservations
+            best_rel = INF
+            any_now = False
+            options = []                  # (relative completion, cand, start, duration)
+            for c in cands:               # fastest first: stop once even running now is too slow
+                dur = c.step_s * steps
+                if dur > best_rel * tol1:
+                    break
                 prof = profiles.get(c.gpu_type)
                 if prof is None:
                     continue
-                dur = c.step_s * steps
-                start = prof.earliest(c.gpus, dur, now, idx.total.get(c.gpu_type, 0))
-                if start == INF:
-                    continue
+                f = total.get(c.gpu_type, 0)
+                if f >= c.gpus and prof.fits_now(c.gpus, dur, now, f):
+                    if exhausted and best_rel * tol1 < dur:
+                        # the fastest plan that could start now is clearly slower than waiting,
+                        # and no reservation is left to give: nothing to do for this job now
+                        options = []
+                        break
+                    start = now
+                    any_now = True
+                else:
+                    start = prof.wait_start(c.gpus, now, f)
+                    if start == INF:
+                        continue
                 rel = (start - now) + dur
                 options.append((rel, c, start, dur))
-                if best is None or rel < best[0]:
-                    best = (rel, c, start, dur)
-            if best is None:
+                if rel < best_rel:
+                    best_rel = rel
+            if not options or (exhausted and not any_now):
                 continue
-            limit = best[0] * (1.0 + self.tolerance)
-            pick = min((o for o in options if o[0] <= limit),
-                       key=lambda o: (o[1].gpus * o[3], o[0], o[1].gpu_type))
-            rel, c, start, dur = pick
+            limit = best_rel * tol1
+            rel, c, start, dur = min((o for o in options if o[0] <= limit),
+                                     key=lambda o: (o[1].gpus * o[3], o[0], o[1].gpu_type))
             if start <= now:
                 placement = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
                 if placement is not None:
@@ -237,8 +324,8 @@ class FrenzyPolicy(Policy):
                     continue
                 # enough GPUs but fragmented across nodes: wait like a blocked job
             if reservations < self.max_reservations:
-                s = max(start, now)
-                profiles[c.gpu_type].res.append((s, s + dur, c.gpus))
+                s0 = max(start, now)
+                profiles[c.gpu_type].reserve(s0, s0 + dur, c.gpus)
                 reservations += 1
         return out
 
