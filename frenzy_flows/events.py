@@ -6,7 +6,7 @@ Resource labels are strings (Prefect's rule); structured details go in the paylo
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from estimator.plan import Plan
 
@@ -69,3 +69,25 @@ def oom_fallback(job_name: str, from_plan: Plan, to_plan: Plan | None, step: int
         related=_related(None, from_plan.gpu_type),
         payload={"step": int(step), "from_plan": from_plan.model_dump(mode="json"),
                  "to_plan": to_plan.model_dump(mode="json") if to_plan else None})
+
+
+def announced_fallbacks(job: Any, plan: Plan, *, inventory: dict[str, int] | None = None,
+                        last_step: Callable[[], int] | None = None,
+                        plans: Iterable[Plan] | None = None) -> Iterator[Plan]:
+    """The out-of-memory fallback plans for ``plan`` (``trainer.fallback.fallback_plans`` unless
+    ``plans`` is given), emitting ``frenzy.job.oom-fallback`` at the moment each one is taken,
+    and once more with no target when none is left.
+
+    Pass it as ``trainer.runner.run_training(..., fallbacks=...)``: the runner asks for the next
+    plan exactly when an attempt ran out of memory. ``last_step`` returns the last step the run
+    reported (e.g. tracked in the ``on_step`` hook)."""
+    if plans is None:
+        from trainer.fallback import fallback_plans
+        plans = fallback_plans(job, plan, inventory=inventory)
+    name = job.name if hasattr(job, "name") else str(job["name"])
+    current = plan
+    for nxt in plans:
+        oom_fallback(name, current, nxt, last_step() if last_step else 0)
+        yield nxt
+        current = nxt
+    oom_fallback(name, current, None, last_step() if last_step else 0)

@@ -79,3 +79,35 @@ def test_ledger_allocation_objects_publish_their_id_as_allocation_id():
 
     out = _alloc_fields(Allocation())
     assert out["allocation_id"] == "42" and "id" not in out and out["pool"] == "a100"
+
+
+def test_announced_fallbacks_emit_when_each_fallback_is_taken():
+    from prefect import flow
+
+    from frenzy_flows import events
+
+    job = {"name": f"fb-{uuid.uuid4().hex[:6]}"}
+    p1 = Plan(gpu_type="A100-40GB", gpus=2, dp=2)
+    p2 = p1.model_copy(update={"act_ckpt": "full"})
+    p3 = Plan(gpu_type="A100-80GB", gpus=2, dp=2)
+    step = {"now": 0}
+
+    @flow
+    def train():
+        it = events.announced_fallbacks(job, p1, plans=[p2, p3], last_step=lambda: step["now"])
+        step["now"] = 5
+        assert next(it, None) == p2            # what the runner does after an OOM
+        step["now"] = 11
+        assert next(it, None) == p3
+        assert next(it, None) is None          # nothing left: announced, then exhausted
+
+    train()
+    evs = _read(events.OOM_FALLBACK, f"frenzy.job.{job['name']}")
+    deadline = time.monotonic() + 10
+    while len(evs) < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        evs = _read(events.OOM_FALLBACK, f"frenzy.job.{job['name']}")
+    got = sorted((e.payload["step"], e.payload["from_plan"]["gpu_type"], e.payload["from_plan"]["act_ckpt"],
+                  (e.payload["to_plan"] or {}).get("gpu_type")) for e in evs)
+    assert got == [(5, "A100-40GB", "none", "A100-40GB"), (11, "A100-40GB", "full", "A100-80GB"),
+                   (11, "A100-80GB", "none", None)]
