@@ -83,13 +83,21 @@ def test_two_process_accelerate_trains_tiny_gpt2_with_falling_loss(tmp_path):
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_on_cpu(tmp_path):
-    """First run builds DeepSpeed's shm comm op (~30 s-2 min), cached in TORCH_EXTENSIONS_DIR."""
+def test_deepspeed_zero2_on_cpu_resuming_a_plain_checkpoint(tmp_path):
+    """ZeRO-2 through DeepSpeed (first run builds its shm comm op, ~30 s-2 min, cached in
+    TORCH_EXTENSIONS_DIR), continuing a run that a plain plan started: the checkpoint format
+    differs, so the weights are carried over (optimizer restarts) and the step count goes on."""
+    short = job(train_steps=2)
+    first, *_ = train(short, cpu_plan(short, gpus=1), tmp_path)
+    assert first.status == "completed" and first.checkpoint_dir.endswith("step-00000002")
     j = job(train_steps=4)
     plan = cpu_plan(j, gpus=2).model_copy(update={"zero": 2})
     res, dev, lines, steps, _ = train(j, plan, tmp_path)
     assert res.status == "completed", "\n".join(lines[-30:])
-    assert len(res.losses) == 4 and res.losses[-1] < res.losses[0]
+    assert res.attempts[0].resumed_from_step == 2
+    assert any(l.startswith("FRENZY_RESUME") and '"mode": "weights"' in l for l in lines)
+    assert [s for s, _, _ in steps] == [3, 4]
+    assert res.losses[-1] < first.losses[0]                          # continued from trained weights
     ck = tmp_path / "run" / "checkpoints" / "step-00000004"
     assert (ck / "pytorch_model").is_dir()                           # DeepSpeed's sharded state
     assert len(list((ck / "pytorch_model").glob("*zero_pp_rank_*optim_states.pt"))) == 2

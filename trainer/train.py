@@ -96,8 +96,12 @@ def apply_activation_checkpointing(model, mode: str) -> str:
                 wrapped += 1
         if wrapped:
             return f"selective ({wrapped} attention modules)"
-    if hasattr(model, "gradient_checkpointing_enable") and getattr(model, "supports_gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if getattr(model, "supports_gradient_checkpointing", False):
+        # newer transformers renamed it; the GPU box may carry an older release
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return "full"
     return "none (model does not support it)"
 
@@ -315,7 +319,16 @@ def load_weights_only(model, latest) -> None:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(path))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        # Built under ZeRO-3's zero.Init: parameters are partitioned placeholders. Gather them,
+        # load on every rank, and let rank 0's values be re-partitioned on exit.
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            missing, unexpected = model.load_state_dict(state, strict=False)
+    else:
+        missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     real_missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
     if real_missing or unexpected:
