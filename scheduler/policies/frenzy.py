@@ -39,6 +39,10 @@ MEM_HEADROOM = 0.35         # predicted x 1.35 must fit: covers a +3 sigma estim
 AGING_S = 4 * 3600.0        # a job waiting this long has its work key halved
 TOLERANCE = 0.10            # plans within 10% of the earliest completion count as equally fast
 MAX_RESERVATIONS = 8        # head-of-line jobs that hold a reservation per round
+MIN_EFFICIENCY = 0.5        # a bigger GPU count must keep >= 50% parallel efficiency vs the
+                            # fewest GPUs of that type (wasting more is never worth it in a queue)
+LOOKAHEAD = 256             # jobs whose waiting choice is tracked (as queued load per GPU type);
+                            # deeper jobs are only tried for an immediate start
 
 
 @dataclass(slots=True)
@@ -58,7 +62,8 @@ class _Profile:
     the job's duration: backfilling) and suffix minima (from when on are n GPUs free for good).
     """
 
-    __slots__ = ("times", "counts", "cum", "dirty", "res", "total", "_ev", "_pre", "_suf", "_built_for", "_memo")
+    __slots__ = ("times", "counts", "cum", "dirty", "res", "total", "backlog", "_ev", "_pre", "_suf",
+                 "_built_for", "_memo")
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -67,6 +72,7 @@ class _Profile:
         self.dirty = True
         self.res: list[tuple[float, float, int]] = []   # (start, end, gpus)
         self.total = 0                                  # GPUs of this type in the cluster
+        self.backlog = 0.0                              # GPU-seconds queued without a reservation
         self._ev: list[float] = []
         self._pre: list[int] = []
         self._suf: list[int] = []
@@ -152,17 +158,21 @@ class FrenzyPolicy(Policy):
 
     def __init__(self, *, safety_margin_gib: float = SAFETY_MARGIN_GIB, mem_headroom: float = MEM_HEADROOM,
                  aging_s: float = AGING_S, tolerance: float = TOLERANCE,
-                 max_reservations: int = MAX_RESERVATIONS) -> None:
+                 max_reservations: int = MAX_RESERVATIONS, lookahead: int = LOOKAHEAD,
+                 min_efficiency: float = MIN_EFFICIENCY) -> None:
         self.safety_margin_gib = safety_margin_gib
         self.mem_headroom = mem_headroom
         self.aging_s = aging_s
         self.tolerance = tolerance
         self.max_reservations = max_reservations
+        self.lookahead = lookahead
+        self.min_efficiency = min_efficiency
         self._cache: dict[str, tuple[tuple, list[_Cand]]] = {}
         self._oom_frac: dict[str, float] = {}   # job -> predicted/capacity of a plan that OOMed
         self._oom_plans: dict[str, list[Plan]] = {}
         self._min_gpus: dict[str, list[tuple[str, int]]] = {}
         self._work: dict[str, float] = {}       # job -> GPU-seconds per step of its cheapest plan
+        self._tuples: dict[str, list[tuple]] = {}   # job -> (step_s, gpus, gpu_type, cand), hot loop
         self._by_plans: dict[int, tuple] = {}   # id(plan list) -> (list, len, cands, mins, work)
         self._mem_key: tuple = ()
         self._mem: dict[str, float] = {}        # gpu_type -> memory, from the last round's state
@@ -189,6 +199,7 @@ class FrenzyPolicy(Policy):
                 self._by_plans[id(job.plans)] = (job.plans, len(job.plans), cands, mins, work)
         self._min_gpus[job.job_id] = mins
         self._work[job.job_id] = work
+        self._tuples[job.job_id] = [(c.step_s, c.gpus, c.gpu_type, c) for c in cands]
         self._cache[job.job_id] = (key, cands)
         return cands
 
@@ -204,8 +215,14 @@ class FrenzyPolicy(Policy):
         for t, ps in by_type.items():
             ps.sort(key=lambda p: (p.gpus, p.step_time_s))
             best = INF
+            base_gpu_s = None                             # GPU-seconds per step at the fewest GPUs
             for p in ps:                                  # Pareto: more GPUs only if faster
                 if p.step_time_s < best - 1e-12:
+                    gpu_s = p.gpus * p.step_time_s
+                    if base_gpu_s is None:
+                        base_gpu_s = gpu_s
+                    elif base_gpu_s < self.min_efficiency * gpu_s:
+                        break                             # more GPUs than the speed-up is worth
                     cands.append(_Cand(p, t, p.gpus, p.step_time_s))
                     best = p.step_time_s
         cands.sort(key=lambda c: (c.step_s, c.gpus))
@@ -240,21 +257,28 @@ class FrenzyPolicy(Policy):
         profiles: dict[str, _Profile] = {}
         for n in state.nodes:
             profiles.setdefault(n.gpu_type, _Profile()).total += n.gpus
+        releases: dict[str, list[tuple[float, int]]] = {}
         for rj in state.running:
             if not rj.placement:
                 continue
             t = node_type.get(next(iter(rj.placement)), rj.plan.gpu_type if rj.plan else None)
-            prof = profiles.get(t)
-            if prof is not None:
+            if t in profiles:
                 end = rj.expected_end_s
-                prof.add_release(max(end, now) if end == end else INF,   # NaN -> never
-                                 sum(len(v) for v in rj.placement.values()))
+                releases.setdefault(t, []).append(
+                    (max(end, now) if end == end else INF,   # NaN -> never
+                     sum(len(v) for v in rj.placement.values())))
+        for t, rel in releases.items():
+            rel.sort()
+            prof = profiles[t]
+            prof.times = [x for x, _ in rel]
+            prof.counts = [n for _, n in rel]
 
         live = {j.job_id for j in pending}
         for jid in [k for k in self._cache if k not in live]:
             del self._cache[jid]
             self._min_gpus.pop(jid, None)
             self._work.pop(jid, None)
+            self._tuples.pop(jid, None)
         if len(self._by_plans) > 2 * len(pending) + 256:   # live: plan lists of finished jobs
             keep = {id(j.plans) for j in pending}
             self._by_plans = {k: v for k, v in self._by_plans.items() if k in keep}
@@ -273,48 +297,55 @@ class FrenzyPolicy(Policy):
         out: list[Decision] = []
         reservations = 0
         total = idx.total
+        pget, tget = profiles.get, total.get
         tol1 = 1.0 + self.tolerance
+        depth = 0
+        lookahead = self.lookahead
         for _, _, _, job, cands in keyed:
-            min_gpus = self._min_gpus[job.job_id]
-            can_now = any(total.get(t, 0) >= n for t, n in min_gpus)
-            if not can_now and reservations >= self.max_reservations:
+            depth += 1
+            if reservations >= self.max_reservations:
                 if not any(total.values()):
                     break                 # nothing free and no reservations left: round is over
-                continue
+                if depth > lookahead and not any(total.get(t, 0) >= n for t, n in self._min_gpus[job.job_id]):
+                    continue              # deep in the queue and nothing it could start now
+            deep = depth > lookahead and reservations >= self.max_reservations
             steps = max(job.steps_left, 1)
-            exhausted = reservations >= self.max_reservations
-            best_rel = INF
-            any_now = False
-            options = []                  # (relative completion, cand, start, duration)
-            for c in cands:               # fastest first: stop once even running now is too slow
-                dur = c.step_s * steps
-                if dur > best_rel * tol1:
-                    break
-                prof = profiles.get(c.gpu_type)
+            best_rel = lim = INF
+            options = []                  # (relative completion, GPU-seconds, cand, start, duration)
+            for step_s, n, g, c in self._tuples[job.job_id]:   # fastest first
+                dur = step_s * steps
+                if dur > lim:
+                    break                 # even starting now this plan is not within tolerance
+                prof = pget(g)
                 if prof is None:
                     continue
-                f = total.get(c.gpu_type, 0)
-                if f >= c.gpus and prof.fits_now(c.gpus, dur, now, f):
-                    if exhausted and best_rel * tol1 < dur:
-                        # the fastest plan that could start now is clearly slower than waiting,
-                        # and no reservation is left to give: nothing to do for this job now
-                        options = []
+                f = tget(g, 0)
+                if f >= n and (not prof.res or prof.fits_now(n, dur, now, f)):
+                    if deep and dur > lim:
+                        options = []      # deep job: its fastest immediate start loses to waiting
                         break
                     start = now
-                    any_now = True
+                    rel = dur
                 else:
-                    start = prof.wait_start(c.gpus, now, f)
+                    start = prof.wait_start(n, now, f)
                     if start == INF:
                         continue
-                rel = (start - now) + dur
-                options.append((rel, c, start, dur))
+                    if prof.backlog:      # jobs ahead already queue for this type (fluid estimate)
+                        queued = now + prof.backlog / prof.total
+                        if queued > start:
+                            start = queued
+                    rel = start - now + dur
+                options.append((rel, n * dur, c, start, dur))
                 if rel < best_rel:
                     best_rel = rel
-            if not options or (exhausted and not any_now):
-                continue
-            limit = best_rel * tol1
-            rel, c, start, dur = min((o for o in options if o[0] <= limit),
-                                     key=lambda o: (o[1].gpus * o[3], o[0], o[1].gpu_type))
+                    lim = rel * tol1
+            if not options or (deep and options[-1][3] > now and all(o[3] > now for o in options)):
+                continue                  # deep jobs only matter when they start now
+            pick = None                   # within tolerance of the earliest completion: fewest GPU-seconds
+            for o in options:
+                if o[0] <= lim and (pick is None or o[1] < pick[1] or (o[1] == pick[1] and o[0] < pick[0])):
+                    pick = o
+            _, _, c, start, dur = pick
             if start <= now:
                 placement = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
                 if placement is not None:
@@ -327,6 +358,10 @@ class FrenzyPolicy(Policy):
                 s0 = max(start, now)
                 profiles[c.gpu_type].reserve(s0, s0 + dur, c.gpus)
                 reservations += 1
+            else:
+                # no exact reservation left: the job still queues for this type, so later
+                # jobs see that type as busier (their waits grow by its GPU-seconds / capacity)
+                profiles[c.gpu_type].backlog += c.gpus * dur
         return out
 
     def on_oom(self, job: JobRequest, plan: Plan) -> JobRequest:
