@@ -1,11 +1,12 @@
 """Analytic per-GPU training memory: the `estimate` contract (issue 2) and its model (issue 3).
 
-Peak allocated bytes = max over three phases of one training step, per pipeline stage:
+Peak allocated bytes = max over four phases of one training step, per pipeline stage:
 
   A  loss backward:   states + saved activations + logits/loss buffers (fp32 log-softmax,
                       its gradient and the gradient of its input: ~14 B per logit in bf16)
   B  layer backward:  states + saved activations + held logits + LM-head gradient
                       + one layer's backward temporaries (+ the recomputed layer under full ckpt)
+  B' first block's backward: states + the other blocks' gradients + one block's activations
   C  optimizer step:  weights + gradients + optimizer states + foreach step temporaries
 
 Model states follow the mixed-precision regime the trainer runs:
@@ -417,14 +418,30 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             loss_a = T * (bwd_loss_b - held_b) * logits_tok
             head_grad = (g_b if k.zero < 2 else g_b / N) * V * e / t
         # recomputation buffer and backward temporaries for one block
-        one_layer = per_layer_tok * T if k.act_ckpt == "full" else 0.0
+        full = k.act_ckpt == "full"
+        one_layer = per_layer_tok * T if full else 0.0
         trans = transient_tok * T
-        persist_grads = grads if (m > 1 or p > 1) else 0.0
+        persist = m > 1 or p > 1
+        persist_grads = grads if persist else 0.0
         states_fwd = weights + optim + persist_grads + other_fixed
         copies = 2.0 * cast_P if amp else 0.0
-        # phase A: loss backward (last stage) / phase B: first block backward
+        layer_copies = 2.0 * layer_p if amp else 0.0
+        if full and amp:
+            # checkpointed blocks run their forward without keeping autocast's weight copies;
+            # only the LM head's survives to its backward; recomputation re-creates one block's
+            copies = 2.0 * (V * e / t) if last else 0.0
+        head_g = 0.0 if persist else head_grad
+        # phase A: loss backward (last stage) / phase B: the last block's backward
         a_total = states_fwd + copies + acts + loss_a
-        b_total = states_fwd + copies + acts + one_layer + trans + (0 if m > 1 or p > 1 else head_grad)
+        b_extra = one_layer + trans + (layer_copies if full else 0.0)
+        b_total = states_fwd + copies + acts + b_extra + head_g
+        # phase B': the first block's backward: the other blocks' gradients exist, their
+        # activations are freed; one block's activations (recomputed under full ckpt) remain
+        grads_end = grads * max(0.0, P - layer_p) / P if P > 0 else 0.0
+        first_acts = (ckpt_keep_tok * T + one_layer) if full else per_layer_tok * T
+        fixed_acts = (T * 16.0 if first else 0.0) + (T * held_b * logits_tok if last else 0.0)
+        e_extra = first_acts + fixed_acts + trans + layer_copies
+        e_total = weights + optim + other_fixed + max(grads_end, persist_grads) + e_extra
         # phase C: optimizer step
         tmp = step_tmp_b * P / (N if k.zero >= 1 else 1) if k.offload == "none" else 0.0
         if k.optimizer == "adafactor":
@@ -433,12 +450,14 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         cands = [
             (a_total, dict(weights=weights, gradients=persist_grads, optimizer=optim,
                            activations=acts + loss_a, other=other_fixed + copies)),
-            (b_total, dict(weights=weights,
-                           gradients=persist_grads + (0 if m > 1 or p > 1 else head_grad),
-                           optimizer=optim, activations=acts + one_layer,
-                           other=other_fixed + copies + trans)),
+            (b_total, dict(weights=weights, gradients=persist_grads + head_g, optimizer=optim,
+                           activations=acts + one_layer,
+                           other=other_fixed + copies + trans + (layer_copies if full else 0.0))),
             (c_total, dict(weights=weights, gradients=grads, optimizer=optim + grads32,
                            activations=0.0, other=other_fixed + tmp)),
+            (e_total, dict(weights=weights, gradients=max(grads_end, persist_grads),
+                           optimizer=optim, activations=first_acts + fixed_acts,
+                           other=other_fixed + trans + layer_copies)),
         ]
         total, bd = max(cands, key=lambda x: x[0])
         out.append(StagePeak(i, L_i, total, **bd))
@@ -456,15 +475,6 @@ def _finish(alloc_b: float, ov: Overheads, k: Knobs) -> tuple[float, float, floa
     reserved = alloc * (1.0 + frag)
     used = reserved + ov.cuda_context_gib + ov.workspace_gib + ov.nccl_per_comm_gib * _comms(k)
     return alloc, reserved, used
-
-
-@lru_cache(maxsize=65536)
-def peak_gib(spec: ModelSpec, k: Knobs, gpu_type: str | None, cpu: bool = False
-             ) -> tuple[float, float, float]:
-    """(allocated, reserved, device_used) GiB of the most-loaded stage: the fast path plans use."""
-    ov = overheads_for(gpu_type, is_cpu=cpu)
-    peaks = stage_peaks(spec, k, ov, cpu)
-    return _finish(max(s.allocated for s in peaks), ov, k)
 
 
 def _resolve_gpu(gpu: Any):

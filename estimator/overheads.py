@@ -125,3 +125,61 @@ def write_calibration(fits: dict[str, dict[str, float]], path: str | os.PathLike
     os.replace(tmp, p)
     _cache.pop(str(p.resolve()), None)
     return p
+
+
+# ---------------------------------------------------------------------------- calibration fit
+def _get(row: object, key: str):
+    return row.get(key) if isinstance(row, dict) else getattr(row, key, None)
+
+
+def _quantile(vals: list[float], q: float) -> float:
+    s = sorted(vals)
+    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+def fit_calibration(measurements: list) -> dict[str, dict[str, float | int]]:
+    """Fit the overhead terms per GPU type from measured runs (ledger measurement rows, or
+    dicts with ``gpu_type``, ``plan`` and ``measured``).
+
+    * ``fragmentation`` (and ``fragmentation_recompute`` for full-checkpointing runs):
+      reserved / allocated - 1, the 90th percentile (the maximum below 5 runs) so the fitted
+      figure rarely under-predicts;
+    * ``cuda_context_gib``: device used - reserved - workspace on single-GPU runs (90th pct);
+    * ``nccl_per_comm_gib``: the rest of device used on multi-GPU runs, per communicator.
+    Returns {gpu_type: {term: value, ..., "runs": n}} for types with usable rows only."""
+    by_type: dict[str, list] = {}
+    for m in measurements:
+        meas = _get(m, "measured") or {}
+        a, r = meas.get("allocated_peak_gib"), meas.get("reserved_peak_gib")
+        if not meas.get("memory_measured", True) or not a or not r or a <= 0:
+            continue
+        by_type.setdefault(str(_get(m, "gpu_type")), []).append(m)
+    fits: dict[str, dict[str, float | int]] = {}
+    for gtype, rows in by_type.items():
+        frag, frag_rc, ctx, nccl = [], [], [], []
+        for m in rows:
+            meas, plan = _get(m, "measured"), _get(m, "plan") or {}
+            a, r = float(meas["allocated_peak_gib"]), float(meas["reserved_peak_gib"])
+            (frag_rc if plan.get("act_ckpt") == "full" else frag).append(max(0.0, r / a - 1.0))
+            used = meas.get("nvml_used_gib", meas.get("device_used_gib"))
+            if used:
+                outside = float(used) - r - WORKSPACE_GIB
+                comms = sum(1 for d in ("dp", "tp", "pp", "cp") if int(plan.get(d, 1) or 1) > 1)
+                if comms == 0:
+                    ctx.append(max(0.0, outside))
+                else:
+                    nccl.append((outside, comms))
+        pick = (lambda v: _quantile(v, 0.9) if len(v) >= 5 else max(v))
+        fit: dict[str, float | int] = {"runs": len(rows)}
+        if frag:
+            fit["fragmentation"] = round(min(0.5, pick(frag)), 4)
+        if frag_rc:
+            fit["fragmentation_recompute"] = round(min(0.8, pick(frag_rc)), 4)
+        if ctx:
+            fit["cuda_context_gib"] = round(pick(ctx), 4)
+        if nccl:
+            base = fit.get("cuda_context_gib", CUDA_CONTEXT_GIB)
+            per = [max(0.0, (o - base) / c) for o, c in nccl]
+            fit["nccl_per_comm_gib"] = round(pick(per), 4)
+        fits[gtype] = fit
+    return fits

@@ -1,0 +1,84 @@
+"""Estimator speed against the issue's targets:
+
+* one analytic estimate < 50 microseconds
+* all plans for one job over 8 GPU types < 5 ms (warm: the per-shape cache is the design;
+  cold, first sight of a job shape, is reported too)
+* a traced estimate of GPT-2 small < 15 s on 2 cores (skip with --no-traced)
+
+    python bench/estimator_speed.py [--no-traced]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from estimator import estimate  # noqa: E402
+from estimator.catalog import GPU_NAMES  # noqa: E402
+from estimator import plans as plans_mod  # noqa: E402
+
+
+def bench_estimate(n: int = 5000) -> float:
+    kws = [dict(model="gpt2", seq_len=1024, micro_batch=4),
+           dict(model="llama-3.1-8b", seq_len=4096, zero=3, dp=8, gpu="H100-80GB"),
+           dict(model="llama-2-70b", seq_len=4096, tp=8, pp=4, dp=2, zero=1, sp=True, grad_accum=8)]
+    per = []
+    for kw in kws:
+        estimate(**kw)
+        t = time.perf_counter()
+        for _ in range(n):
+            estimate(**kw)
+        per.append((time.perf_counter() - t) / n * 1e6)
+    return statistics.mean(per)
+
+
+def bench_plans(reps: int = 50) -> tuple[float, float, int]:
+    job = dict(model="llama-3.1-8b", seq_len=4096, global_batch=256)
+    inv = {g: 64 for g in list(GPU_NAMES)[:8]}
+    plans_mod._memory_table.cache_clear()
+    plans_mod._plans_cached.cache_clear()
+    t = time.perf_counter()
+    out = plans_mod.plans_for_job(job, inv)
+    cold = (time.perf_counter() - t) * 1e3
+    t = time.perf_counter()
+    for _ in range(reps):
+        plans_mod.plans_for_job(job, inv)
+    warm = (time.perf_counter() - t) / reps * 1e3
+    return cold, warm, sum(len(v) for v in out.values())
+
+
+def bench_traced() -> float:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch  # noqa: F401  (import time is not the estimate's)
+        import transformers  # noqa: F401
+        t = time.perf_counter()
+        e = estimate(model="gpt2", seq_len=1024, micro_batch=4, method="traced")
+        dt = time.perf_counter() - t
+    assert e.method == "traced", e.warnings
+    return dt
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--no-traced", action="store_true")
+    a = ap.parse_args(argv)
+    print(f"cores: {os.cpu_count()}")
+    us = bench_estimate()
+    print(f"analytic estimate: {us:.1f} us per call (target < 50 us)")
+    cold, warm, n = bench_plans()
+    print(f"plans for one job (llama-3.1-8b, s=4096, global batch 256) over 8 GPU types x 64 GPUs: "
+          f"{n} plans; warm {warm:.2f} ms (target < 5 ms), cold first call {cold:.1f} ms")
+    if not a.no_traced:
+        print(f"traced estimate, GPT-2 small b=4 s=1024 bf16 AMP AdamW: {bench_traced():.1f} s "
+              f"(target < 15 s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""`frenzy calibrate`: fit overhead terms from ledger measurements (real SQLite ledger, real
+H200 measurements from bench/) and have estimates use them."""
+import json
+import os
+
+import pytest
+
+from estimator import estimate
+from estimator.overheads import calibration_path, fit_calibration
+from frenzy_cli.main import main
+
+MEASURED = os.path.join(os.path.dirname(__file__), "..", "bench", "estimator_measured_h200.json")
+
+
+def _h200_rows():
+    data = json.load(open(MEASURED))
+    rows = []
+    for r in data["results"]:
+        if "error" in r:
+            continue
+        c = r["config"]
+        rows.append(dict(gpu_type="H200-141GB",
+                         plan={"gpus": 1, "dp": 1, "tp": 1, "pp": 1, "act_ckpt": c["act_ckpt"]},
+                         measured={"memory_measured": True, "allocated_peak_gib": r["allocated_gib"],
+                                   "reserved_peak_gib": r["reserved_gib"],
+                                   "nvml_used_gib": r["device_used_gib"]}))
+    return rows
+
+
+def test_fit_from_measurements():
+    fits = fit_calibration(_h200_rows())
+    f = fits["H200-141GB"]
+    assert f["runs"] >= 20
+    # used - reserved was 0.75 GiB on every run: context = that minus the workspace term
+    assert f["cuda_context_gib"] == pytest.approx(0.6, abs=0.05)
+    assert 0.02 < f["fragmentation"] < 0.3
+    assert f["fragmentation_recompute"] > f["fragmentation"]
+
+
+def test_fit_skips_cpu_runs_and_fits_nccl():
+    rows = [dict(gpu_type="CPU", plan={}, measured={"memory_measured": False})]
+    rows += [dict(gpu_type="A100-80GB", plan={"dp": 2, "tp": 2, "act_ckpt": "none"},
+                  measured={"allocated_peak_gib": 10.0, "reserved_peak_gib": 11.0,
+                            "nvml_used_gib": 11.0 + 0.15 + 0.6 + 2 * 0.3})]
+    fits = fit_calibration(rows)
+    assert "CPU" not in fits
+    assert fits["A100-80GB"]["nccl_per_comm_gib"] == pytest.approx(0.3)
+    assert fits["A100-80GB"]["fragmentation"] == pytest.approx(0.1)
+
+
+@pytest.mark.skipif(not os.path.exists(MEASURED), reason="no GPU measurements in bench/")
+def test_calibrate_cli_writes_file_used_by_estimates(frenzy_home, capsys):
+    from ledger.core import Ledger
+    url = f"sqlite:///{frenzy_home}/ledger.db"
+    frenzy_home.mkdir(parents=True, exist_ok=True)
+    led = Ledger(url)
+    for i, row in enumerate(_h200_rows()):
+        # make the fitted terms differ clearly from the defaults
+        m = dict(row["measured"], nvml_used_gib=row["measured"]["nvml_used_gib"] + 1.0)
+        led.record_measurement(f"job-{i}", None, row["gpu_type"], row["plan"], predicted={}, measured=m)
+    before = estimate(model="gpt2", seq_len=1024, micro_batch=8, gpu="H200-141GB")
+    assert main(["calibrate", "--ledger", url, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["written"] == str(calibration_path())
+    saved = json.loads(calibration_path().read_text())
+    assert saved["H200-141GB"]["cuda_context_gib"] == pytest.approx(1.6, abs=0.05)
+    after = estimate(model="gpt2", seq_len=1024, micro_batch=8, gpu="H200-141GB")
+    assert after.overheads["cuda_context_gib"] == saved["H200-141GB"]["cuda_context_gib"]
+    assert after.device_used_gib > before.device_used_gib + 0.9
+    assert after.allocated_peak_gib == before.allocated_peak_gib
+
+
+def test_calibrate_with_no_measurements(frenzy_home, capsys):
+    frenzy_home.mkdir(parents=True, exist_ok=True)
+    assert main(["calibrate", "--ledger", f"sqlite:///{frenzy_home}/empty.db"]) == 0
+    assert "nothing to fit" in capsys.readouterr().out
+    assert not calibration_path().exists()
