@@ -9,10 +9,11 @@ GPU types or a pool of the wrong type change nothing.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 from estimator.errors import FrenzyInputError
 
@@ -130,16 +131,18 @@ def _train_flow_schema(entrypoint: str, project_dir: Path) -> tuple[str, dict]:
 
 def sync_pools(cluster: Any, *, pool_type: PoolType = "process", entrypoint: str = TRAIN_ENTRYPOINT,
                project_dir: Path | str = PROJECT_DIR, control_pool: bool = True,
-               log=print) -> SyncReport:
+               log: Callable[[str], None] | None = None) -> SyncReport:
     """Create or update, for every pool of ``cluster``: the work pool (GPU template variables),
     the ``gpu:<pool>`` limit sized to its GPU count, and its ``frenzy-train-<pool>`` deployment.
-    Idempotent. Bad input raises ``FrenzyInputError`` before anything changes."""
+    Idempotent. Bad input raises ``FrenzyInputError`` before anything changes. One line per
+    pool goes to ``log`` (default: the ``frenzy.pools`` logger, never stdout)."""
     from prefect import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
 
     if pool_type not in ("process", "kubernetes"):
         raise FrenzyInputError("--type", f"must be process or kubernetes, not {pool_type!r}")
+    log = log or logging.getLogger("frenzy.pools").info
     specs = pool_specs(cluster)
     _check_gpu_types(cluster, specs)
     project_dir = Path(project_dir).resolve()

@@ -34,12 +34,11 @@ def register(sub) -> None:
 
 
 def _prefect_env() -> str | None:
-    """Same defaults as `frenzy run`; returns the API URL in use, or None for the embedded server."""
-    home = Path(os.environ.setdefault("FRENZY_HOME", str(Path.cwd() / ".frenzy")))
-    os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    """Same project-local defaults as `frenzy run`; returns the API URL in use, or None for the
+    embedded server."""
+    from .run import embedded_prefect_env
+
+    embedded_prefect_env(json_mode=True)
     from prefect.settings import get_current_settings
 
     url = get_current_settings().api.url
