@@ -211,9 +211,11 @@ def test_cli_sync_and_status_with_the_real_training_flow(tmp_path, capsys):
     run_deployment(dep.id, parameters={"job": {"model": "gpt2-tiny", "seq_len": 16, "global_batch": 2,
                                                "train_steps": 1},
                                        "plan": {"gpu_type": "CPU", "gpus": 1}}, timeout=0)
-    assert main(["pools", "status", p, "--json"]) == 0
+    from prefect.concurrency.sync import concurrency
+    with concurrency(f"gpu:{p}", occupy=1, strict=True):       # a running job holds one GPU
+        assert main(["pools", "status", p, "--json"]) == 0
     [row] = json.loads(capsys.readouterr().out)
-    assert row == {"name": p, "pool_type": "process", "gpu_type": "CPU", "gpus": 2, "in_use": 0, "queued": 1,
+    assert row == {"name": p, "pool_type": "process", "gpu_type": "CPU", "gpus": 2, "in_use": 1, "queued": 1,
                    "running": 0, "workers_online": 0, "state": "NOT_READY"}
     assert main(["pools", "status", p]) == 0
     out = capsys.readouterr().out
