@@ -15,8 +15,11 @@ STANDIN = "tests/test_pools_dispatch.py:fake_train"
 
 
 def _defaults():
-    from prefect.server.api.collections import get_collection_view  # noqa: F401  (server-side module exists)
-    import importlib.resources, prefect
+    """The process and kubernetes default templates, as the server serves them (bundled view)."""
+    import importlib.resources
+
+    import prefect
+
     path = importlib.resources.files(prefect) / "server/api/collections_data/views/aggregate-worker-metadata.json"
     meta = json.loads(path.read_text())
     return (meta["prefect"]["process"]["default_base_job_configuration"],
