@@ -58,7 +58,7 @@ def deployment(prefect_server):
 
 
 @pytest.fixture
-def http():
+def http(prefect_server):
     from prefect.settings import PREFECT_API_URL
 
     with af.make_client(PREFECT_API_URL.value()) as c:
