@@ -105,7 +105,7 @@ CATALOG: dict[str, GPU] = {g.name: g for g in [
     _G(name="H100-80GB", memory_gib=79.65, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
        mem_bw_gbs=3350, intra_link="nvlink4", intra_link_gbps=NVLINK4_GBPS, inter_node_gbps=3200, util=0.40),
     _G(name="H200-141GB", memory_gib=140.4, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
-       mem_bw_gbs=4800, intra_link="nvlink4", intra_link_gbps=NVLINK4_GBPS, inter_node_gbps=3200, util=0.43),
+       mem_bw_gbs=4800, intra_link="nvlink4", intra_link_gbps=NVLINK4_GBPS, inter_node_gbps=3200, util=0.40),
     _G(name="A10-24GB", memory_gib=22.49, bf16_tflops=125, fp16_tflops=125, fp32_tflops=31.2,
        mem_bw_gbs=600, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100, util=0.42),
     _G(name="A10G-24GB", memory_gib=22.49, bf16_tflops=70, fp16_tflops=70, fp32_tflops=31.2,

@@ -30,6 +30,13 @@ ATTN_FLOPS_PER_LHS = 12.0          # training FLOPs per token per (layer x hidde
 RECOMPUTE_FULL_EXTRA = 1.0 / 3.0   # full recompute: one more forward = +1/3 of training FLOPs
 MB_HALF_SAT_TOKENS = 512.0         # tokens per micro-batch per GPU where kernels reach ~half their
 MB_FULL_TOKENS = 8192.0            # ... asymptotic efficiency; at MB_FULL_TOKENS the factor is 1
+WIDTH_HALF_SAT = 1024.0           # GEMM width (hidden / tp) where matmuls reach ~half their
+WIDTH_FULL = 4096.0                # ... asymptotic efficiency; from WIDTH_FULL up the factor is 1
+EAGER_ATTN_FACTOR = 10.0           # eager attention (scores materialised: memory-bound masking,
+                                   # softmax, dropout over s x s) costs ~10x the FLOP time of fused
+                                   # (flash/SDPA) attention (fitted on H200 runs, see bench)
+FP32_UTIL = 0.6                    # plain fp32 (no tensor cores) reaches a higher share of its
+                                   # much lower peak: 76% in a large GEMM on H200
 DP_OVERLAP = 0.7                   # fraction of the backward pass DP comms can hide under
 DP_MIN_EXPOSED = 0.15              # ... but at least this share of them stays exposed (bucket tail)
 TP_OVERLAP = 0.0                   # Megatron TP all-reduces sit on the critical path
@@ -50,6 +57,10 @@ class Factors:
     recompute_full_extra: float = RECOMPUTE_FULL_EXTRA
     mb_half_sat_tokens: float = MB_HALF_SAT_TOKENS
     mb_full_tokens: float = MB_FULL_TOKENS
+    width_half_sat: float = WIDTH_HALF_SAT
+    width_full: float = WIDTH_FULL
+    eager_attn_factor: float = EAGER_ATTN_FACTOR
+    fp32_util: float = FP32_UTIL
     dp_overlap: float = DP_OVERLAP
     dp_min_exposed: float = DP_MIN_EXPOSED
     tp_overlap: float = TP_OVERLAP
@@ -129,6 +140,13 @@ def _mb_efficiency(tokens: float, f: Factors) -> float:
     return min(1.0, (tokens / (tokens + k)) / ref)
 
 
+def _width_efficiency(width: float, f: Factors) -> float:
+    """GEMM efficiency for narrow layers (small hidden size, or hidden split by TP)."""
+    k = f.width_half_sat
+    ref = f.width_full / (f.width_full + k)
+    return min(1.0, (width / (width + k)) / ref)
+
+
 def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
@@ -166,9 +184,16 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
 
     # --- compute --------------------------------------------------------------------------
     tokens_step = mb * ga * dp * seq_len
-    flops_gpu = tokens_step * flops_per_token(spec, seq_len, act_ckpt, f) / (dp * tp * pp * cp)
-    util = f.util.get(gpu.name, gpu.util)
+    per_token = flops_per_token(spec, seq_len, act_ckpt, f)
+    if getattr(plan, "attention", "flash") == "eager":
+        attn = f.attn_flops_per_lhs * layers * hidden * seq_len
+        attn *= (1.0 + f.recompute_full_extra) if act_ckpt in ("full", "selective") else 1.0
+        per_token += attn * (f.eager_attn_factor - 1.0)
+    flops_gpu = tokens_step * per_token / (dp * tp * pp * cp)
+    util = f.fp32_util if precision == "fp32" and not gpu.is_cpu else f.util.get(gpu.name, gpu.util)
     eff = _mb_efficiency(mb * seq_len / cp, f)
+    if precision != "fp32":              # narrow GEMMs starve tensor cores; plain fp32 FMA less so
+        eff *= _width_efficiency(hidden / tp, f)
     compute = flops_gpu / (gpu.peak_tflops(precision) * 1e12 * util * eff)
     t_mb = compute / ga                  # one micro-batch through one stage (fwd + bwd)
     bubble = t_mb * (pp - 1)             # 1F1B: (pp - 1) micro-batch slots idle per step

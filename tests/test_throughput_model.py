@@ -97,3 +97,39 @@ def test_fp32_slower_than_bf16_and_bf16_on_v100_slow():
     v = get_gpu("V100-32GB")
     assert step_time(G2, plan("V100-32GB"), v, seq_len=1024) > \
         2 * step_time(G2, plan("V100-32GB", precision="fp16"), v, seq_len=1024)
+
+
+def test_eager_attention_and_narrow_layers_cost_time():
+    g = get_gpu("H200-141GB")
+    flash = step_time(G2, plan("H200-141GB", mb=8), g, seq_len=1024)
+    eager = step_time(G2, plan("H200-141GB", mb=8, attention="eager"), g, seq_len=1024)
+    assert eager > 1.2 * flash
+    # the same FLOPs in wider layers run at a higher share of peak (bf16 tensor cores)
+    narrow = NS(params=1e9, layers=48, hidden=1024, vocab=0)
+    wide = NS(params=1e9, layers=12, hidden=4096, vocab=0)
+    t_n = step_time_breakdown(narrow, plan("H200-141GB", mb=4), g, seq_len=512)
+    t_w = step_time_breakdown(wide, plan("H200-141GB", mb=4), g, seq_len=512)
+    assert t_n.compute > 1.3 * t_w.compute
+
+
+def test_model_tracks_real_h200_step_times():
+    """30 single-GPU training runs measured on an H200 (bench/estimator_measured_h200.json):
+    the median prediction is within 20% and most runs within a factor of 1.5."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    from estimator.models import resolve_model
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "bench/estimator_measured_h200.json").read_text())
+    g = get_gpu("H200-141GB")
+    ratios = []
+    for r in data["results"]:
+        c = r["config"]
+        p = Plan(gpu_type=g.name, gpus=1, micro_batch=c["micro_batch"], grad_accum=c.get("grad_accum", 1),
+                 act_ckpt=c["act_ckpt"], attention=c["attention"],
+                 precision={"amp": "bf16", "master": "bf16", "fp32": "fp32"}[c["regime"]], optimizer=c["optimizer"])
+        ratios.append(step_time(resolve_model(c["model"]), p, g, seq_len=c["seq_len"]) / r["step_s"])
+    assert len(ratios) >= 20
+    assert 0.8 <= statistics.median(ratios) <= 1.2
+    assert sum(0.67 <= x <= 1.5 for x in ratios) >= 0.8 * len(ratios)
