@@ -141,6 +141,33 @@ def find_train_deployment(pool: str) -> UUID:
     return found[0].id
 
 
+# ---------------------------------------------------------------- GPU slots
+
+@contextlib.contextmanager
+def hold_gpu_slots(pool: str, occupy: int, *, timeout_s: float | None = None):
+    """Hold ``occupy`` slots of the pool's ``gpu:<pool>`` limit (strict: a missing limit is an
+    error) for the duration of the block, so Prefect's count of busy GPUs matches the ledger's.
+    Used around a dispatched run here, and around in-process training by the submit flow."""
+    from prefect.concurrency.sync import concurrency
+
+    name = gpu_limit_name(pool)
+    _logger().info("taking %d GPU slot(s) of %s", occupy, name)
+    try:   # entered by hand: only the acquisition's errors are translated, not the block's
+        cm = concurrency(name, occupy=occupy, strict=True, timeout_seconds=timeout_s)
+        cm.__enter__()
+    except TimeoutError as err:
+        raise DispatchError(f"{occupy} GPU slot(s) of {name} did not free up within {timeout_s}s") from err
+    except Exception as err:
+        if "must be created" in str(err):    # strict=True and no gpu:<pool> limit
+            raise FrenzyInputError("pool", f"no concurrency limit {name!r}; run "
+                                           f"`frenzy pools sync --cluster <file>` first") from err
+        raise
+    try:
+        yield
+    finally:
+        cm.__exit__(None, None, None)
+
+
 # ---------------------------------------------------------------- dispatch
 
 def _cancel(flow_run_id: UUID, reason: str) -> None:
@@ -198,44 +225,36 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
     Raises ``DispatchError`` when the run ends other than COMPLETED or outlives ``timeout_s``
     (the run is cancelled then), ``FrenzyInputError`` when the pool was never synced.
     """
-    from prefect.concurrency.sync import concurrency
-    from prefect.deployments import run_deployment
-
     pool = _get(allocation, "pool")
     if not pool:
         raise FrenzyInputError("allocation.pool", "must name the work pool to dispatch to")
-    log = _logger()
     deployment_id = find_train_deployment(pool)
     variables = job_variables(plan, allocation, env)
     job_d = _job_dict(job)
     assignment = _assignment_dict(allocation)
     occupy = int(variables["num_processes"])
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
-    slots = contextlib.ExitStack()
-    log.info("taking %d GPU slot(s) of %s", occupy, gpu_limit_name(pool))
-    try:   # the wait for slots counts against the run's deadline too
-        slots.enter_context(concurrency(
-            gpu_limit_name(pool), occupy=occupy, strict=True,
-            timeout_seconds=slot_timeout_s if slot_timeout_s is not None else timeout_s))
-    except TimeoutError as err:
-        raise DispatchError(f"{occupy} GPU slot(s) of {gpu_limit_name(pool)} did not free up within "
-                            f"{slot_timeout_s if slot_timeout_s is not None else timeout_s}s") from err
-    except Exception as err:
-        if "must be created" in str(err):    # strict=True and no gpu:<pool> limit
-            raise FrenzyInputError("pool", f"no concurrency limit {gpu_limit_name(pool)!r}; run "
-                                           f"`frenzy pools sync --cluster <file>` first") from err
-        raise
+    # the wait for slots counts against the run's deadline too
+    with hold_gpu_slots(pool, occupy, timeout_s=slot_timeout_s if slot_timeout_s is not None else timeout_s):
+        return _run_and_wait(deployment_id, pool, variables, timeout_s, deadline, poll_s,
+                             {"job": job_d, "plan": plan.model_dump(mode="json"),
+                              "assignment": assignment, "job_id": job_id})
+
+
+def _run_and_wait(deployment_id: UUID, pool: str, variables: dict[str, Any], timeout_s: float | None,
+                  deadline: float, poll_s: float, parameters: dict[str, Any]) -> dict:
+    """Start the pool's run and wait for its result; cancel it when we stop waiting early."""
+    from prefect.deployments import run_deployment
+
+    log = _logger()
+    job_name = parameters["job"].get("name", "job")
     flow_run_id = None
     try:
-        fr = run_deployment(
-            deployment_id,
-            parameters={"job": job_d, "plan": plan.model_dump(mode="json"),
-                        "assignment": assignment, "job_id": job_id},
-            job_variables=variables, timeout=0,
-            tags=["frenzy", f"pool:{pool}", f"job:{job_d.get('name', 'job')}"])
+        fr = run_deployment(deployment_id, parameters=parameters, job_variables=variables, timeout=0,
+                            tags=["frenzy", f"pool:{pool}", f"job:{job_name}"])
         flow_run_id = fr.id
-        log.info("dispatched job %s to pool %r as flow run %s (%s)", job_d.get("name"), pool,
-                 fr.name, ", ".join(f"{k}={v}" for k, v in variables.items() if k != "env"))
+        log.info("dispatched job %s to pool %r as flow run %s (%s)", job_name, pool, fr.name,
+                 ", ".join(f"{k}={v}" for k, v in variables.items() if k != "env"))
         final = _wait(fr.id, pool, deadline, poll_s)
         state = final.state
         if state is None or not state.is_final():
@@ -257,5 +276,3 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
         if flow_run_id is not None and not isinstance(err, DispatchError):
             _cancel(flow_run_id, f"frenzy: dispatcher stopped ({type(err).__name__})")
         raise
-    finally:
-        slots.close()

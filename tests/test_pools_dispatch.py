@@ -200,3 +200,19 @@ def test_dispatch_waits_for_gpu_slots_and_gives_up_clearly_when_they_stay_busy()
         assert 1.5 < time.monotonic() - t0 < 30
     assert _runs(pool) == []             # nothing started while the GPUs were busy
     assert _slots(pool) == 0
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_hold_gpu_slots_counts_in_prefect_and_frees_on_errors_of_the_block():
+    from frenzy_flows import dispatch
+
+    pool = f"hs-{uuid.uuid4().hex[:6]}"
+    _sync(pool)
+    with dispatch.hold_gpu_slots(pool, 2):          # in-process training holds them the same way
+        assert _slots(pool) == 2
+    assert _slots(pool) == 0
+    with pytest.raises(TimeoutError, match="inside"):   # the block's own error, untranslated
+        with dispatch.hold_gpu_slots(pool, 1):
+            raise TimeoutError("inside the block")
+    assert _slots(pool) == 0
