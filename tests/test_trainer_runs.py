@@ -135,7 +135,7 @@ def test_killed_rank_is_retried_and_resumes_from_checkpoint(tmp_path):
     def kill_a_rank(step, total, loss):
         if step == 3 and not killed:
             ranks = [p for p in psutil.Process().children(recursive=True)
-                     if "trainer.train" in " ".join(p.cmdline())]
+                     if "trainer.train" in " ".join(p.cmdline()) and "accelerate" not in " ".join(p.cmdline())]
             assert ranks, "no training process found"
             os.kill(ranks[-1].pid, signal.SIGKILL)
             killed.append(ranks[-1].pid)
@@ -145,7 +145,7 @@ def test_killed_rank_is_retried_and_resumes_from_checkpoint(tmp_path):
                        log=lambda l: None, on_step=kill_a_rank, backoff_s=0.1, grace_s=5)
     assert killed
     assert res.status == "completed", res.error
-    assert [a.outcome for a in res.attempts] == ["failed", "ok"]
+    assert [a.outcome for a in res.attempts] == ["failed", "ok"], [(a.outcome, a.error) for a in res.attempts]
     assert res.attempts[1].plan == plan                              # transient: same plan
     assert res.attempts[1].resumed_from_step in (2, 4, 6)
     assert len(res.losses) == 8 and dev.released == 2
@@ -211,3 +211,69 @@ def test_bad_input_fails_before_any_process(tmp_path):
     with pytest.raises(FrenzyInputError, match="seq_len"):
         run_training(long_seq, cpu_plan(long_seq), run_dir=tmp_path / "d", acquire=dev.acquire,
                      release=dev.release, log=print)
+
+
+@pytest.mark.slow
+def test_ranks_stop_when_the_orchestrator_is_killed_hard(tmp_path):
+    """SIGKILL to the orchestrating process (no finally runs): the ranks notice and exit."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "orchestrate.py"
+    script.write_text(textwrap.dedent(f"""
+        from estimator.job import TrainingJob
+        from estimator.plan import Plan
+        from trainer.runner import run_training
+        job = TrainingJob(model="gpt2-tiny", seq_len=64, global_batch=8, train_steps=100000, checkpoint_every=100000)
+        plan = Plan(gpu_type="CPU", gpus=2, dp=2, micro_batch=4, grad_accum=1)
+        run_training(job, plan, run_dir={str(tmp_path / "run")!r}, acquire=lambda p: ["cpu0", "cpu1"],
+                     release=lambda: None, log=lambda l: print(l, flush=True))
+        """))
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    orch = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    ranks = []
+    try:
+        for line in orch.stdout:                            # wait until training really runs
+            if line.startswith("FRENZY_STEP"):
+                ranks = [p for p in psutil.Process(orch.pid).children(recursive=True)
+                         if "trainer.train" in " ".join(p.cmdline()) and "accelerate" not in " ".join(p.cmdline())]
+                break
+        assert len(ranks) == 2
+        orch.kill()
+        orch.wait()
+        gone, alive = psutil.wait_procs(ranks, timeout=20)
+        assert alive == []
+    finally:
+        for p in ([psutil.Process(orch.pid)] if psutil.pid_exists(orch.pid) else []) + ranks:
+            try:
+                for c in p.children(recursive=True) + [p]:
+                    c.kill()
+            except psutil.NoSuchProcess:
+                pass
+        orch.wait()
+
+
+def test_orchestrator_watch_exits_a_silent_rank_when_its_launcher_dies():
+    """The rank-side watch on its own: a silent process (no pipe to break) stops within seconds."""
+    import subprocess
+    import sys
+    import time
+
+    proxy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; from trainer.train import watch_orchestrator; "
+                              "watch_orchestrator(poll_s=0.2); time.sleep(60)"],
+                             env={**os.environ, "FRENZY_PARENT_PID": str(proxy.pid), "PYTHONPATH": os.getcwd()},
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)
+        assert child.poll() is None                         # parent alive: keeps running
+        proxy.kill()
+        proxy.wait()
+        assert child.wait(timeout=10) == 4
+        assert "orchestrator" in child.stderr.read()
+    finally:
+        for p in (proxy, child):
+            if p.poll() is None:
+                p.kill()

@@ -45,6 +45,7 @@ def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed
     env = dict(os.environ if base is None else base)
     env["CUDA_VISIBLE_DEVICES"] = "" if cpu else ",".join(str(d) for d in devices)
     env["FRENZY_ATTEMPT"] = str(attempt)
+    env["FRENZY_PARENT_PID"] = str(os.getpid())   # ranks stop if this process dies hard
     env["PYTHONUNBUFFERED"] = "1"
     # The training program is run as `-m trainer.train`: the repo root must be importable even
     # when the project is not installed (the GPU check runs it straight from a checkout).

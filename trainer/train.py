@@ -338,10 +338,46 @@ def load_weights_only(model, latest) -> None:
         model.tie_weights()
 
 
+def watch_orchestrator(poll_s: float = 2.0) -> None:
+    """Exit when the process that launched us is gone (``FRENZY_PARENT_PID``).
+
+    The runner kills the whole tree on timeout, cancellation or an exception; this covers the
+    one case it cannot: the orchestrator itself killed hard (SIGKILL, OOM killer). The ranks run
+    in sessions of their own under torch elastic, so nothing else would stop them, and they
+    would keep their GPUs. A thread, not ``preexec_fn``/PDEATHSIG: forking from a threaded
+    Prefect worker with a preexec hook is unsafe."""
+    pid = int(os.environ.get("FRENZY_PARENT_PID", "0") or 0)
+    if pid <= 0:
+        return
+    import threading
+
+    def alive() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        try:  # a zombie (killed, not yet reaped) is gone too
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return True
+
+    def loop() -> None:
+        while alive():
+            time.sleep(poll_s)
+        print(f"frenzy: orchestrator {pid} is gone; stopping this rank", file=sys.stderr, flush=True)
+        os._exit(4)
+
+    threading.Thread(target=loop, name="frenzy-orchestrator-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Frenzy training program (run by accelerate launch)")
     ap.add_argument("--run-dir", required=True, type=Path)
     args = ap.parse_args(argv)
+    watch_orchestrator()
     rank, _, _ = dist_info()
     try:
         import torch
