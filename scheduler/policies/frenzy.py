@@ -39,6 +39,8 @@ MEM_HEADROOM = 0.35         # predicted x 1.35 must fit: covers a +3 sigma estim
 AGING_S = 4 * 3600.0        # a job waiting this long has its work key halved
 TOLERANCE = 0.10            # plans within 10% of the earliest completion count as equally fast
 MAX_RESERVATIONS = 8        # head-of-line jobs that hold a reservation per round
+OVERDUE_MIN_S = 300.0       # a running job past its predicted end is expected to need at least
+OVERDUE_FRACTION = 0.2      # max(5 min, 20% of its predicted run time) more
 MIN_EFFICIENCY = 0.5        # a bigger GPU count must keep >= 50% parallel efficiency vs the
                             # fewest GPUs of that type (wasting more is never worth it in a queue)
 LOOKAHEAD = 256             # jobs whose waiting choice is tracked (as queued load per GPU type);
@@ -62,7 +64,7 @@ class _Profile:
     the job's duration: backfilling) and suffix minima (from when on are n GPUs free for good).
     """
 
-    __slots__ = ("times", "counts", "cum", "dirty", "res", "total", "backlog", "_ev", "_pre", "_suf",
+    __slots__ = ("times", "counts", "cum", "dirty", "res", "total", "backlog", "busy_gs", "_ev", "_pre", "_suf",
                  "_built_for", "_memo")
 
     def __init__(self) -> None:
@@ -73,6 +75,7 @@ class _Profile:
         self.res: list[tuple[float, float, int]] = []   # (start, end, gpus)
         self.total = 0                                  # GPUs of this type in the cluster
         self.backlog = 0.0                              # GPU-seconds queued without a reservation
+        self.busy_gs = 0.0                              # GPU-seconds running jobs still hold
         self._ev: list[float] = []
         self._pre: list[int] = []
         self._suf: list[int] = []
@@ -264,14 +267,19 @@ class FrenzyPolicy(Policy):
             t = node_type.get(next(iter(rj.placement)), rj.plan.gpu_type if rj.plan else None)
             if t in profiles:
                 end = rj.expected_end_s
-                releases.setdefault(t, []).append(
-                    (max(end, now) if end == end else INF,   # NaN -> never
-                     sum(len(v) for v in rj.placement.values())))
+                if end != end:                           # NaN: unknown, never counted on
+                    end = INF
+                elif end <= now:
+                    # overdue (ran slower than predicted): it ends soon, but not now
+                    end = now + max(OVERDUE_MIN_S, OVERDUE_FRACTION * max(0.0, end - rj.start_s))
+                releases.setdefault(t, []).append((end, sum(len(v) for v in rj.placement.values())))
         for t, rel in releases.items():
             rel.sort()
             prof = profiles[t]
             prof.times = [x for x, _ in rel]
             prof.counts = [n for _, n in rel]
+            # GPU-seconds the running jobs still hold: queued work starts only after them
+            prof.busy_gs = sum(n * (x - now) for x, n in rel if x < INF)
 
         live = {j.job_id for j in pending}
         for jid in [k for k in self._cache if k not in live]:
@@ -330,8 +338,11 @@ class FrenzyPolicy(Policy):
                     start = prof.wait_start(n, now, f)
                     if start == INF:
                         continue
-                    if prof.backlog:      # jobs ahead already queue for this type (fluid estimate)
-                        queued = now + prof.backlog / prof.total
+                    if start <= now:
+                        start = now + 1.0     # not placeable this instant (a release due now)
+                    if prof.backlog:      # jobs ahead already queue for this type (fluid estimate:
+                        # the type's GPUs first finish the running work, then the queued work)
+                        queued = now + (prof.busy_gs + prof.backlog) / prof.total
                         if queued > start:
                             start = queued
                     rel = start - now + dur
