@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-traced", action="store_true")
     a = ap.parse_args(argv)
-    print(f"cores: {os.cpu_count()}")
+    print(f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f} (shared machines: "
+          f"figures scale with it)")
     us = bench_estimate()
     print(f"analytic estimate: {us:.1f} us per call (target < 50 us)")
     cold, warm, n = bench_plans()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 # --- documented defaults ------------------------------------------------------------------
@@ -44,6 +44,9 @@ ZERO3_LIVE_UNITS = 2
 CPU_CONTEXT_GIB = 0.0
 
 
+FIELDS: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class Overheads:
     """Per-GPU-type runtime and allocator terms (GiB unless noted)."""
@@ -57,13 +60,13 @@ class Overheads:
     zero3_live_units: float = ZERO3_LIVE_UNITS
 
     def as_dict(self) -> dict[str, float]:
-        return asdict(self)
+        return {f: getattr(self, f) for f in FIELDS}
 
 
+FIELDS = tuple(f.name for f in fields(Overheads))
 DEFAULT = Overheads()
 CPU_OVERHEADS = Overheads(cuda_context_gib=CPU_CONTEXT_GIB, workspace_gib=0.0, fragmentation=0.0,
                           fragmentation_recompute=0.0, nccl_per_comm_gib=0.0)
-FIELDS = tuple(f.name for f in fields(Overheads))
 
 _cache: dict[str, tuple[float, dict[str, dict[str, float]]]] = {}
 
@@ -76,20 +79,25 @@ def calibration_path() -> Path:
     return frenzy_home() / "calibration.json"
 
 
+def _calibration_file() -> str:
+    # the hot path (every estimate): plain strings, no pathlib
+    return os.path.join(os.environ.get("FRENZY_HOME", "./.frenzy"), "calibration.json")
+
+
 def load_calibration(path: str | os.PathLike | None = None) -> dict[str, dict[str, float]]:
     """The calibration file's contents ({gpu_type: {term: value}}); {} when absent.
     Re-read only when the file changes (mtime), so estimates stay fast."""
-    p = Path(path) if path else calibration_path()
+    key = os.fspath(path) if path else _calibration_file()
     try:
-        mtime = p.stat().st_mtime
+        mtime = os.stat(key).st_mtime_ns
     except OSError:
         return {}
-    key = str(p.resolve())
     hit = _cache.get(key)
     if hit and hit[0] == mtime:
         return hit[1]
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        with open(key, encoding="utf-8") as fh:
+            data = json.load(fh)
     except (OSError, json.JSONDecodeError):
         return {}
     clean = {str(g): {k: float(v) for k, v in terms.items() if k in FIELDS}
@@ -123,7 +131,7 @@ def write_calibration(fits: dict[str, dict[str, float]], path: str | os.PathLike
     tmp = p.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(current, indent=2, sort_keys=True), encoding="utf-8")
     os.replace(tmp, p)
-    _cache.pop(str(p.resolve()), None)
+    _cache.clear()
     return p
 
 
