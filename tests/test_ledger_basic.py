@@ -164,3 +164,20 @@ def test_jobs_plans_measurements(ledger):
     [m] = ledger.measurements(gpu_type="A100-80GB")
     assert (m.predicted_device_used_gib, m.measured_device_used_gib, m.measured_step_time_s) == (30.0, 31.5, 2.4)
     assert m.plan["gpus"] == 2 and len(ledger.measurements()) == 2
+
+
+def test_corrupt_cluster_changes_nothing(ledger, tmp_path):
+    from scheduler.cluster import Cluster, Pool, load_cluster
+
+    before = ledger.cluster_state()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools:\n  - {name: a100, gpu: A100-80GB, nodes: 2, gpus_per_node: 4}\n  - {name: x, gpu: Nope-1GB}\n")
+    with pytest.raises(FrenzyInputError):
+        ledger.sync_cluster(load_cluster(bad))
+    # a Cluster built around the loader (unknown GPU type) fails inside the transaction: rolled back
+    sneaky = Cluster(pools=[Pool(name="a100", gpu="A100-80GB", nodes=1, gpus_per_node=4),
+                            Pool(name="zz", gpu="Nope-1GB", nodes=1, gpus_per_node=1)])
+    with pytest.raises(FrenzyInputError):
+        ledger.sync_cluster(sneaky)
+    after = ledger.cluster_state()
+    assert [(n.node_id, n.free) for n in after.nodes] == [(n.node_id, n.free) for n in before.nodes]
