@@ -69,6 +69,34 @@ GPU_CONFIGS = [
     ("llama-3.2-3b", "amp", 1, 4096, "flash", "full", "adamw", 1),
 ]
 
+# Held out: measured after the model was tuned on GPU_CONFIGS (other models, shapes, knobs).
+HELDOUT_CONFIGS = [
+    ("gpt2-large", "amp", 4, 1024, "flash", "none", "adamw", 1),
+    ("gpt2-large", "master", 8, 1024, "flash", "full", "adamw", 1),
+    ("gpt2-large", "amp", 2, 1024, "eager", "none", "sgd", 2),
+    ("opt-2.7b", "amp", 2, 2048, "flash", "none", "adamw", 1),
+    ("opt-2.7b", "master", 4, 2048, "flash", "full", "adamw", 1),
+    ("opt-125m", "fp32", 8, 2048, "flash", "none", "adamw", 1),
+    ("opt-125m", "amp", 4, 2048, "eager", "none", "adafactor", 1),
+    ("bert-base-uncased", "amp", 32, 512, "flash", "none", "adamw", 1),
+    ("bert-large-uncased", "master", 16, 512, "eager", "none", "adamw", 1),
+    ("qwen2.5-3b", "master", 2, 2048, "flash", "none", "adamw", 1),
+    ("qwen2.5-3b", "amp", 2, 4096, "flash", "full", "adamw", 1),
+    ("qwen2.5-1.5b", "amp", 1, 2048, "eager", "none", "adamw", 1),
+    ("qwen2.5-0.5b", "fp32", 2, 2048, "flash", "none", "sgd", 1),
+    ("qwen2.5-0.5b", "amp", 1, 8192, "flash", "none", "adafactor", 1),
+    ("llama-3.2-1b", "amp", 2, 2048, "flash", "none", "adamw", 4),
+    ("llama-3.2-1b", "fp32", 2, 2048, "flash", "none", "adamw", 1),
+    ("llama-3.2-1b", "master", 16, 2048, "flash", "full", "adamw", 1),
+    ("llama-3.2-3b", "amp", 2, 2048, "flash", "none", "adamw", 1),
+    ("llama-3.2-3b", "master", 1, 8192, "flash", "full", "adamw", 1),
+    ("gpt2-medium", "fp32", 4, 1024, "eager", "none", "adamw", 1),
+    ("gpt2-medium", "master", 16, 1024, "flash", "none", "sgd", 1),
+    ("gpt2", "amp", 32, 1024, "flash", "none", "adamw", 1),
+    ("gpt2-xl", "amp", 2, 1024, "eager", "none", "adamw", 1),
+    ("opt-1.3b", "master", 8, 2048, "flash", "full", "adamw", 1),
+]
+
 
 def knobs_of(model, regime, b, s, attn, ck, opt, ga) -> dict:
     return dict(model=model, seq_len=s, micro_batch=b, grad_accum=ga, attention=attn,
@@ -78,9 +106,9 @@ def knobs_of(model, regime, b, s, attn, ck, opt, ga) -> dict:
                 mp_style="master" if regime == "master" else "auto")
 
 
-def write_configs(path: str) -> None:
+def write_configs(path: str, rows=None) -> None:
     out = []
-    for row in GPU_CONFIGS:
+    for row in rows or GPU_CONFIGS:
         model, regime, b, s, attn, ck, opt, ga = row
         out.append(dict(model=model, regime=regime, micro_batch=b, seq_len=s, attention=attn,
                         act_ckpt=ck, optimizer=opt, grad_accum=ga,
@@ -206,13 +234,18 @@ def vs_tools(traced: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--write-configs", metavar="FILE")
+    ap.add_argument("--heldout", action="store_true",
+                    help="with --write-configs: the held-out set; otherwise compare against "
+                         "bench/estimator_measured_h200_heldout.json")
     ap.add_argument("--measured", default=MEASURED)
     ap.add_argument("--traced", action="store_true")
     ap.add_argument("--tools", action="store_true")
     a = ap.parse_args(argv)
     if a.write_configs:
-        write_configs(a.write_configs)
+        write_configs(a.write_configs, HELDOUT_CONFIGS if a.heldout else GPU_CONFIGS)
         return 0
+    if a.heldout and a.measured == MEASURED:
+        a.measured = MEASURED.replace(".json", "_heldout.json")
     if a.tools:
         return vs_tools(a.traced)
     if not os.path.exists(a.measured):

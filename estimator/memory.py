@@ -245,7 +245,12 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
     # value and softmax runs in fp32; either way a 16-bit copy of the probabilities follows
     fp32_softmax = c < 4 and (spec.arch in ("llama", "opt") or (amp and spec.arch == "gpt"))
     probs = score * a * s * ((4.0 + c) if fp32_softmax else c)
-    if flash:
+    if flash and c == 4 and spec.n_kv < a and sem.cuda:
+        # Measured on H200: fp32 SDPA with grouped-query attention has no fused CUDA kernel
+        # (flash needs 16-bit, the memory-efficient kernel has no GQA), so it runs the math
+        # kernel with k/v repeated and the fp32 probabilities saved, like eager attention.
+        attn = c * 3 * q + score * a * s * c + c * h
+    elif flash:
         attn = c * (q + 2 * kvd) + 4.0 * a + c * q           # q, k, v, log-sum-exp, output
         if spec.arch == "gpt" and amp and sem.cuda and act_ckpt != "selective":
             # Measured on H200 (torch 2.11): HF GPT-2 under autocast hands SDPA its fp32 additive
