@@ -11,12 +11,13 @@ from prefect.runtime import flow_run
 from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
+from pydantic import SecretStr
 
-from . import artifacts, events
-from .results import Assignment, SubmitResult
-from .tasks import (assign, estimate_for_plan, estimate_memory, fastest, new_job_id, predicted_figures,
+from frenzy_flows import artifacts, events
+from frenzy_flows.results import Assignment, SubmitResult
+from frenzy_flows.tasks import (assign, secret_value, estimate_for_plan, estimate_memory, fastest, new_job_id, predicted_figures,
                     select_resources)
-from .train_flow import train_on_pool
+from frenzy_flows.train_flow import train_on_pool
 
 DEFAULT_SAFETY_MARGIN_GIB = 2.0
 
@@ -37,22 +38,25 @@ async def _registered_pools() -> list[str]:
 
 @task(name="train")
 def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
-          ledger_url: str | None) -> dict:
+          ledger_url: str | None, inventory: dict[str, int]) -> dict:
     """Train on the assignment: on the pool's workers when any are online, else in-process as
-    the same `frenzy-train` flow (a subflow)."""
-    from . import dispatch
+    the same `frenzy-train` flow (a subflow). Either way the run holds the pool's `gpu:<pool>`
+    slots, so Prefect's count of busy GPUs agrees with the ledger."""
+    from frenzy_flows import dispatch
 
     if dispatch.has_workers(assignment.pool):
         get_run_logger().info("dispatching to work pool %s", assignment.pool)
         return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id,
                                          timeout_s=job.deadline_s)
-    return train_on_pool(job, plan, assignment=assignment, job_id=job_id, ledger_url=ledger_url)
+    with dispatch.hold_gpu_slots(assignment.pool, plan.gpus, timeout_s=job.deadline_s):
+        return train_on_pool(job, plan, assignment=assignment, job_id=job_id,
+                             ledger_url=ledger_url, inventory=inventory)
 
 
 @flow(name="frenzy-submit", log_prints=False)
 def submit_training(job: TrainingJob, cluster: str | None = None, policy: str = "frenzy",
                     safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB,
-                    ledger_url: str | None = None, wait_timeout_s: float = 3600.0) -> SubmitResult:
+                    ledger_url: SecretStr | None = None, wait_timeout_s: float = 3600.0) -> SubmitResult:
     """Train ``job`` without naming a GPU.
 
     ``cluster``: a cluster YAML path (pools per GPU type); default: the GPUs NVML finds here,
@@ -64,7 +68,7 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str = 
     log = get_run_logger()
     if isinstance(job, dict):
         job = TrainingJob.model_validate(job)
-    ledger_url = ledger_url or os.environ.get("FRENZY_LEDGER_URL")
+    ledger_url = secret_value(ledger_url) or os.environ.get("FRENZY_LEDGER_URL")
     topology = load_cluster_or_local(cluster)
     Ledger(ledger_url).sync_cluster(topology)
     job_id = new_job_id(job)
@@ -78,11 +82,14 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str = 
     assignment = assign(job, job_id, candidates, ledger_url, policy=policy,
                         wait_timeout_s=wait_timeout_s)
     chosen = assignment.plan
-    artifacts.plans_table(plans_by_type, chosen, steps=job.steps)
+    from frenzy_flows import dispatch
+
+    artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
+                          pool_notes=dispatch.pool_notes(topology))
     events.placed(job.name, chosen, assignment)
 
     try:
-        trained = train(job, job_id, chosen, assignment, ledger_url)
+        trained = train(job, job_id, chosen, assignment, ledger_url, topology.inventory())
         status, error = "completed", None
     except FrenzyInputError:
         raise

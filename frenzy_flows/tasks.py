@@ -10,6 +10,7 @@ import uuid
 from typing import Any
 
 from prefect import get_run_logger, task
+from pydantic import SecretStr
 
 from estimator import estimate
 from estimator.errors import DoesNotFitError, FrenzyInputError
@@ -20,7 +21,7 @@ from scheduler.cluster import Cluster
 from scheduler.policies import get_policy
 from scheduler.types import JobRequest
 
-from .results import Assignment
+from frenzy_flows.results import Assignment
 
 
 def estimate_for_plan(job: TrainingJob, plan: Plan):
@@ -117,6 +118,11 @@ def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], led
                  len(state.running), delay)
         time.sleep(delay)
         delay = min(delay * 2, 30.0)
+
+
+def secret_value(value: SecretStr | str | None) -> str | None:
+    """Ledger URLs may hold a password: flows take them as SecretStr and unwrap them only here."""
+    return value.get_secret_value() if isinstance(value, SecretStr) else value
 
 
 def new_job_id(job: TrainingJob) -> str:

@@ -11,20 +11,24 @@ from prefect import flow, get_run_logger
 
 from estimator.job import TrainingJob
 from estimator.plan import Plan
+from pydantic import SecretStr
 
-from . import artifacts
-from .results import Assignment
-from .tasks import new_job_id
-from .training import run_allocated_training
+from frenzy_flows import artifacts, events
+from frenzy_flows.results import Assignment
+from frenzy_flows.tasks import new_job_id, secret_value
+from frenzy_flows.training import run_allocated_training
 
 
 @flow(name="frenzy-train")
 def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = None,
-                  job_id: str | None = None, ledger_url: str | None = None) -> dict[str, Any]:
+                  job_id: str | None = None, ledger_url: SecretStr | None = None,
+                  inventory: dict[str, int] | None = None) -> dict[str, Any]:
+    """``inventory`` (GPU type -> count) widens the out-of-memory fallbacks to more GPUs and
+    other GPU types; without it they stay on the plan's GPU type."""
     from ledger import Ledger
 
     log = get_run_logger()
-    ledger_url = ledger_url or os.environ.get("FRENZY_LEDGER_URL")
+    ledger_url = secret_value(ledger_url) or os.environ.get("FRENZY_LEDGER_URL")
     job_id = job_id or new_job_id(job)
     if assignment is None:
         alloc = Ledger(ledger_url).allocate_best_fit(job_id, plan)
@@ -34,7 +38,14 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
                                 gpu_type=alloc.gpu_type, placement=alloc.placement,
                                 devices=list(alloc.devices))
     progress = artifacts.progress_start(job.steps)
-    result = run_allocated_training(
-        job, job_id, plan, assignment, ledger_url=ledger_url, log=log.info,
-        on_step=lambda step, total, loss: artifacts.progress_update(progress, step, total, loss))
+    last = {"step": 0}
+
+    def on_step(step: int, total: int, loss: float) -> None:
+        last["step"] = step
+        artifacts.progress_update(progress, step, total, loss)
+
+    fallbacks = events.announced_fallbacks(job, plan, inventory=inventory, last_step=lambda: last["step"])
+    result = run_allocated_training(job, job_id, plan, assignment, ledger_url=ledger_url,
+                                    log=log.info, inventory=inventory, on_step=on_step,
+                                    fallbacks=fallbacks)
     return result.model_dump(mode="json")

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
-from .results import Assignment
+from frenzy_flows.results import Assignment
 
 
 def runs_dir() -> Path:
@@ -26,7 +26,8 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                            ledger_url: str | None, log: Callable[[str], None],
                            inventory: dict[str, int] | None = None,
                            on_step: Callable[[int, int, float], None] | None = None,
-                           on_attempt: Callable[[Any], None] | None = None):
+                           on_attempt: Callable[[Any], None] | None = None,
+                           fallbacks=None):
     """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``."""
     from ledger import Ledger
     from trainer.runner import run_training
@@ -59,7 +60,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     try:
         result = run_training(job, plan, run_dir=run_dir, acquire=acquire, release=release, log=log,
                               on_step=on_step, on_attempt=on_attempt, inventory=inventory,
-                              deadline_s=job.deadline_s)
+                              deadline_s=job.deadline_s, fallbacks=fallbacks)
         final = result.final_plan
         ledger.record_measurement(
             job_id, current["alloc_id"], final.gpu_type, final,

@@ -65,3 +65,20 @@ def test_job_that_fits_nowhere_names_closest_plan(registered, frenzy_home):
     big = dict(TINY, model="llama-2-70b", seq_len=4096, global_batch=8)
     with pytest.raises(DoesNotFitError, match="closest plan"):
         submit_training(job=big, cluster=registered)
+
+
+def test_injected_oom_falls_back_and_resumes(registered, frenzy_home, monkeypatch):
+    from frenzy_flows import submit_training
+    from ledger import Ledger
+
+    monkeypatch.setenv("FRENZY_INJECT_OOM_AT_STEP", "7")
+    result = submit_training(job=dict(TINY, name="flow-oom"), cluster=registered)
+    assert result.status == "completed"
+    outcomes = [a["outcome"] for a in result.attempts]
+    assert outcomes[0] == "oom" and outcomes[-1] == "ok"
+    second = result.attempts[1]
+    assert second["resumed_from_step"] == 5          # the newest checkpoint before the OOM
+    assert second["plan"] != result.attempts[0]["plan"]
+    assert result.plan.global_batch == TINY["global_batch"]
+    assert len(result.losses) == TINY["train_steps"]
+    assert Ledger().cluster_state().running == []
