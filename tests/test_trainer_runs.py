@@ -186,6 +186,32 @@ def test_user_entry_point_model(tmp_path, monkeypatch):
     assert res.losses[-1] < res.losses[0]
 
 
+@pytest.mark.slow
+def test_a_deterministic_error_in_the_program_is_not_retried(tmp_path, monkeypatch):
+    (tmp_path / "brokenmodels.py").write_text(textwrap.dedent("""
+        import torch
+
+        class Broken(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = torch.nn.Linear(2, 2)
+
+            def forward(self, input_ids=None, labels=None):
+                raise ValueError("shapes do not line up in the user's model")
+
+        def build(cfg):
+            return Broken()
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    j = job(train_steps=3, entry_point="brokenmodels:build")
+    res, dev, *_ = train(j, cpu_plan(j, gpus=1), tmp_path)
+    assert res.status == "failed"
+    assert [a.outcome for a in res.attempts] == ["failed"]            # no retry of a user bug
+    assert "ValueError" in res.error and "line up" in res.error
+    assert dev.released == 1
+
+
 def test_bad_input_fails_before_any_process(tmp_path):
     dev = Devices()
     missing = job(data=DataSpec(kind="text", path=str(tmp_path / "nope.txt")))

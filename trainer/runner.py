@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import json
 import random
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -113,6 +114,10 @@ def launch_command(paths: Paths) -> list[str]:
             "-m", "trainer.train", "--run-dir", str(paths.run_dir)]
 
 
+# torch elastic's failure report for a rank killed by a signal ("exitcode  : -9", "Signal 9 (SIGKILL)")
+_SIGNAL_DEATH = re.compile(r"exitcode\s*:\s*-\d+|Signal \d+ \(SIG[A-Z]+\) received by PID")
+
+
 class _Listener:
     """Turns the program's lines into losses, the result and errors, and forwards every line."""
 
@@ -122,10 +127,13 @@ class _Listener:
         self.errors: list[dict[str, Any]] = []
         self.ooms: list[dict[str, Any]] = []
         self.resume: dict[str, Any] | None = None
+        self.signalled = False       # a rank died from a signal (killed, lost): always worth a retry
 
     def __call__(self, line: str) -> None:
         self.logfile.write(line + "\n")
         self.log(line)
+        if _SIGNAL_DEATH.search(line):
+            self.signalled = True
         tag, _, rest = line.partition(" ")
         if not tag.startswith("FRENZY_"):
             return
@@ -271,7 +279,8 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
             continue
         # failed
         release()
-        permanent = listener.errors and all(not e.get("transient", True) for e in listener.errors)
+        permanent = (bool(listener.errors) and not listener.signalled and rc is not None and rc >= 0
+                     and all(not e.get("transient", True) for e in listener.errors))
         if permanent or retries_left <= 0:
             status, error = "failed", err if permanent else f"{err} (after {max_transient_retries} retries)"
             log(f"frenzy: attempt {number} failed: {error}")

@@ -411,9 +411,10 @@ def is_transient(e: BaseException) -> bool:
                   if k is not None)
     if kinds and isinstance(e, kinds):
         return True
-    text = str(e)
-    return any(m in text for m in ("NCCL", "Gloo", "gloo", "Connection reset", "Connection closed",
-                                   "Broken pipe", "timed out", "Timeout", "ECC error", "unspecified launch failure"))
+    text = str(e).lower()
+    return any(m in text for m in ("nccl", "gloo", "connection reset", "connection closed", "connection refused",
+                                   "broken pipe", "socket", "by peer", "timed out", "timeout", "rendezvous",
+                                   "ecc error", "unspecified launch failure"))
 
 
 if __name__ == "__main__":
