@@ -89,6 +89,50 @@ def rescore(path: str) -> int:
     return 0
 
 
+def oom_drill(a) -> int:
+    """A real CUDA out-of-memory on one GPU, then the fallback ladder until a plan trains."""
+    from estimator.catalog import from_nvml_name, get_gpu
+    from estimator.job import TrainingJob
+    from estimator.plan import Plan
+    from trainer.fallback import reestimate
+    from trainer.runner import run_training
+
+    found = gpus()
+    gpu_type = from_nvml_name(found[0][1], found[0][2])
+    cap = get_gpu(gpu_type).memory_gib
+    mb = 8
+    while True:                       # the smallest power-of-two micro-batch predicted to overflow by 15%
+        job = TrainingJob(name="oom-drill", model=a.model, seq_len=a.seq_len, global_batch=mb, train_steps=a.steps,
+                          lr=1e-4, checkpoint_every=5, precision="bf16")
+        plan = Plan(gpu_type=gpu_type, gpus=1, dp=1, micro_batch=mb, grad_accum=1, act_ckpt="none")
+        big = reestimate(job, plan, safety_margin_gib=-10 ** 6)   # predictions even where it does not fit
+        if big.device_used_gib > 1.15 * cap or mb >= 4096:
+            break
+        mb *= 2
+    print(f"gpu_check: OOM drill: {a.model} seq {a.seq_len} micro-batch {mb} predicted {big.device_used_gib:.1f} GiB "
+          f"on {gpu_type} ({cap:.1f} GiB)", flush=True)
+    out = Path(a.out) / "oom_drill"
+    shutil.rmtree(out, ignore_errors=True)
+
+    def log(line: str) -> None:
+        if line.startswith(("frenzy:", "FRENZY_OOM", "FRENZY_RESUME", "FRENZY_RESULT")) or "OutOfMemoryError" in line:
+            print("  " + line[:300], flush=True)
+
+    t0 = time.time()
+    res = run_training(job, big, run_dir=out, acquire=lambda p: [found[0][0]], release=lambda: None, log=log,
+                       inventory={gpu_type: 1}, deadline_s=a.deadline_s * 3, max_transient_retries=0)
+    print(f"\nOOM drill: {res.status} in {time.time() - t0:.0f} s")
+    for at in res.attempts:
+        print(f"  attempt {at.number}: {at.outcome:7s} {at.plan.short():55s} predicted {at.plan.device_used_gib:7.1f} GiB"
+              f"  resumed from {at.resumed_from_step}" + (f"  [{(at.error or '')[:90]}]" if at.error else ""))
+    m = res.measured
+    if m.memory_measured:
+        print(f"  final plan measured: allocated {m.allocated_peak_gib:.2f} reserved {m.reserved_peak_gib:.2f} "
+              f"NVML {m.nvml_used_gib:.2f} GiB; predicted used {res.final_plan.device_used_gib:.2f} GiB")
+    (Path(a.out) / "oom_drill.json").write_text(json.dumps(res.model_dump(mode="json"), indent=2))
+    return 0 if res.status == "completed" and res.attempts[0].outcome == "oom" else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2-medium")
@@ -101,9 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, default=240.0, help="per plan")
     ap.add_argument("--rescore", metavar="JSON", help="no training: re-predict a saved gpu_check.json with "
                                                       "the current estimator and print the table")
+    ap.add_argument("--oom-drill", action="store_true",
+                    help="instead of the three plans: start a plan the estimator says overflows the GPU, "
+                         "let it really run out of memory and follow the trainer's fallback ladder")
     a = ap.parse_args(argv)
     if a.rescore:
         return rescore(a.rescore)
+    if a.oom_drill:
+        return oom_drill(a)
 
     from estimator.catalog import from_nvml_name
     from estimator.job import TrainingJob
