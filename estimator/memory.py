@@ -321,6 +321,23 @@ class StagePeak:
     other: float
 
 
+@lru_cache(maxsize=2048)
+def _param_split(spec: ModelSpec, t: int) -> tuple[float, float, float, float]:
+    """Per tensor-parallel rank: (one block, input side, output side, largest gathered unit).
+    Matrices split by t (vocab-parallel embedding/head too); norms and biases replicate."""
+    V, e = spec.vocab_padded, spec.e
+    vec = _layer_vector_params(spec)
+    layer_p = (spec.layer_params() - vec) / t + vec
+    emb_p = spec.embedding_params() - V * e + V * e / t
+    head_p = spec.head_params()
+    if not spec.tied:
+        head_p = head_p - V * e + V * e / t
+    if spec.arch == "bert":                            # MLM head instead of the pooler
+        head_p = spec.train_params - spec.embedding_params() - spec.layers * spec.layer_params()
+        head_p = head_p - V + V / t
+    return layer_p, emb_p, head_p, spec.largest_layer_params() / t
+
+
 def _stage_layers(layers: int, pp: int) -> list[int]:
     base, extra = divmod(layers, pp)
     return [base + (1 if i < extra else 0) for i in range(pp)]
@@ -346,16 +363,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     # torch's foreach Adam/AdamW (the CUDA default) materialises sqrt(v): one fp32 state copy
     step_tmp_b = 4.0 if k.optimizer in ("adam", "adamw") else 0.0
 
-    vec = _layer_vector_params(spec)
-    layer_p = (spec.layer_params() - vec) / t + vec
-    emb_p = spec.embedding_params() - V * e + V * e / t
-    head_p = spec.head_params()
-    if not spec.tied:
-        head_p = head_p - V * e + V * e / t
-    if spec.arch == "bert":                            # MLM head instead of the pooler
-        head_p = spec.train_params - spec.embedding_params() - spec.layers * spec.layer_params()
-        head_p = head_p - V + V / t
-    largest = spec.largest_layer_params() / t
+    layer_p, emb_p, head_p, largest = _param_split(spec, t)
 
     rep, shard = layer_activation_bytes(spec, k.seq_len, c, amp, k.attention, k.act_ckpt, sem)
     per_layer_tok = (rep / t if k.sp else rep) + shard / t
@@ -452,20 +460,19 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         if k.optimizer == "adafactor":
             tmp = 3 * 4.0 * max(V * e / t, spec.hidden * spec.f / t)
         c_total = weights + grads + optim + grads32 + other_fixed + tmp
-        cands = [
-            (a_total, dict(weights=weights, gradients=persist_grads, optimizer=optim,
-                           activations=acts + loss_a, other=other_fixed + copies)),
-            (b_total, dict(weights=weights, gradients=persist_grads + head_g, optimizer=optim,
-                           activations=acts + one_layer,
-                           other=other_fixed + copies + trans + (layer_copies if full else 0.0))),
-            (c_total, dict(weights=weights, gradients=grads, optimizer=optim + grads32,
-                           activations=0.0, other=other_fixed + tmp)),
-            (e_total, dict(weights=weights, gradients=max(grads_end, persist_grads),
-                           optimizer=optim, activations=first_acts + fixed_acts,
-                           other=other_fixed + trans + layer_copies)),
-        ]
-        total, bd = max(cands, key=lambda x: x[0])
-        out.append(StagePeak(i, L_i, total, **bd))
+        total = max(a_total, b_total, c_total, e_total)
+        # the breakdown of the phase that peaks (weights, gradients, optimizer, activations, other)
+        if total == a_total:
+            bd = (weights, persist_grads, optim, acts + loss_a, other_fixed + copies)
+        elif total == b_total:
+            bd = (weights, persist_grads + head_g, optim, acts + one_layer,
+                  other_fixed + copies + trans + (layer_copies if full else 0.0))
+        elif total == c_total:
+            bd = (weights, grads, optim + grads32, 0.0, other_fixed + tmp)
+        else:
+            bd = (weights, max(grads_end, persist_grads), optim, first_acts + fixed_acts,
+                  other_fixed + trans + layer_copies)
+        out.append(StagePeak(i, L_i, total, *bd))
     return out
 
 

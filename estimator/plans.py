@@ -9,6 +9,7 @@ type then only applies its overheads, its capacity and the throughput model.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from .catalog import GPU, get_gpu
 from .errors import DoesNotFitError, FrenzyInputError
 from .job import TrainingJob
-from .memory import Knobs, _finish, stage_peaks, validate_knobs
+from .memory import GIB, Knobs, _comms, _finish, stage_peaks, validate_knobs
 from .models import ModelSpec, resolve_model
 from .overheads import Overheads, overheads_for
 from .plan import Plan
@@ -40,6 +41,28 @@ def _as_job(job: TrainingJob | dict[str, Any]) -> TrainingJob:
     except ValidationError as err:
         e = err.errors()[0]
         raise FrenzyInputError(".".join(map(str, e["loc"])) or "job", e["msg"]) from None
+
+
+@dataclass(frozen=True, slots=True)
+class _PlanShape:
+    """The plan fields the throughput model reads (hashable: keys the step-time cache)."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    zero: int
+    offload: str
+    act_ckpt: str
+    micro_batch: int
+    grad_accum: int
+    precision: str
+
+
+@lru_cache(maxsize=65536)
+def _step_time(spec: ModelSpec, shape: _PlanShape, gpu: GPU, seq_len: int, nodes: int) -> float:
+    # cached: a new safety margin or GPU count mostly re-asks the same structures
+    return step_time(spec, shape, gpu, seq_len=seq_len, nodes=nodes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +91,11 @@ def _divisors(n: int) -> list[int]:
 def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, max_gpus: int, gpus_per_node: int,
                   cpu: bool) -> tuple[tuple[Knobs, int, float], ...]:
-    """(knobs at micro_batch 1, gpu count, allocated bytes per micro_batch) for every structure,
-    with the allocated bytes for each candidate micro-batch in a tuple kept alongside.
+    """Every structure (gpu count, dp/tp/pp, zero, checkpointing) of a job shape with the
+    allocated bytes of each candidate micro-batch (ascending: allocation grows with it).
 
-    Returned as (structure knobs, gpus, ((micro_batch, allocated_bytes), ...)) entries."""
+    Entries: (knobs at micro_batch 1, gpus, ((micro_batch, allocated_bytes), ...),
+    (allocated_bytes, ...))."""
     rows = []
     counts = sorted(set(_pow2_upto(max_gpus)) | {g for g in range(gpus_per_node, max_gpus + 1,
                                                                    gpus_per_node)})
@@ -115,7 +139,7 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                                          "grad_accum": per_rank // mb})
                             a = max(s.allocated for s in stage_peaks(spec, k, ov, cpu))
                             allocs.append((mb, a))
-                        rows.append((base, n, tuple(allocs)))
+                        rows.append((base, n, tuple(allocs), tuple(a for _, a in allocs)))
     return tuple(rows)
 
 
@@ -149,26 +173,29 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                           max_gpus, gpus_per_node, gpu.is_cpu)
     cap = gpu.memory_gib - margin
     by_count: dict[int, list[Plan]] = {}
-    for base, n, allocs in table:
-        best = None
-        for mb, a_b in allocs:                       # allocations grow with the micro-batch
-            a, r, u = _used_gib(a_b, ov, base)
-            if u <= cap:
-                best = (mb, a, r, u)
-            elif mb == allocs[0][0]:
-                keep_closest.append((u - cap, base, n, mb, a, r, u, gpu))
-        if best is None:
+    for base, n, allocs, alloc_values in table:
+        # used GiB grows with allocated bytes, so the largest fitting micro-batch is a bisection
+        frag = ov.fragmentation_recompute if base.act_ckpt == "full" else ov.fragmentation
+        fixed = ov.cuda_context_gib + ov.workspace_gib + ov.nccl_per_comm_gib * _comms(base)
+        limit_b = (cap - fixed) / (1.0 + frag) * GIB
+        j = bisect_right(alloc_values, limit_b)
+        if j == 0:
+            mb0, a0 = allocs[0]
+            a, r, u = _used_gib(a0, ov, base)
+            keep_closest.append((u - cap, base, n, mb0, a, r, u, gpu))
             continue
-        mb, a, r, u = best
+        mb, a_b = allocs[j - 1]
+        a, r, u = _used_gib(a_b, ov, base)
+        nodes = max(1, math.ceil(n / gpus_per_node))
+        st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, 1, base.zero, "none",
+                                         base.act_ckpt, mb, base.grad_accum // mb, precision),
+                        gpu, job.seq_len, nodes)
         plan = Plan.model_construct(
             gpu_type=gpu.name, gpus=n, dp=base.dp, tp=base.tp, pp=base.pp, cp=1, zero=base.zero,
             offload="none", act_ckpt=base.act_ckpt, micro_batch=mb,
             grad_accum=base.grad_accum // mb, precision=job.precision, optimizer=job.optimizer,
             attention=job.attention, allocated_peak_gib=round(a, 4), reserved_peak_gib=round(r, 4),
-            device_used_gib=round(u, 4), step_time_s=0.0)
-        nodes = max(1, math.ceil(n / gpus_per_node))
-        st = step_time(spec, plan, gpu, seq_len=job.seq_len, nodes=nodes)
-        plan = plan.model_copy(update={"step_time_s": st})
+            device_used_gib=round(u, 4), step_time_s=st)
         by_count.setdefault(n, []).append(plan)
     plans = []
     for n, ps in by_count.items():
