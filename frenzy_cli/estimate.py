@@ -87,7 +87,6 @@ def handle_estimate(args) -> int:
     from estimator import estimate
 
     kw = {k: getattr(args, k) for k in _EST_KEYS if getattr(args, k) is not None}
-    with_warnings = []
     import warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -101,6 +100,9 @@ def handle_estimate(args) -> int:
     con = Console()
     for w in with_warnings:
         con.print(f"[yellow]warning:[/] {w}")
+    for note in est.warnings:
+        if note not in with_warnings:
+            con.print(f"[dim]{note}[/]")
     con.print(f"[bold]{est.model}[/]  {est.params:,} parameters  ({est.method})")
     t = Table(title="per-GPU memory (GiB)", show_header=True)
     t.add_column("stage")
