@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -102,6 +102,8 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     ckpts = ("none", "selective", "full") if attention == "eager" else ("none", "full")
     shard_ok = optimizer not in ("adafactor", "adamw8bit")
     ov = overheads_for(None, is_cpu=cpu)      # allocated bytes need only the ZeRO bucket terms
+    from .catalog import CATALOG
+    ceiling_b = max(g.memory_gib for g in CATALOG.values()) * 4 * GIB   # room for custom types
     for n in counts:
         tps = [1] if cpu else [t for t in _pow2_upto(min(n, gpus_per_node)) if spec.heads % t == 0
                                and (spec.n_kv % t == 0 or t % spec.n_kv == 0)]
@@ -135,10 +137,11 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                             continue
                         allocs = []
                         for mb in mbs:
-                            k = Knobs(**{**_knobs_dict(base), "micro_batch": mb,
-                                         "grad_accum": per_rank // mb})
+                            k = replace(base, micro_batch=mb, grad_accum=per_rank // mb)
                             a = max(s.allocated for s in stage_peaks(spec, k, ov, cpu))
                             allocs.append((mb, a))
+                            if a > ceiling_b:     # no GPU holds this: larger ones neither
+                                break
                         rows.append((base, n, tuple(allocs), tuple(a for _, a in allocs)))
     return tuple(rows)
 
