@@ -36,10 +36,10 @@ FRAGMENTATION = 0.10
 FRAGMENTATION_RECOMPUTE = 0.28
 # NCCL buffers per communicator a rank joins (NCCL_BUFFSIZE 4 MiB x channels x peers; 0.2-1 GB).
 NCCL_PER_COMM_GIB = 0.25
-# DeepSpeed ZeRO-1/2 communication buckets (elements): reduce + all-gather buckets of 16-bit
-# values. Accelerate's "auto" picks hidden^2; DeepSpeed's own default is 5e8 (9 GB with
-# overlap_comm). We budget min(params, 2e8) elements, the commonly recommended setting.
-ZERO_BUCKET_ELEMS = 2e8
+# DeepSpeed ZeRO-1/2 communication buckets (elements): a reduce and an all-gather bucket of
+# 16-bit values. The trainer's DeepSpeed config (trainer/launch_config.py) sets both to 5e7 with
+# overlap_comm off; DeepSpeed's own default is 5e8 (about 9 GB with overlap_comm on).
+ZERO_BUCKET_ELEMS = 5e7
 # ZeRO-3 / FSDP: gathered 16-bit parameters of the current and the prefetched unit.
 ZERO3_LIVE_UNITS = 2
 # CPU pseudo-GPU: no context, no allocator rounding we can see; processes share host RAM.
