@@ -169,3 +169,23 @@ def test_frenzy_paper_uses_fewest_gpus_per_type_ranked_by_speed():
     d = get_policy("frenzy-paper").schedule([job("j", plans)], st, NOW)
     assert d[0].plan.gpus == 2 and d[0].plan.gpu_type == "A100-80GB"
     assert isinstance(st, ClusterState)
+
+
+def test_short_job_preempts_a_much_longer_one_sparingly():
+    st = cluster(A100_ONLY)
+    long_plan = plan("A100-80GB", 8, 20, 1.0)
+    occupy(st, "a-0", list(range(8)), long_plan, end=NOW + 100 * 3600)   # 100 h left
+    st.running[0].start_s = NOW - 3600                                   # past its grace period
+    short = job("short", [plan("A100-80GB", 4, 20, 1.0)], steps=1800)    # 30 min of work
+    d = FrenzyPolicy().schedule([short], st, NOW)
+    assert [(x.action, x.job_id) for x in d] == [("preempt", st.running[0].job_id), ("start", "short")]
+    assert sum(len(v) for v in d[1].placement.values()) == 4
+    # not when preemption is off, nor against a run still in its grace period
+    assert FrenzyPolicy(preemption=False).schedule([short], st, NOW) == []
+    st.running[0].start_s = NOW - 60
+    assert FrenzyPolicy().schedule([short], st, NOW) == []
+    # nor when the running job is about to finish anyway
+    st2 = cluster(A100_ONLY)
+    occupy(st2, "a-0", list(range(8)), long_plan, end=NOW + 3 * 3600)
+    st2.running[0].start_s = NOW - 3600
+    assert FrenzyPolicy().schedule([short], st2, NOW) == []

@@ -16,8 +16,18 @@ no solver; per job O(plans x log running jobs).
 4. Backfill. Jobs that must wait get a reservation (the first ``max_reservations`` of them, in
    priority order), and later jobs start now only where they do not delay any reservation:
    conservative backfilling over the profile.
-5. Placement. Fewest nodes, best fit (``FreeIndex.place_compact``); tensor-parallel groups
+5. Queued load. Beyond the reservations, a waiting job still adds its GPU-seconds to its GPU
+   type's queue, and later jobs see that type's wait grow (running + queued work / GPUs): a
+   burst spreads over the slower types instead of all waiting for the fastest one.
+6. Preemption, sparingly. A job near the head of the queue that would wait more than 30 min
+   may checkpoint-preempt runs with over 4x its remaining work (never in their first 30 min,
+   at most twice per job) when that lets it start now: shortest-remaining-first where it pays.
+7. Placement. Fewest nodes, best fit (``FreeIndex.place_compact``); tensor-parallel groups
    inside one node.
+
+Live (the submit flow), preempt decisions are not acted on; the start that depended on them
+then meets a ledger conflict and re-plans, so nothing breaks. Pass ``preemption=False`` to
+turn it off.
 """
 from __future__ import annotations
 
@@ -43,7 +53,12 @@ OVERDUE_MIN_S = 300.0       # a running job past its predicted end is expected t
 OVERDUE_FRACTION = 0.2      # max(5 min, 20% of its predicted run time) more
 MIN_EFFICIENCY = 0.5        # a bigger GPU count must keep >= 50% parallel efficiency vs the
                             # fewest GPUs of that type (wasting more is never worth it in a queue)
-LOOKAHEAD = 256             # jobs whose waiting choice is tracked (as queued load per GPU type);
+PREEMPT_MIN_WAIT_S = 1800.0  # preempt only for a head job that would otherwise wait > 30 min
+PREEMPT_RATIO = 4.0         # ... for GPUs held by jobs with > 4x its (duration + 30 min) left
+PREEMPT_GRACE_S = 1800.0    # never preempt a run in its first 30 min (restart costs, thrashing)
+MAX_PREEMPTIONS_PER_JOB = 2
+PREEMPT_HEADS = 4           # jobs at the head of the queue that may preempt, per round
+LOOKAHEAD = 128             # jobs whose waiting choice is tracked (as queued load per GPU type);
                             # deeper jobs are only tried for an immediate start
 
 
@@ -156,13 +171,27 @@ class _Profile:
         return self.wait_start(n, now, free_now)
 
 
+def _expected_end(rj, now: float) -> float:
+    end = rj.expected_end_s
+    if end != end:                                   # NaN: unknown, never counted on
+        return INF
+    if end <= now:
+        # overdue (ran slower than predicted): it ends soon, but not now
+        return now + max(OVERDUE_MIN_S, OVERDUE_FRACTION * max(0.0, end - rj.start_s))
+    return end
+
+
 class FrenzyPolicy(Policy):
     name = "frenzy"
 
     def __init__(self, *, safety_margin_gib: float = SAFETY_MARGIN_GIB, mem_headroom: float = MEM_HEADROOM,
                  aging_s: float = AGING_S, tolerance: float = TOLERANCE,
                  max_reservations: int = MAX_RESERVATIONS, lookahead: int = LOOKAHEAD,
-                 min_efficiency: float = MIN_EFFICIENCY) -> None:
+                 min_efficiency: float = MIN_EFFICIENCY, preemption: bool = True,
+                 preempt_min_wait_s: float = PREEMPT_MIN_WAIT_S, preempt_ratio: float = PREEMPT_RATIO,
+                 preempt_grace_s: float = PREEMPT_GRACE_S,
+                 max_preemptions_per_job: int = MAX_PREEMPTIONS_PER_JOB,
+                 preempt_heads: int = PREEMPT_HEADS) -> None:
         self.safety_margin_gib = safety_margin_gib
         self.mem_headroom = mem_headroom
         self.aging_s = aging_s
@@ -170,6 +199,15 @@ class FrenzyPolicy(Policy):
         self.max_reservations = max_reservations
         self.lookahead = lookahead
         self.min_efficiency = min_efficiency
+        self.trace: list[tuple] | None = None   # set to [] to record each round's choices
+        self.preemption = preemption
+        self.preempt_min_wait_s = preempt_min_wait_s
+        self.preempt_ratio = preempt_ratio
+        self.preempt_grace_s = preempt_grace_s
+        self.max_preemptions_per_job = max_preemptions_per_job
+        self.preempt_heads = preempt_heads
+        self._preempted: dict[str, int] = {}    # job -> times preempted
+        self._eligible: dict | None = None       # this round's preemptible runs per GPU type
         self._cache: dict[str, tuple[tuple, list[_Cand]]] = {}
         self._oom_frac: dict[str, float] = {}   # job -> predicted/capacity of a plan that OOMed
         self._oom_plans: dict[str, list[Plan]] = {}
@@ -248,6 +286,133 @@ class FrenzyPolicy(Policy):
         return safe or fallback
 
     # --- the round ------------------------------------------------------------------------
+    @staticmethod
+    def _profiles(state: ClusterState, now: float, node_type: dict[str, str],
+                  skip: set[str] = frozenset()) -> dict[str, _Profile]:
+        """One availability profile per GPU type from the running jobs' predicted ends."""
+        profiles: dict[str, _Profile] = {}
+        for n in state.nodes:
+            profiles.setdefault(n.gpu_type, _Profile()).total += n.gpus
+        releases: dict[str, list[tuple[float, int]]] = {}
+        for rj in state.running:
+            if not rj.placement or rj.job_id in skip:
+                continue
+            t = node_type.get(next(iter(rj.placement)), rj.plan.gpu_type if rj.plan else None)
+            if t in profiles:
+                releases.setdefault(t, []).append((_expected_end(rj, now), sum(len(v) for v in rj.placement.values())))
+        for t, rel in releases.items():
+            rel.sort()
+            prof = profiles[t]
+            prof.times = [x for x, _ in rel]
+            prof.counts = [n for _, n in rel]
+            # GPU-seconds the running jobs still hold: queued work starts only after them
+            prof.busy_gs = sum(n * (x - now) for x, n in rel if x < INF)
+        return profiles
+
+    def _choose(self, tuples: list[tuple], steps: int, profiles: dict[str, _Profile], total: dict[str, int],
+                now: float, deep: bool = False):
+        """(candidate, start, duration) with the earliest predicted completion (within the
+        tolerance: the fewest GPU-seconds), or None. ``deep``: give up as soon as waiting
+        clearly beats the fastest immediate start (such a job does nothing this round)."""
+        tol1 = 1.0 + self.tolerance
+        best_rel = lim = INF
+        options = []                      # (relative completion, GPU-seconds, cand, start, duration)
+        for step_s, n, g, c in tuples:    # fastest first
+            dur = step_s * steps
+            if dur > lim:
+                break                     # even starting now this plan is not within tolerance
+            prof = profiles.get(g)
+            if prof is None:
+                continue
+            f = total.get(g, 0)
+            if f >= n and (not prof.res or prof.fits_now(n, dur, now, f)):
+                if deep and dur > lim:
+                    return None
+                start = now
+                rel = dur
+            else:
+                start = prof.wait_start(n, now, f)
+                if start == INF:
+                    continue
+                if start <= now:
+                    start = now + 1.0     # not placeable this instant (a release due now)
+                if prof.backlog:          # jobs ahead already queue for this type (fluid estimate:
+                    # the type's GPUs first finish the running work, then the queued work)
+                    queued = now + (prof.busy_gs + prof.backlog) / prof.total
+                    if queued > start:
+                        start = queued
+                rel = start - now + dur
+            options.append((rel, n * dur, c, start, dur))
+            if rel < best_rel:
+                best_rel = rel
+                lim = rel * tol1
+        if not options or (deep and all(o[3] > now for o in options)):
+            return None
+        pick = None
+        for o in options:
+            if o[0] <= lim and (pick is None or o[1] < pick[1] or (o[1] == pick[1] and o[0] < pick[0])):
+                pick = o
+        return pick[2], pick[3], pick[4]
+
+    def _preempt_for(self, job: JobRequest, choice, state: ClusterState, idx: FreeIndex, now: float,
+                     node_type: dict[str, str], skip: set[str]) -> tuple[list[Decision], set[str], tuple | None]:
+        """Shortest-remaining-first with preemption, sparingly: when a job near the head of the
+        queue would wait long while jobs with far more remaining work hold GPUs it could use,
+        checkpoint-preempt them (the longest first) so it starts now, on whichever GPU type
+        completes it soonest. Returns (decisions: preempts + its start, preempted ids, the
+        (cand, start, duration) it got), or ([], set(), None) when not worth it."""
+        _, start, dur = choice
+        wait_rel = start - now + dur
+        if start - now < self.preempt_min_wait_s:
+            return [], set(), None
+        best = None                                  # (duration, cand, victims)
+        eligible = self._eligible
+        if eligible is None:                         # once per round: victims by type, longest first
+            eligible = {}
+            for rj in state.running:
+                if (not rj.placement or now - rj.start_s < self.preempt_grace_s
+                        or self._preempted.get(rj.job_id, 0) >= self.max_preemptions_per_job):
+                    continue
+                g = node_type.get(next(iter(rj.placement)), "")
+                eligible.setdefault(g, []).append((_expected_end(rj, now) - now, rj))
+            for v in eligible.values():
+                v.sort(key=lambda x: -x[0])
+            self._eligible = eligible
+        if not eligible:
+            return [], set(), None
+        steps = max(job.steps_left, 1)
+        for step_s, n, g, c in self._tuples[job.job_id]:
+            d = step_s * steps
+            if d * (1.0 + self.tolerance) + self.preempt_min_wait_s > wait_rel or (best and d >= best[0]):
+                continue                             # not clearly better than waiting
+            need = self.preempt_ratio * (d + self.preempt_min_wait_s)
+            chosen, freed = [], idx.free_gpus(g)
+            for remaining, rj in eligible.get(g, ()):
+                if freed >= n or remaining <= need:
+                    break
+                if rj.job_id in skip:
+                    continue
+                chosen.append(rj)
+                freed += sum(len(v) for v in rj.placement.values())
+            if freed >= n and chosen:
+                best = (d, c, chosen)
+        if best is None:
+            return [], set(), None
+        d, c, chosen = best
+        for rj in chosen:
+            idx.release(rj.placement)
+        placement = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
+        if placement is None:
+            for rj in chosen:
+                idx.commit(rj.placement)
+            return [], set(), None
+        idx.commit(placement)
+        out = [Decision(job_id=rj.job_id, plan=None, placement={}, action="preempt") for rj in chosen]
+        for rj in chosen:
+            self._preempted[rj.job_id] = self._preempted.get(rj.job_id, 0) + 1
+        out.append(Decision(job_id=job.job_id, plan=c.plan, placement=placement))
+        return out, {rj.job_id for rj in chosen}, (c, now, d)
+
     def schedule(self, pending: list[JobRequest], state: ClusterState, now: float) -> list[Decision]:
         idx = FreeIndex(state.nodes)
         self._mem.update(state.gpu_memory_gib or {})
@@ -257,29 +422,7 @@ class FrenzyPolicy(Policy):
             self._by_plans.clear()
             self._cache.clear()
         node_type = {n.node_id: n.gpu_type for n in state.nodes}
-        profiles: dict[str, _Profile] = {}
-        for n in state.nodes:
-            profiles.setdefault(n.gpu_type, _Profile()).total += n.gpus
-        releases: dict[str, list[tuple[float, int]]] = {}
-        for rj in state.running:
-            if not rj.placement:
-                continue
-            t = node_type.get(next(iter(rj.placement)), rj.plan.gpu_type if rj.plan else None)
-            if t in profiles:
-                end = rj.expected_end_s
-                if end != end:                           # NaN: unknown, never counted on
-                    end = INF
-                elif end <= now:
-                    # overdue (ran slower than predicted): it ends soon, but not now
-                    end = now + max(OVERDUE_MIN_S, OVERDUE_FRACTION * max(0.0, end - rj.start_s))
-                releases.setdefault(t, []).append((end, sum(len(v) for v in rj.placement.values())))
-        for t, rel in releases.items():
-            rel.sort()
-            prof = profiles[t]
-            prof.times = [x for x, _ in rel]
-            prof.counts = [n for _, n in rel]
-            # GPU-seconds the running jobs still hold: queued work starts only after them
-            prof.busy_gs = sum(n * (x - now) for x, n in rel if x < INF)
+        profiles = self._profiles(state, now, node_type)
 
         live = {j.job_id for j in pending}
         for jid in [k for k in self._cache if k not in live]:
@@ -305,8 +448,26 @@ class FrenzyPolicy(Policy):
         out: list[Decision] = []
         reservations = 0
         total = idx.total
-        pget, tget = profiles.get, total.get
-        tol1 = 1.0 + self.tolerance
+        if self.preemption and keyed:
+            self._eligible = None
+            preempted: set[str] = set()
+            started: set[str] = set()
+            for _, _, _, head, _ in keyed[:self.preempt_heads]:
+                choice = self._choose(self._tuples[head.job_id], max(head.steps_left, 1), profiles, total, now)
+                if choice is None or choice[1] <= now:
+                    continue
+                pre, victims, got = self._preempt_for(head, choice, state, idx, now, node_type, preempted)
+                if pre:
+                    out.extend(pre)
+                    preempted |= victims
+                    started.add(head.job_id)
+                    profiles = self._profiles(state, now, node_type, skip=preempted)
+                    for d in out:
+                        if d.action == "start":
+                            profiles[d.plan.gpu_type].add_release(now + d.plan.step_time_s * max(
+                                next(k[3].steps_left for k in keyed if k[3].job_id == d.job_id), 1), d.plan.gpus)
+            if started:
+                keyed = [k for k in keyed if k[3].job_id not in started]
         depth = 0
         lookahead = self.lookahead
         for _, _, _, job, cands in keyed:
@@ -317,46 +478,12 @@ class FrenzyPolicy(Policy):
                 if depth > lookahead and not any(total.get(t, 0) >= n for t, n in self._min_gpus[job.job_id]):
                     continue              # deep in the queue and nothing it could start now
             deep = depth > lookahead and reservations >= self.max_reservations
-            steps = max(job.steps_left, 1)
-            best_rel = lim = INF
-            options = []                  # (relative completion, GPU-seconds, cand, start, duration)
-            for step_s, n, g, c in self._tuples[job.job_id]:   # fastest first
-                dur = step_s * steps
-                if dur > lim:
-                    break                 # even starting now this plan is not within tolerance
-                prof = pget(g)
-                if prof is None:
-                    continue
-                f = tget(g, 0)
-                if f >= n and (not prof.res or prof.fits_now(n, dur, now, f)):
-                    if deep and dur > lim:
-                        options = []      # deep job: its fastest immediate start loses to waiting
-                        break
-                    start = now
-                    rel = dur
-                else:
-                    start = prof.wait_start(n, now, f)
-                    if start == INF:
-                        continue
-                    if start <= now:
-                        start = now + 1.0     # not placeable this instant (a release due now)
-                    if prof.backlog:      # jobs ahead already queue for this type (fluid estimate:
-                        # the type's GPUs first finish the running work, then the queued work)
-                        queued = now + (prof.busy_gs + prof.backlog) / prof.total
-                        if queued > start:
-                            start = queued
-                    rel = start - now + dur
-                options.append((rel, n * dur, c, start, dur))
-                if rel < best_rel:
-                    best_rel = rel
-                    lim = rel * tol1
-            if not options or (deep and options[-1][3] > now and all(o[3] > now for o in options)):
-                continue                  # deep jobs only matter when they start now
-            pick = None                   # within tolerance of the earliest completion: fewest GPU-seconds
-            for o in options:
-                if o[0] <= lim and (pick is None or o[1] < pick[1] or (o[1] == pick[1] and o[0] < pick[0])):
-                    pick = o
-            _, _, c, start, dur = pick
+            choice = self._choose(self._tuples[job.job_id], max(job.steps_left, 1), profiles, total, now, deep)
+            if choice is None:
+                continue
+            c, start, dur = choice
+            if self.trace is not None:    # why each job got what it got (debugging, reports)
+                self.trace.append((job.job_id, c.gpu_type, c.gpus, start - now, dur, depth))
             if start <= now:
                 placement = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
                 if placement is not None:
