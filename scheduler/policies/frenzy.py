@@ -373,8 +373,11 @@ class FrenzyPolicy(Policy):
                 if (not rj.placement or now - rj.start_s < self.preempt_grace_s
                         or self._preempted.get(rj.job_id, 0) >= self.max_preemptions_per_job):
                     continue
+                remaining = _expected_end(rj, now) - now
+                if remaining == INF:
+                    continue                         # unknown end (live run without a step count)
                 g = node_type.get(next(iter(rj.placement)), "")
-                eligible.setdefault(g, []).append((_expected_end(rj, now) - now, rj))
+                eligible.setdefault(g, []).append((remaining, rj))
             for v in eligible.values():
                 v.sort(key=lambda x: -x[0])
             self._eligible = eligible
