@@ -20,6 +20,7 @@ from estimator.plans import plans_for_job
 from scheduler.cluster import Cluster
 from scheduler.policies import get_policy
 from scheduler.types import JobRequest
+from trainer.fallback import realisable
 
 from frenzy_flows.results import Assignment
 
@@ -71,7 +72,14 @@ def select_resources(job: TrainingJob, plans_by_type: dict[str, list[Plan]], clu
         if not fit:
             log.info("%s: every feasible plan needs more than max_gpus=%s", gpu_type, job.max_gpus)
             continue
-        kept[gpu_type] = fit
+        # The trainer runs data parallel with ZeRO/offload; tp/pp/cp plans stay in the
+        # estimate and the simulator but cannot be launched yet.
+        runnable = [p for p in fit if realisable(p)]
+        if not runnable:
+            log.info("%s: only tensor/pipeline/context-parallel plans fit, which the trainer "
+                     "cannot launch yet", gpu_type)
+            continue
+        kept[gpu_type] = runnable
     if not kept:
         raise FrenzyInputError(
             "job", "no registered GPU pool can run it under its constraints "
