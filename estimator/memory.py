@@ -369,7 +369,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     per_layer_tok = (rep / t if k.sp else rep) + shard / t
     r = 4.0 if amp else c
     ckpt_keep_tok = r * h / (t if k.sp else 1)        # full ckpt keeps the block input
-    held_b, fwd_loss_b, bwd_loss_b = _loss_bytes_per_logit(spec, c, amp)
+    held_b, _fwd_loss_b, bwd_loss_b = _loss_bytes_per_logit(spec, c, amp)
     logits_tok = V / t                                 # vocab-parallel logits per token
     transient_tok = layer_backward_transient(spec, k.seq_len, c, k.attention, t)
 
@@ -417,7 +417,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
                 acts += inflight * T * sem.mask_bytes * h / (t if k.sp else 1)
             if spec.arch == "bert":
                 acts += inflight * T * (r * h + 2 * sem.stat_bytes + (4 if amp else 1) * c * h)
-        loss_a = loss_b = 0.0
+        loss_a = 0.0
         head_grad = 0.0
         if last:
             if spec.arch == "llama":
