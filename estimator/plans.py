@@ -25,6 +25,7 @@ from .throughput import step_time
 
 DEFAULT_SAFETY_MARGIN_GIB = 1.0     # GPU memory kept free beyond the prediction
 KEEP_PER_COUNT = 3                  # fastest plans kept per GPU count
+MAX_PP = 16                         # deeper pipelines only add bubble for the models we plan
 
 
 def _as_job(job: TrainingJob | dict[str, Any]) -> TrainingJob:
@@ -108,7 +109,7 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         tps = [1] if cpu else [t for t in _pow2_upto(min(n, gpus_per_node)) if spec.heads % t == 0
                                and (spec.n_kv % t == 0 or t % spec.n_kv == 0)]
         for tp in tps:
-            pps = [1] if cpu else [p for p in _pow2_upto(n // tp) if p <= spec.layers]
+            pps = [1] if cpu else [p for p in _pow2_upto(min(n // tp, MAX_PP)) if p <= spec.layers]
             for pp in pps:
                 if n % (tp * pp):
                     continue
