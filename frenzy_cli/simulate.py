@@ -65,7 +65,6 @@ def handle_simulate(args) -> int:
     from scheduler.cluster import load_cluster
     from scheduler.sim import SimConfig, simulate
     from scheduler.sim.engine import SimCluster
-    from scheduler.sim.jobs import PlanBook
     from scheduler.workload import read_workload
 
     if args.noise < 0:
@@ -79,7 +78,7 @@ def handle_simulate(args) -> int:
     cluster = load_cluster(args.cluster)
     jobs = read_workload(args.workload, gpu_types=set(CATALOG) | set(cluster.gpu_types))
     sim_cluster = SimCluster.from_cluster(cluster)
-    book = PlanBook(sim_cluster.inventory, sim_cluster.gpus_per_node)
+    book = sim_cluster.plan_book()
     show = not args.no_progress and sys.stderr.isatty()
     results = []
     for name in names:
@@ -113,7 +112,7 @@ def print_table(results, title: str = "") -> None:
                   f"{r.avg_queue_s / 3600:.2f}", f"{r.gpu_util:.2f}", str(r.oom_events),
                   f"{r.sched_ms_p50:.2f}", f"{r.sched_ms_p99:.2f}", f"{r.lower_bound_avg_jct_s / 3600:.2f}",
                   str(r.preemptions), f"{r.sim_wall_s:.1f}")
-    Console().print(t)
+    Console(width=None if sys.stdout.isatty() else 220).print(t)
 
 
 def handle_workload(args) -> int:

@@ -129,3 +129,15 @@ def test_every_baseline_finishes_a_small_mixed_workload_with_valid_decisions():
         assert res.completed == 12, pol.name
         assert res.avg_jct_s >= res.lower_bound_avg_jct_s - 1e-6, pol.name
         assert 0 < res.gpu_util <= 1.0
+
+
+def test_sia_does_not_swap_two_jobs_that_want_the_same_only_node():
+    """Two jobs that both fit only one 8-GPU node: the running one keeps it (no livelock)."""
+    clu = cluster({H100: (1, 8), R3090: (1, 4)})
+    a = [plan(H100, 8, 1.0, 70)]
+    jobs = [job("a", 0, 1000), job("b", 10, 1000)]
+    sim = Simulator(jobs, clu, Sia(), SimConfig(noise=0.0, startup_s=60.0), Book(a), TableSteps())
+    res = sim.run()
+    assert res.completed == 2 and res.preemptions == 0
+    by = {r["job_id"]: r for r in res.per_job}
+    assert by["b"]["first_start_s"] == pytest.approx(by["a"]["end_s"], abs=60.0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from estimator.plan import Plan
 from scheduler.types import ClusterState, Decision, JobRequest, Policy
 
-from .baseline_common import free_index, take, plan_at_count
+from .baseline_common import free_index, plan_for_request, take
 
 
 def user_plan(job: JobRequest) -> Plan | None:
@@ -21,13 +21,7 @@ def user_plan(job: JobRequest) -> Plan | None:
     want = job.requested_gpus or 1
     if gtype is None:
         return None
-    plan = plan_at_count(job, gtype, want)
-    if plan is None:   # asked for more than the type has: the largest count it offers
-        on_type = [p for p in job.plans if p.gpu_type == gtype]
-        if on_type:
-            top = max(p.gpus for p in on_type)
-            plan = min((p for p in on_type if p.gpus == top), key=lambda p: p.step_time_s)
-    return plan
+    return plan_for_request(job, gtype, want)
 
 
 class FifoUser(Policy):

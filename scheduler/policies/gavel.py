@@ -21,7 +21,7 @@ from scipy.sparse import coo_matrix
 from estimator.plan import Plan
 from scheduler.types import ClusterState, Decision, JobRequest, Policy
 
-from .baseline_common import free_index, take, forget_plans_like, gpu_types, plan_at_count
+from .baseline_common import forget_plans_like, gpu_types, plan_for_request, realise
 
 ROUND_S = 360.0
 
@@ -51,7 +51,7 @@ class Gavel(Policy):
         tput = np.zeros((nj, nk))
         scale = np.zeros((nj, nk))
         for j, job in enumerate(jobs):
-            row = [plan_at_count(job, t, job.requested_gpus or 1) for t in types]
+            row = [plan_for_request(job, t, job.requested_gpus or 1) for t in types]
             plans.append(row)
             for k, p in enumerate(row):
                 if p is not None and p.gpus <= capacity[types[k]]:
@@ -112,28 +112,13 @@ class Gavel(Policy):
             if p.gpus <= left[types[k]]:
                 chosen[j] = k
                 left[types[k]] -= p.gpus
-        # keep jobs that stay on their type, preempt the others, then place the new ones
-        free = free_index(state)
-        starts = []
-        for j, job in enumerate(jobs):
-            r = running.get(job.job_id)
-            k = chosen.get(j)
-            if r is not None:
-                if k is not None and types[k] == r.plan.gpu_type:
-                    continue
-                out.append(Decision(job.job_id, None, {}, action="preempt"))
-                free.release(r.placement)
-                if k is not None:
-                    starts.append((j, k))
-            elif k is not None:
-                starts.append((j, k))
-        starts.sort(key=lambda jk: -plans[jk[0]][jk[1]].gpus)      # big gangs first: less fragmentation
-        for j, k in starts:
-            p = plans[j][k]
-            placement = take(free, p)
-            if placement is not None:
-                out.append(Decision(jobs[j].job_id, p, placement))
-                self._reqs[jobs[j].job_id] = jobs[j]
+        # keep jobs that stay on their configuration, preempt the others, place the new ones
+        out = realise(state, running, [(job, plans[j][chosen[j]] if j in chosen else None)
+                                       for j, job in enumerate(jobs)])
+        by_id = {job.job_id: job for job in jobs}
+        for d in out:
+            if d.action == "start":
+                self._reqs[d.job_id] = by_id[d.job_id]
         preempted = {d.job_id for d in out if d.action == "preempt"}
         self._last_running = {r.job_id: r.plan.gpu_type for r in state.running if r.job_id not in preempted}
         self._last_running.update({d.job_id: d.plan.gpu_type for d in out if d.action == "start"})

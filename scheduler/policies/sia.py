@@ -5,10 +5,12 @@ every active job at most one configuration (GPU type, GPU count): counts are pow
 to a node, then whole nodes (Sia's configuration set). A configuration's goodput is the job's
 predicted steps/s on its fastest plan there (global batch fixed, so statistical efficiency is
 constant and goodput = throughput), normalised by the job's goodput on its smallest
-configuration. The objective follows Sia's p-norm form with ``p = -0.5``: each allocated job
-contributes ``LAMBDA_N - G^p`` (``LAMBDA_N`` = 1.1 rewards giving every job something before
-speeding any one up; ``-G^p`` favours more goodput with diminishing returns); a running job
-whose configuration changes loses ``RESTART_PENALTY`` (Sia's lambda_a, scaled to these units);
+configuration (on heterogeneous types: its least-goodput configuration, so every ``G >= 1``).
+The objective follows Sia's p-norm form with ``p = -0.5``: each allocated job contributes
+``LAMBDA_N - G^p`` (``LAMBDA_N`` = 1.1 rewards giving every job something before speeding any
+one up; ``-G^p`` favours more goodput with diminishing returns); a running job that keeps its
+configuration earns ``RESTART_PENALTY`` (Sia's lambda_a, scaled to these units: any change,
+including losing the GPUs, gives it up, so ties never make jobs swap places every round);
 in the simulator the change also costs a checkpoint-restore delay (the start-up delay).
 Capacity: ``sum count x <= GPUs`` per type. Jobs keeping their configuration keep their GPUs.
 """
@@ -21,7 +23,7 @@ from scipy.sparse import coo_matrix
 from estimator.plan import Plan
 from scheduler.types import ClusterState, Decision, JobRequest, Policy
 
-from .baseline_common import free_index, take, forget_plans_like, gpu_types
+from .baseline_common import forget_plans_like, gpu_types, realise
 
 ROUND_S = 60.0
 P_NORM = -0.5
@@ -50,6 +52,12 @@ class Sia(Policy):
     def __init__(self, round_s: float = ROUND_S) -> None:
         self.round_s = round_s
         self._reqs: dict[str, JobRequest] = {}
+        # The ILP's inputs are the jobs, their plans, their current configurations and the
+        # capacities; when none changed since the last solve its answer cannot change either.
+        self._last_key: tuple | None = None
+        self._last_choice: dict[str, Plan] = {}
+        self.solves = 0
+        self.round_was_cached = False   # the simulator leaves such rounds out of sched_ms
 
     @staticmethod
     def configs(job: JobRequest, counts: dict[str, set[int]]) -> list[Plan]:
@@ -71,20 +79,31 @@ class Sia(Policy):
         for n in state.nodes:
             capacity[n.gpu_type] += n.gpus
             per_node[n.gpu_type] = max(per_node[n.gpu_type], n.gpus)
+        key = (tuple((j.job_id, id(j.plans), current.get(j.job_id)) for j in jobs),
+               tuple(sorted(capacity.items())))
+        self.round_was_cached = key == self._last_key
+        if self.round_was_cached:
+            return {i: self._last_choice[j.job_id] for i, j in enumerate(jobs) if j.job_id in self._last_choice}
+        chosen = self._solve(jobs, types, capacity, per_node, current)
+        self.solves += 1
+        self._last_key = key
+        self._last_choice = {jobs[i].job_id: p for i, p in chosen.items()}
+        return chosen
+
+    def _solve(self, jobs, types, capacity, per_node, current) -> dict[int, Plan]:
         counts = {t: set(config_counts(per_node[t], capacity[t])) for t in types}
         var_job, var_plan, util = [], [], []
         for j, job in enumerate(jobs):
             cfgs = self.configs(job, counts)
             if not cfgs:
                 continue
-            smallest = min(p.gpus for p in cfgs)
-            base = min(1.0 / p.step_time_s for p in cfgs if p.gpus == smallest)
+            base = min(1.0 / p.step_time_s for p in cfgs)     # the job's least-goodput configuration
             cur = current.get(job.job_id)
             for p in cfgs:
-                g = (1.0 / p.step_time_s) / base
-                u = LAMBDA_N - g ** P_NORM
-                if cur is not None and cur != (p.gpu_type, p.gpus):
-                    u -= RESTART_PENALTY
+                g = (1.0 / p.step_time_s) / base                # >= 1
+                u = LAMBDA_N - g ** P_NORM                      # in [LAMBDA_N - 1, LAMBDA_N)
+                if cur is not None and cur == (p.gpu_type, p.gpus):
+                    u += RESTART_PENALTY                        # any change (even to none) pays it
                 var_job.append(j)
                 var_plan.append(p)
                 util.append(u)
@@ -110,28 +129,15 @@ class Sia(Policy):
         self._reqs = {jid: req for jid, req in self._reqs.items() if jid in running}
         jobs = [self._reqs[jid] for jid in running if jid in self._reqs] + list(pending)
         if not jobs:
+            self.round_was_cached = True
             return []
         current = {jid: (r.plan.gpu_type, r.plan.gpus) for jid, r in running.items()}
         chosen = self.solve(jobs, state, current)
-        out: list[Decision] = []
-        free = free_index(state)
-        starts = []
-        for j, job in enumerate(jobs):
-            r = running.get(job.job_id)
-            p = chosen.get(j)
-            if r is not None:
-                if p is not None and (p.gpu_type, p.gpus) == current[job.job_id]:
-                    continue
-                out.append(Decision(job.job_id, None, {}, action="preempt"))
-                free.release(r.placement)
-            if p is not None:
-                starts.append((job, p))
-        starts.sort(key=lambda jp: -jp[1].gpus)
-        for job, p in starts:
-            placement = take(free, p)
-            if placement is not None:
-                out.append(Decision(job.job_id, p, placement))
-                self._reqs[job.job_id] = job
+        out = realise(state, running, [(job, chosen.get(j)) for j, job in enumerate(jobs)])
+        by_id = {job.job_id: job for job in jobs}
+        for d in out:
+            if d.action == "start":
+                self._reqs[d.job_id] = by_id[d.job_id]
         return out
 
     def on_oom(self, job: JobRequest, plan: Plan) -> JobRequest:

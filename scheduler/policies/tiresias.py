@@ -16,7 +16,7 @@ from estimator.plan import Plan
 from scheduler.placement import FreeIndex
 from scheduler.types import ClusterState, Decision, JobRequest, Policy
 
-from .baseline_common import free_index, take, forget_plans_like, gpu_types, plan_at_count
+from .baseline_common import free_index, take, forget_plans_like, gpu_types, plan_for_request
 
 QUEUE_LIMITS_GPU_S = (3_600.0, 36_000.0)   # 1 and 10 GPU-hours of attained service
 STARVE_FACTOR = 2.0
@@ -40,9 +40,7 @@ class Tiresias(Policy):
 
     def _plans(self, job: JobRequest, free: FreeIndex, types: list[str]) -> list[Plan]:
         want = job.requested_gpus or 1
-        cands = [p for p in (plan_at_count(job, t, want) for t in types) if p is not None]
-        if not cands:   # request larger than any type offers: the smallest plan that fits
-            cands = sorted(job.plans, key=lambda p: p.gpus)[:1]
+        cands = [p for p in (plan_for_request(job, t, want) for t in types) if p is not None]
         return sorted(cands, key=lambda p: -free.free_gpus(p.gpu_type))   # type-blind: most free first
 
     def schedule(self, pending: list[JobRequest], state: ClusterState, now: float) -> list[Decision]:

@@ -13,8 +13,11 @@ from estimator.errors import DoesNotFitError
 from estimator.plan import Plan
 
 # The simulator hands policies every plan the memory model says fits physically; each policy
-# applies its own safety margin (that choice is part of what is being compared).
-SIM_SAFETY_MARGIN_GIB = 0.0
+# applies its own safety margin (that choice is part of what is being compared). The estimator
+# fills each configuration with the largest micro-batch that fits under the margin it is given,
+# so it is asked at several margins (fractions of the card's memory): the menu then holds both
+# the packed, fastest variant of a configuration and roomier ones with smaller micro-batches.
+SIM_MARGIN_FRACTIONS = (0.0, 0.12, 0.27)
 
 
 def _training_job(model: str, seq_len: int, global_batch: int):
@@ -48,24 +51,33 @@ class PlanBook:
     """All plans of each job shape on one cluster, Pareto-pruned, fastest first."""
 
     def __init__(self, inventory: dict[str, int], gpus_per_node: dict[str, int],
-                 safety_margin_gib: float = SIM_SAFETY_MARGIN_GIB):
+                 margin_fractions: tuple[float, ...] = SIM_MARGIN_FRACTIONS,
+                 memory_gib: dict[str, float] | None = None):
         self.inventory = dict(inventory)
         self.gpus_per_node = dict(gpus_per_node)
-        self.safety_margin_gib = safety_margin_gib
+        self.margin_fractions = margin_fractions
+        if memory_gib is None:
+            from estimator.catalog import get_gpu
+            memory_gib = {t: get_gpu(t).memory_gib for t in inventory}
+        self.memory_gib = memory_gib
         self._cache: dict[tuple[str, int, int], list[Plan]] = {}
 
     def plans(self, model: str, seq_len: int, global_batch: int) -> list[Plan]:
         key = (model, seq_len, global_batch)
         hit = self._cache.get(key)
         if hit is None:
-            from estimator.plans import plans_for_job
-            try:
-                by_type = plans_for_job(_training_job(model, seq_len, global_batch), self.inventory,
-                                        gpus_per_node=self.gpus_per_node,
-                                        safety_margin_gib=self.safety_margin_gib)
-            except DoesNotFitError:
-                by_type = {}
-            hit = pareto([p for ps in by_type.values() for p in ps])
+            from estimator.plans import enumerate_plans
+            job = _training_job(model, seq_len, global_batch)
+            found: list[Plan] = []
+            for gpu_type, count in self.inventory.items():
+                for frac in self.margin_fractions:
+                    try:
+                        found += enumerate_plans(job, gpu_type, max_gpus=count,
+                                                 gpus_per_node=self.gpus_per_node.get(gpu_type, 8),
+                                                 safety_margin_gib=frac * self.memory_gib[gpu_type])
+                    except DoesNotFitError:
+                        break            # a bigger margin will not fit either
+            hit = pareto(found)
             self._cache[key] = hit
         return hit
 

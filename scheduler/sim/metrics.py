@@ -10,7 +10,8 @@ Definitions (all over the workload's jobs):
 * ``gpu_util``: allocated GPU-seconds (including start-up and failed runs) over
   (cluster GPUs x makespan).
 * ``oom_events``: runs that died of out-of-memory.
-* ``sched_ms_p50`` / ``sched_ms_p99``: wall time of one ``Policy.schedule`` call.
+* ``sched_ms_p50`` / ``sched_ms_p99``: wall time of one ``Policy.schedule`` call (rounds a
+  policy answered from memory because its inputs had not changed are left out).
 * ``lower_bound_avg_jct_s``: mean over jobs of ``startup_s + steps x real step time`` of the
   fastest plan that really fits (truth, not prediction) with the cluster to itself.
 """
@@ -108,5 +109,5 @@ def summarise(sim, wall_s: float) -> SimResult:
         failed=sum(sj.state == "failed" for sj in sim.jobs),
         stranded=sum(sj.state in ("pending", "running") for sj in sim.jobs),
         preemptions=sum(sj.preemptions for sj in sim.jobs),
-        rounds=len(sim.sched_ms), sim_wall_s=wall_s, jcts=jcts,
+        rounds=sim.rounds, sim_wall_s=wall_s, jcts=jcts,
         queue_series=list(sim.queue_series), per_job=per_job)

@@ -1,0 +1,339 @@
+"""JCT benchmark: every policy on the same workloads and clusters, plus scheduler time per round.
+
+    python bench/jct.py                 # everything (several minutes on 2 cores), writes docs/benchmarks-jct.md
+    python bench/jct.py --part jct      # only the workload x cluster comparison
+    python bench/jct.py --part speed    # only scheduler ms per round at 64 / 512 / 4,096 GPUs
+    python bench/jct.py --part full     # only the full cluster04 trace (15,802 jobs) under frenzy
+
+Workloads are made by `frenzy workload` from three ITP clusters with different model mixes and
+loads and simulated by `frenzy simulate` (the same functions, called in-process); the exact
+shell commands that reproduce every row are printed and written to the report.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.chdir(ROOT)
+
+TRACES = Path("../shared/traces/elasticflow")
+OUT = Path("out/jct")
+REPORT = Path("docs/benchmarks-jct.md")
+POLICIES = ["frenzy", "frenzy-paper", "gavel", "sia", "tiresias", "fifo-user"]
+CLUSTERS = {"small-3type": "examples/clusters/small-3type.yaml",
+            "large-4type": "examples/clusters/large-4type.yaml"}
+
+
+@dataclass
+class Workload:
+    name: str
+    trace: str
+    mix: str
+    seed: int
+    flags: dict           # extra `frenzy workload` flags per cluster name (window / load)
+    note: str
+
+
+# Three ITP clusters, three mixes, loads from light to saturated. The windows keep the
+# LP/ILP baselines' simulation time modest on 2 cores; the loads are set by --time-scale.
+WORKLOADS = [
+    Workload("itp05-small-models", "cluster05.csv", "examples/workload-mix.yaml", 0,
+             {"small-3type": {"--max-jobs": 600, "--start-s": 0},
+              "large-4type": {"--max-jobs": 600, "--start-s": 0, "--time-scale": 8}},
+             "cluster05: 95% 1-GPU jobs, at most 8 GPUs; light load"),
+    Workload("itp01-mixed", "cluster01.csv", "examples/workload-mix.yaml", 1,
+             {"small-3type": {"--max-jobs": 500},
+              "large-4type": {"--max-jobs": 500, "--time-scale": 4}},
+             "cluster01: mostly 1-GPU jobs plus some 64-GPU jobs; medium load"),
+    Workload("itp03-large-models", "cluster03.csv", "bench/mix-large-models.yaml", 2,
+             {"small-3type": {"--max-jobs": 300},
+              "large-4type": {"--max-jobs": 600, "--time-scale": 2}},
+             "cluster03: 66% multi-GPU jobs (98% of GPU-hours >= 8 GPUs), 7-70B models; saturated"),
+]
+
+
+def cmd_str(argv: list[str]) -> str:
+    return "frenzy " + " ".join(str(a) for a in argv)
+
+
+def run_cli(argv: list[str]) -> None:
+    from frenzy_cli.main import main
+    rc = main([str(a) for a in argv])
+    if rc:
+        raise SystemExit(f"command failed ({rc}): {cmd_str(argv)}")
+
+
+def make_workload(w: Workload, cluster: str) -> tuple[Path, str]:
+    out = OUT / f"{w.name}-{cluster}.csv"
+    argv = ["workload", "--trace", TRACES / w.trace, "--mix", w.mix, "--seed", w.seed, "--out", out]
+    for k, v in w.flags.get(cluster, {}).items():
+        argv += [k, v]
+    if not out.exists():
+        run_cli(argv)
+    return out, cmd_str(argv)
+
+
+def offered_load(jobs, cluster) -> float:
+    """Trace GPU-seconds on the reference type / (cluster GPUs x arrival span)."""
+    from scheduler.workload import WorkloadJob  # noqa: F401
+    span = max(j.submit_s for j in jobs) - min(j.submit_s for j in jobs)
+    from scheduler.sim.jobs import fastest_plan_at
+    work = 0.0
+    for j in jobs:
+        p = fastest_plan_at(j.model, j.seq_len, j.global_batch, j.requested_gpu_type, j.requested_gpus, 8)
+        if p is not None:
+            work += j.steps * p.step_time_s * j.requested_gpus
+    return work / (cluster.total_gpus * max(span, 1.0))
+
+
+def part_jct(policies: list[str], lines: list[str]) -> list[dict]:
+    from estimator.catalog import CATALOG
+    from scheduler.cluster import load_cluster
+    from scheduler.sim import SimConfig, simulate
+    from scheduler.sim.engine import SimCluster
+    from scheduler.sim.plot import plot_comparison
+    from scheduler.workload import read_workload
+
+    rows = []
+    OUT.mkdir(parents=True, exist_ok=True)
+    lines += ["## Average JCT per policy", "",
+              "Each block: one workload on one cluster, seed 0, noise 0.1 (defaults), start-up 60 s. "
+              "Targets (issue 5): frenzy avg JCT >= 25% below fifo-user, >= 12% below frenzy-paper, "
+              "below gavel and sia; zero OOM for frenzy.", ""]
+    for w in WORKLOADS:
+        for cname, cpath in CLUSTERS.items():
+            wl_path, wl_cmd = make_workload(w, cname)
+            cluster = load_cluster(cpath)
+            jobs = read_workload(wl_path, gpu_types=set(CATALOG) | set(cluster.gpu_types))
+            sc = SimCluster.from_cluster(cluster)
+            book = sc.plan_book()
+            load = offered_load(jobs, sc)
+            results = []
+            for pol in policies:
+                t0 = time.perf_counter()
+                r = simulate(jobs, sc, pol, config=SimConfig(seed=0, noise=0.1, progress=sys.stderr.isatty()),
+                             plan_book=book)
+                results.append(r)
+                print(f"  {w.name} on {cname}: {pol:13s} avg JCT {r.avg_jct_s / 3600:8.2f} h  "
+                      f"done {r.completed}/{r.jobs}  OOM {r.oom_events}  sched p50 {r.sched_ms_p50:.2f} ms  "
+                      f"({time.perf_counter() - t0:.1f} s)", flush=True)
+            png = Path("docs") / f"jct-{w.name}-{cname}.png"
+            plot_comparison(results, png, title=f"{w.name} on {cname}")
+            by = {r.policy: r for r in results}
+            checks = target_checks(by)
+            sim_cmd = cmd_str(["simulate", "--workload", wl_path, "--cluster", cpath, "--compare",
+                               ",".join(policies), "--plot", f"out/jct/{w.name}-{cname}.png"])
+            lines += [f"### {w.name} on {cname}", "",
+                      f"{w.note}. {len(jobs)} jobs, offered load {load:.2f} (trace GPU-time on the "
+                      f"requested A100-40GB / cluster GPU-time over the arrival span).", "",
+                      "```", wl_cmd, sim_cmd, "```", "",
+                      table(results), "", f"Targets: {checks}", "", f"![{w.name} on {cname}]({png.name})", ""]
+            rows.append({"workload": w.name, "cluster": cname, "results": results, "checks": checks})
+    return rows
+
+
+def target_checks(by: dict) -> str:
+    f = by.get("frenzy")
+    if f is None:
+        return "n/a"
+    out = []
+
+    def rel(name):
+        o = by.get(name)
+        return None if o is None or not o.avg_jct_s else 1 - f.avg_jct_s / o.avg_jct_s
+
+    for name, need in (("fifo-user", 0.25), ("frenzy-paper", 0.12), ("gavel", 1e-9), ("sia", 1e-9)):
+        g = rel(name)
+        if g is not None:
+            out.append(f"vs {name} {g * 100:+.1f}% {'PASS' if g >= need else 'MISS'}")
+    out.append(f"frenzy OOM {f.oom_events} {'PASS' if f.oom_events == 0 else 'MISS'}")
+    out.append(f"completed {f.completed}/{f.jobs}")
+    return "; ".join(out)
+
+
+def table(results) -> str:
+    head = ("| policy | done | avg JCT h | p50 h | p99 h | makespan h | avg queue h | GPU util | OOM | "
+            "preempt | sched ms p50 | p99 | lower bound h |")
+    rows = [head, "|" + "---|" * 13]
+    for r in results:
+        rows.append(f"| {r.policy} | {r.completed}/{r.jobs} | {r.avg_jct_s / 3600:.2f} | {r.p50_jct_s / 3600:.2f} | "
+                    f"{r.p99_jct_s / 3600:.2f} | {r.makespan_s / 3600:.1f} | {r.avg_queue_s / 3600:.2f} | "
+                    f"{r.gpu_util:.2f} | {r.oom_events} | {r.preemptions} | {r.sched_ms_p50:.2f} | "
+                    f"{r.sched_ms_p99:.2f} | {r.lower_bound_avg_jct_s / 3600:.2f} |")
+    return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------- speed per round
+
+def scaled_cluster(total_gpus: int):
+    """4 GPU types in equal shares, 8-GPU nodes (4 for L40S)."""
+    from scheduler.cluster import cluster_from_dict
+    share = total_gpus // 4
+    pools = [{"name": "h100", "gpu": "H100-80GB", "nodes": max(1, share // 8), "gpus_per_node": 8},
+             {"name": "a100-80", "gpu": "A100-80GB", "nodes": max(1, share // 8), "gpus_per_node": 8},
+             {"name": "a100-40", "gpu": "A100-40GB", "nodes": max(1, share // 8), "gpus_per_node": 8},
+             {"name": "l40s", "gpu": "L40S-48GB", "nodes": max(1, share // 4), "gpus_per_node": 4}]
+    return cluster_from_dict({"pools": pools}, source=f"scaled-{total_gpus}")
+
+
+def round_input(total_gpus: int, n_pending: int, n_running_frac: float = 0.5, seed: int = 0):
+    """A realistic round: jobs from the example mix (1-GPU ITP-like sizes), about half the GPUs
+    busy with running jobs, ``n_pending`` jobs waiting."""
+    import random
+
+    from scheduler.sim.engine import SimCluster
+    from scheduler.placement import FreeIndex
+    from scheduler.types import JobRequest, RunningJob
+    from scheduler.workload import load_mix
+
+    mix = load_mix("examples/workload-mix.yaml")
+    sc = SimCluster.from_cluster(scaled_cluster(total_gpus))
+    book = sc.plan_book()
+    rng = random.Random(seed)
+    sizes = [1] * 75 + [2] * 3 + [4] * 5 + [8] * 14 + [16, 32, 64]
+
+    def draw(i):
+        n = rng.choice(sizes)
+        cls = mix.class_for(n)
+        for _ in range(50):
+            m = rng.choices(list(cls.models), weights=list(cls.models.values()))[0]
+            s = rng.choice(list(mix.seq_len))
+            b = rng.choice(list(mix.global_batch))
+            plans = book.plans(m, s, b)
+            if plans:
+                return JobRequest(job_id=f"j{i}", submit_s=-rng.uniform(0, 36000), plans=plans,
+                                  steps_left=rng.randint(100, 100000), requested_gpu_type="A100-40GB",
+                                  requested_gpus=n, model=m)
+        raise RuntimeError("no plan")
+
+    state = copy.deepcopy(sc.nodes)
+    from scheduler.types import ClusterState
+    st = ClusterState(nodes=state, inter_node_gbps=dict(sc.inter_node_gbps),
+                      gpu_memory_gib={t: g.memory_gib for t, g in sc.gpus.items()})
+    idx = FreeIndex(st.nodes)
+    busy, target, i = 0, int(total_gpus * n_running_frac), 0
+    running = []
+    while busy < target and i < 10 * total_gpus:
+        job = draw(100000 + i)
+        i += 1
+        p = min(job.plans, key=lambda p: p.gpus * p.step_time_s)
+        pl = idx.place_best_fit(p.gpu_type, p.gpus, granule=p.tp)
+        if pl is None:
+            continue
+        idx.commit(pl)
+        busy += p.gpus
+        running.append(RunningJob(job.job_id, p, pl, 0.0, job.steps_left * p.step_time_s))
+    for n in st.nodes:
+        n.free = list(idx.free[n.node_id])
+    st.running = running
+    pending = [draw(i) for i in range(n_pending)]
+    return st, pending
+
+
+def part_speed(policies: list[str], lines: list[str], sizes=(64, 512, 4096), reps: int = 7) -> None:
+    from scheduler.policies import get_policy
+
+    lines += ["## Scheduler time per round", "",
+              "One `schedule()` call of a fresh policy on a realistic round: about half the GPUs busy, "
+              "pending jobs = GPUs / 4 (16, 128, 1,024), jobs drawn from examples/workload-mix.yaml "
+              "with ITP-like GPU counts; 4 GPU types in equal shares. Median and p95 over "
+              f"{reps} rounds (Gavel/Sia: one LP/ILP solve each).", "",
+              "```", "python bench/jct.py --part speed", "```", "",
+              "| policy | " + " | ".join(f"{n} GPUs p50 ms | p95 ms" for n in sizes) + " |",
+              "|---|" + "---|---|" * len(sizes)]
+    inputs = {}
+    for n in sizes:
+        t0 = time.perf_counter()
+        inputs[n] = round_input(n, n // 4)
+        print(f"  round input {n} GPUs: {len(inputs[n][1])} pending, {len(inputs[n][0].running)} running "
+              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    res: dict[str, dict[int, tuple[float, float]]] = {}
+    for pol in policies:
+        res[pol] = {}
+        for n in sizes:
+            st, pending = inputs[n]
+            times = []
+            for _ in range(reps):
+                p = get_policy(pol)
+                s2, pend2 = copy.deepcopy(st), copy.deepcopy(pending)
+                t0 = time.perf_counter()
+                p.schedule(pend2, s2, 0.0)
+                times.append((time.perf_counter() - t0) * 1e3)
+                if times[-1] > 20_000:
+                    break
+            times.sort()
+            p50 = statistics.median(times)
+            p95 = times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))]
+            res[pol][n] = (p50, p95)
+            print(f"  {pol:13s} {n:5d} GPUs: p50 {p50:9.2f} ms  p95 {p95:9.2f} ms", flush=True)
+        lines.append(f"| {pol} | " + " | ".join(f"{res[pol][n][0]:.2f} | {res[pol][n][1]:.2f}" for n in sizes) + " |")
+    if "frenzy" in res and "sia" in res:
+        ratio = ", ".join(f"{n} GPUs: {res['sia'][n][0] / max(res['frenzy'][n][0], 1e-9):.0f}x" for n in sizes)
+        lines += ["", f"sia / frenzy median time per round: {ratio} (target: >= 10x at 512 GPUs and above)."]
+    lines.append("")
+
+
+def part_full(lines: list[str]) -> None:
+    from estimator.catalog import CATALOG
+    from scheduler.cluster import load_cluster
+    from scheduler.sim import SimConfig, simulate
+    from scheduler.workload import read_workload
+
+    w = Workload("itp04-full", "cluster04.csv", "examples/workload-mix.yaml", 0, {}, "")
+    wl_path, wl_cmd = make_workload(w, "large-4type")
+    cluster = load_cluster(CLUSTERS["large-4type"])
+    jobs = read_workload(wl_path, gpu_types=set(CATALOG) | set(cluster.gpu_types))
+    t0 = time.perf_counter()
+    r = simulate(jobs, cluster, "frenzy", config=SimConfig(progress=sys.stderr.isatty()))
+    wall = time.perf_counter() - t0
+    print(f"  full cluster04 trace: {len(jobs)} jobs under frenzy in {wall:.1f} s wall "
+          f"(avg JCT {r.avg_jct_s / 3600:.2f} h, {r.rounds} rounds)", flush=True)
+    sim_cmd = cmd_str(["simulate", "--workload", wl_path, "--cluster", CLUSTERS["large-4type"],
+                       "--policy", "frenzy", "--json"])
+    lines += ["## Speed: a full ITP trace under frenzy", "",
+              "```", wl_cmd, f"time {sim_cmd}", "```", "",
+              f"{len(jobs)} jobs (cluster04, whole trace, real arrival times) on large-4type: "
+              f"**{wall:.1f} s** wall in-process (plans and step times included; target < 120 s on 2 cores), "
+              f"{r.rounds} scheduling rounds, avg JCT {r.avg_jct_s / 3600:.2f} h, "
+              f"{r.completed}/{r.jobs} completed, {r.oom_events} OOM.", ""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=["all", "jct", "speed", "full"], default="all")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--report", default=str(REPORT), help="markdown file to write")
+    args = ap.parse_args()
+    policies = args.policies.split(",")
+    OUT.mkdir(parents=True, exist_ok=True)
+    lines = ["# Benchmarks: JCT and scheduler overhead (issue 5)", "",
+             "Produced by `python bench/jct.py`; every figure below comes with the command that reproduces it. "
+             "Simulator semantics: scheduler/sim/engine.py; truth noise: scheduler/sim/truth.py; "
+             "workload mapping: scheduler/workload.py.", ""]
+    t0 = time.perf_counter()
+    if args.part in ("all", "jct"):
+        part_jct(policies, lines)
+    if args.part in ("all", "speed"):
+        part_speed(policies, lines)
+    if args.part in ("all", "full"):
+        part_full(lines)
+    lines.append(f"_Total benchmark wall time: {time.perf_counter() - t0:.0f} s._")
+    if args.part == "all" or args.report != str(REPORT):
+        Path(args.report).write_text("\n".join(lines) + "\n")
+        print(f"wrote {args.report}")
+    else:
+        part_file = Path(args.report).with_name(f"benchmarks-jct-{args.part}.md")
+        part_file.write_text("\n".join(lines) + "\n")
+        print(f"wrote {part_file}")
+
+
+if __name__ == "__main__":
+    main()
