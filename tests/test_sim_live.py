@@ -1,0 +1,113 @@
+"""`frenzy simulate` / `frenzy workload` end to end over the real estimator, throughput model,
+cluster loader and policies (small inputs: each test runs in about a second)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from frenzy_cli.main import main
+from scheduler.sim.metrics import CONTRACT_KEYS
+from scheduler.workload import WORKLOAD_COLUMNS, read_workload
+
+CLUSTER = "examples/clusters/small-3type.yaml"
+TRACE_ROWS = """job_id,submission_time,duration,num_gpu
+a,100,3600,1
+b,400,7200,2
+c,900,1800,1
+d,1000,20000,8
+e,1500,900,1
+f,2000,5000,4
+g,2600,3000,1
+h,3000,12000,16"""
+
+
+@pytest.fixture
+def workload(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(TRACE_ROWS)
+    out = tmp_path / "w.csv"
+    assert main(["workload", "--trace", str(trace), "--mix", "examples/workload-mix.yaml",
+                 "--seed", "3", "--out", str(out)]) == 0
+    return out
+
+
+def test_workload_cli_writes_the_contract_reproducibly(workload, tmp_path):
+    text = workload.read_text()
+    assert text.splitlines()[0] == ",".join(WORKLOAD_COLUMNS)
+    jobs = read_workload(workload)
+    assert [j.requested_gpus for j in jobs] == [1, 2, 1, 8, 1, 4, 1, 16]
+    assert jobs[0].submit_s == 0 and jobs[-1].submit_s == 2900
+    again = tmp_path / "again.csv"
+    main(["workload", "--trace", str(tmp_path / "trace.csv"), "--mix", "examples/workload-mix.yaml",
+          "--seed", "3", "--out", str(again)])
+    assert again.read_text() == text
+
+
+def test_simulate_json_has_exactly_the_contract_keys(workload, capsys):
+    assert main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--policy", "frenzy",
+                 "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == list(CONTRACT_KEYS)
+    assert out["policy"] == "frenzy" and out["jobs"] == 8 and out["completed"] == 8
+    assert out["avg_jct_s"] >= out["lower_bound_avg_jct_s"] > 0
+    assert out["p50_jct_s"] <= out["p99_jct_s"] and 0 < out["gpu_util"] <= 1
+    assert out["oom_events"] == 0
+
+
+def test_simulate_is_deterministic_per_seed(workload, capsys):
+    args = ["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--policy", "fifo-user",
+            "--json", "--no-progress", "--noise", "0.3"]
+    main(args + ["--seed", "1"])
+    a = json.loads(capsys.readouterr().out)
+    main(args + ["--seed", "1"])
+    b = json.loads(capsys.readouterr().out)
+    main(args + ["--seed", "2"])
+    c = json.loads(capsys.readouterr().out)
+    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("sched_ms")}
+    assert strip(a) == strip(b)
+    assert strip(a) != strip(c)
+
+
+def test_compare_prints_a_table_and_draws_the_figure(workload, tmp_path, capsys):
+    png = tmp_path / "cmp.png"
+    assert main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--compare",
+                 "frenzy,frenzy-paper,gavel,sia,tiresias,fifo-user", "--plot", str(png),
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    for name in ("frenzy-paper", "gavel", "sia", "tiresias", "fifo-user"):
+        assert name in out
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_json_is_one_object_per_policy(workload, capsys):
+    main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--compare", "gavel,sia",
+          "--json", "--no-progress"])
+    out = json.loads(capsys.readouterr().out)
+    assert [o["policy"] for o in out] == ["gavel", "sia"] and all(o["completed"] == 8 for o in out)
+
+
+def test_bad_workload_row_is_reported_with_its_line_and_nothing_runs(workload, tmp_path, capsys):
+    lines = workload.read_text().splitlines()
+    lines[2] = lines[2].replace(lines[2].split(",")[2], "gpt-17", 1)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("\n".join(lines) + "\n")
+    assert main(["simulate", "--workload", str(bad), "--cluster", CLUSTER, "--json"]) == 2
+    err = capsys.readouterr()
+    assert f"{bad}:3: model" in err.err and "unknown model 'gpt-17'" in err.err
+    assert "Traceback" not in err.err and err.out == ""
+
+
+def test_bad_cluster_gpu_type_is_reported_with_its_line(workload, tmp_path, capsys):
+    c = tmp_path / "c.yaml"
+    c.write_text("pools:\n  - {name: a, gpu: A100-40GB, nodes: 1, gpus_per_node: 8}\n"
+                 "  - {name: b, gpu: Z900-1TB, nodes: 1, gpus_per_node: 8}\n")
+    assert main(["simulate", "--workload", str(workload), "--cluster", str(c), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "Z900-1TB" in err and "line 3" in err and "Traceback" not in err
+
+
+def test_unknown_policy_and_bad_noise_exit_2(workload, capsys):
+    assert main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--policy", "magic"]) == 2
+    assert "unknown policy 'magic'" in capsys.readouterr().err
+    assert main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--noise", "-1"]) == 2
