@@ -46,6 +46,7 @@ INF = math.inf
 SAFETY_MARGIN_GIB = 0.5     # CUDA context jitter, allocator slack beyond the prediction
 MEM_HEADROOM = 0.35         # predicted x 1.35 must fit: covers a +3 sigma estimator error at 10%
                             # lognormal error; Fujii et al. 2024 saw no OOM below 80% predicted use
+FALLBACK_SLACK = 0.05       # without safe plans: those within 5% of the job's roomiest one
 AGING_S = 4 * 3600.0        # a job waiting this long has its work key halved
 TOLERANCE = 0.10            # plans within 10% of the earliest completion count as equally fast
 MAX_RESERVATIONS = 8        # head-of-line jobs that hold a reservation per round
@@ -282,8 +283,12 @@ class FrenzyPolicy(Policy):
             if p.device_used_gib * (1.0 + self.mem_headroom) + self.safety_margin_gib <= mem:
                 safe.append(p)
             elif p.device_used_gib + self.safety_margin_gib <= mem:
-                fallback.append(p)
-        return safe or fallback
+                fallback.append((p.device_used_gib / mem, p))
+        if safe or not fallback:
+            return safe
+        # no plan with headroom anywhere: only the roomiest ones (least likely to OOM)
+        least = min(r for r, _ in fallback)
+        return [p for r, p in fallback if r <= least + FALLBACK_SLACK]
 
     # --- the round ------------------------------------------------------------------------
     @staticmethod
