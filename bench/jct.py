@@ -48,15 +48,15 @@ WORKLOADS = [
     Workload("itp05-small-models", "cluster05.csv", "examples/workload-mix.yaml", 0,
              {"small-3type": {"--max-jobs": 400},
               "large-4type": {"--max-jobs": 400, "--time-scale": 8}},
-             "cluster05: 95% 1-GPU jobs, at most 8 GPUs; light load"),
+             "cluster05: 95% 1-GPU jobs, at most 8 GPUs"),
     Workload("itp01-mixed", "cluster01.csv", "examples/workload-mix.yaml", 1,
              {"small-3type": {"--max-jobs": 300},
               "large-4type": {"--max-jobs": 400, "--time-scale": 4}},
-             "cluster01: mostly 1-GPU jobs plus some 64-GPU jobs; medium load"),
+             "cluster01: mostly 1-GPU jobs plus some 64-GPU jobs"),
     Workload("itp03-large-models", "cluster03.csv", "bench/mix-large-models.yaml", 2,
              {"small-3type": {"--max-jobs": 200},
               "large-4type": {"--max-jobs": 400, "--time-scale": 2}},
-             "cluster03: 66% multi-GPU jobs (98% of GPU-hours >= 8 GPUs), 7-70B models; saturated"),
+             "cluster03: 66% multi-GPU jobs (98% of GPU-hours >= 8 GPUs), large-model mix (7-70B)"),
 ]
 
 
