@@ -173,3 +173,25 @@ def test_percentile_matches_linear_interpolation():
     assert percentile([], 50) == 0.0
     assert percentile([1, 2, 3, 4], 50) == 2.5
     assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+
+
+def test_resumed_job_pays_checkpoint_save_and_restore():
+    from scheduler.sim.engine import CKPT_BYTES_PER_PARAM
+    from scheduler.sim.jobs import model_spec
+    clu = cluster({A100: (1, 1)})
+    jobs = [job("long", 0, 10_000, model="llama-3.2-1b"), job("new", 5_000, 100, model="llama-3.2-1b")]
+    sim, res = run(jobs, clu, Tiresias(), [plan(A100, 1, 1.0, 10)], startup_s=10.0, tick_s=60.0,
+                   ckpt_gbs_per_node=1.0)
+    long = sim.by_id["long"]
+    assert long.preemptions == 1 and long.starts == 2
+    restore = 2 * CKPT_BYTES_PER_PARAM * model_spec("llama-3.2-1b").params / 1e9
+    by = {r["job_id"]: r for r in res.per_job}
+    ran_new = by["new"]["end_s"] - by["new"]["first_start_s"]
+    assert restore > 30 and by["long"]["end_s"] == pytest.approx(10_000 + 2 * 10.0 + restore + ran_new, abs=0.01)
+
+
+def test_round_based_policy_acts_only_on_round_boundaries():
+    from scheduler.policies.gavel import Gavel
+    sim, res = run([job("a", 100.0, 10)], cluster({A100: (1, 8)}), Gavel(), [plan(A100, 1, 1.0, 10)],
+                   startup_s=0.0)
+    assert res.per_job[0]["first_start_s"] == pytest.approx(360.0)
