@@ -83,7 +83,6 @@ def make_workload(w: Workload, cluster: str) -> tuple[Path, str]:
 
 def offered_load(jobs, cluster) -> float:
     """Trace GPU-seconds on the reference type / (cluster GPUs x arrival span)."""
-    from scheduler.workload import WorkloadJob  # noqa: F401
     span = max(j.submit_s for j in jobs) - min(j.submit_s for j in jobs)
     from scheduler.sim.jobs import fastest_plan_at
     work = 0.0
