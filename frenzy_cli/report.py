@@ -13,7 +13,7 @@ def print_result(result, console: Console | None = None) -> None:
     plan = result.initial_plan
 
     t = Table(title=f"Memory estimate per GPU: {result.job_name} on {plan.short()}",
-              title_justify="left")
+              title_justify="left", min_width=72)
     t.add_column("term")
     t.add_column("GiB", justify="right")
     t.add_column("MiB", justify="right")
@@ -51,7 +51,7 @@ def print_result(result, console: Console | None = None) -> None:
                       f" (resumed from step {att.get('resumed_from_step', 0)})"
                       + (f" - {att['error']}" if att.get("error") else ""))
 
-    t = Table(title="Training loss per step", title_justify="left")
+    t = Table(title="Training loss per step", title_justify="left", min_width=32)
     t.add_column("step", justify="right")
     t.add_column("loss", justify="right")
     for step, loss in enumerate(result.losses, 1):
