@@ -52,7 +52,7 @@ TOLERANCE = 0.10            # plans within 10% of the earliest completion count 
 MAX_RESERVATIONS = 8        # head-of-line jobs that hold a reservation per round
 OVERDUE_MIN_S = 300.0       # a running job past its predicted end is expected to need at least
 OVERDUE_FRACTION = 0.2      # max(5 min, 20% of its predicted run time) more
-MIN_EFFICIENCY = 0.5        # a bigger GPU count must keep >= 50% parallel efficiency vs the
+MIN_EFFICIENCY = 0.7        # a bigger GPU count must keep >= 70% parallel efficiency vs the
                             # fewest GPUs of that type (wasting more is never worth it in a queue)
 PREEMPT_MIN_WAIT_S = 1800.0  # preempt only for a head job that would otherwise wait > 30 min
 PREEMPT_RATIO = 4.0         # ... for GPUs held by jobs with > 4x its (duration + 30 min) left
