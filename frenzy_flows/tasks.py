@@ -101,6 +101,10 @@ def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], led
     ledger = Ledger(ledger_url)
     pol = get_policy(policy)
     plans = [p for ps in candidates.values() for p in ps]
+    # With the job's step count on record, its allocation carries a predicted end, so later
+    # submitters' policies can plan their waits around this run.
+    ledger.submit_job(job_id, job.name, {**job.model_dump(mode="json"), "train_steps": job.steps})
+    ledger.record_plans(job_id, sorted(plans, key=lambda p: p.step_time_s))
     submit_s = time.time()
     deadline = submit_s + wait_timeout_s
     delay = 1.0
