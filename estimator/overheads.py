@@ -18,6 +18,7 @@ import json
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from .home import DEFAULT_HOME, frenzy_home
 
 # --- documented defaults ------------------------------------------------------------------
 # CUDA context + kernel images per process with lazy module loading (CUDA 11.7+ default):
@@ -73,17 +74,13 @@ CPU_OVERHEADS = Overheads(cuda_context_gib=CPU_CONTEXT_GIB, workspace_gib=0.0, f
 _cache: dict[str, tuple[float, dict[str, dict[str, float]]]] = {}
 
 
-def frenzy_home() -> Path:
-    return Path(os.environ.get("FRENZY_HOME", "./.frenzy"))
-
-
 def calibration_path() -> Path:
     return frenzy_home() / "calibration.json"
 
 
 def _calibration_file() -> str:
     # the hot path (every estimate): plain strings, no pathlib
-    return os.path.join(os.environ.get("FRENZY_HOME", "./.frenzy"), "calibration.json")
+    return os.path.join(os.environ.get("FRENZY_HOME") or DEFAULT_HOME, "calibration.json")
 
 
 def load_calibration(path: str | os.PathLike | None = None) -> dict[str, dict[str, float]]:

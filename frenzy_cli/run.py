@@ -47,7 +47,10 @@ def load_job(path: str):
 
 def embedded_prefect_env(json_mode: bool) -> None:
     """Project-local state for the embedded default; never the user's ~/.prefect."""
-    home = Path(os.environ.setdefault("FRENZY_HOME", str(Path.cwd() / ".frenzy")))
+    from estimator.home import frenzy_home
+
+    home = frenzy_home().resolve()
+    os.environ["FRENZY_HOME"] = str(home)      # absolute: pool workers and training ranks share it
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # Prefect makes one level only
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

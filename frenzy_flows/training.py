@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from estimator.home import frenzy_home
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
@@ -18,8 +19,7 @@ from frenzy_flows.results import Assignment
 
 
 def runs_dir() -> Path:
-    home = Path(os.environ.get("FRENZY_HOME", ".frenzy"))
-    return home / "runs"
+    return frenzy_home() / "runs"
 
 
 def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment, *,

@@ -28,6 +28,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlmodel import Session, SQLModel, select
 
 from estimator.errors import FrenzyInputError
+from estimator.home import frenzy_home
 from estimator.plan import Plan
 from scheduler.placement import FreeIndex
 from scheduler.types import ClusterState, Node, RunningJob
@@ -88,8 +89,7 @@ def default_url() -> str:
     url = os.environ.get("FRENZY_LEDGER_URL")
     if url:
         return url
-    home = Path(os.environ.get("FRENZY_HOME", ".frenzy"))
-    return f"sqlite:///{(home / 'ledger.db').resolve()}"
+    return f"sqlite:///{(frenzy_home() / 'ledger.db').resolve()}"
 
 
 def _normalise(url: str) -> str:
