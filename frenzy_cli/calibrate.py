@@ -30,9 +30,9 @@ def handle(args) -> int:
         print(json.dumps({"measurements": len(rows), "fits": fits,
                           "written": str(path) if path else None}))
         return 0
-    from rich.console import Console
+    from .console import console
     from rich.table import Table
-    con = Console()
+    con = console()
     if not fits:
         con.print(f"no measured GPU runs among {len(rows)} ledger measurements: "
                   "nothing to fit (defaults stay in use)")

@@ -95,9 +95,9 @@ def handle_estimate(args) -> int:
     if args.json:
         print(json.dumps(est.model_dump(mode="json")))
         return 0
-    from rich.console import Console
+    from .console import console
     from rich.table import Table
-    con = Console()
+    con = console()
     for w in with_warnings:
         con.print(f"[yellow]warning:[/] {w}")
     for note in est.warnings:
@@ -173,9 +173,9 @@ def handle_plan(args) -> int:
     if args.json:
         print(json.dumps({g: [p.model_dump(mode="json") for p in ps] for g, ps in plans.items()}))
         return 0
-    from rich.console import Console
+    from .console import console
     from rich.table import Table
-    con = Console()
+    con = console()
     for g, ps in plans.items():
         if not ps:
             con.print(f"[dim]{g}: no feasible plan[/]")
@@ -198,7 +198,7 @@ def handle_models(args) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    from rich.console import Console
+    from .console import console
     from rich.table import Table
     t = Table(title=f"{len(rows)} model presets")
     for col in ("name", "params", "arch", "layers", "hidden", "heads", "kv", "ffn", "vocab", "tied"):
@@ -207,5 +207,5 @@ def handle_models(args) -> int:
         t.add_row(r["name"], f"{r['params']:,}", r["arch"], str(r["layers"]), str(r["hidden"]),
                   str(r["heads"]), str(r["kv_heads"]), str(r["ffn"]), str(r["vocab"]),
                   "yes" if r["tied_embeddings"] else "no")
-    Console().print(t)
+    console().print(t)
     return 0

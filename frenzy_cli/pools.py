@@ -93,7 +93,7 @@ def handle_status(args) -> int:
     if args.json:
         print(json.dumps([r.__dict__ for r in rows]))
         return 0
-    from rich.console import Console
+    from .console import console
     from rich.table import Table
 
     t = Table(title="Frenzy GPU pools", title_justify="left")
@@ -103,7 +103,7 @@ def handle_status(args) -> int:
         workers = str(r.workers_online) if r.workers_online else "[red]0 (no workers online)[/red]"
         t.add_row(r.name, r.pool_type, r.gpu_type, "-" if r.gpus is None else str(r.gpus),
                   "-" if r.in_use is None else str(r.in_use), str(r.queued), str(r.running), workers, r.state)
-    Console(width=None if sys.stdout.isatty() else 160).print(t)   # piped: do not truncate
+    console().print(t)
     if not rows:
         print("no Frenzy pools on this server; run `frenzy pools sync --cluster <file>`", file=sys.stderr)
     return 0

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 from rich.console import Console
+
+from .console import console as make_console
 from rich.table import Table
 
 PLANS_PER_TYPE = 5
 
 
 def print_result(result, console: Console | None = None) -> None:
-    console = console or Console(width=None if Console().is_terminal else 120)
+    console = console or make_console()
     est = result.estimate
     plan = result.initial_plan
 

@@ -98,7 +98,7 @@ def handle_simulate(args) -> int:
 
 
 def print_table(results, title: str = "") -> None:
-    from rich.console import Console
+    from .console import console
     from rich.table import Table
 
     t = Table(title=title or None, title_justify="left")
@@ -112,7 +112,7 @@ def print_table(results, title: str = "") -> None:
                   f"{r.avg_queue_s / 3600:.2f}", f"{r.gpu_util:.2f}", str(r.oom_events),
                   f"{r.sched_ms_p50:.2f}", f"{r.sched_ms_p99:.2f}", f"{r.lower_bound_avg_jct_s / 3600:.2f}",
                   str(r.preemptions), f"{r.sim_wall_s:.1f}")
-    Console(width=None if sys.stdout.isatty() else 220).print(t)
+    console().print(t)
 
 
 def handle_workload(args) -> int:
@@ -129,9 +129,9 @@ def handle_workload(args) -> int:
     trace = read_trace(args.trace)
     show = sys.stderr.isatty()
     if show:
-        from rich.console import Console
+        from .console import console
         from rich.progress import Progress
-        with Progress(console=Console(stderr=True), transient=True) as prog:
+        with Progress(console=console(stderr=True), transient=True) as prog:
             task = prog.add_task("mapping trace jobs", total=len(trace))
             jobs = map_trace(trace, mix, args.seed, progress=lambda n: prog.update(task, completed=n))
     else:
