@@ -61,21 +61,25 @@ def embedded_prefect_env(json_mode: bool) -> None:
 
 def handle(args) -> int:
     job = load_job(args.job)
-    embedded_prefect_env(args.json)
-    # Validate the cluster file before the slow Prefect start-up.
-    from frenzy_flows.flow import load_cluster_or_local
+    # Bad input fails here, in a line, before the slow Prefect start-up: the cluster file, and
+    # a job that no GPU of the cluster can hold (the flow's first task asks the same question).
+    from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, plans_for_job
+    from scheduler.discover import cluster_or_local
 
-    topology = load_cluster_or_local(args.cluster)
+    topology = cluster_or_local(args.cluster)
+    margin = DEFAULT_SAFETY_MARGIN_GIB if args.safety_margin_gib is None else args.safety_margin_gib
+    plans_for_job(job, topology.inventory(), gpus_per_node=topology.gpus_per_node(),
+                  safety_margin_gib=margin)
 
+    embedded_prefect_env(args.json)     # before prefect is first imported
     from deployments.pools import sync_pools
     from frenzy_flows import submit_training
 
     from . import report
 
     sync_pools(topology)
-    kwargs = {"cluster": args.cluster, "policy": args.policy, "ledger_url": args.ledger}
-    if args.safety_margin_gib is not None:
-        kwargs["safety_margin_gib"] = args.safety_margin_gib
+    kwargs = {"cluster": args.cluster, "policy": args.policy, "ledger_url": args.ledger,
+              "safety_margin_gib": margin}
     try:
         result = submit_training(job, **kwargs)
     except Exception as err:

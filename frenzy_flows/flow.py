@@ -11,7 +11,9 @@ from prefect.runtime import flow_run
 from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
+from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB
 from pydantic import SecretStr
+from scheduler.discover import cluster_or_local
 
 from frenzy_flows import artifacts, events
 from frenzy_flows.results import Assignment, SubmitResult
@@ -19,14 +21,6 @@ from frenzy_flows.tasks import (assign, secret_value, estimate_for_plan, estimat
                     select_resources)
 from frenzy_flows.train_flow import train_on_pool
 
-DEFAULT_SAFETY_MARGIN_GIB = 2.0
-
-
-def load_cluster_or_local(cluster: str | None):
-    from scheduler.cluster import load_cluster
-    from scheduler.discover import local_cluster
-
-    return load_cluster(cluster) if cluster else local_cluster()
 
 
 async def _registered_pools() -> list[str]:
@@ -69,7 +63,7 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str = 
     if isinstance(job, dict):
         job = TrainingJob.model_validate(job)
     ledger_url = secret_value(ledger_url) or os.environ.get("FRENZY_LEDGER_URL")
-    topology = load_cluster_or_local(cluster)
+    topology = cluster_or_local(cluster)
     Ledger(ledger_url).sync_cluster(topology)
     job_id = new_job_id(job)
 

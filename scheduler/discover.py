@@ -90,3 +90,10 @@ def local_cluster(*, use_gpus: bool = True) -> Cluster:
         if gpus:
             return cluster_from_gpus(gpus)
     return cpu_cluster()
+
+
+def cluster_or_local(path: str | None) -> Cluster:
+    """The cluster a submission runs on: the cluster file when one is given, else this machine."""
+    from .cluster import load_cluster
+
+    return load_cluster(path) if path else local_cluster()

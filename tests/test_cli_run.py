@@ -53,3 +53,15 @@ def test_run_bad_field_names_it(tmp_path):
     assert proc.returncode == 2
     assert "seq_len" in proc.stderr and "greater than 0" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_run_job_that_fits_nowhere_names_closest_plan(tmp_path):
+    job = tmp_path / "big.yaml"
+    job.write_text("model: llama-2-70b\nseq_len: 4096\nglobal_batch: 8\ntrain_steps: 3\n")
+    cluster = tmp_path / "cpu.yaml"
+    cluster.write_text("pools:\n  - {name: cpu, gpu: CPU, nodes: 1, gpus_per_node: 2}\n")
+    proc = frenzy("run", str(job), "--cluster", str(cluster), cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert "closest plan" in proc.stderr and "misses by" in proc.stderr and "GiB" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / ".frenzy" / "prefect").exists()     # failed before Prefect started
