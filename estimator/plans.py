@@ -211,13 +211,14 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
 
 
 def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
-                    gpus_per_node: int = 8, safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB
-                    ) -> list[Plan]:
+                    gpus_per_node: int = 8, safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB,
+                    gpus: dict[str, GPU] | None = None) -> list[Plan]:
     """Feasible plans of ``job`` on ``gpu_type`` using at most ``max_gpus`` GPUs, each with
-    ``device_used_gib <= memory - safety_margin_gib``, fastest first (predicted step time)."""
+    ``device_used_gib <= memory - safety_margin_gib``, fastest first (predicted step time).
+    ``gpus``: a cluster's own GPU types (``Cluster.gpu_catalog()``), looked up before the catalog."""
     j = _as_job(job)
     spec = resolve_model(j.model)
-    gpu = get_gpu(gpu_type)
+    gpu = get_gpu(gpu_type, gpus)
     if isinstance(max_gpus, bool) or not isinstance(max_gpus, int) or max_gpus < 1:
         raise FrenzyInputError("max_gpus", f"must be a positive integer, got {max_gpus!r}")
     if j.max_gpus:
@@ -232,9 +233,10 @@ def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
 
 def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
                   gpus_per_node: dict[str, int] | int = 8,
-                  safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB) -> dict[str, list[Plan]]:
+                  safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB,
+                  gpus: dict[str, GPU] | None = None) -> dict[str, list[Plan]]:
     """Feasible plans per GPU type of the inventory (gpu_type -> GPUs in the cluster), each list
-    fastest first. GPU types the job does not allow or that hold no plan map to []. Raises
+    fastest first; ``gpus`` as in ``enumerate_plans``. GPU types the job does not allow or that hold no plan map to []. Raises
     DoesNotFitError (closest plan, shortfall in GiB) when nothing fits anywhere."""
     j = _as_job(job)
     spec = resolve_model(j.model)
@@ -251,7 +253,7 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
         if count <= 0:
             out[gtype] = []
             continue
-        gpu = get_gpu(gtype)
+        gpu = get_gpu(gtype, gpus)
         gpn = gpus_per_node.get(gtype, 8) if isinstance(gpus_per_node, dict) else gpus_per_node
         n = min(int(count), j.max_gpus or int(count))
         out[gtype] = _plans_for_gpu(j, spec, gpu, n, max(1, int(gpn)), safety_margin_gib, closest)

@@ -69,7 +69,7 @@ def handle(args) -> int:
     topology = cluster_or_local(args.cluster)
     margin = DEFAULT_SAFETY_MARGIN_GIB if args.safety_margin_gib is None else args.safety_margin_gib
     plans_for_job(job, topology.inventory(), gpus_per_node=topology.gpus_per_node(),
-                  safety_margin_gib=margin)
+                  safety_margin_gib=margin, gpus=topology.gpu_catalog())
 
     embedded_prefect_env(args.json)     # before prefect is first imported
     from deployments.pools import sync_pools

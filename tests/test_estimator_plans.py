@@ -85,3 +85,20 @@ def test_bad_input():
         enumerate_plans(JOB, "A100-80GB", max_gpus=0)
     with pytest.raises(FrenzyInputError, match="seq_len"):
         enumerate_plans(dict(JOB, seq_len=0), "A100-80GB", max_gpus=4)
+
+
+def test_custom_gpu_type_from_a_cluster_gets_plans():
+    from estimator.catalog import get_gpu
+    from estimator.errors import FrenzyInputError
+    from estimator.plans import plans_for_job
+
+    custom = get_gpu("A100-80GB").model_copy(update={"name": "MI300X-192GB", "memory_gib": 192.0})
+    job = {"model": "llama-2-13b", "seq_len": 2048, "global_batch": 8, "train_steps": 10}
+    with pytest.raises(FrenzyInputError, match="MI300X-192GB"):
+        plans_for_job(job, {"MI300X-192GB": 8})
+    plans = plans_for_job(job, {"MI300X-192GB": 8}, gpus={"MI300X-192GB": custom})
+    assert plans["MI300X-192GB"]
+    assert all(p.device_used_gib <= 192.0 - 1.0 for p in plans["MI300X-192GB"])
+    # the same job holds on fewer of the big custom cards than on 80 GB ones
+    a100 = plans_for_job(job, {"A100-80GB": 8})["A100-80GB"]
+    assert min(p.gpus for p in plans["MI300X-192GB"]) <= min(p.gpus for p in a100)
