@@ -186,6 +186,80 @@ def test_short_job_preempts_a_much_longer_one_sparingly():
     assert FrenzyPolicy().schedule([short], st, NOW) == []
     # nor when the running job is about to finish anyway
     st2 = cluster(A100_ONLY)
-    occupy(st2, "a-0", list(range(8)), long_plan, end=NOW + 3 * 3600)
+    occupy(st2, "a-0", list(range(8)), long_plan, end=NOW + 2 * 3600)   # < 4 x (30 + 5) min
     st2.running[0].start_s = NOW - 3600
     assert FrenzyPolicy().schedule([short], st2, NOW) == []
+
+
+def running(state, jid, decision, start, end):
+    """Put a job a policy started (``decision``) on the cluster as a running job."""
+    for nid, devs in decision.placement.items():
+        for n in state.nodes:
+            if n.node_id == nid:
+                n.free = [d for d in n.free if d not in devs]
+    state.running.append(RunningJob(job_id=jid, plan=decision.plan, placement=dict(decision.placement),
+                                    start_s=start, expected_end_s=end))
+
+
+# 4 GPUs at full efficiency; 8 GPUs 43% faster but at 71% parallel efficiency: worth it only
+# on GPUs that would otherwise sit idle
+ELASTIC = [plan("A100-80GB", 4, 20, 0.30), plan("A100-80GB", 8, 20, 0.21)]
+
+
+def test_lightly_loaded_job_takes_the_fastest_plan_busy_one_the_cheapest():
+    pol = FrenzyPolicy()
+    d = pol.schedule([job("j", ELASTIC)], cluster(A100_ONLY), NOW)
+    assert d[0].plan.gpus == 8                       # the whole idle node
+    busy = cluster(A100_ONLY)
+    other = plan("A100-80GB", 2, 20, 1.0)
+    occupy(busy, "a-0", [0, 1], other, end=NOW + 3600)
+    d = FrenzyPolicy().schedule([job("j", ELASTIC), job("k", [other])], busy, NOW)
+    assert {x.job_id: x.plan.gpus for x in d} == {"j": 4, "k": 2}
+    assert FrenzyPolicy(idle_factor=0).schedule([job("j", ELASTIC)], cluster(A100_ONLY), NOW)[0].plan.gpus == 4
+
+
+def test_running_job_grows_onto_idle_gpus_only_when_nothing_waits_and_it_pays():
+    pol = FrenzyPolicy()
+    st = cluster(A100_ONLY)
+    occupy(st, "a-0", [4, 5, 6, 7], plan("A100-80GB", 4, 20, 1.0), end=NOW + 600)
+    d = pol.schedule([job("j", ELASTIC, steps=100_000)], st, NOW)
+    assert [(x.job_id, x.plan.gpus) for x in d] == [("j", 4)]
+    # the other run ended: j restarts on 8 GPUs (8.3 h -> 5.8 h left, restore included)
+    st = cluster(A100_ONLY)
+    running(st, "j", d[0], NOW, NOW + 100_000 * 0.30)
+    later = NOW + 600
+    g = pol.schedule([], st, later)
+    assert [(x.action, x.job_id) for x in g] == [("preempt", "j"), ("start", "j")]
+    assert g[1].plan.gpus == 8 and sum(map(len, g[1].placement.values())) == 8
+
+    def knows_j(**kw):                                 # a policy that started j itself
+        p = FrenzyPolicy(preemption=False, **kw)
+        p.schedule([job("j", ELASTIC, steps=100_000)], cluster(A100_ONLY), NOW)
+        return p
+
+    # not while a job waits (one that needs the whole node), nor with grow=False, nor for a run
+    # almost done
+    waiter = job("w", [plan("A100-80GB", 8, 20, 1.0)])
+    assert knows_j().schedule([waiter], st, later) == []
+    assert knows_j(grow=False).schedule([], st, later) == []
+    assert len(knows_j().schedule([], st, later)) == 2
+    st.running[0].expected_end_s = later + 300
+    assert knows_j().schedule([], st, later) == []
+
+
+def test_wide_run_shrinks_for_a_waiting_job_when_the_waiter_gains_more():
+    pol = FrenzyPolicy(preempt_ratio=1e9)              # no whole-job preemption: only shrinking
+    big = job("big", ELASTIC, steps=200_000)
+    d = pol.schedule([big], cluster(A100_ONLY), NOW - 3600)
+    assert d[0].plan.gpus == 8
+    st = cluster(A100_ONLY)
+    running(st, "big", d[0], NOW - 3600, NOW + 10 * 3600)
+    short = job("short", [plan("A100-80GB", 4, 20, 1.0)], steps=1800)   # 30 min, would wait 10 h
+    s = pol.schedule([short], st, NOW)
+    assert [(x.action, x.job_id) for x in s] == [("preempt", "big"), ("start", "big"), ("start", "short")]
+    assert s[1].plan.gpus == 4 and s[2].plan.gpus == 4
+    assert not set(sum(s[1].placement.values(), [])) & set(sum(s[2].placement.values(), []))
+    # a waiter that would wait only minutes does not shrink anyone
+    st.running[0].expected_end_s = NOW + 120
+    assert FrenzyPolicy(preempt_ratio=1e9).schedule([short], st, NOW) == []
+    assert FrenzyPolicy(shrink=False, preempt_ratio=1e9).schedule([short], st, NOW + 1) == []

@@ -12,20 +12,30 @@ no solver; per job O(plans x log running jobs).
    (and of jobs started earlier in this round), minus reservations. The job takes the plan with
    the earliest predicted completion (start + duration); among plans within ``tolerance`` of
    it, the one using the fewest GPU-seconds (leaving GPUs to the jobs behind it). If that plan
-   cannot start now, the job waits for it rather than starting now on something worse.
+   cannot start now, the job waits for it rather than starting now on something worse. Plans
+   must keep ``min_efficiency`` (90%) parallel efficiency vs the fewest GPUs of their type;
+   when the cluster is lightly loaded (the waiting jobs' smallest plans need at most
+   1 / ``idle_factor`` of the free GPUs), jobs instead take their fastest plan that can start
+   now, down to ``idle_min_efficiency`` (70%): those GPUs would otherwise sit idle.
 4. Backfill. Jobs that must wait get a reservation (the first ``max_reservations`` of them, in
    priority order), and later jobs start now only where they do not delay any reservation:
    conservative backfilling over the profile.
 5. Queued load. Beyond the reservations, a waiting job still adds its GPU-seconds to its GPU
    type's queue, and later jobs see that type's wait grow (running + queued work / GPUs): a
    burst spreads over the slower types instead of all waiting for the fastest one.
-6. Preemption, sparingly. A job near the head of the queue that would wait more than 30 min
-   may checkpoint-preempt runs with over 4x its remaining work (never in their first 30 min,
+6. Preemption, sparingly. A job near the head of the queue that would wait more than 5 min
+   may checkpoint-preempt runs with over 4x its remaining work (never in their first 5 min,
    at most twice per job) when that lets it start now: shortest-remaining-first where it pays.
-7. Placement. Fewest nodes, best fit (``FreeIndex.place_compact``); tensor-parallel groups
+   Failing that, it may shrink one running job onto fewer GPUs of its type (a checkpoint
+   restart) when its predicted time saved is 1.5x what that job loses.
+7. Elastic growth (Sia-like, but only when it pays). When no job is left waiting after the
+   round, running jobs (longest remaining first) restart on a faster plan on the idle GPUs if
+   their predicted remaining time, restart and checkpoint restore included, drops by >= 20%
+   and >= 2 min; at most twice per job (growths and shrinks together).
+8. Placement. Fewest nodes, best fit (``FreeIndex.place_compact``); tensor-parallel groups
    inside one node.
 
-Live (the submit flow), preempt decisions are not acted on; the start that depended on them
+Live (the submit flow), preempt decisions (and so shrinks and growths) are not acted on; the start that depended on them
 then meets a ledger conflict and re-plans, so nothing breaks. Pass ``preemption=False`` to
 turn it off.
 """
@@ -52,13 +62,25 @@ TOLERANCE = 0.10            # plans within 10% of the earliest completion count 
 MAX_RESERVATIONS = 8        # head-of-line jobs that hold a reservation per round
 OVERDUE_MIN_S = 300.0       # a running job past its predicted end is expected to need at least
 OVERDUE_FRACTION = 0.2      # max(5 min, 20% of its predicted run time) more
-MIN_EFFICIENCY = 0.7        # a bigger GPU count must keep >= 70% parallel efficiency vs the
+MIN_EFFICIENCY = 0.9         # a bigger GPU count must keep >= 90% parallel efficiency vs the
                             # fewest GPUs of that type (wasting more is never worth it in a queue)
-PREEMPT_MIN_WAIT_S = 1800.0  # preempt only for a head job that would otherwise wait > 30 min
-PREEMPT_RATIO = 4.0         # ... for GPUs held by jobs with > 4x its (duration + 30 min) left
-PREEMPT_GRACE_S = 1800.0    # never preempt a run in its first 30 min (restart costs, thrashing)
+PREEMPT_MIN_WAIT_S = 300.0  # preempt only for a head job that would otherwise wait > 5 min
+PREEMPT_RATIO = 4.0         # ... for GPUs held by jobs with > 4x its (duration + 5 min) left
+PREEMPT_GRACE_S = 300.0     # never preempt a run in its first 5 min (restart costs, thrashing)
 MAX_PREEMPTIONS_PER_JOB = 2
 PREEMPT_HEADS = 4           # jobs at the head of the queue that may preempt, per round
+IDLE_FACTOR = 2.0           # waiting jobs' fewest GPUs x this <= free GPUs: "lightly loaded"
+IDLE_MIN_EFFICIENCY = 0.7   # ... when they would take idle GPUs: restarts onto faster plans, and
+                            # the fastest plan when lightly loaded
+GROW_MIN_GAIN = 0.2         # restart a run on a faster plan only if its remaining time drops >= 20%
+GROW_MIN_S = 120.0          # ... and by >= 2 min
+MAX_GROWS_PER_JOB = 2
+GROW_MAX_PER_ROUND = 8
+SHRINK_MIN_WAIT_S = 300.0   # shrink a run for a head job that would wait > 5 min ...
+SHRINK_GRACE_S = 300.0      # ... never a run in its first 5 min ...
+SHRINK_GAIN = 1.5           # ... and only when the waiter gains 1.5x what the shrunk run loses
+RESTART_S = 60.0            # launch + model build of a (re)start
+CKPT_GBS = 2.0              # checkpoint write / read bandwidth per node (GB/s)
 LOOKAHEAD = 128             # jobs whose waiting choice is tracked (as queued load per GPU type);
                             # deeper jobs are only tried for an immediate start
 
@@ -192,7 +214,29 @@ class FrenzyPolicy(Policy):
                  preempt_min_wait_s: float = PREEMPT_MIN_WAIT_S, preempt_ratio: float = PREEMPT_RATIO,
                  preempt_grace_s: float = PREEMPT_GRACE_S,
                  max_preemptions_per_job: int = MAX_PREEMPTIONS_PER_JOB,
-                 preempt_heads: int = PREEMPT_HEADS) -> None:
+                 preempt_heads: int = PREEMPT_HEADS, idle_factor: float = IDLE_FACTOR,
+                 idle_min_efficiency: float = IDLE_MIN_EFFICIENCY, grow: bool = True,
+                 grow_min_gain: float = GROW_MIN_GAIN, grow_min_s: float = GROW_MIN_S,
+                 max_grows_per_job: int = MAX_GROWS_PER_JOB, grow_max_per_round: int = GROW_MAX_PER_ROUND,
+                 restart_s: float = RESTART_S, ckpt_gbs: float = CKPT_GBS, shrink: bool = True,
+                 shrink_min_wait_s: float = SHRINK_MIN_WAIT_S, shrink_grace_s: float = SHRINK_GRACE_S,
+                 shrink_gain: float = SHRINK_GAIN) -> None:
+        self.idle_factor = idle_factor
+        self.idle_min_efficiency = idle_min_efficiency
+        self.shrink = shrink
+        self.shrink_min_wait_s = shrink_min_wait_s
+        self.shrink_grace_s = shrink_grace_s
+        self.shrink_gain = shrink_gain
+        self.grow = grow
+        self.grow_min_gain = grow_min_gain
+        self.grow_min_s = grow_min_s
+        self.max_grows_per_job = max_grows_per_job
+        self.grow_max_per_round = grow_max_per_round
+        self.restart_s = restart_s
+        self.ckpt_gbs = ckpt_gbs
+        self._run_tuples: dict[str, list[tuple]] = {}   # running job -> its plan menu
+        self._restore_s: dict[str, float] = {}          # running job -> checkpoint save + restore
+        self._grown: dict[str, int] = {}
         self.safety_margin_gib = safety_margin_gib
         self.mem_headroom = mem_headroom
         self.aging_s = aging_s
@@ -215,6 +259,7 @@ class FrenzyPolicy(Policy):
         self._min_gpus: dict[str, list[tuple[str, int]]] = {}
         self._work: dict[str, float] = {}       # job -> GPU-seconds per step of its cheapest plan
         self._tuples: dict[str, list[tuple]] = {}   # job -> (step_s, gpus, gpu_type, cand), hot loop
+        self._wide: dict[str, list[tuple]] = {}     # the same under the idle efficiency cap
         self._by_plans: dict[int, tuple] = {}   # id(plan list) -> (list, len, cands, mins, work)
         self._mem_key: tuple = ()
         self._mem: dict[str, float] = {}        # gpu_type -> memory, from the last round's state
@@ -234,14 +279,15 @@ class FrenzyPolicy(Policy):
             if shared is not None and (shared[0] is not job.plans or shared[1] != len(job.plans)):
                 shared = None
         if shared is not None:
-            cands, mins, work = shared[2], shared[3], shared[4]
+            cands, mins, work, wide = shared[2], shared[3], shared[4], shared[5]
         else:
-            cands, mins, work = self._build_candidates(job, state, oom_frac)
+            cands, mins, work, wide = self._build_candidates(job, state, oom_frac)
             if oom_frac == INF:
-                self._by_plans[id(job.plans)] = (job.plans, len(job.plans), cands, mins, work)
+                self._by_plans[id(job.plans)] = (job.plans, len(job.plans), cands, mins, work, wide)
         self._min_gpus[job.job_id] = mins
         self._work[job.job_id] = work
         self._tuples[job.job_id] = [(c.step_s, c.gpus, c.gpu_type, c) for c in cands]
+        self._wide[job.job_id] = wide
         self._cache[job.job_id] = (key, cands)
         return cands
 
@@ -253,9 +299,23 @@ class FrenzyPolicy(Policy):
         by_type: dict[str, list[Plan]] = {}
         for p in chosen:
             by_type.setdefault(p.gpu_type, []).append(p)
+        for ps in by_type.values():
+            ps.sort(key=lambda p: (p.gpus, p.step_time_s))
+        cands = self._pareto(by_type, self.min_efficiency)
+        wide = cands if self.idle_min_efficiency == self.min_efficiency else self._pareto(
+            by_type, self.idle_min_efficiency)
+        mins: dict[str, int] = {}
+        for c in cands:
+            mins[c.gpu_type] = min(mins.get(c.gpu_type, c.gpus), c.gpus)
+        work = min((c.gpus * c.step_s for c in cands), default=INF)
+        return cands, list(mins.items()), work, [(c.step_s, c.gpus, c.gpu_type, c) for c in wide]
+
+    @staticmethod
+    def _pareto(by_type: dict[str, list[Plan]], min_efficiency: float) -> list[_Cand]:
+        """Per GPU type the plans a bigger count makes faster, while parallel efficiency vs the
+        fewest GPUs of that type stays >= ``min_efficiency``; fastest first."""
         cands: list[_Cand] = []
         for t, ps in by_type.items():
-            ps.sort(key=lambda p: (p.gpus, p.step_time_s))
             best = INF
             base_gpu_s = None                             # GPU-seconds per step at the fewest GPUs
             for p in ps:                                  # Pareto: more GPUs only if faster
@@ -263,16 +323,12 @@ class FrenzyPolicy(Policy):
                     gpu_s = p.gpus * p.step_time_s
                     if base_gpu_s is None:
                         base_gpu_s = gpu_s
-                    elif base_gpu_s < self.min_efficiency * gpu_s:
+                    elif base_gpu_s < min_efficiency * gpu_s:
                         break                             # more GPUs than the speed-up is worth
                     cands.append(_Cand(p, t, p.gpus, p.step_time_s))
                     best = p.step_time_s
         cands.sort(key=lambda c: (c.step_s, c.gpus))
-        mins: dict[str, int] = {}
-        for c in cands:
-            mins[c.gpu_type] = min(mins.get(c.gpu_type, c.gpus), c.gpus)
-        work = min((c.gpus * c.step_s for c in cands), default=INF)
-        return cands, list(mins.items()), work
+        return cands
 
     def _gate(self, plans: list[Plan], state: ClusterState, oom_frac: float) -> list[Plan]:
         safe, fallback = [], []
@@ -315,7 +371,7 @@ class FrenzyPolicy(Policy):
         return profiles
 
     def _choose(self, tuples: list[tuple], steps: int, profiles: dict[str, _Profile], total: dict[str, int],
-                now: float, deep: bool = False):
+                now: float, deep: bool = False, fastest: bool = False):
         """(candidate, start, duration) with the earliest predicted completion (within the
         tolerance: the fewest GPU-seconds), or None. ``deep``: give up as soon as waiting
         clearly beats the fastest immediate start (such a job does nothing this round)."""
@@ -354,6 +410,13 @@ class FrenzyPolicy(Policy):
         if not options or (deep and all(o[3] > now for o in options)):
             return None
         pick = None
+        if fastest:                       # idle GPUs: nothing to leave them to, finish soonest
+            for o in options:
+                if o[3] <= now and (pick is None or o[0] < pick[0] or (o[0] == pick[0] and o[1] < pick[1])):
+                    pick = o
+            if pick is not None and pick[0] <= lim:
+                return pick[2], pick[3], pick[4]
+            pick = None
         for o in options:
             if o[0] <= lim and (pick is None or o[1] < pick[1] or (o[1] == pick[1] and o[0] < pick[0])):
                 pick = o
@@ -438,6 +501,7 @@ class FrenzyPolicy(Policy):
             self._min_gpus.pop(jid, None)
             self._work.pop(jid, None)
             self._tuples.pop(jid, None)
+            self._wide.pop(jid, None)
         if len(self._by_plans) > 2 * len(pending) + 256:   # live: plan lists of finished jobs
             keep = {id(j.plans) for j in pending}
             self._by_plans = {k: v for k, v in self._by_plans.items() if k in keep}
@@ -460,24 +524,35 @@ class FrenzyPolicy(Policy):
             self._eligible = None
             preempted: set[str] = set()
             started: set[str] = set()
+            ends: dict[str, float] = {}           # predicted end of each start decided so far
             for _, _, _, head, _ in keyed[:self.preempt_heads]:
                 choice = self._choose(self._tuples[head.job_id], max(head.steps_left, 1), profiles, total, now)
                 if choice is None or choice[1] <= now:
                     continue
                 pre, victims, got = self._preempt_for(head, choice, state, idx, now, node_type, preempted)
+                if not pre and self.shrink:
+                    pre, victims, got = self._shrink_for(head, choice, state, idx, now, node_type,
+                                                         preempted, ends)
                 if pre:
                     out.extend(pre)
                     preempted |= victims
                     started.add(head.job_id)
+                    ends[head.job_id] = now + got[2]
                     profiles = self._profiles(state, now, node_type, skip=preempted)
                     for d in out:
                         if d.action == "start":
-                            profiles[d.plan.gpu_type].add_release(now + d.plan.step_time_s * max(
-                                next(k[3].steps_left for k in keyed if k[3].job_id == d.job_id), 1), d.plan.gpus)
+                            profiles[d.plan.gpu_type].add_release(ends[d.job_id], d.plan.gpus)
             if started:
                 keyed = [k for k in keyed if k[3].job_id not in started]
         depth = 0
         lookahead = self.lookahead
+        # lightly loaded: every waiting job's smallest plan fits the free GPUs several times over,
+        # so GPUs would sit idle; jobs then take their fastest immediate plan, not the cheapest
+        fastest = False
+        if self.idle_factor > 0:
+            free_all = sum(total.values())
+            need = sum(min((n for _, n in self._min_gpus[k[3].job_id]), default=0) for k in keyed)
+            fastest = need * self.idle_factor <= free_all
         for _, _, _, job, cands in keyed:
             depth += 1
             if reservations >= self.max_reservations:
@@ -486,7 +561,8 @@ class FrenzyPolicy(Policy):
                 if depth > lookahead and not any(total.get(t, 0) >= n for t, n in self._min_gpus[job.job_id]):
                     continue              # deep in the queue and nothing it could start now
             deep = depth > lookahead and reservations >= self.max_reservations
-            choice = self._choose(self._tuples[job.job_id], max(job.steps_left, 1), profiles, total, now, deep)
+            tuples = self._wide[job.job_id] if fastest else self._tuples[job.job_id]
+            choice = self._choose(tuples, max(job.steps_left, 1), profiles, total, now, deep, fastest)
             if choice is None:
                 continue
             c, start, dur = choice
@@ -508,6 +584,131 @@ class FrenzyPolicy(Policy):
                 # no exact reservation left: the job still queues for this type, so later
                 # jobs see that type as busier (their waits grow by its GPU-seconds / capacity)
                 profiles[c.gpu_type].backlog += c.gpus * dur
+        if self.grow:
+            touched = {d.job_id for d in out}
+            self._remember_runs(state, keyed, touched)
+            if all(k[3].job_id in touched for k in keyed):     # nothing waits
+                out.extend(self._grow_runs(state, idx, now, touched))
+        return out
+
+    def _remember_runs(self, state: ClusterState, keyed: list, touched: set[str]) -> None:
+        """Keep the plan menu of the jobs starting now (a running job's request is gone), and
+        forget jobs that no longer run."""
+        for k in keyed:
+            jid = k[3].job_id
+            if jid in touched:
+                self._run_tuples[jid] = self._wide[jid]
+                # checkpoint save + restore: model states <= the 1-GPU-equivalent footprint of
+                # the job's smallest plan, at ``ckpt_gbs`` GB/s, on one node (pessimistic)
+                gib = min((c.gpus * c.plan.device_used_gib for c in k[4]), default=0.0)
+                self._restore_s[jid] = 2.0 * gib * 1.074 / self.ckpt_gbs
+        if len(self._run_tuples) > len(state.running) + len(touched) + 64:
+            alive = {rj.job_id for rj in state.running} | touched
+            self._run_tuples = {j: v for j, v in self._run_tuples.items() if j in alive}
+            self._restore_s = {j: v for j, v in self._restore_s.items() if j in alive}
+
+    def _shrink_for(self, job: JobRequest, choice, state: ClusterState, idx: FreeIndex, now: float,
+                    node_type: dict[str, str], skip: set[str], ends: dict[str, float]):
+        """A job near the head would wait: restart one running job of a type on fewer GPUs of
+        that type (a checkpoint restart, as Sia's re-sizing) when that lets the waiter start now
+        and the waiter's predicted time saved exceeds the running job's predicted time lost
+        (restart and restore included) by ``shrink_gain``. Returns like ``_preempt_for``."""
+        _, start, dur = choice
+        wait_rel = start - now + dur
+        if start - now < self.shrink_min_wait_s:
+            return [], set(), None
+        steps = max(job.steps_left, 1)
+        best = None                                   # (net gain, cand, d, victim, vcand, vdur)
+        for rj in state.running:
+            vt = self._run_tuples.get(rj.job_id)
+            if (vt is None or not rj.placement or rj.job_id in skip or now - rj.start_s < self.shrink_grace_s
+                    or self._grown.get(rj.job_id, 0) >= self.max_grows_per_job):
+                continue
+            rem = _expected_end(rj, now) - now
+            if rem == INF:
+                continue
+            g = node_type.get(next(iter(rj.placement)), "")
+            m = rj.plan.gpus
+            free = idx.free_gpus(g)
+            vsteps = max(1.0, (rem - max(0.0, rj.start_s + self.restart_s - now)) / max(rj.plan.step_time_s, 1e-9))
+            cost = self.restart_s + self._restore_s.get(rj.job_id, 0.0)
+            for step_s, n, tg, c in self._tuples[job.job_id]:
+                if tg != g or n > free + m - 1:
+                    continue
+                d = step_s * steps
+                gain = wait_rel - d
+                if gain <= 0:
+                    continue
+                for vstep, vn, vg, vc in vt:             # the victim's fastest plan that leaves n free
+                    if vg != g or vn >= m or vn + n > free + m:
+                        continue
+                    loss = vstep * vsteps + cost - rem
+                    net = gain - self.shrink_gain * loss
+                    if net > 0 and (best is None or net > best[0]):
+                        best = (net, c, d, rj, vc, vstep * vsteps + cost)
+                    break
+        if best is None:
+            return [], set(), None
+        _, c, d, rj, vc, vdur = best
+        idx.release(rj.placement)
+        vplace = idx.place_compact(vc.gpu_type, vc.gpus, vc.plan.tp)
+        if vplace is not None:
+            idx.commit(vplace)
+            place = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
+            if place is not None:
+                idx.commit(place)
+                self._grown[rj.job_id] = self._grown.get(rj.job_id, 0) + 1
+                ends[rj.job_id] = now + vdur
+                return ([Decision(job_id=rj.job_id, plan=None, placement={}, action="preempt"),
+                         Decision(job_id=rj.job_id, plan=vc.plan, placement=vplace),
+                         Decision(job_id=job.job_id, plan=c.plan, placement=place)], {rj.job_id}, (c, now, d))
+            idx.release(vplace)
+        idx.commit(rj.placement)
+        return [], set(), None
+
+    def _grow_runs(self, state: ClusterState, idx: FreeIndex, now: float, touched: set[str]) -> list[Decision]:
+        """Nothing waits and GPUs sit idle: checkpoint-restart running jobs (the longest
+        remaining first) on a faster plan when the predicted remaining time, restart and
+        checkpoint restore included, drops by at least ``grow_min_gain`` of it (and 2 min)."""
+        out: list[Decision] = []
+        if not any(idx.total.values()):
+            return out
+        runs = []
+        for rj in state.running:
+            tuples = self._run_tuples.get(rj.job_id)
+            if (tuples is None or not rj.placement or rj.job_id in touched
+                    or self._grown.get(rj.job_id, 0) >= self.max_grows_per_job):
+                continue
+            rem = _expected_end(rj, now) - now
+            if rem == INF or rem < self.grow_min_s:
+                continue
+            runs.append((rem, rj, tuples))
+        runs.sort(key=lambda x: -x[0])
+        for rem, rj, tuples in runs[:self.grow_max_per_round]:
+            ready = rj.start_s + self.restart_s
+            steps = max(1.0, (rem - max(0.0, ready - now)) / max(rj.plan.step_time_s, 1e-9))
+            cost = self.restart_s + self._restore_s.get(rj.job_id, 0.0)
+            target = rem - max(self.grow_min_gain * rem, self.grow_min_s)
+            idx.release(rj.placement)
+            placed = None
+            for step_s, n, g, c in tuples:                # fastest first
+                dur = step_s * steps + cost
+                if dur > target:
+                    break
+                if idx.free_gpus(g) < n or c.plan == rj.plan:
+                    continue
+                placed = idx.place_compact(g, n, c.plan.tp)
+                if placed is not None:
+                    break
+            if placed is None:
+                idx.commit(rj.placement)
+                continue
+            idx.commit(placed)
+            self._grown[rj.job_id] = self._grown.get(rj.job_id, 0) + 1
+            out.append(Decision(job_id=rj.job_id, plan=None, placement={}, action="preempt"))
+            out.append(Decision(job_id=rj.job_id, plan=c.plan, placement=placed))
+            if not any(idx.total.values()):
+                break
         return out
 
     def on_oom(self, job: JobRequest, plan: Plan) -> JobRequest:
