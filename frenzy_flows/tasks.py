@@ -89,6 +89,19 @@ def select_resources(job: TrainingJob, plans_by_type: dict[str, list[Plan]], clu
     return kept
 
 
+def live_policy(name: str):
+    """The policy for one live submission. It sees running jobs it cannot stop (other flows'
+    runs), so the knobs that restart running jobs (preemption, growth, shrinking) are switched
+    off where a policy has them; the same policy class runs unchanged in the simulator."""
+    import inspect
+
+    from scheduler.policies import POLICIES
+
+    factory = POLICIES.get(name)
+    params = inspect.signature(factory).parameters if factory else {}
+    return get_policy(name, **{k: False for k in ("preemption", "grow", "shrink") if k in params})
+
+
 @task(name="assign")
 def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], ledger_url: str | None,
            policy: str = "frenzy", wait_timeout_s: float = 3600.0, lease_s: float = 300.0) -> Assignment:
@@ -99,7 +112,7 @@ def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], led
 
     log = get_run_logger()
     ledger = Ledger(ledger_url)
-    pol = get_policy(policy)
+    pol = live_policy(policy)
     plans = [p for ps in candidates.values() for p in ps]
     # With the job's step count on record, its allocation carries a predicted end, so later
     # submitters' policies can plan their waits around this run.
@@ -113,9 +126,12 @@ def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], led
         state = ledger.cluster_state()
         request = JobRequest(job_id=job_id, submit_s=submit_s, plans=plans, steps_left=job.steps,
                              model=job.model if isinstance(job.model, str) else "custom")
+        free = {(n.node_id, i) for n in state.nodes for i in n.free}
         for decision in pol.schedule([request], state, time.time()):
             if decision.action != "start" or decision.job_id != job_id:
                 continue
+            if any((node, i) not in free for node, ids in decision.placement.items() for i in ids):
+                continue        # would need a running job stopped: wait for it to end instead
             try:
                 alloc = ledger.allocate(job_id, decision.plan, decision.placement, lease_s=lease_s)
             except Exception as err:  # another submitter took a GPU between read and write
