@@ -15,8 +15,6 @@ pay the restart delay when they run again.
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import linprog
-from scipy.sparse import coo_matrix
 
 from estimator.plan import Plan
 from scheduler.types import ClusterState, Decision, JobRequest, Policy
@@ -46,6 +44,11 @@ class Gavel(Policy):
 
     def allocation(self, jobs: list[JobRequest], types: list[str], capacity: dict[str, int]):
         """Solve the LP; returns (X [jobs x types], plans [jobs][types] or None)."""
+        # scipy is imported here, not at module level: the live submit flow imports the policy
+        # registry and must not pay for scipy unless Gavel actually solves a round.
+        from scipy.optimize import linprog
+        from scipy.sparse import coo_matrix
+
         nj, nk = len(jobs), len(types)
         plans: list[list[Plan | None]] = []
         tput = np.zeros((nj, nk))

@@ -17,8 +17,6 @@ Capacity: ``sum count x <= GPUs`` per type. Jobs keeping their configuration kee
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from estimator.plan import Plan
 from scheduler.types import ClusterState, Decision, JobRequest, Policy
@@ -91,6 +89,10 @@ class Sia(Policy):
         return chosen
 
     def _solve(self, jobs, types, capacity, per_node, current) -> dict[int, Plan]:
+        # scipy is imported lazily: the policy registry is imported by the live submit flow.
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+
         counts = {t: set(config_counts(per_node[t], capacity[t])) for t in types}
         var_job, var_plan, util = [], [], []
         for j, job in enumerate(jobs):
