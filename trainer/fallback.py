@@ -24,17 +24,19 @@ from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
+from .launch_config import check_realisable
+
 _CKPT_ORDER = ("none", "selective", "full")
 _OFFLOAD_ORDER = ("none", "optimizer", "optimizer+params")
 
 
 def realisable(p: Plan) -> bool:
-    """The trainer runs data parallel (+ ZeRO/offload); tp/pp/cp need Megatron-style code."""
-    if p.tp != 1 or p.pp != 1 or p.cp != 1 or p.gpus != p.dp:
+    """Whether the trainer can run ``p`` (``launch_config.check_realisable``'s rules, as a bool)."""
+    try:
+        check_realisable(p)
+    except FrenzyInputError:
         return False
-    if p.offload != "none" and p.zero == 0:
-        return False
-    return p.offload != "optimizer+params" or p.zero == 3
+    return True
 
 
 def _key(p: Plan) -> tuple:
