@@ -85,7 +85,14 @@ def test_nothing_left_when_the_job_fits_nowhere_bigger():
     assert seq == []
 
 
-@pytest.mark.parametrize("bad", [dict(tp=2, dp=2), dict(pp=2, dp=2)])
+@pytest.mark.parametrize("bad", [dict(tp=2, dp=2), dict(pp=2, dp=2), dict(offload="optimizer", zero=0),
+                                 dict(offload="optimizer+params", zero=2)])
 def test_unrealisable_plans_are_never_proposed(bad):
     p = Plan(gpu_type="A100-80GB", gpus=4, grad_accum=8, **{"dp": 4, **bad})
     assert not realisable(p)
+
+
+@pytest.mark.parametrize("good", [dict(), dict(zero=1), dict(zero=2, offload="optimizer"),
+                                  dict(zero=3, offload="optimizer+params")])
+def test_data_parallel_zero_plans_are_realisable(good):
+    assert realisable(Plan(gpu_type="A100-80GB", gpus=4, dp=4, grad_accum=8, **good))
