@@ -19,10 +19,6 @@ def _bool(v: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
 
 
-class _Parser(argparse.ArgumentParser):
-    """Flag-value errors as FrenzyInputError (one line, exit 2), like every other bad input."""
-
-
 def register(sub) -> None:
     e = sub.add_parser("estimate", help="per-GPU training memory of one configuration",
                        description="Per-GPU training memory (GiB) of one configuration.")
@@ -131,24 +127,9 @@ def handle_estimate(args) -> int:
 def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int]:
     from estimator.catalog import GPU_NAMES, get_gpu
     if args.cluster:
-        import yaml
-        from pathlib import Path
-        path = Path(args.cluster)
-        if not path.is_file():
-            raise FrenzyInputError("cluster", f"file {args.cluster} does not exist")
-        try:
-            from scheduler.cluster import load_cluster  # H2's loader when present
-            cl = load_cluster(str(path))
-            return cl.inventory(), cl.gpus_per_node()
-        except ImportError:
-            raw = yaml.safe_load(path.read_text())
-            inv: dict[str, int] = {}
-            gpn: dict[str, int] = {}
-            for node in (raw or {}).get("nodes", []):
-                g = node["gpu"]
-                inv[g] = inv.get(g, 0) + int(node.get("count", node.get("gpus", 1)))
-                gpn[g] = max(gpn.get(g, 0), int(node.get("count", node.get("gpus", 1))))
-            return inv, gpn
+        from scheduler.cluster import load_cluster
+        cl = load_cluster(args.cluster)
+        return cl.inventory(), cl.gpus_per_node()
     types = args.gpu or list(GPU_NAMES)
     for g in types:
         get_gpu(g)
@@ -158,7 +139,6 @@ def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int]:
 
 
 def handle_plan(args) -> int:
-    from estimator.errors import DoesNotFitError
     from estimator.plans import plans_for_job
 
     job = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
@@ -166,10 +146,7 @@ def handle_plan(args) -> int:
     inv, gpn = _inventory(args)
     if args.gpu and args.cluster:
         inv = {g: n for g, n in inv.items() if g in args.gpu}
-    try:
-        plans = plans_for_job(job, inv, gpus_per_node=gpn, safety_margin_gib=args.safety_margin_gib)
-    except DoesNotFitError:
-        raise
+    plans = plans_for_job(job, inv, gpus_per_node=gpn, safety_margin_gib=args.safety_margin_gib)
     if args.json:
         print(json.dumps({g: [p.model_dump(mode="json") for p in ps] for g, ps in plans.items()}))
         return 0
