@@ -83,21 +83,20 @@ class FreeIndex:
     # --- placement rules -----------------------------------------------------------------
     def place_best_fit(self, gpu_type: str, n: int, granule: int = 1) -> Placement | None:
         """The published HAS best fit (exact node, least-remaining node, greedy multi-node)."""
-        if n <= 0 or self.total.get(gpu_type, 0) < n:
-            return None
-        nid = self.best_fit_node(gpu_type, n)
-        if nid is not None:
-            return {nid: self._take(nid, n)}
-        return self._fill(gpu_type, n, granule, tight_tail=False)
+        return self._place(gpu_type, n, granule, tight_tail=False)
 
     def place_compact(self, gpu_type: str, n: int, granule: int = 1) -> Placement | None:
         """Fewest nodes: one node when possible (best fit), else whole nodes + a tight tail."""
+        return self._place(gpu_type, n, granule, tight_tail=True)
+
+    def _place(self, gpu_type: str, n: int, granule: int, tight_tail: bool) -> Placement | None:
+        """One node when one holds ``n`` (best fit), else spread over nodes (``_fill``)."""
         if n <= 0 or self.total.get(gpu_type, 0) < n:
             return None
         nid = self.best_fit_node(gpu_type, n)
         if nid is not None:
             return {nid: self._take(nid, n)}
-        return self._fill(gpu_type, n, granule, tight_tail=True)
+        return self._fill(gpu_type, n, granule, tight_tail)
 
     def _fill(self, gpu_type: str, n: int, granule: int, tight_tail: bool) -> Placement | None:
         b = self.buckets[gpu_type]
