@@ -124,18 +124,19 @@ def handle_estimate(args) -> int:
     return 0
 
 
-def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int]:
+def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int, dict | None]:
+    """(GPU type -> count, GPUs per node, the cluster's own GPU types or None)."""
     from estimator.catalog import GPU_NAMES, get_gpu
     if args.cluster:
         from scheduler.cluster import load_cluster
         cl = load_cluster(args.cluster)
-        return cl.inventory(), cl.gpus_per_node()
+        return cl.inventory(), cl.gpus_per_node(), cl.gpu_catalog()
     types = args.gpu or list(GPU_NAMES)
     for g in types:
         get_gpu(g)
     if args.max_gpus < 1:
         raise FrenzyInputError("max_gpus", f"must be a positive integer, got {args.max_gpus}")
-    return {g: args.max_gpus for g in types}, 8
+    return {g: args.max_gpus for g in types}, 8, None
 
 
 def handle_plan(args) -> int:
@@ -143,10 +144,11 @@ def handle_plan(args) -> int:
 
     job = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
            "precision": args.precision, "optimizer": args.optimizer, "attention": args.attention}
-    inv, gpn = _inventory(args)
+    inv, gpn, gpus = _inventory(args)
     if args.gpu and args.cluster:
         inv = {g: n for g, n in inv.items() if g in args.gpu}
-    plans = plans_for_job(job, inv, gpus_per_node=gpn, safety_margin_gib=args.safety_margin_gib)
+    plans = plans_for_job(job, inv, gpus_per_node=gpn, safety_margin_gib=args.safety_margin_gib,
+                          gpus=gpus)
     if args.json:
         print(json.dumps({g: [p.model_dump(mode="json") for p in ps] for g, ps in plans.items()}))
         return 0

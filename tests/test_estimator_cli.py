@@ -59,3 +59,14 @@ def test_plan_json_and_does_not_fit(capsys):
     rc, _, err = run(capsys, "plan", "--model", "llama-2-70b", "--seq-len", "4096",
                      "--global-batch", "8", "--gpu", "T4-16GB", "--max-gpus", "1")
     assert rc == 2 and "misses by" in err
+
+
+def test_plan_on_a_cluster_with_its_own_gpu_type(capsys, tmp_path):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("gpu_types:\n  MI300X-192GB: {memory_gib: 192, bf16_tflops: 1300}\n"
+                       "pools:\n  - {name: mi, gpu: MI300X-192GB, nodes: 1, gpus_per_node: 8}\n")
+    rc, out, err = run(capsys, "plan", "--model", "gpt2", "--seq-len", "512", "--global-batch",
+                       "8", "--cluster", str(cluster), "--json")
+    assert rc == 0, err
+    plans = json.loads(out)["MI300X-192GB"]
+    assert plans and all(p["gpu_type"] == "MI300X-192GB" and p["gpus"] <= 8 for p in plans)
