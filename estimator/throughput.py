@@ -118,13 +118,18 @@ def _spec_dims(spec: Any) -> tuple[float, int, int, int, bool]:
     return params, layers, hidden, vocab, tied
 
 
+def _attn_flops(layers: int, hidden: int, seq_len: int, f: Factors) -> float:
+    """Training FLOPs per token of the attention core (scores and values), no recompute."""
+    return f.attn_flops_per_lhs * layers * hidden * seq_len
+
+
 def flops_per_token(spec: Any, seq_len: int, act_ckpt: str = "none",
                     factors: Factors = DEFAULT_FACTORS) -> float:
     """Training FLOPs per token (forward + backward, plus recomputation)."""
     params, layers, hidden, vocab, tied = _spec_dims(spec)
     # The input embedding is a lookup, not a matmul; a tied head still multiplies by it.
     matmul_params = params - (0 if tied else vocab * hidden)
-    attn = factors.attn_flops_per_lhs * layers * hidden * seq_len
+    attn = _attn_flops(layers, hidden, seq_len, factors)
     base = 6.0 * matmul_params + attn
     if act_ckpt == "full":
         return base * (1.0 + factors.recompute_full_extra)
@@ -186,7 +191,7 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
     tokens_step = mb * ga * dp * seq_len
     per_token = flops_per_token(spec, seq_len, act_ckpt, f)
     if getattr(plan, "attention", "flash") == "eager":
-        attn = f.attn_flops_per_lhs * layers * hidden * seq_len
+        attn = _attn_flops(layers, hidden, seq_len, f)
         attn *= (1.0 + f.recompute_full_extra) if act_ckpt in ("full", "selective") else 1.0
         per_token += attn * (f.eager_attn_factor - 1.0)
     flops_gpu = tokens_step * per_token / (dp * tp * pp * cp)
