@@ -64,10 +64,11 @@ def load_cluster_arg(ref: str):
 
 
 def handle_sync(args) -> int:
-    if not args.cluster.startswith("block:"):
-        load_cluster_arg(args.cluster)          # bad file: fail before Prefect starts, nothing touched
+    # A file is read before Prefect starts (a bad one touches nothing); a block needs the server.
+    cluster = None if args.cluster.startswith("block:") else load_cluster_arg(args.cluster)
     url = _prefect_env()
-    cluster = load_cluster_arg(args.cluster)
+    if cluster is None:
+        cluster = load_cluster_arg(args.cluster)
     from deployments.pools import sync_pools
 
     lines: list[str] = []
