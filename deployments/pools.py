@@ -264,18 +264,17 @@ def pools_status(names: Iterable[str] | None = None) -> list[PoolStatus]:
             except ObjectNotFound:
                 gpus, in_use = None, None
             pool_filter = WorkPoolFilter(name=WorkPoolFilterName(any_=[wp.name]))
-            due = client.read_flow_runs(work_pool_filter=pool_filter, flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
-                expected_start_time=FlowRunFilterExpectedStartTime(before_=now)))
-            pending = client.read_flow_runs(work_pool_filter=pool_filter, flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING]))))
-            running = client.read_flow_runs(work_pool_filter=pool_filter, flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))))
+
+            def runs(state: StateType, **flow_run_filter: Any) -> int:
+                return len(client.read_flow_runs(work_pool_filter=pool_filter, flow_run_filter=FlowRunFilter(
+                    state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[state])), **flow_run_filter)))
+
+            due = runs(StateType.SCHEDULED, expected_start_time=FlowRunFilterExpectedStartTime(before_=now))
             workers = client.read_workers_for_work_pool(
                 wp.name, worker_filter=WorkerFilter(status=WorkerFilterStatus(any_=["ONLINE"])))
             out.append(PoolStatus(
                 name=wp.name, pool_type=wp.type, gpu_type=(facts or {}).get("gpu_type", "-"),
-                gpus=gpus, in_use=in_use, queued=len(due) + len(pending), running=len(running),
+                gpus=gpus, in_use=in_use, queued=due + runs(StateType.PENDING), running=runs(StateType.RUNNING),
                 workers_online=len(workers), state=str(wp.status.value if wp.status else "NOT_READY")))
     if names:
         missing = set(names) - {s.name for s in out}
