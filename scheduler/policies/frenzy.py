@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from estimator.plan import Plan
-from scheduler.placement import FreeIndex, gpu_memory_gib
+from scheduler.placement import FreeIndex, gpu_memory_gib, placement_gpus
 from scheduler.types import ClusterState, Decision, JobRequest, Policy
 
 INF = math.inf
@@ -360,7 +360,7 @@ class FrenzyPolicy(Policy):
                 continue
             t = node_type.get(next(iter(rj.placement)), rj.plan.gpu_type if rj.plan else None)
             if t in profiles:
-                releases.setdefault(t, []).append((_expected_end(rj, now), sum(len(v) for v in rj.placement.values())))
+                releases.setdefault(t, []).append((_expected_end(rj, now), placement_gpus(rj.placement)))
         for t, rel in releases.items():
             rel.sort()
             prof = profiles[t]
@@ -387,8 +387,6 @@ class FrenzyPolicy(Policy):
                 continue
             f = total.get(g, 0)
             if f >= n and (not prof.res or prof.fits_now(n, dur, now, f)):
-                if deep and dur > lim:
-                    return None
                 start = now
                 rel = dur
             else:
@@ -464,7 +462,7 @@ class FrenzyPolicy(Policy):
                 if rj.job_id in skip:
                     continue
                 chosen.append(rj)
-                freed += sum(len(v) for v in rj.placement.values())
+                freed += placement_gpus(rj.placement)
             if freed >= n and chosen:
                 best = (d, c, chosen)
         if best is None:
