@@ -17,7 +17,7 @@ from typing import Any
 from .catalog import GPU, get_gpu
 from .errors import DoesNotFitError, FrenzyInputError
 from .job import TrainingJob
-from .memory import GIB, Knobs, _comms, _finish, stage_peaks, validate_knobs
+from .memory import GIB, Estimate, Knobs, _comms, _finish, estimate, stage_peaks, validate_knobs
 from .models import ModelSpec, resolve_model
 from .overheads import Overheads, overheads_for
 from .plan import Plan
@@ -269,3 +269,14 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
             raise DoesNotFitError(plan, short, f"(safety margin {safety_margin_gib} GiB)")
         raise DoesNotFitError(None, float("inf"), "(no GPU type of the inventory is allowed)")
     return out
+
+
+def estimate_plan(job: TrainingJob | dict, plan: Plan) -> Estimate:
+    """The full estimate (breakdown, per-stage peaks) of ``job`` run on ``plan``: the one place
+    that turns a plan back into `estimate` keywords."""
+    j = _as_job(job)
+    return estimate(j.model, seq_len=j.seq_len, micro_batch=plan.micro_batch,
+                    grad_accum=plan.grad_accum, dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp,
+                    zero=plan.zero, offload=plan.offload, precision=plan.precision,
+                    optimizer=plan.optimizer, act_ckpt=plan.act_ckpt, attention=plan.attention,
+                    gpu=plan.gpu_type)

@@ -63,6 +63,7 @@ def handle(args) -> int:
     job = load_job(args.job)
     # Bad input fails here, in a line, before the slow Prefect start-up: the cluster file, and
     # a job that no GPU of the cluster can hold (the flow's first task asks the same question).
+    from estimator.errors import FrenzyInputError
     from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, plans_for_job
     from scheduler.discover import cluster_or_local
 
@@ -78,15 +79,12 @@ def handle(args) -> int:
     from . import report
 
     sync_pools(topology)
-    kwargs = {"cluster": args.cluster, "policy": args.policy, "ledger_url": args.ledger,
-              "safety_margin_gib": margin}
     try:
-        result = submit_training(job, **kwargs)
+        result = submit_training(job, cluster=args.cluster, policy=args.policy,
+                                 ledger_url=args.ledger, safety_margin_gib=margin)
+    except FrenzyInputError:
+        raise
     except Exception as err:
-        from estimator.errors import FrenzyInputError
-
-        if isinstance(err, FrenzyInputError):
-            raise
         if args.json:
             print(json.dumps({"status": "failed", "error": str(err)}))
         else:

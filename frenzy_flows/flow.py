@@ -3,24 +3,21 @@ it estimates, selects GPU types among the registered pools, assigns GPUs on the 
 trains."""
 from __future__ import annotations
 
-import os
-
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
+from pydantic import SecretStr
 
 from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
-from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB
-from pydantic import SecretStr
+from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan
 from scheduler.discover import cluster_or_local
 
-from frenzy_flows import artifacts, events
-from frenzy_flows.results import Assignment, SubmitResult
-from frenzy_flows.tasks import (assign, secret_value, estimate_for_plan, estimate_memory, fastest, new_job_id, predicted_figures,
-                    select_resources)
+from frenzy_flows import artifacts, dispatch, events
+from frenzy_flows.results import Assignment, SubmitResult, predicted_figures
+from frenzy_flows.tasks import (assign, estimate_memory, fastest, new_job_id, secret_value,
+                                select_resources)
 from frenzy_flows.train_flow import train_on_pool
-
 
 
 async def _registered_pools() -> list[str]:
@@ -36,8 +33,6 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
     """Train on the assignment: on the pool's workers when any are online, else in-process as
     the same `frenzy-train` flow (a subflow). Either way the run holds the pool's `gpu:<pool>`
     slots, so Prefect's count of busy GPUs agrees with the ledger."""
-    from frenzy_flows import dispatch
-
     if dispatch.has_workers(assignment.pool):
         get_run_logger().info("dispatching to work pool %s", assignment.pool)
         return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id,
@@ -55,29 +50,25 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str = 
 
     ``cluster``: a cluster YAML path (pools per GPU type); default: the GPUs NVML finds here,
     or a local CPU pool. ``ledger_url``: SQLAlchemy URL of the GPU ledger (default: env
-    FRENZY_LEDGER_URL, else SQLite under FRENZY_HOME)."""
+    FRENZY_LEDGER_URL, else SQLite under FRENZY_HOME, as `ledger.Ledger` decides)."""
     from ledger import Ledger
     from prefect.utilities.asyncutils import run_coro_as_sync
 
     log = get_run_logger()
-    if isinstance(job, dict):
-        job = TrainingJob.model_validate(job)
-    ledger_url = secret_value(ledger_url) or os.environ.get("FRENZY_LEDGER_URL")
+    ledger_url = secret_value(ledger_url)
     topology = cluster_or_local(cluster)
     Ledger(ledger_url).sync_cluster(topology)
     job_id = new_job_id(job)
 
     plans_by_type = estimate_memory(job, topology, safety_margin_gib)
     best = fastest(plans_by_type)
-    artifacts.memory_breakdown(estimate_for_plan(job, best), best)
+    artifacts.memory_breakdown(estimate_plan(job, best), best)
 
     registered = run_coro_as_sync(_registered_pools())
     candidates = select_resources(job, plans_by_type, topology, registered)
     assignment = assign(job, job_id, candidates, ledger_url, policy=policy,
                         wait_timeout_s=wait_timeout_s)
     chosen = assignment.plan
-    from frenzy_flows import dispatch
-
     artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
                           pool_notes=dispatch.pool_notes(topology))
     events.placed(job.name, chosen, assignment)
@@ -96,7 +87,7 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str = 
     artifacts.summary(final, predicted_figures(final), measured)
     result = SubmitResult(
         status=status, job_id=job_id, job_name=job.name, plan=final, initial_plan=chosen,
-        allocation=assignment, estimate=estimate_for_plan(job, final).model_dump(mode="json"),
+        allocation=assignment, estimate=estimate_plan(job, final).model_dump(mode="json"),
         plans=plans_by_type, losses=trained.get("losses", []), attempts=trained.get("attempts", []),
         measured=measured, checkpoint_dir=trained.get("checkpoint_dir"),
         flow_run_id=str(flow_run.id) if flow_run.id else None, error=error)

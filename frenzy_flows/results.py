@@ -18,6 +18,19 @@ class Assignment(BaseModel):
     placement: dict[str, list[int]]
     devices: list[str] = Field(default_factory=list)
 
+    @classmethod
+    def from_allocation(cls, alloc, plan: Plan) -> "Assignment":
+        """From a ledger ``Allocation`` of ``plan``."""
+        return cls(allocation_id=str(alloc.id), plan=plan, pool=alloc.pool, gpu_type=alloc.gpu_type,
+                   placement=alloc.placement, devices=list(alloc.devices))
+
+
+def predicted_figures(plan: Plan) -> dict[str, float]:
+    """What the estimator and throughput model predicted for ``plan``, as stored and shown
+    next to the measurement."""
+    return {"allocated_peak_gib": plan.allocated_peak_gib, "reserved_peak_gib": plan.reserved_peak_gib,
+            "device_used_gib": plan.device_used_gib, "step_time_s": plan.step_time_s}
+
 
 class SubmitResult(BaseModel):
     status: Literal["completed", "failed"]

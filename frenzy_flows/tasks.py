@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
-
 from prefect import get_run_logger, task
 from pydantic import SecretStr
 
-from estimator import estimate
-from estimator.errors import DoesNotFitError, FrenzyInputError
+from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 from estimator.plans import plans_for_job
@@ -23,16 +20,6 @@ from scheduler.types import JobRequest
 from trainer.fallback import realisable
 
 from frenzy_flows.results import Assignment
-
-
-def estimate_for_plan(job: TrainingJob, plan: Plan):
-    """The full estimate (with breakdown and stages) of one plan of this job."""
-    dims = job.model if isinstance(job.model, dict) else {"model": job.model}
-    return estimate(
-        **dims, seq_len=job.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
-        dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero=plan.zero, offload=plan.offload,
-        precision=plan.precision, optimizer=plan.optimizer, act_ckpt=plan.act_ckpt,
-        attention=plan.attention, gpu=plan.gpu_type)
 
 
 def fastest(plans_by_type: dict[str, list[Plan]]) -> Plan:
@@ -138,8 +125,7 @@ def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], led
                 log.info("placement raced with another submitter (%s); re-planning", err)
                 break
             log.info("assigned %s on %s", decision.plan.short(), decision.placement)
-            return Assignment(allocation_id=str(alloc.id), plan=decision.plan, pool=alloc.pool, gpu_type=alloc.gpu_type,
-                              placement=alloc.placement, devices=list(alloc.devices))
+            return Assignment.from_allocation(alloc, decision.plan)
         if time.time() > deadline:
             raise TimeoutError(f"no GPUs for job {job.name} within {wait_timeout_s:.0f} s")
         log.info("waiting for GPUs (%d running allocations); next look in %.0f s",
@@ -156,7 +142,3 @@ def secret_value(value: SecretStr | str | None) -> str | None:
 def new_job_id(job: TrainingJob) -> str:
     return f"{job.name}-{uuid.uuid4().hex[:8]}"
 
-
-def predicted_figures(plan: Plan) -> dict[str, Any]:
-    return {"allocated_peak_gib": plan.allocated_peak_gib, "reserved_peak_gib": plan.reserved_peak_gib,
-            "device_used_gib": plan.device_used_gib, "step_time_s": plan.step_time_s}

@@ -4,14 +4,14 @@ CUDA_VISIBLE_DEVICES). Run directly (from the UI) without an allocation, it take
 from the ledger, best fit on that pool's GPU type."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from prefect import flow, get_run_logger
 
+from pydantic import SecretStr
+
 from estimator.job import TrainingJob
 from estimator.plan import Plan
-from pydantic import SecretStr
 
 from frenzy_flows import artifacts, events
 from frenzy_flows.results import Assignment
@@ -28,15 +28,13 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
     from ledger import Ledger
 
     log = get_run_logger()
-    ledger_url = secret_value(ledger_url) or os.environ.get("FRENZY_LEDGER_URL")
+    ledger_url = secret_value(ledger_url)
     job_id = job_id or new_job_id(job)
     if assignment is None:
         alloc = Ledger(ledger_url).allocate_best_fit(job_id, plan)
         if alloc is None:
             raise RuntimeError(f"no free {plan.gpu_type} GPUs for {plan.short()}")
-        assignment = Assignment(allocation_id=str(alloc.id), plan=plan, pool=alloc.pool,
-                                gpu_type=alloc.gpu_type, placement=alloc.placement,
-                                devices=list(alloc.devices))
+        assignment = Assignment.from_allocation(alloc, plan)
     progress = artifacts.progress_start(job.steps)
     last = {"step": 0}
 

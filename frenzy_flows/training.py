@@ -7,15 +7,14 @@ Called in-process by the submit flow's `train` task (embedded default) and by th
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from estimator.home import frenzy_home
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
-from frenzy_flows.results import Assignment
+from frenzy_flows.results import Assignment, predicted_figures
 
 
 def runs_dir() -> Path:
@@ -26,9 +25,9 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                            ledger_url: str | None, log: Callable[[str], None],
                            inventory: dict[str, int] | None = None,
                            on_step: Callable[[int, int, float], None] | None = None,
-                           on_attempt: Callable[[Any], None] | None = None,
                            fallbacks=None):
-    """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``."""
+    """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``. ``fallbacks``:
+    the out-of-memory fallback plans to try (default: the trainer's own ladder)."""
     from ledger import Ledger
     from trainer.runner import run_training
 
@@ -59,15 +58,12 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         result = run_training(job, plan, run_dir=run_dir, acquire=acquire, release=release, log=log,
-                              on_step=on_step, on_attempt=on_attempt, inventory=inventory,
+                              on_step=on_step, inventory=inventory,
                               deadline_s=job.deadline_s, fallbacks=fallbacks)
         final = result.final_plan
-        ledger.record_measurement(
-            job_id, current["alloc_id"], final.gpu_type, final,
-            predicted={"allocated_peak_gib": final.allocated_peak_gib,
-                       "reserved_peak_gib": final.reserved_peak_gib,
-                       "device_used_gib": final.device_used_gib, "step_time_s": final.step_time_s},
-            measured=result.measured.model_dump())
+        ledger.record_measurement(job_id, current["alloc_id"], final.gpu_type, final,
+                                  predicted=predicted_figures(final),
+                                  measured=result.measured.model_dump())
         return result
     finally:
         release()

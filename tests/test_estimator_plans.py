@@ -102,3 +102,17 @@ def test_custom_gpu_type_from_a_cluster_gets_plans():
     # the same job holds on fewer of the big custom cards than on 80 GB ones
     a100 = plans_for_job(job, {"A100-80GB": 8})["A100-80GB"]
     assert min(p.gpus for p in plans["MI300X-192GB"]) <= min(p.gpus for p in a100)
+
+
+def test_estimate_plan_agrees_with_the_enumerated_predictions():
+    from estimator.plans import estimate_plan, plans_for_job
+
+    job = {"model": "llama-3.2-1b", "seq_len": 2048, "global_batch": 16, "train_steps": 10}
+    plans = plans_for_job(job, {"A100-80GB": 8, "RTX3090-24GB": 16})
+    checked = 0
+    for p in (p for ps in plans.values() for p in ps):
+        est = estimate_plan(job, p)
+        assert abs(est.device_used_gib - p.device_used_gib) < 1e-3
+        assert abs(est.allocated_peak_gib - p.allocated_peak_gib) < 1e-3
+        checked += 1
+    assert checked >= 4
