@@ -43,11 +43,15 @@ def _plan_and_job():
     return job, Plan(gpu_type="CPU", gpus=2, dp=2, micro_batch=2, grad_accum=1)
 
 
+def _cluster(pool: str) -> dict:
+    """One CPU pool of two devices, as a cluster file would hold it."""
+    return {"pools": [{"name": pool, "gpu": "CPU", "nodes": 1, "gpus_per_node": 2}]}
+
+
 def _sync(pool: str):
     from deployments.pools import sync_pools
 
-    return sync_pools({"pools": [{"name": pool, "gpu": "CPU", "nodes": 1, "gpus_per_node": 2}]},
-                      entrypoint=ENTRYPOINT, control_pool=False, log=lambda *_: None)
+    return sync_pools(_cluster(pool), entrypoint=ENTRYPOINT, control_pool=False, log=lambda *_: None)
 
 
 def _slots(pool: str) -> int:
@@ -80,7 +84,7 @@ def test_dispatch_without_workers_times_out_visibly_cancels_the_run_and_frees_sl
                                   timeout_s=3, poll_s=0.3)
     assert f"pool '{pool}' has no workers online" in caplog.text
     from scheduler.cluster import cluster_from_dict
-    cl = cluster_from_dict({"pools": [{"name": pool, "gpu": "CPU", "nodes": 1, "gpus_per_node": 2}]})
+    cl = cluster_from_dict(_cluster(pool))
     assert dispatch.pool_notes(cl) == {"CPU": f"{pool}: no workers online"}
     assert f"prefect worker start --pool {pool}" in caplog.text
     runs = _runs(pool)
@@ -150,7 +154,7 @@ def test_dispatch_runs_on_a_real_worker_with_devices_and_holds_the_gpu_slots():
         t.join(120)
         assert not t.is_alive(), "dispatch did not return"
         from scheduler.cluster import cluster_from_dict
-        cl = cluster_from_dict({"pools": [{"name": pool, "gpu": "CPU", "nodes": 1, "gpus_per_node": 2}]})
+        cl = cluster_from_dict(_cluster(pool))
         assert dispatch.pool_notes(cl) == {"CPU": f"{pool}: 1 worker online"}
     finally:
         if worker.poll() is None:
