@@ -483,8 +483,9 @@ class Ledger:
         per_node: dict[str, list[GpuRow]] = {}
         for g in gpus:
             per_node.setdefault(g.node_id, []).append(g)
+        pool_order = {name: i for i, name in enumerate(pools)}
         nodes = []
-        for n in sorted(node_rows, key=lambda r: (list(pools).index(r.pool), r.idx)):
+        for n in sorted(node_rows, key=lambda r: (pool_order[r.pool], r.idx)):
             p = pools[n.pool]
             rows = per_node.get(n.node_id, [])
             nodes.append(Node(node_id=n.node_id, pool=n.pool, gpu_type=p.gpu_type, gpus=len(rows),
