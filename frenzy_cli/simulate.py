@@ -49,11 +49,10 @@ def register(sub) -> None:
 
 def _policies(args) -> list[str]:
     from estimator.errors import FrenzyInputError
-    from scheduler.policies import POLICIES
+    from scheduler.policies import policy_factory
     names = [n.strip() for n in (args.compare or args.policy).split(",") if n.strip()]
     for n in names:
-        if n not in POLICIES:
-            raise FrenzyInputError("policy", f"unknown policy {n!r}; known: {', '.join(sorted(POLICIES))}")
+        policy_factory(n)                 # raises naming the known policies
     if not names:
         raise FrenzyInputError("policy", "give at least one policy")
     return names

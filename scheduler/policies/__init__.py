@@ -27,10 +27,14 @@ POLICIES: dict[str, Callable[..., Policy]] = {
 }
 
 
-def get_policy(name: str, **kwargs: Any) -> Policy:
-    """A new instance of the policy registered as ``name`` (keyword arguments go to it)."""
+def policy_factory(name: str) -> Callable[..., Policy]:
+    """The class registered as ``name``; ``FrenzyInputError`` naming the known ones otherwise."""
     try:
-        factory = POLICIES[name]
+        return POLICIES[name]
     except KeyError:
         raise FrenzyInputError("policy", f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
-    return factory(**kwargs)
+
+
+def get_policy(name: str, **kwargs: Any) -> Policy:
+    """A new instance of the policy registered as ``name`` (keyword arguments go to it)."""
+    return policy_factory(name)(**kwargs)
