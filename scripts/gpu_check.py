@@ -20,20 +20,6 @@ import time
 from pathlib import Path
 
 
-def gpus() -> list[tuple[str, str, float]]:
-    """(index, NVML name, memory GiB) of every GPU."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    out = []
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        h = pynvml.nvmlDeviceGetHandleByIndex(i)
-        name = pynvml.nvmlDeviceGetName(h)
-        name = name.decode() if isinstance(name, bytes) else name
-        out.append((str(i), name, pynvml.nvmlDeviceGetMemoryInfo(h).total / 1024 ** 3))
-    return out
-
-
 def pct(pred: float | None, meas: float | None) -> str:
     if not pred or meas is None:
         return "-"
@@ -94,11 +80,12 @@ def oom_drill(a) -> int:
     from estimator.catalog import from_nvml_name, get_gpu
     from estimator.job import TrainingJob
     from estimator.plan import Plan
+    from scheduler.discover import nvml_gpus
     from trainer.fallback import reestimate
     from trainer.runner import run_training
 
-    found = gpus()
-    gpu_type = from_nvml_name(found[0][1], found[0][2])
+    found = nvml_gpus()
+    gpu_type = from_nvml_name(found[0].name, found[0].memory_gib)
     cap = get_gpu(gpu_type).memory_gib
     mb = 8
     while True:                       # the smallest power-of-two micro-batch predicted to overflow by 15%
@@ -119,7 +106,7 @@ def oom_drill(a) -> int:
             print("  " + line[:300], flush=True)
 
     t0 = time.time()
-    res = run_training(job, big, run_dir=out, acquire=lambda p: [found[0][0]], release=lambda: None, log=log,
+    res = run_training(job, big, run_dir=out, acquire=lambda p: [str(found[0].index)], release=lambda: None, log=log,
                        inventory={gpu_type: 1}, deadline_s=a.deadline_s * 3, max_transient_retries=0)
     print(f"\nOOM drill: {res.status} in {time.time() - t0:.0f} s")
     for at in res.attempts:
@@ -157,19 +144,20 @@ def main(argv: list[str] | None = None) -> int:
     from estimator.catalog import from_nvml_name
     from estimator.job import TrainingJob
     from estimator.plan import Plan
+    from scheduler.discover import nvml_gpus
     from trainer.fallback import reestimate
     from trainer.runner import run_training
 
-    found = gpus()
+    found = nvml_gpus()
     if len(found) < a.gpus:
         print(f"gpu_check: needs {a.gpus} GPUs, NVML sees {len(found)}", file=sys.stderr)
         return 2
-    gpu_type = from_nvml_name(found[0][1], found[0][2])
+    gpu_type = from_nvml_name(found[0].name, found[0].memory_gib)
     if gpu_type is None:
-        print(f"gpu_check: {found[0][1]!r} is not in the GPU catalog", file=sys.stderr)
+        print(f"gpu_check: {found[0].name!r} is not in the GPU catalog", file=sys.stderr)
         return 2
-    devices = [i for i, _, _ in found[: a.gpus]]
-    print(f"gpu_check: {len(found)} x {found[0][1]} ({found[0][2]:.1f} GiB) -> catalog {gpu_type}; using {devices}")
+    devices = [str(g.index) for g in found[: a.gpus]]
+    print(f"gpu_check: {len(found)} x {found[0].name} ({found[0].memory_gib:.1f} GiB) -> catalog {gpu_type}; using {devices}")
 
     job = TrainingJob(name="gpu-check", model=a.model, seq_len=a.seq_len, global_batch=a.global_batch,
                       train_steps=a.steps, lr=1e-4, checkpoint_every=10 ** 6, precision="bf16")
@@ -213,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                      "last_loss": res.losses[-1] if res.losses else None, "error": res.error})
         print(f"gpu_check: {label}: {res.status} in {time.time() - t0:.0f} s", flush=True)
 
-    report = {"gpu": found[0][1], "catalog": gpu_type, "model": a.model, "seq_len": a.seq_len,
+    report = {"gpu": found[0].name, "catalog": gpu_type, "model": a.model, "seq_len": a.seq_len,
               "global_batch": a.global_batch, "steps": a.steps, "rows": rows}
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print_table(report)
