@@ -28,7 +28,6 @@ Pure: no torch.
 from __future__ import annotations
 
 import math
-import warnings as _warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any

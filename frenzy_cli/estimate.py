@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from estimator.errors import FrenzyInputError
 
