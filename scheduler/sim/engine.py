@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.placement import nodes_spanned
 from scheduler.types import ClusterState, Decision, JobRequest, Node, Policy, RunningJob
 
 from .jobs import PlanBook, StepTimes, model_spec
@@ -297,7 +298,7 @@ class Simulator:
             used = set(devs)
             node.free = [i for i in node.free if i not in used]
         wl = sj.wl
-        span = len([n for n, devs in d.placement.items() if devs])
+        span = nodes_spanned(d.placement)
         gbps = None
         if span > 1:
             pools = {self.nodes[n].pool for n in d.placement}
