@@ -66,15 +66,6 @@ def _step_time(spec: ModelSpec, shape: _PlanShape, gpu: GPU, seq_len: int, nodes
     return step_time(spec, shape, gpu, seq_len=seq_len, nodes=nodes)
 
 
-@dataclass(frozen=True, slots=True)
-class _Shape:
-    seq_len: int
-    global_batch: int
-    precision: str
-    optimizer: str
-    attention: str
-
-
 def _pow2_upto(n: int) -> list[int]:
     out, v = [], 1
     while v <= n:
@@ -91,7 +82,8 @@ def _divisors(n: int) -> list[int]:
 @lru_cache(maxsize=256)
 def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, max_gpus: int, gpus_per_node: int,
-                  cpu: bool) -> tuple[tuple[Knobs, int, float], ...]:
+                  cpu: bool) -> tuple[tuple[Knobs, int, tuple[tuple[int, float], ...],
+                                         tuple[float, ...]], ...]:
     """Every structure (gpu count, dp/tp/pp, zero, checkpointing) of a job shape with the
     allocated bytes of each candidate micro-batch (ascending: allocation grows with it).
 
@@ -125,7 +117,7 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                 else:
                     zeros = (0, 1, 2, 3)
                 per_rank = global_batch // dp
-                mbs = [m for m in _divisors(per_rank)]
+                mbs = _divisors(per_rank)
                 for zero in zeros:
                     for ck in ckpts:
                         try:
@@ -147,14 +139,6 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     return tuple(rows)
 
 
-def _knobs_dict(k: Knobs) -> dict[str, Any]:
-    return {f: getattr(k, f) for f in Knobs.__slots__}
-
-
-def _used_gib(alloc_b: float, ov: Overheads, k: Knobs) -> tuple[float, float, float]:
-    return _finish(alloc_b, ov, k)
-
-
 def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
                    gpus_per_node: int, margin: float, keep_closest: list | None = None) -> list[Plan]:
     ov = overheads_for(gpu.name, is_cpu=gpu.is_cpu)
@@ -171,7 +155,6 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                   optimizer: str, attention: str, gpu: GPU, max_gpus: int, gpus_per_node: int,
                   margin: float, ov: Overheads) -> tuple[tuple[Plan, ...], tuple | None]:
     """The plans of one job shape on one GPU type (and the closest miss when none fits)."""
-    job = _Shape(seq_len, global_batch, precision, optimizer, attention)
     keep_closest: list = []
     table = _memory_table(spec, seq_len, global_batch, precision, optimizer, attention,
                           max_gpus, gpus_per_node, gpu.is_cpu)
@@ -185,20 +168,20 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         j = bisect_right(alloc_values, limit_b)
         if j == 0:
             mb0, a0 = allocs[0]
-            a, r, u = _used_gib(a0, ov, base)
+            a, r, u = _finish(a0, ov, base)
             keep_closest.append((u - cap, base, n, mb0, a, r, u, gpu))
             continue
         mb, a_b = allocs[j - 1]
-        a, r, u = _used_gib(a_b, ov, base)
+        a, r, u = _finish(a_b, ov, base)
         nodes = max(1, math.ceil(n / gpus_per_node))
         st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, 1, base.zero, "none",
                                          base.act_ckpt, mb, base.grad_accum // mb, precision),
-                        gpu, job.seq_len, nodes)
+                        gpu, seq_len, nodes)
         plan = Plan.model_construct(
             gpu_type=gpu.name, gpus=n, dp=base.dp, tp=base.tp, pp=base.pp, cp=1, zero=base.zero,
             offload="none", act_ckpt=base.act_ckpt, micro_batch=mb,
-            grad_accum=base.grad_accum // mb, precision=job.precision, optimizer=job.optimizer,
-            attention=job.attention, allocated_peak_gib=round(a, 4), reserved_peak_gib=round(r, 4),
+            grad_accum=base.grad_accum // mb, precision=precision, optimizer=optimizer,
+            attention=attention, allocated_peak_gib=round(a, 4), reserved_peak_gib=round(r, 4),
             device_used_gib=round(u, 4), step_time_s=st)
         by_count.setdefault(n, []).append(plan)
     plans = []
