@@ -14,8 +14,6 @@ pay the restart delay when they run again.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from estimator.plan import Plan
 from scheduler.types import ClusterState, Decision, JobRequest, Policy
 
@@ -44,8 +42,9 @@ class Gavel(Policy):
 
     def allocation(self, jobs: list[JobRequest], types: list[str], capacity: dict[str, int]):
         """Solve the LP; returns (X [jobs x types], plans [jobs][types] or None)."""
-        # scipy is imported here, not at module level: the live submit flow imports the policy
-        # registry and must not pay for scipy unless Gavel actually solves a round.
+        # numpy/scipy are imported here, not at module level: the live submit flow imports the
+        # policy registry and must not pay for them unless Gavel actually solves a round.
+        import numpy as np
         from scipy.optimize import linprog
         from scipy.sparse import coo_matrix
 

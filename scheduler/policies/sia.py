@@ -16,8 +16,6 @@ Capacity: ``sum count x <= GPUs`` per type. Jobs keeping their configuration kee
 """
 from __future__ import annotations
 
-import numpy as np
-
 from estimator.plan import Plan
 from scheduler.types import ClusterState, Decision, JobRequest, Policy
 
@@ -89,7 +87,8 @@ class Sia(Policy):
         return chosen
 
     def _solve(self, jobs, types, capacity, per_node, current) -> dict[int, Plan]:
-        # scipy is imported lazily: the policy registry is imported by the live submit flow.
+        # numpy/scipy are imported lazily: the policy registry is imported by the live submit flow.
+        import numpy as np
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_matrix
 
