@@ -479,13 +479,26 @@ def _comms(k: Knobs) -> int:
     return sum(1 for d in (k.dp, k.tp, k.pp, k.cp) if d > 1)
 
 
+def _fragmentation(ov: Overheads, k: Knobs) -> float:
+    return ov.fragmentation_recompute if k.act_ckpt == "full" else ov.fragmentation
+
+
+def _outside_allocator_gib(ov: Overheads, k: Knobs) -> float:
+    return ov.cuda_context_gib + ov.workspace_gib + ov.nccl_per_comm_gib * _comms(k)
+
+
 def _finish(alloc_b: float, ov: Overheads, k: Knobs) -> tuple[float, float, float]:
     """allocated -> reserved (fragmentation; recomputation churns more) -> device used."""
     alloc = alloc_b / GIB
-    frag = ov.fragmentation_recompute if k.act_ckpt == "full" else ov.fragmentation
-    reserved = alloc * (1.0 + frag)
-    used = reserved + ov.cuda_context_gib + ov.workspace_gib + ov.nccl_per_comm_gib * _comms(k)
+    reserved = alloc * (1.0 + _fragmentation(ov, k))
+    used = reserved + _outside_allocator_gib(ov, k)
     return alloc, reserved, used
+
+
+def _alloc_limit_b(used_gib: float, ov: Overheads, k: Knobs) -> float:
+    """The inverse of ``_finish``: the most allocated bytes whose device-used figure stays
+    within ``used_gib``."""
+    return (used_gib - _outside_allocator_gib(ov, k)) / (1.0 + _fragmentation(ov, k)) * GIB
 
 
 def _resolve_gpu(gpu: Any):

@@ -17,7 +17,8 @@ from typing import Any
 from .catalog import GPU, get_gpu
 from .errors import DoesNotFitError, FrenzyInputError
 from .job import TrainingJob
-from .memory import GIB, Estimate, Knobs, _comms, _finish, estimate, stage_peaks, validate_knobs
+from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, estimate, stage_peaks,
+                     validate_knobs)
 from .models import ModelSpec, resolve_model
 from .overheads import Overheads, overheads_for
 from .plan import Plan
@@ -162,10 +163,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     by_count: dict[int, list[Plan]] = {}
     for base, n, allocs, alloc_values in table:
         # used GiB grows with allocated bytes, so the largest fitting micro-batch is a bisection
-        frag = ov.fragmentation_recompute if base.act_ckpt == "full" else ov.fragmentation
-        fixed = ov.cuda_context_gib + ov.workspace_gib + ov.nccl_per_comm_gib * _comms(base)
-        limit_b = (cap - fixed) / (1.0 + frag) * GIB
-        j = bisect_right(alloc_values, limit_b)
+        j = bisect_right(alloc_values, _alloc_limit_b(cap, ov, base))
         if j == 0:
             mb0, a0 = allocs[0]
             a, r, u = _finish(a0, ov, base)
