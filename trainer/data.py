@@ -38,10 +38,10 @@ def load_tokenizer(name: str):
         raise FrenzyInputError("data.tokenizer", f"cannot load tokenizer from {name!r} offline: {msg}") from None
 
 
-def tokenizer_vocab(data: dict[str, Any]) -> int:
-    if data.get("tokenizer", "byte") == "byte":
-        return BYTE_VOCAB
-    return len(load_tokenizer(data["tokenizer"]))
+def _tokenizer(data: dict[str, Any]):
+    """None for byte-level tokens, else the local tokenizer ``data`` names."""
+    name = data.get("tokenizer", "byte")
+    return None if name == "byte" else load_tokenizer(name)
 
 
 def check_data(data: dict[str, Any], *, vocab: int, seq_len: int) -> None:
@@ -62,10 +62,11 @@ def check_data(data: dict[str, Any], *, vocab: int, seq_len: int) -> None:
         except ImportError:
             raise FrenzyInputError("data.kind", "'datasets' needs the datasets package (pip install datasets)") from None
     if kind != "synthetic":
-        tv = tokenizer_vocab(data)
+        tok = _tokenizer(data)          # loaded once for the vocabulary check and the count
+        tv = BYTE_VOCAB if tok is None else len(tok)
         if tv > vocab:
             raise FrenzyInputError("data.tokenizer", f"its vocabulary ({tv}) is larger than the model's vocab ({vocab})")
-        n = len(token_stream(data)) if kind in ("text", "jsonl") else None
+        n = len(_tokens(_texts(data), tok)) if kind in ("text", "jsonl") else None
         if n is not None and n < seq_len + 1:
             raise FrenzyInputError("data.path", f"{path!r} holds {n} tokens, fewer than seq_len + 1 = {seq_len + 1}")
 
@@ -103,16 +104,17 @@ def _texts(data: dict[str, Any]) -> list[str]:
 
 def token_stream(data: dict[str, Any]) -> list[int]:
     """All documents tokenised and concatenated (documents separated by EOS / a newline byte)."""
-    texts = _texts(data)
-    if data.get("tokenizer", "byte") == "byte":
-        out: list[int] = []
+    return _tokens(_texts(data), _tokenizer(data))
+
+
+def _tokens(texts: list[str], tok) -> list[int]:
+    out: list[int] = []
+    if tok is None:
         for t in texts:
             out.extend(t.encode("utf-8"))
             out.append(10)
         return out
-    tok = load_tokenizer(data["tokenizer"])
     sep = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    out = []
     for t in texts:
         out.extend(tok.encode(t, add_special_tokens=False))
         out.extend(sep)
