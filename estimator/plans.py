@@ -140,6 +140,16 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     return tuple(rows)
 
 
+def _plan(gpu: GPU, n: int, base: Knobs, mb: int, precision: str, optimizer: str, attention: str,
+          a: float, r: float, u: float, step_time_s: float) -> Plan:
+    """The Plan of a structure (``base``, at micro-batch 1) run at micro-batch ``mb``."""
+    return Plan.model_construct(
+        gpu_type=gpu.name, gpus=n, dp=base.dp, tp=base.tp, pp=base.pp, cp=1, zero=base.zero,
+        offload="none", act_ckpt=base.act_ckpt, micro_batch=mb, grad_accum=base.grad_accum // mb,
+        precision=precision, optimizer=optimizer, attention=attention, allocated_peak_gib=a,
+        reserved_peak_gib=r, device_used_gib=u, step_time_s=step_time_s)
+
+
 def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
                    gpus_per_node: int, margin: float, keep_closest: list | None = None) -> list[Plan]:
     ov = overheads_for(gpu.name, is_cpu=gpu.is_cpu)
@@ -154,8 +164,9 @@ def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
 @lru_cache(maxsize=4096)
 def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, gpu: GPU, max_gpus: int, gpus_per_node: int,
-                  margin: float, ov: Overheads) -> tuple[tuple[Plan, ...], tuple | None]:
-    """The plans of one job shape on one GPU type (and the closest miss when none fits)."""
+                  margin: float, ov: Overheads) -> tuple[tuple[Plan, ...], tuple[float, Plan] | None]:
+    """The plans of one job shape on one GPU type (and, when none fits, the closest miss as
+    (shortfall GiB, plan))."""
     keep_closest: list = []
     table = _memory_table(spec, seq_len, global_batch, precision, optimizer, attention,
                           max_gpus, gpus_per_node, gpu.is_cpu)
@@ -167,7 +178,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         if j == 0:
             mb0, a0 = allocs[0]
             a, r, u = _finish(a0, ov, base)
-            keep_closest.append((u - cap, base, n, mb0, a, r, u, gpu))
+            keep_closest.append((u - cap, n, base, mb0, a, r, u))
             continue
         mb, a_b = allocs[j - 1]
         a, r, u = _finish(a_b, ov, base)
@@ -175,19 +186,17 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, 1, base.zero, "none",
                                          base.act_ckpt, mb, base.grad_accum // mb, precision),
                         gpu, seq_len, nodes)
-        plan = Plan.model_construct(
-            gpu_type=gpu.name, gpus=n, dp=base.dp, tp=base.tp, pp=base.pp, cp=1, zero=base.zero,
-            offload="none", act_ckpt=base.act_ckpt, micro_batch=mb,
-            grad_accum=base.grad_accum // mb, precision=precision, optimizer=optimizer,
-            attention=attention, allocated_peak_gib=round(a, 4), reserved_peak_gib=round(r, 4),
-            device_used_gib=round(u, 4), step_time_s=st)
-        by_count.setdefault(n, []).append(plan)
+        by_count.setdefault(n, []).append(_plan(gpu, n, base, mb, precision, optimizer, attention,
+                                                round(a, 4), round(r, 4), round(u, 4), st))
     plans = []
     for n, ps in by_count.items():
         ps.sort(key=lambda p: (p.step_time_s, p.device_used_gib))
         plans.extend(ps[:KEEP_PER_COUNT])
     plans.sort(key=lambda p: (p.step_time_s, p.gpus, p.device_used_gib))
-    closest = min(keep_closest, key=lambda x: x[0]) if keep_closest and not plans else None
+    closest = None
+    if keep_closest and not plans:
+        short, n, base, mb, a, r, u = min(keep_closest, key=lambda x: x[0])
+        closest = (short, _plan(gpu, n, base, mb, precision, optimizer, attention, a, r, u, 0.0))
     return tuple(plans), closest
 
 
@@ -240,13 +249,7 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
         out[gtype] = _plans_for_gpu(j, spec, gpu, n, max(1, int(gpn)), safety_margin_gib, closest)
     if not any(out.values()):
         if closest:
-            short, base, n, mb, a, r, u, gpu = min(closest, key=lambda x: x[0])
-            plan = Plan.model_construct(
-                gpu_type=gpu.name, gpus=n, dp=base.dp, tp=base.tp, pp=base.pp, cp=1,
-                zero=base.zero, offload="none", act_ckpt=base.act_ckpt, micro_batch=mb,
-                grad_accum=base.grad_accum // mb, precision=j.precision, optimizer=j.optimizer,
-                attention=j.attention, allocated_peak_gib=a, reserved_peak_gib=r,
-                device_used_gib=u, step_time_s=0.0)
+            short, plan = min(closest, key=lambda x: x[0])
             raise DoesNotFitError(plan, short, f"(safety margin {safety_margin_gib} GiB)")
         raise DoesNotFitError(None, float("inf"), "(no GPU type of the inventory is allowed)")
     return out
