@@ -40,7 +40,8 @@ def realisable(p: Plan) -> bool:
 
 
 def _key(p: Plan) -> tuple:
-    return (p.gpus, p.dp, p.zero, p.offload, p.act_ckpt)
+    """What makes two fallbacks the same plan (predictions aside)."""
+    return (p.gpu_type, p.gpus, p.dp, p.zero, p.offload, p.act_ckpt, p.micro_batch)
 
 
 def _memory(p: Plan) -> float:
@@ -100,10 +101,10 @@ def fallback_plans(job: TrainingJob, plan: Plan, *, inventory: dict[str, int] | 
             return []
         return [p for p in got if realisable(p) and p.global_batch == job.global_batch]
 
-    seen: set[tuple] = {(plan.gpu_type, *_key(plan), plan.micro_batch)}
+    seen: set[tuple] = {_key(plan)}
 
     def fresh(p: Plan) -> bool:
-        k = (p.gpu_type, *_key(p), p.micro_batch)
+        k = _key(p)
         if k in seen:
             return False
         seen.add(k)
