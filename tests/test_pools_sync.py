@@ -82,9 +82,6 @@ def test_kubernetes_template_requests_gpus_and_selects_the_product():
 
 # ---------------------------------------------------------------- against the server
 
-pytestmark_server = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_server")]
-
-
 def _client():
     from prefect import get_client
     return get_client(sync_client=True)
