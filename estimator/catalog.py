@@ -72,10 +72,6 @@ class GPU(BaseModel):
             return self.fp32_tflops
         raise FrenzyInputError("precision", f"must be one of fp32, fp16, bf16 (got {precision!r})")
 
-    @property
-    def nvlink(self) -> bool:
-        return self.intra_link.startswith("nvlink")
-
 
 # Peer-to-peer collectives inside a node, per GPU and direction, in Gbit/s.
 NVLINK2_GBPS = 150 * 8      # V100 SXM2: 6 links x 25 GB/s

@@ -134,14 +134,6 @@ class ModelSpec(BaseModel):
         """Word-embedding width."""
         return self.embed_dim or self.hidden
 
-    @property
-    def swiglu(self) -> bool:
-        return self.arch == "llama"
-
-    @property
-    def rmsnorm(self) -> bool:
-        return self.arch == "llama"
-
     # ---- parameter counts (exact, as the HF implementation builds them) ----
     def layer_params(self) -> int:
         """Parameters of one transformer block."""
