@@ -37,7 +37,7 @@ def bench_estimate(n: int = 5000, clock=time.perf_counter) -> float:
     return statistics.mean(per)
 
 
-def bench_plans(reps: int = 50) -> tuple[float, float, int]:
+def bench_plans(reps: int = 50) -> tuple[float, float, float, int]:
     job = dict(model="llama-3.1-8b", seq_len=4096, global_batch=256)
     inv = {g: 64 for g in list(GPU_NAMES)[:8]}
     plans_mod._memory_table.cache_clear()
