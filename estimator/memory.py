@@ -502,8 +502,9 @@ def _alloc_limit_b(used_gib: float, ov: Overheads, k: Knobs) -> float:
 
 
 def _resolve_gpu(gpu: Any):
-    if gpu is None:
-        return None
+    """A catalog name, or a GPU object itself (a cluster's custom type)."""
+    if gpu is None or hasattr(gpu, "memory_gib"):
+        return gpu
     from .catalog import get_gpu
     return get_gpu(str(gpu))
 
@@ -515,13 +516,14 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
              grad_accum: int = 1, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
              sp: bool = False, vpp: int = 1, zero: int = 0, offload: str = "none",
              precision: str = "bf16", optimizer: str = "adamw", act_ckpt: str = "none",
-             attention: str = "flash", gpu: str | None = None, method: str = "analytic",
+             attention: str = "flash", gpu: Any = None, method: str = "analytic",
              mp_style: str = "auto", model_factory: Any = None) -> Estimate:
     """Per-GPU training memory of one configuration (see the module docstring).
 
     ``model``: preset name, path to a HF config.json, dict of dimensions or ModelSpec; or the
     dimension keywords. ``method``: "analytic" (microseconds) or "traced" (runs one real step
     of the model under FakeTensorMode on the CPU; falls back to analytic with a warning).
+    ``gpu``: a catalog name, or a ``catalog.GPU`` (a cluster's own type).
     """
     spec = model_from_kwargs(model, arch=arch, layers=layers, hidden=hidden, heads=heads,
                              kv_heads=kv_heads, ffn=ffn, vocab=vocab,

@@ -255,12 +255,12 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
     return out
 
 
-def estimate_plan(job: TrainingJob | dict, plan: Plan) -> Estimate:
+def estimate_plan(job: TrainingJob | dict, plan: Plan, *, gpus: dict[str, GPU] | None = None) -> Estimate:
     """The full estimate (breakdown, per-stage peaks) of ``job`` run on ``plan``: the one place
-    that turns a plan back into `estimate` keywords."""
+    that turns a plan back into `estimate` keywords. ``gpus``: as in ``enumerate_plans``."""
     j = _as_job(job)
     return estimate(j.model, seq_len=j.seq_len, micro_batch=plan.micro_batch,
                     grad_accum=plan.grad_accum, dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp,
                     zero=plan.zero, offload=plan.offload, precision=plan.precision,
                     optimizer=plan.optimizer, act_ckpt=plan.act_ckpt, attention=plan.attention,
-                    gpu=plan.gpu_type)
+                    gpu=get_gpu(plan.gpu_type, gpus))

@@ -62,7 +62,8 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str = 
 
     plans_by_type = estimate_memory(job, topology, safety_margin_gib)
     best = fastest(plans_by_type)
-    artifacts.memory_breakdown(estimate_plan(job, best), best)
+    gpus = topology.gpu_catalog()
+    artifacts.memory_breakdown(estimate_plan(job, best, gpus=gpus), best)
 
     registered = run_coro_as_sync(_registered_pools())
     candidates = select_resources(job, plans_by_type, topology, registered)
@@ -87,7 +88,7 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str = 
     artifacts.summary(final, predicted_figures(final), measured)
     result = SubmitResult(
         status=status, job_id=job_id, job_name=job.name, plan=final, initial_plan=chosen,
-        allocation=assignment, estimate=estimate_plan(job, final).model_dump(mode="json"),
+        allocation=assignment, estimate=estimate_plan(job, final, gpus=gpus).model_dump(mode="json"),
         plans=plans_by_type, losses=trained.get("losses", []), attempts=trained.get("attempts", []),
         measured=measured, checkpoint_dir=trained.get("checkpoint_dir"),
         flow_run_id=str(flow_run.id) if flow_run.id else None, error=error)

@@ -101,6 +101,10 @@ def test_custom_gpu_type_from_a_cluster_gets_plans():
         plans_for_job(job, {"MI300X-192GB": 8})
     plans = plans_for_job(job, {"MI300X-192GB": 8}, gpus={"MI300X-192GB": custom})
     assert plans["MI300X-192GB"]
+    from estimator.plans import estimate_plan
+    est = estimate_plan(job, plans["MI300X-192GB"][0], gpus={"MI300X-192GB": custom})
+    assert est.gpu_memory_gib == 192.0 and est.fits
+    assert abs(est.device_used_gib - plans["MI300X-192GB"][0].device_used_gib) < 1e-3
     assert all(p.device_used_gib <= 192.0 - 1.0 for p in plans["MI300X-192GB"])
     # the same job holds on fewer of the big custom cards than on 80 GB ones
     a100 = plans_for_job(job, {"A100-80GB": 8})["A100-80GB"]
