@@ -52,18 +52,14 @@ def reestimate(job: TrainingJob, p: Plan, *, safety_margin_gib: float | None = N
     """``p`` with the estimator's predictions (memory, step time), or None when the estimator
     does not believe it fits its GPU type (``device_used_gib`` over capacity minus the margin)."""
     from estimator.catalog import get_gpu
-    from estimator.memory import estimate
     from estimator.models import resolve_model
-    from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB
+    from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan
     from estimator.throughput import step_time
 
     margin = DEFAULT_SAFETY_MARGIN_GIB if safety_margin_gib is None else safety_margin_gib
     try:
         gpu = get_gpu(p.gpu_type)
-        est = estimate(job.model, seq_len=job.seq_len, micro_batch=p.micro_batch, grad_accum=p.grad_accum,
-                       dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero, offload=p.offload,
-                       precision=p.precision, optimizer=p.optimizer, act_ckpt=p.act_ckpt,
-                       attention=p.attention, gpu=p.gpu_type)
+        est = estimate_plan(job, p)
     except FrenzyInputError:
         return None
     if est.device_used_gib > gpu.memory_gib - margin:
