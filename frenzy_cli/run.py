@@ -15,10 +15,12 @@ def register(sub) -> None:
     p.add_argument("job", help="job YAML (see examples/tiny-job.yaml)")
     p.add_argument("--cluster", help="cluster YAML (pools per GPU type); default: the GPUs NVML "
                                      "finds here, else a local CPU pool")
-    p.add_argument("--policy", default="frenzy", help="scheduling policy (default: frenzy)")
+    p.add_argument("--policy", help="scheduling policy (default: the settings block's, else frenzy)")
     p.add_argument("--ledger", help="ledger SQLAlchemy URL (default: SQLite under .frenzy/)")
     p.add_argument("--safety-margin-gib", type=float, default=None,
                    help="GPU memory kept free beyond the prediction (GiB)")
+    p.add_argument("--settings", help="a FrenzySettings block name (site defaults: ledger URL, "
+                                      "safety margin, policy, fallback order)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(handler=handle)
 
@@ -68,7 +70,9 @@ def handle(args) -> int:
     from scheduler.discover import cluster_or_local
 
     topology = cluster_or_local(args.cluster)
-    margin = DEFAULT_SAFETY_MARGIN_GIB if args.safety_margin_gib is None else args.safety_margin_gib
+    # With a settings block its margin is only known once Prefect is up: check against none.
+    margin = (args.safety_margin_gib if args.safety_margin_gib is not None
+              else 0.0 if args.settings else DEFAULT_SAFETY_MARGIN_GIB)
     plans_for_job(job, topology.inventory(), gpus_per_node=topology.gpus_per_node(),
                   safety_margin_gib=margin, gpus=topology.gpu_catalog())
 
@@ -81,7 +85,8 @@ def handle(args) -> int:
     sync_pools(topology)
     try:
         result = submit_training(job, cluster=args.cluster, policy=args.policy,
-                                 ledger_url=args.ledger, safety_margin_gib=margin)
+                                 ledger_url=args.ledger, settings=args.settings,
+                                 safety_margin_gib=args.safety_margin_gib)
     except FrenzyInputError:
         raise
     except Exception as err:

@@ -213,7 +213,8 @@ def _wait(flow_run_id: UUID, pool: str, deadline: float, poll_s: float):
 
 
 def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float | None,
-                     job_id: str | None = None, env: Mapping[str, str] | None = None,
+                     job_id: str | None = None, settings: str | None = None,
+                     env: Mapping[str, str] | None = None,
                      poll_s: float = 2.0, slot_timeout_s: float | None = None) -> dict:
     """Run ``job`` with ``plan`` on ``allocation.pool`` through its ``frenzy-train-<pool>``
     deployment and return that flow's result (a dict; the train flow persists its result).
@@ -221,7 +222,8 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
     ``allocation``: the submit flow's ``Assignment`` (or a ledger Allocation / dict with
     ``pool``, ``devices``, ``allocation_id`` or ``id``); it is passed on as the train flow's
     ``assignment`` parameter, with ``job`` and ``job_id``. ``timeout_s=None`` waits as long as
-    it takes. Holds ``concurrency("gpu:<pool>", occupy=<devices>, strict=True)`` for the whole run.
+    it takes. ``settings``: the FrenzySettings block the train flow applies. Holds
+    ``concurrency("gpu:<pool>", occupy=<devices>, strict=True)`` for the whole run.
     Raises ``DispatchError`` when the run ends other than COMPLETED or outlives ``timeout_s``
     (the run is cancelled then), ``FrenzyInputError`` when the pool was never synced.
     """
@@ -238,7 +240,7 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
     with hold_gpu_slots(pool, occupy, timeout_s=slot_timeout_s if slot_timeout_s is not None else timeout_s):
         return _run_and_wait(deployment_id, pool, variables, timeout_s, deadline, poll_s,
                              {"job": job_d, "plan": plan.model_dump(mode="json"),
-                              "assignment": assignment, "job_id": job_id})
+                              "assignment": assignment, "job_id": job_id, "settings": settings})
 
 
 def _run_and_wait(deployment_id: UUID, pool: str, variables: dict[str, Any], timeout_s: float | None,

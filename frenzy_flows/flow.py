@@ -15,8 +15,8 @@ from scheduler.discover import cluster_or_local
 
 from frenzy_flows import artifacts, dispatch, events
 from frenzy_flows.results import Assignment, SubmitResult, predicted_figures
-from frenzy_flows.tasks import (assign, estimate_memory, fastest, new_job_id, secret_value,
-                                select_resources)
+from frenzy_flows.tasks import (assign, estimate_memory, fastest, load_settings, new_job_id,
+                                secret_value, select_resources)
 from frenzy_flows.train_flow import train_on_pool
 
 
@@ -29,33 +29,40 @@ async def _registered_pools() -> list[str]:
 
 @task(name="train")
 def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
-          ledger_url: str | None, inventory: dict[str, int]) -> dict:
+          ledger_url: str | None, inventory: dict[str, int], settings: str | None = None) -> dict:
     """Train on the assignment: on the pool's workers when any are online, else in-process as
     the same `frenzy-train` flow (a subflow). Either way the run holds the pool's `gpu:<pool>`
     slots, so Prefect's count of busy GPUs agrees with the ledger."""
     if dispatch.has_workers(assignment.pool):
         get_run_logger().info("dispatching to work pool %s", assignment.pool)
         return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id,
-                                         timeout_s=job.deadline_s)
+                                         settings=settings, timeout_s=job.deadline_s)
     with dispatch.hold_gpu_slots(assignment.pool, plan.gpus, timeout_s=job.deadline_s):
         return train_on_pool(job, plan, assignment=assignment, job_id=job_id,
-                             ledger_url=ledger_url, inventory=inventory)
+                             ledger_url=ledger_url, inventory=inventory, settings=settings)
 
 
 @flow(name="frenzy-submit", log_prints=False)
-def submit_training(job: TrainingJob, cluster: str | None = None, policy: str = "frenzy",
-                    safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB,
-                    ledger_url: SecretStr | None = None, wait_timeout_s: float = 3600.0) -> SubmitResult:
+def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | None = None,
+                    safety_margin_gib: float | None = None, ledger_url: SecretStr | None = None,
+                    wait_timeout_s: float = 3600.0, settings: str | None = None) -> SubmitResult:
     """Train ``job`` without naming a GPU.
 
     ``cluster``: a cluster YAML path (pools per GPU type); default: the GPUs NVML finds here,
     or a local CPU pool. ``ledger_url``: SQLAlchemy URL of the GPU ledger (default: env
-    FRENZY_LEDGER_URL, else SQLite under FRENZY_HOME, as `ledger.Ledger` decides)."""
+    FRENZY_LEDGER_URL, else SQLite under FRENZY_HOME, as `ledger.Ledger` decides).
+    ``settings``: a `FrenzySettings` block name; its ledger URL, safety margin, policy and
+    out-of-memory fallback order apply where the call leaves them unset."""
     from ledger import Ledger
     from prefect.utilities.asyncutils import run_coro_as_sync
 
     log = get_run_logger()
-    ledger_url = secret_value(ledger_url)
+    site = load_settings(settings)
+    ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
+    policy = policy or (site.policy if site else "frenzy")
+    if safety_margin_gib is None:
+        safety_margin_gib = (site.safety_margin_gib if site and site.safety_margin_gib is not None
+                             else DEFAULT_SAFETY_MARGIN_GIB)
     topology = cluster_or_local(cluster)
     Ledger(ledger_url).sync_cluster(topology)
     job_id = new_job_id(job)
@@ -75,8 +82,10 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str = 
     events.placed(job.name, chosen, assignment)
 
     try:
-        trained = train(job, job_id, chosen, assignment, ledger_url, topology.inventory())
-        status, error = "completed", None
+        trained = train(job, job_id, chosen, assignment, ledger_url, topology.inventory(), settings)
+        # the trainer reports a run that ran out of fallbacks or time; it does not raise
+        ok = trained.get("status") == "completed"
+        status, error = ("completed", None) if ok else ("failed", trained.get("error") or trained.get("status"))
     except FrenzyInputError:
         raise
     except Exception as err:  # the run failed for good: report it, GPUs already released

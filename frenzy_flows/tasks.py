@@ -134,6 +134,15 @@ def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], led
         delay = min(delay * 2, 30.0)
 
 
+def load_settings(name: str | None):
+    """The `FrenzySettings` block called ``name`` (site defaults edited in the UI), or None."""
+    if not name:
+        return None
+    from blocks import FrenzySettings
+
+    return FrenzySettings.load(name)
+
+
 def secret_value(value: SecretStr | str | None) -> str | None:
     """Ledger URLs may hold a password: flows take them as SecretStr and unwrap them only here."""
     return value.get_secret_value() if isinstance(value, SecretStr) else value

@@ -15,20 +15,22 @@ from estimator.plan import Plan
 
 from frenzy_flows import artifacts, events
 from frenzy_flows.results import Assignment
-from frenzy_flows.tasks import new_job_id, secret_value
+from frenzy_flows.tasks import load_settings, new_job_id, secret_value
 from frenzy_flows.training import run_allocated_training
 
 
 @flow(name="frenzy-train")
 def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = None,
                   job_id: str | None = None, ledger_url: SecretStr | None = None,
-                  inventory: dict[str, int] | None = None) -> dict[str, Any]:
+                  inventory: dict[str, int] | None = None, settings: str | None = None) -> dict[str, Any]:
     """``inventory`` (GPU type -> count) widens the out-of-memory fallbacks to more GPUs and
-    other GPU types; without it they stay on the plan's GPU type."""
+    other GPU types; without it they stay on the plan's GPU type. ``settings``: a
+    `FrenzySettings` block whose fallback order (and ledger URL, when none is given) apply."""
     from ledger import Ledger
 
     log = get_run_logger()
-    ledger_url = secret_value(ledger_url)
+    site = load_settings(settings)
+    ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
     job_id = job_id or new_job_id(job)
     if assignment is None:
         alloc = Ledger(ledger_url).allocate_best_fit(job_id, plan)
@@ -42,7 +44,13 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
         last["step"] = step
         artifacts.progress_update(progress, step, total, loss)
 
-    fallbacks = events.announced_fallbacks(job, plan, inventory=inventory, last_step=lambda: last["step"])
+    ordered = None
+    if site is not None:
+        from trainer.fallback import fallback_plans
+
+        ordered = site.order_fallbacks(plan, fallback_plans(job, plan, inventory=inventory))
+    fallbacks = events.announced_fallbacks(job, plan, inventory=inventory, plans=ordered,
+                                           last_step=lambda: last["step"])
     result = run_allocated_training(job, job_id, plan, assignment, ledger_url=ledger_url,
                                     log=log.info, inventory=inventory, on_step=on_step,
                                     fallbacks=fallbacks)

@@ -82,3 +82,29 @@ def test_injected_oom_falls_back_and_resumes(registered, frenzy_home, monkeypatc
     assert result.plan.global_batch == TINY["global_batch"]
     assert len(result.losses) == TINY["train_steps"]
     assert Ledger().cluster_state().running == []
+
+
+def test_settings_block_supplies_the_ledger(registered, frenzy_home, tmp_path):
+    from blocks import FrenzySettings
+    from frenzy_flows import submit_training
+    from ledger import Ledger
+
+    url = f"sqlite:///{tmp_path}/site-ledger.db"
+    FrenzySettings(ledger_url=url).save("site-ledger", overwrite=True)
+    result = submit_training(job=dict(TINY, name="flow-site", train_steps=3), cluster=registered,
+                             settings="site-ledger")
+    assert result.status == "completed"
+    assert any(r.job_id == result.job_id for r in Ledger(url).measurements())
+    assert not any(r.job_id == result.job_id for r in Ledger().measurements())
+
+
+def test_settings_fallback_order_can_forbid_fallbacks(registered, frenzy_home, monkeypatch):
+    from blocks import FrenzySettings
+    from frenzy_flows import submit_training
+    from ledger import Ledger
+
+    FrenzySettings(fallback_order=[]).save("no-fallbacks", overwrite=True)
+    monkeypatch.setenv("FRENZY_INJECT_OOM_AT_STEP", "2")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        submit_training(job=dict(TINY, name="flow-nofb"), cluster=registered, settings="no-fallbacks")
+    assert Ledger().cluster_state().running == []          # the failed run released its GPUs
