@@ -240,7 +240,9 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
     with hold_gpu_slots(pool, occupy, timeout_s=slot_timeout_s if slot_timeout_s is not None else timeout_s):
         return _run_and_wait(deployment_id, pool, variables, timeout_s, deadline, poll_s,
                              {"job": job_d, "plan": plan.model_dump(mode="json"),
-                              "assignment": assignment, "job_id": job_id, "settings": settings})
+                              "assignment": assignment, "job_id": job_id,
+                              # only when set: train flows deployed before it keep working
+                              **({"settings": settings} if settings else {})})
 
 
 def _run_and_wait(deployment_id: UUID, pool: str, variables: dict[str, Any], timeout_s: float | None,
