@@ -248,6 +248,35 @@ def test_running_job_grows_onto_idle_gpus_only_when_nothing_waits_and_it_pays():
     assert knows_j().schedule([], st, later) == []
 
 
+def test_growth_goes_below_the_idle_efficiency_floor_only_onto_idle_gpus():
+    # 8 GPUs are 2x faster than 2 at 50% parallel efficiency: too wasteful for a first start
+    # (idle floor 70%), worth a restart once the GPUs would otherwise sit idle (floor 40%)
+    plans = [plan("A100-80GB", 2, 20, 0.30), plan("A100-80GB", 8, 20, 0.15)]
+    for floor, grows in ((0.4, True), (0.6, False)):
+        pol = FrenzyPolicy(grow_min_efficiency=floor)
+        d = pol.schedule([job("j", plans, steps=100_000)], cluster(A100_ONLY), NOW)
+        assert [(x.job_id, x.plan.gpus) for x in d] == [("j", 2)]
+        st = cluster(A100_ONLY)
+        running(st, "j", d[0], NOW, NOW + 100_000 * 0.30)
+        g = pol.schedule([], st, NOW + 600)
+        assert [(x.action, x.plan and x.plan.gpus) for x in g] == ([("preempt", None), ("start", 8)] if grows else [])
+
+
+def test_a_job_started_by_preemption_can_grow_later():
+    pol = FrenzyPolicy()
+    st = cluster(A100_ONLY)
+    occupy(st, "a-0", list(range(8)), plan("A100-80GB", 8, 20, 1.0), end=NOW + 100 * 3600)
+    st.running[0].start_s = NOW - 3600
+    short = job("short", [plan("A100-80GB", 4, 20, 1.0), plan("A100-80GB", 8, 20, 0.6)], steps=1800)
+    d = pol.schedule([short], st, NOW)
+    assert [(x.action, x.job_id) for x in d][-1] == ("start", "short") and d[-1].plan.gpus == 4
+    st = cluster(A100_ONLY)                           # the preempted job was sent elsewhere
+    running(st, "short", d[-1], NOW, NOW + 1800 + 60)
+    g = pol.schedule([], st, NOW + 60)
+    assert [(x.action, x.job_id) for x in g] == [("preempt", "short"), ("start", "short")]
+    assert g[1].plan.gpus == 8
+
+
 def test_wide_run_shrinks_for_a_waiting_job_when_the_waiter_gains_more():
     pol = FrenzyPolicy(preempt_ratio=1e9)              # no whole-job preemption: only shrinking
     big = job("big", ELASTIC, steps=200_000)

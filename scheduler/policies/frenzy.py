@@ -30,8 +30,10 @@ no solver; per job O(plans x log running jobs).
    restart) when its predicted time saved is 1.5x what that job loses.
 7. Elastic growth (Sia-like, but only when it pays). When no job is left waiting after the
    round, running jobs (longest remaining first) restart on a faster plan on the idle GPUs if
-   their predicted remaining time, restart and checkpoint restore included, drops by >= 20%
-   and >= 2 min; at most twice per job (growths and shrinks together).
+   their predicted remaining time, restart and checkpoint restore included, drops by >= 10%
+   and >= 2 min; at most twice per job (growths and shrinks together). Growth may go down to
+   40% parallel efficiency (first starts: 70% when idle, 90% otherwise): GPUs nobody waits for
+   cost nothing, and a grown job is the first to shrink back when someone waits.
 8. Placement. Fewest nodes, best fit (``FreeIndex.place_compact``); tensor-parallel groups
    inside one node.
 
@@ -72,9 +74,11 @@ PREEMPT_HEADS = 4           # jobs at the head of the queue that may preempt, pe
 IDLE_FACTOR = 2.0           # waiting jobs' fewest GPUs x this <= free GPUs: "lightly loaded"
 IDLE_MIN_EFFICIENCY = 0.7   # ... when they would take idle GPUs: restarts onto faster plans, and
                             # the fastest plan when lightly loaded
-GROW_MIN_GAIN = 0.2         # restart a run on a faster plan only if its remaining time drops >= 20%
+GROW_MIN_GAIN = 0.1         # restart a run on a faster plan only if its remaining time drops >= 10%
 GROW_MIN_S = 120.0          # ... and by >= 2 min
 MAX_GROWS_PER_JOB = 2
+GROW_MIN_EFFICIENCY = 0.4   # ... onto plans down to 40% parallel efficiency: idle GPUs are free, and
+                            # a job that grew wide shrinks back (a checkpoint restart) for waiters
 GROW_MAX_PER_ROUND = 8
 SHRINK_MIN_WAIT_S = 300.0   # shrink a run for a head job that would wait > 5 min ...
 SHRINK_GRACE_S = 300.0      # ... never a run in its first 5 min ...
@@ -217,6 +221,7 @@ class FrenzyPolicy(Policy):
                  preempt_heads: int = PREEMPT_HEADS, idle_factor: float = IDLE_FACTOR,
                  idle_min_efficiency: float = IDLE_MIN_EFFICIENCY, grow: bool = True,
                  grow_min_gain: float = GROW_MIN_GAIN, grow_min_s: float = GROW_MIN_S,
+                 grow_min_efficiency: float = GROW_MIN_EFFICIENCY,
                  max_grows_per_job: int = MAX_GROWS_PER_JOB, grow_max_per_round: int = GROW_MAX_PER_ROUND,
                  restart_s: float = RESTART_S, ckpt_gbs: float = CKPT_GBS, shrink: bool = True,
                  shrink_min_wait_s: float = SHRINK_MIN_WAIT_S, shrink_grace_s: float = SHRINK_GRACE_S,
@@ -229,6 +234,7 @@ class FrenzyPolicy(Policy):
         self.shrink_gain = shrink_gain
         self.grow = grow
         self.grow_min_gain = grow_min_gain
+        self.grow_min_efficiency = grow_min_efficiency
         self.grow_min_s = grow_min_s
         self.max_grows_per_job = max_grows_per_job
         self.grow_max_per_round = grow_max_per_round
@@ -260,6 +266,7 @@ class FrenzyPolicy(Policy):
         self._work: dict[str, float] = {}       # job -> GPU-seconds per step of its cheapest plan
         self._tuples: dict[str, list[tuple]] = {}   # job -> (step_s, gpus, gpu_type, cand), hot loop
         self._wide: dict[str, list[tuple]] = {}     # the same under the idle efficiency cap
+        self._grow_menu: dict[str, list[tuple]] = {}   # ... and under the growth efficiency cap
         self._by_plans: dict[int, tuple] = {}   # id(plan list) -> (list, len, cands, mins, work)
         self._mem_key: tuple = ()
         self._mem: dict[str, float] = {}        # gpu_type -> memory, from the last round's state
@@ -279,15 +286,16 @@ class FrenzyPolicy(Policy):
             if shared is not None and (shared[0] is not job.plans or shared[1] != len(job.plans)):
                 shared = None
         if shared is not None:
-            cands, mins, work, wide = shared[2], shared[3], shared[4], shared[5]
+            cands, mins, work, wide, grow = shared[2:]
         else:
-            cands, mins, work, wide = self._build_candidates(job, state, oom_frac)
+            cands, mins, work, wide, grow = self._build_candidates(job, state, oom_frac)
             if oom_frac == INF:
-                self._by_plans[id(job.plans)] = (job.plans, len(job.plans), cands, mins, work, wide)
+                self._by_plans[id(job.plans)] = (job.plans, len(job.plans), cands, mins, work, wide, grow)
         self._min_gpus[job.job_id] = mins
         self._work[job.job_id] = work
         self._tuples[job.job_id] = [(c.step_s, c.gpus, c.gpu_type, c) for c in cands]
         self._wide[job.job_id] = wide
+        self._grow_menu[job.job_id] = grow
         self._cache[job.job_id] = (key, cands)
         return cands
 
@@ -308,7 +316,9 @@ class FrenzyPolicy(Policy):
         for c in cands:
             mins[c.gpu_type] = min(mins.get(c.gpu_type, c.gpus), c.gpus)
         work = min((c.gpus * c.step_s for c in cands), default=INF)
-        return cands, list(mins.items()), work, [(c.step_s, c.gpus, c.gpu_type, c) for c in wide]
+        grow = self._pareto(by_type, self.grow_min_efficiency)
+        return (cands, list(mins.items()), work, [(c.step_s, c.gpus, c.gpu_type, c) for c in wide],
+                [(c.step_s, c.gpus, c.gpu_type, c) for c in grow])
 
     @staticmethod
     def _pareto(by_type: dict[str, list[Plan]], min_efficiency: float) -> list[_Cand]:
@@ -500,6 +510,7 @@ class FrenzyPolicy(Policy):
             self._work.pop(jid, None)
             self._tuples.pop(jid, None)
             self._wide.pop(jid, None)
+            self._grow_menu.pop(jid, None)
         if len(self._by_plans) > 2 * len(pending) + 256:   # live: plan lists of finished jobs
             keep = {id(j.plans) for j in pending}
             self._by_plans = {k: v for k, v in self._by_plans.items() if k in keep}
@@ -518,6 +529,7 @@ class FrenzyPolicy(Policy):
         out: list[Decision] = []
         reservations = 0
         total = idx.total
+        all_keyed = keyed                 # jobs started by preemption leave ``keyed`` below
         if self.preemption and keyed:
             self._eligible = None
             preempted: set[str] = set()
@@ -584,7 +596,7 @@ class FrenzyPolicy(Policy):
                 profiles[c.gpu_type].backlog += c.gpus * dur
         if self.grow:
             touched = {d.job_id for d in out}
-            self._remember_runs(state, keyed, touched)
+            self._remember_runs(state, all_keyed, touched)
             if all(k[3].job_id in touched for k in keyed):     # nothing waits
                 out.extend(self._grow_runs(state, idx, now, touched))
         return out
@@ -595,7 +607,7 @@ class FrenzyPolicy(Policy):
         for k in keyed:
             jid = k[3].job_id
             if jid in touched:
-                self._run_tuples[jid] = self._wide[jid]
+                self._run_tuples[jid] = self._grow_menu[jid]
                 # checkpoint save + restore: model states <= the 1-GPU-equivalent footprint of
                 # the job's smallest plan, at ``ckpt_gbs`` GB/s, on one node (pessimistic)
                 gib = min((c.gpus * c.plan.device_used_gib for c in k[4]), default=0.0)
