@@ -2,6 +2,7 @@
 
     python bench/jct.py                 # everything (several minutes on 2 cores), writes docs/benchmarks-jct.md
     python bench/jct.py --part jct      # only the workload x cluster comparison
+    python bench/jct.py --part seeds    # frenzy vs sia under truth seeds 1-3 (is a gap systematic?)
     python bench/jct.py --part speed    # only scheduler ms per round at 64 / 512 / 4,096 GPUs
     python bench/jct.py --part full     # only the full cluster04 trace (15,802 jobs) under frenzy
 
@@ -135,8 +136,72 @@ def part_jct(policies: list[str], lines: list[str]) -> list[dict]:
                       f"requested A100-40GB / cluster GPU-time over the arrival span).", "",
                       "```", wl_cmd, sim_cmd, "```", "",
                       table(results), "", f"Targets: {checks}", "", f"![{w.name} on {cname}]({png.name})", ""]
-            rows.append({"workload": w.name, "cluster": cname, "results": results, "checks": checks})
+            rows.append({"workload": w.name, "cluster": cname, "results": results, "checks": checks,
+                         "load": load})
     return rows
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """The headline table: frenzy's average JCT against every baseline, per block (seed 0)."""
+    names = [n for n in ("fifo-user", "frenzy-paper", "gavel", "sia") if n in {r.policy for r in rows[0]["results"]}]
+    need = {"fifo-user": 0.25, "frenzy-paper": 0.12, "gavel": 1e-9, "sia": 1e-9}
+    out = ["## Summary (seed 0)", "",
+           "frenzy's average JCT relative to each baseline (negative = frenzy faster; targets: "
+           "<= -25% vs fifo-user, <= -12% vs frenzy-paper, < 0 vs gavel and sia, 0 OOM).", "",
+           "| workload | cluster | offered load | frenzy avg JCT h | " + " | ".join(f"vs {n}" for n in names)
+           + " | frenzy OOM |", "|---|---|---|---|" + "---|" * len(names) + "---|"]
+    for row in rows:
+        by = {r.policy: r for r in row["results"]}
+        f = by.get("frenzy")
+        if f is None:
+            continue
+        cells = []
+        for n in names:
+            g = -1 + f.avg_jct_s / by[n].avg_jct_s if by[n].avg_jct_s else float("nan")
+            cells.append(f"{g * 100:+.0f}% {'PASS' if -g >= need[n] else 'MISS'}")
+        out.append(f"| {row['workload']} | {row['cluster']} | {row['load']:.2f} | {f.avg_jct_s / 3600:.2f} | "
+                   + " | ".join(cells) + f" | {f.oom_events} |")
+    return out + [""]
+
+
+def _seed_run(task):
+    wl_path, cpath, policy, seed = task
+    from estimator.catalog import CATALOG
+    from scheduler.cluster import load_cluster
+    from scheduler.sim import SimConfig, simulate
+    from scheduler.workload import read_workload
+    cluster = load_cluster(cpath)
+    jobs = read_workload(wl_path, gpu_types=set(CATALOG) | set(cluster.gpu_types))
+    return simulate(jobs, cluster, policy, config=SimConfig(seed=seed, noise=0.1)).avg_jct_s
+
+
+def part_seeds(lines: list[str], seeds: list[int], policies=("frenzy", "sia")) -> None:
+    """frenzy vs sia under other truth seeds (step-time and memory noise): is a gap systematic?"""
+    from multiprocessing import Pool
+    tasks = []
+    for w in WORKLOADS:
+        for cname, cpath in CLUSTERS.items():
+            wl_path, _ = make_workload(w, cname)
+            tasks += [(str(wl_path), cpath, p, s) for s in seeds for p in policies]
+    with Pool(min(2, os.cpu_count() or 1)) as pool:
+        got = dict(zip(tasks, pool.map(_seed_run, tasks)))
+    a, b = policies
+    lines += [f"## Other truth seeds: {a} vs {b}", "",
+              f"The same workloads under truth seeds {', '.join(map(str, seeds))} (`--seed N` of "
+              "`frenzy simulate`: each job's real step time and peak memory noise). Cells: "
+              f"{a}'s average JCT relative to {b}'s; last column: over the seeds together.", "",
+              "```", f"python bench/jct.py --part seeds --seeds {','.join(map(str, seeds))}", "```", "",
+              "| workload | cluster | " + " | ".join(f"seed {s}" for s in seeds) + " | all seeds |",
+              "|---|---|" + "---|" * (len(seeds) + 1)]
+    for w in WORKLOADS:
+        for cname, cpath in CLUSTERS.items():
+            wl_path = str(OUT / f"{w.name}-{cname}.csv")
+            fa = [got[(wl_path, cpath, a, s)] for s in seeds]
+            fb = [got[(wl_path, cpath, b, s)] for s in seeds]
+            cells = [f"{(x / y - 1) * 100:+.0f}%" for x, y in zip(fa, fb)]
+            lines.append(f"| {w.name} | {cname} | " + " | ".join(cells) + f" | {(sum(fa) / sum(fb) - 1) * 100:+.0f}% |")
+            print(f"  seeds {w.name} on {cname}: " + " ".join(cells), flush=True)
+    lines.append("")
 
 
 def target_checks(by: dict) -> str:
@@ -307,7 +372,7 @@ def part_full(lines: list[str]) -> None:
 
 HEADER = """# Benchmarks: JCT and scheduler overhead (issue 5)
 
-Produced by `python bench/jct.py` (parts: `--part jct|speed|full`); every figure comes with
+Produced by `python bench/jct.py` (parts: `--part jct|seeds|speed|full`); every figure comes with
 the command that reproduces it. All numbers measured on the shared 2-core development machine
 (other engineers' jobs running at the same time: wall times are upper bounds).
 
@@ -340,7 +405,8 @@ the command that reproduces it. All numbers measured on the shared 2-core develo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["all", "jct", "speed", "full"], default="all")
+    ap.add_argument("--part", choices=["all", "jct", "seeds", "speed", "full"], default="all")
+    ap.add_argument("--seeds", default="1,2,3", help="truth seeds of the seeds part")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--report", default=str(REPORT), help="markdown file to write")
     args = ap.parse_args()
@@ -349,7 +415,11 @@ def main() -> None:
     lines = HEADER.splitlines() + [""]
     t0 = time.perf_counter()
     if args.part in ("all", "jct"):
-        part_jct(policies, lines)
+        head = len(lines)
+        rows = part_jct(policies, lines)
+        lines[head:head] = summary(rows)
+    if args.part in ("all", "seeds"):
+        part_seeds(lines, [int(x) for x in args.seeds.split(",")])
     if args.part in ("all", "speed"):
         part_speed(policies, lines)
     if args.part in ("all", "full"):
