@@ -28,6 +28,11 @@ class DataSpec(BaseModel):
         return self
 
 
+def steps_for_tokens(train_tokens: int, global_batch: int, seq_len: int) -> int:
+    """Optimizer steps that consume ``train_tokens`` (the last step may be partial)."""
+    return max(1, math.ceil(train_tokens / (global_batch * seq_len)))
+
+
 class TrainingJob(BaseModel):
     """A training job as submitted: what to train, on how much data, never which GPU."""
 
@@ -68,4 +73,4 @@ class TrainingJob(BaseModel):
     def steps(self) -> int:
         if self.train_steps is not None:
             return self.train_steps
-        return max(1, math.ceil(self.train_tokens / (self.global_batch * self.seq_len)))
+        return steps_for_tokens(self.train_tokens, self.global_batch, self.seq_len)

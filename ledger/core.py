@@ -29,6 +29,7 @@ from sqlmodel import Session, SQLModel, select
 
 from estimator.errors import FrenzyInputError
 from estimator.home import frenzy_home
+from estimator.job import steps_for_tokens
 from estimator.plan import Plan
 from scheduler.placement import FreeIndex
 from scheduler.types import ClusterState, Node, RunningJob
@@ -180,7 +181,7 @@ def _steps_of(spec: dict[str, Any]) -> int | None:
             return spec[k]
     tok, gb, seq = spec.get("train_tokens"), spec.get("global_batch"), spec.get("seq_len")
     if all(isinstance(v, int) and v > 0 for v in (tok, gb, seq)):
-        return max(1, math.ceil(tok / (gb * seq)))
+        return steps_for_tokens(tok, gb, seq)
     return None
 
 

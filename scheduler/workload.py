@@ -36,6 +36,7 @@ from typing import Callable, Iterable
 import yaml
 
 from estimator.errors import FrenzyInputError
+from estimator.job import steps_for_tokens
 
 WORKLOAD_COLUMNS = ("job_id", "submit_s", "model", "seq_len", "global_batch", "train_tokens",
                     "requested_gpu_type", "requested_gpus")
@@ -58,7 +59,7 @@ class WorkloadJob:
 
     @property
     def steps(self) -> int:
-        return max(1, math.ceil(self.train_tokens / (self.global_batch * self.seq_len)))
+        return steps_for_tokens(self.train_tokens, self.global_batch, self.seq_len)
 
 
 # ----------------------------------------------------------------------------- reading
