@@ -309,41 +309,51 @@ class FrenzyPolicy(Policy):
             by_type.setdefault(p.gpu_type, []).append(p)
         for ps in by_type.values():
             ps.sort(key=lambda p: (p.gpus, p.step_time_s))
-        cands = self._pareto(by_type, self.min_efficiency)
-        wide = cands if self.idle_min_efficiency == self.min_efficiency else self._pareto(
-            by_type, self.idle_min_efficiency)
+        cands, wide, grow = self._pareto(by_type, (self.min_efficiency, self.idle_min_efficiency,
+                                                   self.grow_min_efficiency))
         mins: dict[str, int] = {}
         for c in cands:
             mins[c.gpu_type] = min(mins.get(c.gpu_type, c.gpus), c.gpus)
         work = min((c.gpus * c.step_s for c in cands), default=INF)
-        grow = self._pareto(by_type, self.grow_min_efficiency)
         return (cands, list(mins.items()), work, [(c.step_s, c.gpus, c.gpu_type, c) for c in wide],
                 [(c.step_s, c.gpus, c.gpu_type, c) for c in grow])
 
     @staticmethod
-    def _pareto(by_type: dict[str, list[Plan]], min_efficiency: float) -> list[_Cand]:
+    def _pareto(by_type: dict[str, list[Plan]], floors: tuple[float, ...]) -> list[list[_Cand]]:
         """Per GPU type the plans a bigger count makes faster, while parallel efficiency vs the
-        fewest GPUs of that type stays >= ``min_efficiency``; fastest first."""
-        cands: list[_Cand] = []
+        fewest GPUs of that type stays >= the floor; one list per floor, fastest first (one
+        pass: each list is a per-type prefix of the list at the lowest floor)."""
+        lowest = min(floors)
+        out: list[list[_Cand]] = [[] for _ in floors]
         for t, ps in by_type.items():
             best = INF
             base_gpu_s = None                             # GPU-seconds per step at the fewest GPUs
+            open_ = [True] * len(floors)                  # a floor's chain ends at its first miss
             for p in ps:                                  # Pareto: more GPUs only if faster
                 if p.step_time_s < best - 1e-12:
                     gpu_s = p.gpus * p.step_time_s
                     if base_gpu_s is None:
                         base_gpu_s = gpu_s
-                    elif base_gpu_s < min_efficiency * gpu_s:
-                        break                             # more GPUs than the speed-up is worth
-                    cands.append(_Cand(p, t, p.gpus, p.step_time_s))
+                    elif base_gpu_s < lowest * gpu_s:
+                        break                             # more GPUs than any speed-up is worth
+                    c = _Cand(p, t, p.gpus, p.step_time_s)
+                    for i, f in enumerate(floors):
+                        if open_[i] and base_gpu_s >= f * gpu_s:
+                            out[i].append(c)
+                        else:
+                            open_[i] = False
                     best = p.step_time_s
-        cands.sort(key=lambda c: (c.step_s, c.gpus))
-        return cands
+        for cands in out:
+            cands.sort(key=lambda c: (c.step_s, c.gpus))
+        return out
 
     def _gate(self, plans: list[Plan], state: ClusterState, oom_frac: float) -> list[Plan]:
         safe, fallback = [], []
+        mems: dict[str, float] = {}
         for p in plans:
-            mem = gpu_memory_gib(state, p.gpu_type)
+            mem = mems.get(p.gpu_type)
+            if mem is None:
+                mem = mems[p.gpu_type] = gpu_memory_gib(state, p.gpu_type)
             if p.device_used_gib / mem >= oom_frac:
                 continue                                  # as tight as a plan that already OOMed
             if p.device_used_gib * (1.0 + self.mem_headroom) + self.safety_margin_gib <= mem:
