@@ -248,6 +248,14 @@ def test_running_job_grows_onto_idle_gpus_only_when_nothing_waits_and_it_pays():
     assert knows_j().schedule([], st, later) == []
 
 
+def test_a_simpler_plan_within_one_percent_of_the_fastest_is_preferred():
+    z2 = plan("A100-80GB", 8, 20, 0.0467, zero=2)
+    for ddp_step, want_zero in ((0.0468, 0), (0.0467 * 1.05, 2)):
+        ddp = plan("A100-80GB", 8, 30, ddp_step)
+        d = FrenzyPolicy().schedule([job("j", [z2, ddp])], cluster(A100_ONLY), NOW)
+        assert d[0].plan.zero == want_zero
+
+
 def test_growth_goes_below_the_idle_efficiency_floor_only_onto_idle_gpus():
     # 8 GPUs are 2x faster than 2 at 50% parallel efficiency: too wasteful for a first start
     # (idle floor 70%), worth a restart once the GPUs would otherwise sit idle (floor 40%)
