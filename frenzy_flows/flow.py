@@ -16,7 +16,7 @@ from scheduler.discover import cluster_or_local
 from frenzy_flows import artifacts, dispatch, events
 from frenzy_flows.results import Assignment, SubmitResult, predicted_figures
 from frenzy_flows.tasks import (assign, estimate_memory, fastest, load_settings, new_job_id,
-                                secret_value, select_resources)
+                                secret_value, select_resources, with_site_defaults)
 from frenzy_flows.train_flow import train_on_pool
 
 
@@ -52,12 +52,14 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     or a local CPU pool. ``ledger_url``: SQLAlchemy URL of the GPU ledger (default: env
     FRENZY_LEDGER_URL, else SQLite under FRENZY_HOME, as `ledger.Ledger` decides).
     ``settings``: a `FrenzySettings` block name; its ledger URL, safety margin, policy and
-    out-of-memory fallback order apply where the call leaves them unset."""
+    out-of-memory fallback order apply where the call leaves them unset, its default
+    precision and optimizer where the job leaves them unset."""
     from ledger import Ledger
     from prefect.utilities.asyncutils import run_coro_as_sync
 
     log = get_run_logger()
     site = load_settings(settings)
+    job = with_site_defaults(job, site)
     ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
     policy = policy or (site.policy if site else "frenzy")
     if safety_margin_gib is None:

@@ -143,6 +143,17 @@ def load_settings(name: str | None):
     return FrenzySettings.load(name)
 
 
+def with_site_defaults(job: TrainingJob, site) -> TrainingJob:
+    """The job with the `FrenzySettings` block's default precision and optimizer where the job
+    itself does not set them (a field the submitter set always wins)."""
+    if site is None:
+        return job
+    update = {field: getattr(site, attr)
+              for field, attr in (("precision", "default_precision"), ("optimizer", "default_optimizer"))
+              if field not in job.model_fields_set and getattr(site, attr, None) is not None}
+    return job.model_copy(update=update) if update else job
+
+
 def secret_value(value: SecretStr | str | None) -> str | None:
     """Ledger URLs may hold a password: flows take them as SecretStr and unwrap them only here."""
     return value.get_secret_value() if isinstance(value, SecretStr) else value

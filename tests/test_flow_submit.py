@@ -98,6 +98,18 @@ def test_settings_block_supplies_the_ledger(registered, frenzy_home, tmp_path):
     assert not any(r.job_id == result.job_id for r in Ledger().measurements())
 
 
+def test_settings_block_supplies_default_precision_and_optimizer(registered, frenzy_home):
+    from blocks import FrenzySettings
+    from frenzy_flows import submit_training
+
+    FrenzySettings(default_precision="fp32", default_optimizer="sgd").save("site-defaults", overwrite=True)
+    job = {k: v for k, v in TINY.items() if k != "precision"}
+    result = submit_training(job=dict(job, name="flow-defaults", train_steps=2), cluster=registered,
+                             settings="site-defaults")
+    assert result.status == "completed"
+    assert (result.plan.precision, result.plan.optimizer) == ("fp32", "sgd")
+
+
 def test_settings_fallback_order_can_forbid_fallbacks(registered, frenzy_home, monkeypatch):
     from blocks import FrenzySettings
     from frenzy_flows import submit_training
