@@ -215,27 +215,6 @@ def _complexity(p: Plan) -> tuple:
     return (p.tp * p.pp * p.cp > 1, p.offload != "none", p.zero, p.act_ckpt != "none")
 
 
-def _simplest_first(ps: list[Plan]) -> list[Plan]:
-    """Plans by GPU count, fastest first, except that per count the simplest plan within
-    ``SIMPLER_WITHIN`` of the fastest one leads (a 0.2% predicted edge for ZeRO-2 over plain
-    data parallelism is far inside the throughput model's error; the simpler plan is the
-    safer run)."""
-    ps = sorted(ps, key=lambda p: (p.gpus, p.step_time_s))
-    out: list[Plan] = []
-    i = 0
-    while i < len(ps):
-        j = i
-        while j < len(ps) and ps[j].gpus == ps[i].gpus:
-            j += 1
-        group = ps[i:j]
-        near = [p for p in group if p.step_time_s <= group[0].step_time_s * (1.0 + SIMPLER_WITHIN)]
-        lead = min(near, key=lambda p: (_complexity(p), p.step_time_s))
-        out.append(lead)
-        out.extend(p for p in group if p is not lead)
-        i = j
-    return out
-
-
 class FrenzyPolicy(Policy):
     name = "frenzy"
 
@@ -335,8 +314,8 @@ class FrenzyPolicy(Policy):
         by_type: dict[str, list[Plan]] = {}
         for p in chosen:
             by_type.setdefault(p.gpu_type, []).append(p)
-        for t, ps in by_type.items():
-            by_type[t] = _simplest_first(ps)
+        for ps in by_type.values():
+            ps.sort(key=lambda p: (p.gpus, p.step_time_s))
         cands, wide, grow = self._pareto(by_type, (self.min_efficiency, self.idle_min_efficiency,
                                                    self.grow_min_efficiency))
         mins: dict[str, int] = {}
@@ -358,9 +337,15 @@ class FrenzyPolicy(Policy):
             base_gpu_s = None                             # GPU-seconds per step at the fewest GPUs
             open_ = [True] * len(floors)                  # a floor's chain ends at its first miss
             last_n = 0
-            for p in ps:                                  # Pareto: more GPUs only if faster
+            for i, p in enumerate(ps):                    # Pareto: more GPUs only if faster
                 if p.gpus != last_n and p.step_time_s < best - 1e-12:
-                    last_n = p.gpus                       # one plan per count: its leader
+                    last_n = p.gpus                       # one plan per count: its leader, the
+                    j = i + 1                             # simplest within SIMPLER_WITHIN of the
+                    near = p.step_time_s * (1.0 + SIMPLER_WITHIN)   # fastest (0.2% is noise)
+                    while j < len(ps) and ps[j].gpus == p.gpus and ps[j].step_time_s <= near:
+                        if ps[j].step_time_s < best - 1e-12 and _complexity(ps[j]) < _complexity(p):
+                            p = ps[j]
+                        j += 1
                     gpu_s = p.gpus * p.step_time_s
                     if base_gpu_s is None:
                         base_gpu_s = gpu_s
