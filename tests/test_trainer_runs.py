@@ -106,6 +106,17 @@ def test_deepspeed_zero2_on_cpu_resuming_a_plain_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_crash_after_the_result_does_not_fail_a_finished_training(tmp_path, monkeypatch):
+    monkeypatch.setenv("FRENZY_INJECT_ABORT_AT_EXIT", "1")
+    j = job(train_steps=2)
+    res, dev, lines, steps, attempts = train(j, cpu_plan(j, gpus=1), tmp_path, inventory={"CPU": 1})
+    assert res.status == "completed", res.error
+    assert [a.outcome for a in res.attempts] == ["ok"]              # not retried
+    assert any("finished training but its processes exited with" in l for l in lines)
+    assert dev.released == 1
+
+
+@pytest.mark.slow
 def test_injected_oom_falls_back_and_resumes_with_the_same_global_batch(tmp_path, monkeypatch):
     monkeypatch.setenv("FRENZY_INJECT_OOM_AT_STEP", "3")
     j = job(train_steps=5)

@@ -233,8 +233,12 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
             except BaseException:
                 release()
                 raise
-        if rc == 0 and listener.result is not None:
+        if listener.result is not None:
+            # rank 0 reports the result after every rank finished and the last checkpoint is
+            # saved: a crash while the processes tear down does not undo the training
             outcome: Outcome = "ok"
+            if rc != 0:
+                log(f"frenzy: attempt {number} finished training but its processes exited with {rc}")
         elif rc is None:
             outcome = "timeout"
         elif oom:

@@ -290,6 +290,12 @@ def train(run_dir: Path) -> None:
         emit("FRENZY_RESULT", result)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    if dist.is_available() and dist.is_initialized():
+        # gloo's worker threads still running at interpreter exit abort the process
+        # ("terminate called without an active exception", SIGABRT) after a finished run
+        dist.destroy_process_group()
+    if os.environ.get("FRENZY_INJECT_ABORT_AT_EXIT"):     # rehearsal: a crash while tearing down
+        os.abort()
 
 
 def save_checkpoint(accelerator, run_dir: Path, step: int, fmt: dict[str, Any], main: bool) -> None:
