@@ -143,6 +143,8 @@ def part_jct(policies: list[str], lines: list[str]) -> list[dict]:
 
 def summary(rows: list[dict]) -> list[str]:
     """The headline table: frenzy's average JCT against every baseline, per block (seed 0)."""
+    if not rows:
+        return []
     names = [n for n in ("fifo-user", "frenzy-paper", "gavel", "sia") if n in {r.policy for r in rows[0]["results"]}]
     need = {"fifo-user": 0.25, "frenzy-paper": 0.12, "gavel": 1e-9, "sia": 1e-9}
     out = ["## Summary (seed 0)", "",

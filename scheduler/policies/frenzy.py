@@ -339,9 +339,11 @@ class FrenzyPolicy(Policy):
             last_n = 0
             for i, p in enumerate(ps):                    # Pareto: more GPUs only if faster
                 if p.gpus != last_n and p.step_time_s < best - 1e-12:
-                    last_n = p.gpus                       # one plan per count: its leader, the
-                    j = i + 1                             # simplest within SIMPLER_WITHIN of the
-                    near = p.step_time_s * (1.0 + SIMPLER_WITHIN)   # fastest (0.2% is noise)
+                    # one plan per count: the simplest within SIMPLER_WITHIN of its fastest one
+                    # (a 0.2% predicted edge is noise in the throughput model)
+                    last_n = p.gpus
+                    j = i + 1
+                    near = p.step_time_s * (1.0 + SIMPLER_WITHIN)
                     while j < len(ps) and ps[j].gpus == p.gpus and ps[j].step_time_s <= near:
                         if ps[j].step_time_s < best - 1e-12 and _complexity(ps[j]) < _complexity(p):
                             p = ps[j]
@@ -352,11 +354,11 @@ class FrenzyPolicy(Policy):
                     elif base_gpu_s < lowest * gpu_s:
                         break                             # more GPUs than any speed-up is worth
                     c = _Cand(p, t, p.gpus, p.step_time_s)
-                    for i, f in enumerate(floors):
-                        if open_[i] and base_gpu_s >= f * gpu_s:
-                            out[i].append(c)
+                    for k, f in enumerate(floors):
+                        if open_[k] and base_gpu_s >= f * gpu_s:
+                            out[k].append(c)
                         else:
-                            open_[i] = False
+                            open_[k] = False
                     best = p.step_time_s
         for cands in out:
             cands.sort(key=lambda c: (c.step_s, c.gpus))
