@@ -59,7 +59,6 @@ def _policies(args) -> list[str]:
 
 
 def handle_simulate(args) -> int:
-    from estimator.catalog import CATALOG
     from estimator.errors import FrenzyInputError
     from scheduler.cluster import load_cluster
     from scheduler.sim import SimConfig, simulate
@@ -75,7 +74,7 @@ def handle_simulate(args) -> int:
     names = _policies(args)
     # validate everything before simulating anything
     cluster = load_cluster(args.cluster)
-    jobs = read_workload(args.workload, gpu_types=set(CATALOG) | set(cluster.gpu_types))
+    jobs = read_workload(args.workload, extra_gpu_types=cluster.gpu_types)
     sim_cluster = SimCluster.from_cluster(cluster)
     book = sim_cluster.plan_book()
     show = not args.no_progress and sys.stderr.isatty()

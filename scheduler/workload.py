@@ -85,16 +85,16 @@ def _int_field(raw: str, where: str, col: str, *, positive: bool = True) -> int:
 
 
 def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
-                  gpu_types: Iterable[str] | None = None) -> list[WorkloadJob]:
+                  extra_gpu_types: Iterable[str] = ()) -> list[WorkloadJob]:
     """Read and validate a workload CSV; the first bad row raises ``FrenzyInputError`` naming
     ``<file>:<line>: <column>`` and the rule, before anything is simulated.
 
-    ``models`` / ``gpu_types`` default to the estimator's presets and the GPU catalog (a cluster
-    file may add custom GPU types: pass them in).
+    ``models`` defaults to the estimator's presets; requested GPU types are the catalog's plus
+    ``extra_gpu_types`` (a cluster file's custom types: ``Cluster.gpu_types``).
     """
     path = Path(path)
     known_models = set(models) if models is not None else _known_models()
-    known_gpus = set(gpu_types) if gpu_types is not None else _known_gpus()
+    known_gpus = _known_gpus() | set(extra_gpu_types)
     if not path.is_file():
         raise FrenzyInputError("workload", f"no such file: {path}")
     jobs: list[WorkloadJob] = []
