@@ -148,9 +148,9 @@ def with_site_defaults(job: TrainingJob, site) -> TrainingJob:
     itself does not set them (a field the submitter set always wins)."""
     if site is None:
         return job
-    update = {field: getattr(site, attr)
-              for field, attr in (("precision", "default_precision"), ("optimizer", "default_optimizer"))
-              if field not in job.model_fields_set and getattr(site, attr, None) is not None}
+    update = {field: value for field, value in (("precision", site.default_precision),
+                                                ("optimizer", site.default_optimizer))
+              if field not in job.model_fields_set}
     return job.model_copy(update=update) if update else job
 
 

@@ -274,7 +274,7 @@ class FrenzyPolicy(Policy):
         self._tuples: dict[str, list[tuple]] = {}   # job -> (step_s, gpus, gpu_type, cand), hot loop
         self._wide: dict[str, list[tuple]] = {}     # the same under the idle efficiency cap
         self._grow_menu: dict[str, list[tuple]] = {}   # ... and under the growth efficiency cap
-        self._by_plans: dict[int, tuple] = {}   # id(plan list) -> (list, len, cands, mins, work)
+        self._by_plans: dict[int, tuple] = {}   # id(plan list) -> (list, len, cands, mins, work, wide, grow)
         self._mem_key: tuple = ()
         self._mem: dict[str, float] = {}        # gpu_type -> memory, from the last round's state
 
