@@ -144,7 +144,9 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
 
 
 def write_workload(jobs: Iterable[WorkloadJob], path: str | Path) -> None:
-    with Path(path).open("w", newline="") as fh:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)     # `--out runs/w.csv` in a fresh checkout
+    with path.open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(WORKLOAD_COLUMNS)
         for j in jobs:

@@ -108,6 +108,14 @@ def test_written_workload_reads_back(tmp_path):
     assert read_workload(out) == w
 
 
+def test_writing_a_workload_creates_its_folder(tmp_path):
+    # `frenzy workload --out out/jct/w.csv` (and bench/jct.py --part seeds) in a fresh checkout
+    w = map_trace(read_trace(_trace(tmp_path)), MIX, seed=1, ref_step=fake_step)
+    out = tmp_path / "new" / "deeper" / "w.csv"
+    write_workload(w, out)
+    assert read_workload(out) == w
+
+
 def test_mix_file_errors(tmp_path):
     p = tmp_path / "m.yaml"
     p.write_text("reference_gpu: A100-40GB\nclasses:\n  - {max_gpus: 1, models: {gpt-9: 1}}\n"
