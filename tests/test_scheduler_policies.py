@@ -219,6 +219,21 @@ def test_lightly_loaded_job_takes_the_fastest_plan_busy_one_the_cheapest():
     assert FrenzyPolicy(idle_factor=0).schedule([job("j", ELASTIC)], cluster(A100_ONLY), NOW)[0].plan.gpus == 4
 
 
+def test_an_idle_start_takes_at_most_half_of_a_types_free_gpus_or_one_node():
+    # 76% parallel efficiency at every width: an idle cluster would give the job all 32 GPUs,
+    # and the next arrival of a burst would find none
+    four = """
+pools:
+  - {name: a, gpu: A100-80GB, nodes: 4, gpus_per_node: 8}
+"""
+    plans = [plan("A100-80GB", 4, 20, 1.0), plan("A100-80GB", 8, 20, 0.66),
+             plan("A100-80GB", 16, 20, 0.33), plan("A100-80GB", 32, 20, 0.165)]
+    assert FrenzyPolicy(idle_share=1.0).schedule([job("j", plans)], cluster(four), NOW)[0].plan.gpus == 32
+    assert FrenzyPolicy().schedule([job("j", plans)], cluster(four), NOW)[0].plan.gpus == 16
+    # one node is always allowed (a lone job on a one-node cluster still gets all of it)
+    assert FrenzyPolicy(idle_share=0.1).schedule([job("j", plans)], cluster(four), NOW)[0].plan.gpus == 8
+
+
 def test_running_job_grows_onto_idle_gpus_only_when_nothing_waits_and_it_pays():
     pol = FrenzyPolicy()
     st = cluster(A100_ONLY)
