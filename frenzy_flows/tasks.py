@@ -12,10 +12,12 @@ from pydantic import SecretStr
 
 from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
+from estimator.models import resolve_model
 from estimator.plan import Plan
 from estimator.plans import plans_for_job
 from scheduler.cluster import Cluster
 from scheduler.policies import get_policy
+from scheduler.restart import checkpoint_gb
 from scheduler.types import JobRequest
 from trainer.fallback import realisable
 
@@ -105,6 +107,7 @@ def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], led
     # submitters' policies can plan their waits around this run.
     ledger.submit_job(job_id, job.name, {**job.model_dump(mode="json"), "train_steps": job.steps})
     ledger.record_plans(job_id, sorted(plans, key=lambda p: p.step_time_s))
+    ckpt_gb = checkpoint_gb(resolve_model(job.model).params)
     submit_s = time.time()
     deadline = submit_s + wait_timeout_s
     delay = 1.0
@@ -112,7 +115,8 @@ def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], led
         ledger.expire_leases()
         state = ledger.cluster_state()
         request = JobRequest(job_id=job_id, submit_s=submit_s, plans=plans, steps_left=job.steps,
-                             model=job.model if isinstance(job.model, str) else "custom")
+                             model=job.model if isinstance(job.model, str) else "custom",
+                             checkpoint_gb=ckpt_gb)
         free = {(n.node_id, i) for n in state.nodes for i in n.free}
         for decision in pol.schedule([request], state, time.time()):
             if decision.action != "start" or decision.job_id != job_id:

@@ -25,6 +25,8 @@ class JobRequest:
     attained_gpu_s: float = 0.0          # GPU-seconds of service so far (LAS policies)
     restarts: int = 0                    # OOM or preemption restarts so far
     model: str = ""                      # preset name, for reports
+    checkpoint_gb: float = 0.0           # model + optimizer states a restart saves and restores
+                                         # (scheduler.restart.checkpoint_gb); 0 = unknown
 
 
 @dataclass(slots=True)

@@ -276,13 +276,52 @@ def test_growth_goes_below_the_idle_efficiency_floor_only_onto_idle_gpus():
     # (idle floor 70%), worth a restart once the GPUs would otherwise sit idle (floor 40%)
     plans = [plan("A100-80GB", 2, 20, 0.30), plan("A100-80GB", 8, 20, 0.15)]
     for floor, grows in ((0.4, True), (0.6, False)):
-        pol = FrenzyPolicy(grow_min_efficiency=floor)
+        pol = FrenzyPolicy(grow_min_efficiency=floor, grow_long_min_efficiency=floor)
         d = pol.schedule([job("j", plans, steps=100_000)], cluster(A100_ONLY), NOW)
         assert [(x.job_id, x.plan.gpus) for x in d] == [("j", 2)]
         st = cluster(A100_ONLY)
         running(st, "j", d[0], NOW, NOW + 100_000 * 0.30)
         g = pol.schedule([], st, NOW + 600)
         assert [(x.action, x.plan and x.plan.gpus) for x in g] == ([("preempt", None), ("start", 8)] if grows else [])
+
+
+def test_only_runs_with_30_min_or_more_left_grow_below_40_percent_efficiency():
+    # 8 GPUs are 1.33x faster than 2 at 33% parallel efficiency: below the 40% growth floor,
+    # above the 25% floor of runs with >= 30 min left
+    plans = [plan("A100-80GB", 2, 20, 0.40), plan("A100-80GB", 8, 20, 0.30)]
+    for steps, grows in ((100_000, True), (5_250, False)):     # 11 h / 25 min left at the round
+        pol = FrenzyPolicy()
+        d = pol.schedule([job("j", plans, steps=steps)], cluster(A100_ONLY), NOW)
+        assert [(x.job_id, x.plan.gpus) for x in d] == [("j", 2)]
+        st = cluster(A100_ONLY)
+        running(st, "j", d[0], NOW, NOW + steps * 0.40)
+        g = pol.schedule([], st, NOW + 600)
+        assert [(x.action, x.plan and x.plan.gpus) for x in g] == ([("preempt", None), ("start", 8)] if grows else [])
+
+
+def test_a_waiter_recalls_gpus_lent_to_a_run_beyond_its_efficient_plan():
+    # big started alone on the whole node at 71% efficiency: 4 of its 8 GPUs are lent
+    def setup(left_s, **kw):
+        pol = FrenzyPolicy(shrink=False, preempt_ratio=1e9, **kw)   # only the recall may act
+        d = pol.schedule([job("big", ELASTIC, steps=200_000)], cluster(A100_ONLY), NOW - 3600)
+        assert d[0].plan.gpus == 8
+        st = cluster(A100_ONLY)
+        running(st, "big", d[0], NOW - 3600, NOW + left_s)
+        return pol, st
+
+    short = job("short", [plan("A100-80GB", 4, 20, 1.0)], steps=1800)   # 30 min, would wait 10 h
+    pol, st = setup(10 * 3600)
+    s = pol.schedule([short], st, NOW)
+    assert [(x.action, x.job_id, x.plan and x.plan.gpus) for x in s] == [
+        ("preempt", "big", None), ("start", "big", 4), ("start", "short", 4)]
+    assert not set(sum(s[1].placement.values(), [])) & set(sum(s[2].placement.values(), []))
+    pol, st = setup(10 * 3600, recall=False)
+    assert pol.schedule([short], st, NOW) == []
+    # a run with under 20 min left keeps its GPUs: they are free soon anyway
+    pol, st = setup(900)
+    assert pol.schedule([short], st, NOW) == []
+    pol, st = setup(900, recall_min_left_s=0)
+    assert [x.job_id for x in pol.schedule([short], st, NOW)] == ["big", "big", "short"]
 
 
 def test_a_job_started_by_preemption_can_grow_later():

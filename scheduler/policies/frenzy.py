@@ -33,10 +33,15 @@ no solver; per job O(plans x log running jobs).
 7. Elastic growth (Sia-like, but only when it pays). When no job is left waiting after the
    round, running jobs (longest remaining first) restart on a faster plan on the idle GPUs if
    their predicted remaining time, restart and checkpoint restore included, drops by >= 10%
-   and >= 2 min; at most twice per job (growths and shrinks together). Growth may go down to
-   40% parallel efficiency (first starts: 70% when idle, 90% otherwise): GPUs nobody waits for
-   cost nothing, and a grown job is the first to shrink back when someone waits.
-8. Placement. Fewest nodes, best fit (``FreeIndex.place_compact``); tensor-parallel groups
+   and >= 2 min; at most 6 times per job (growths and shrinks together). Growth may go down to
+   40% parallel efficiency, 25% for runs with 30 min or more left (first starts: 70% when
+   idle, 90% otherwise): GPUs nobody waits for cost nothing, and grown GPUs are lent (step 8).
+8. Recall. After the round, each waiting job (wait > 1 min) may take back GPUs lent to a run
+   beyond that run's 90%-efficiency plan, the run shrinking to a smaller plan of its menu (not
+   below that one), when the waiter's predicted gain exceeds the run's loss. The loss counts
+   only while the waiter runs (the run grows back afterwards) plus two restarts, and runs with
+   less than 20 min left are left alone (they free their GPUs soon anyway).
+9. Placement. Fewest nodes, best fit (``FreeIndex.place_compact``); tensor-parallel groups
    inside one node.
 
 Live (the submit flow), preempt decisions (and so shrinks and growths) are not acted on; the start that depended on them
@@ -52,6 +57,7 @@ from itertools import accumulate
 
 from estimator.plan import Plan
 from scheduler.placement import FreeIndex, gpu_memory_gib, placement_gpus
+from scheduler.restart import checkpoint_move_s
 from scheduler.types import ClusterState, Decision, JobRequest, Policy
 
 INF = math.inf
@@ -80,16 +86,20 @@ IDLE_SHARE = 0.5            # ... on at most one node or this share of a type's 
                             # its 90% plan)
 GROW_MIN_GAIN = 0.1         # restart a run on a faster plan only if its remaining time drops >= 10%
 GROW_MIN_S = 120.0          # ... and by >= 2 min
-MAX_GROWS_PER_JOB = 2
+MAX_GROWS_PER_JOB = 6
 GROW_MIN_EFFICIENCY = 0.4   # ... onto plans down to 40% parallel efficiency: idle GPUs are free, and
                             # a job that grew wide shrinks back (a checkpoint restart) for waiters
+GROW_LONG_S = 1800.0        # ... and runs with >= 30 min left down to 25%: their restarts (growing,
+GROW_LONG_MIN_EFFICIENCY = 0.25   # recalled, growing back) are small against what width saves them
+RECALL_MIN_WAIT_S = 60.0    # a waiter recalls lent GPUs only when it would wait > 1 min ...
+RECALL_MIN_LEFT_S = 1200.0  # ... from runs with >= 20 min left
 GROW_MAX_PER_ROUND = 8
 SHRINK_MIN_WAIT_S = 300.0   # shrink a run for a head job that would wait > 5 min ...
 SHRINK_GRACE_S = 300.0      # ... never a run in its first 5 min ...
 SHRINK_GAIN = 1.5           # ... and only when the waiter gains 1.5x what the shrunk run loses
 SIMPLER_WITHIN = 0.01       # per GPU count, a simpler plan within 1% of the fastest is preferred
 RESTART_S = 60.0            # launch + model build of a (re)start
-CKPT_GBS = 2.0              # checkpoint write / read bandwidth per node (GB/s)
+CKPT_GBS = 2.0              # checkpoint write / read bandwidth per node spanned (GB/s)
 LOOKAHEAD = 128             # jobs whose waiting choice is tracked (as queued load per GPU type);
                             # deeper jobs are only tried for an immediate start
 
@@ -213,6 +223,16 @@ def _expected_end(rj, now: float) -> float:
     return end
 
 
+def _base_gpu_s(menu: list[tuple]) -> dict[str, float]:
+    """Per GPU type, GPU-seconds per step of the menu's fewest-GPU plan there (the reference of
+    parallel efficiency)."""
+    fewest: dict[str, tuple[int, float]] = {}
+    for step_s, n, g, _ in menu:
+        if g not in fewest or n < fewest[g][0]:
+            fewest[g] = (n, n * step_s)
+    return {g: v[1] for g, v in fewest.items()}
+
+
 def _complexity(p: Plan) -> tuple:
     """Fewer moving parts first: no model parallelism, no offload, lower ZeRO stage, no
     activation recomputation."""
@@ -233,7 +253,9 @@ class FrenzyPolicy(Policy):
                  idle_min_efficiency: float = IDLE_MIN_EFFICIENCY, idle_share: float = IDLE_SHARE,
                  grow: bool = True,
                  grow_min_gain: float = GROW_MIN_GAIN, grow_min_s: float = GROW_MIN_S,
-                 grow_min_efficiency: float = GROW_MIN_EFFICIENCY,
+                 grow_min_efficiency: float = GROW_MIN_EFFICIENCY, grow_long_s: float = GROW_LONG_S,
+                 grow_long_min_efficiency: float = GROW_LONG_MIN_EFFICIENCY, recall: bool = True,
+                 recall_min_wait_s: float = RECALL_MIN_WAIT_S, recall_min_left_s: float = RECALL_MIN_LEFT_S,
                  max_grows_per_job: int = MAX_GROWS_PER_JOB, grow_max_per_round: int = GROW_MAX_PER_ROUND,
                  restart_s: float = RESTART_S, ckpt_gbs: float = CKPT_GBS, shrink: bool = True,
                  shrink_min_wait_s: float = SHRINK_MIN_WAIT_S, shrink_grace_s: float = SHRINK_GRACE_S,
@@ -248,13 +270,21 @@ class FrenzyPolicy(Policy):
         self.grow = grow
         self.grow_min_gain = grow_min_gain
         self.grow_min_efficiency = grow_min_efficiency
+        self.grow_long_s = grow_long_s
+        self.grow_long_min_efficiency = grow_long_min_efficiency
+        self.recall = recall
+        self.recall_min_wait_s = recall_min_wait_s
+        self.recall_min_left_s = recall_min_left_s
         self.grow_min_s = grow_min_s
         self.max_grows_per_job = max_grows_per_job
         self.grow_max_per_round = grow_max_per_round
         self.restart_s = restart_s
         self.ckpt_gbs = ckpt_gbs
         self._run_tuples: dict[str, list[tuple]] = {}   # running job -> its plan menu
-        self._restore_s: dict[str, float] = {}          # running job -> checkpoint save + restore
+        self._ckpt_gb: dict[str, float] = {}            # running job -> checkpoint size (GB)
+        self._lent_above: dict[str, dict[str, int]] = {}  # running job -> per type, GPUs beyond
+                                                          # which its GPUs are lent (its 90% plan)
+        self._per_node: dict[str, int] = {}             # gpu_type -> GPUs per node
         self._grown: dict[str, int] = {}
         self.safety_margin_gib = safety_margin_gib
         self.mem_headroom = mem_headroom
@@ -323,7 +353,7 @@ class FrenzyPolicy(Policy):
         for ps in by_type.values():
             ps.sort(key=lambda p: (p.gpus, p.step_time_s))
         cands, wide, grow = self._pareto(by_type, (self.min_efficiency, self.idle_min_efficiency,
-                                                   self.grow_min_efficiency))
+                                                   min(self.grow_min_efficiency, self.grow_long_min_efficiency)))
         mins: dict[str, int] = {}
         for c in cands:
             mins[c.gpu_type] = min(mins.get(c.gpu_type, c.gpus), c.gpus)
@@ -534,6 +564,9 @@ class FrenzyPolicy(Policy):
             self._by_plans.clear()
             self._cache.clear()
         node_type = {n.node_id: n.gpu_type for n in state.nodes}
+        for n in state.nodes:
+            if self._per_node.get(n.gpu_type, 0) < n.gpus:
+                self._per_node[n.gpu_type] = n.gpus
         profiles = self._profiles(state, now, node_type)
 
         live = {j.job_id for j in pending}
@@ -592,14 +625,11 @@ class FrenzyPolicy(Policy):
         # lightly loaded: every waiting job's smallest plan fits the free GPUs several times over,
         # so GPUs would sit idle; jobs then take their fastest immediate plan, not the cheapest
         fastest = False
-        per_node: dict[str, int] = {}
         if self.idle_factor > 0:
             free_all = sum(total.values())
             need = sum(min((n for _, n in self._min_gpus[k[3].job_id]), default=0) for k in keyed)
             fastest = need * self.idle_factor <= free_all
-            if fastest:
-                for n in state.nodes:
-                    per_node[n.gpu_type] = max(per_node.get(n.gpu_type, 0), n.gpus)
+        waiting: list[tuple[JobRequest, float, float]] = []   # (job, start, duration) not started
         for _, _, _, job, cands in keyed:
             depth += 1
             if reservations >= self.max_reservations:
@@ -608,7 +638,7 @@ class FrenzyPolicy(Policy):
                 if depth > lookahead and not any(total.get(t, 0) >= n for t, n in self._min_gpus[job.job_id]):
                     continue              # deep in the queue and nothing it could start now
             deep = depth > lookahead and reservations >= self.max_reservations
-            tuples = self._idle_menu(job.job_id, total, per_node) if fastest else self._tuples[job.job_id]
+            tuples = self._idle_menu(job.job_id, total) if fastest else self._tuples[job.job_id]
             choice = self._choose(tuples, max(job.steps_left, 1), profiles, total, now, deep, fastest)
             if choice is None:
                 continue
@@ -623,6 +653,8 @@ class FrenzyPolicy(Policy):
                     out.append(Decision(job_id=job.job_id, plan=c.plan, placement=placement))
                     continue
                 # enough GPUs but fragmented across nodes: wait like a blocked job
+            if self.recall and len(waiting) < LOOKAHEAD:
+                waiting.append((job, start, dur))
             if reservations < self.max_reservations:
                 s0 = max(start, now)
                 profiles[c.gpu_type].reserve(s0, s0 + dur, c.gpus)
@@ -631,6 +663,8 @@ class FrenzyPolicy(Policy):
                 # no exact reservation left: the job still queues for this type, so later
                 # jobs see that type as busier (their waits grow by its GPU-seconds / capacity)
                 profiles[c.gpu_type].backlog += c.gpus * dur
+        if waiting:
+            out.extend(self._recall(waiting, state, idx, now, node_type, {d.job_id for d in out}))
         if self.grow:
             touched = {d.job_id for d in out}
             self._remember_runs(state, all_keyed, touched)
@@ -638,7 +672,7 @@ class FrenzyPolicy(Policy):
                 out.extend(self._grow_runs(state, idx, now, touched))
         return out
 
-    def _idle_menu(self, job_id: str, free: dict[str, int], per_node: dict[str, int]) -> list[tuple]:
+    def _idle_menu(self, job_id: str, free: dict[str, int]) -> list[tuple]:
         """The job's idle-GPU plans (down to ``idle_min_efficiency``) within its 90%-efficiency
         plans, one node, or ``idle_share`` of a type's free GPUs, whichever is most. Without the
         share, the first jobs of a burst arriving at an idle cluster took whole types at 70%
@@ -648,7 +682,7 @@ class FrenzyPolicy(Policy):
             return self._wide[job_id]
         cap: dict[str, float] = {}
         for _, n, g, _ in self._tuples[job_id]:
-            cap[g] = max(cap.get(g, 0), n, per_node.get(g, 0), self.idle_share * free.get(g, 0))
+            cap[g] = max(cap.get(g, 0), n, self._per_node.get(g, 0), self.idle_share * free.get(g, 0))
         return [t for t in self._wide[job_id] if t[1] <= cap.get(t[2], 0)]
 
     def _remember_runs(self, state: ClusterState, keyed: list, touched: set[str]) -> None:
@@ -658,14 +692,92 @@ class FrenzyPolicy(Policy):
             jid = k[3].job_id
             if jid in touched:
                 self._run_tuples[jid] = self._grow_menu[jid]
-                # checkpoint save + restore: model states <= the 1-GPU-equivalent footprint of
-                # the job's smallest plan, at ``ckpt_gbs`` GB/s, on one node (pessimistic)
-                gib = min((c.gpus * c.plan.device_used_gib for c in k[4]), default=0.0)
-                self._restore_s[jid] = 2.0 * gib * 1.074 / self.ckpt_gbs
+                lent_above: dict[str, int] = {}
+                for _, n, g, _ in self._tuples[jid]:
+                    lent_above[g] = max(lent_above.get(g, 0), n)
+                self._lent_above[jid] = lent_above
+                # checkpoint size; unknown (0): at most the 1-GPU-equivalent footprint of the
+                # job's smallest plan (pessimistic)
+                self._ckpt_gb[jid] = k[3].checkpoint_gb or 1.074 * min(
+                    (c.gpus * c.plan.device_used_gib for c in k[4]), default=0.0)
         if len(self._run_tuples) > len(state.running) + len(touched) + 64:
             alive = {rj.job_id for rj in state.running} | touched
             self._run_tuples = {j: v for j, v in self._run_tuples.items() if j in alive}
-            self._restore_s = {j: v for j, v in self._restore_s.items() if j in alive}
+            self._ckpt_gb = {j: v for j, v in self._ckpt_gb.items() if j in alive}
+            self._lent_above = {j: v for j, v in self._lent_above.items() if j in alive}
+
+    def _restart_cost(self, job_id: str, gpu_type: str, gpus: int) -> float:
+        """Predicted cost of restarting a run on ``gpus`` GPUs of ``gpu_type``: launch plus its
+        checkpoint's save and restore over the nodes a compact placement spans (the formula the
+        simulator charges)."""
+        nodes = -(-gpus // max(1, self._per_node.get(gpu_type, 1)))
+        return self.restart_s + checkpoint_move_s(self._ckpt_gb.get(job_id, 0.0), nodes, self.ckpt_gbs)
+
+    def _recall(self, waiting: list[tuple], state: ClusterState, idx: FreeIndex, now: float,
+                node_type: dict[str, str], touched: set[str]) -> list[Decision]:
+        """Jobs still wait after the round while runs hold GPUs lent to them beyond their
+        90%-efficiency plan (idle starts, growth): shrink such a run to a smaller plan of its
+        menu, not below that plan, so a waiter starts now, when the waiter's predicted gain
+        beats the run's loss. The run is expected to grow back once the waiter is done, so the
+        loss is its slowdown while the waiter runs plus two restarts (or its whole predicted
+        loss, if smaller). Each run gives GPUs back at most once per round."""
+        lent: dict[str, list] = {}
+        for rj in state.running:
+            above = self._lent_above.get(rj.job_id)
+            if above is None or not rj.placement or rj.job_id in touched:
+                continue
+            g = node_type.get(next(iter(rj.placement)), "")
+            if rj.plan.gpus > above.get(g, 0) and _expected_end(rj, now) - now >= self.recall_min_left_s:
+                lent.setdefault(g, []).append(rj)
+        out: list[Decision] = []
+        if not lent:
+            return out
+        recalled: set[str] = set()
+        for job, start, dur in waiting:
+            if start - now < self.recall_min_wait_s:
+                continue
+            wait_rel = start - now + dur
+            steps = max(job.steps_left, 1)
+            best = None                               # (net gain, waiter cand, run, run's cand)
+            for step_s, n, g, c in self._tuples[job.job_id]:
+                gain = wait_rel - step_s * steps
+                if gain <= 0:
+                    continue
+                free = idx.free_gpus(g)
+                for rj in lent.get(g, ()):
+                    m, floor = rj.plan.gpus, self._lent_above[rj.job_id].get(g, 0)
+                    if rj.job_id in recalled or free + m - floor < n:
+                        continue
+                    rem = _expected_end(rj, now) - now
+                    ready = max(0.0, rj.start_s + self.restart_s - now)
+                    vsteps = max(1.0, (rem - ready) / max(rj.plan.step_time_s, 1e-9))
+                    for vstep, vn, vg, vc in self._run_tuples[rj.job_id]:    # fastest first
+                        if vg != g or vn >= m or vn < floor or vn + n > free + m:
+                            continue
+                        cost = self._restart_cost(rj.job_id, vg, vn)
+                        loss = min(vstep * vsteps + cost - rem,
+                                   step_s * steps * (1.0 - rj.plan.step_time_s / vstep) + 2.0 * cost)
+                        if gain > loss and (best is None or gain - loss > best[0]):
+                            best = (gain - loss, c, rj, vc)
+                        break
+            if best is None:
+                continue
+            _, c, rj, vc = best
+            idx.release(rj.placement)
+            vplace = idx.place_compact(vc.gpu_type, vc.gpus, vc.plan.tp)
+            if vplace is not None:
+                idx.commit(vplace)
+                place = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
+                if place is not None:
+                    idx.commit(place)
+                    recalled.add(rj.job_id)
+                    out += [Decision(job_id=rj.job_id, plan=None, placement={}, action="preempt"),
+                            Decision(job_id=rj.job_id, plan=vc.plan, placement=vplace),
+                            Decision(job_id=job.job_id, plan=c.plan, placement=place)]
+                    continue
+                idx.release(vplace)
+            idx.commit(rj.placement)
+        return out
 
     def _shrink_for(self, job: JobRequest, choice, state: ClusterState, idx: FreeIndex, now: float,
                     node_type: dict[str, str], skip: set[str], ends: dict[str, float]):
@@ -691,7 +803,6 @@ class FrenzyPolicy(Policy):
             m = rj.plan.gpus
             free = idx.free_gpus(g)
             vsteps = max(1.0, (rem - max(0.0, rj.start_s + self.restart_s - now)) / max(rj.plan.step_time_s, 1e-9))
-            cost = self.restart_s + self._restore_s.get(rj.job_id, 0.0)
             for step_s, n, tg, c in self._tuples[job.job_id]:
                 if tg != g or n > free + m - 1:
                     continue
@@ -702,10 +813,10 @@ class FrenzyPolicy(Policy):
                 for vstep, vn, vg, vc in vt:             # the victim's fastest plan that leaves n free
                     if vg != g or vn >= m or vn + n > free + m:
                         continue
-                    loss = vstep * vsteps + cost - rem
+                    loss = vstep * vsteps + self._restart_cost(rj.job_id, vg, vn) - rem
                     net = gain - self.shrink_gain * loss
                     if net > 0 and (best is None or net > best[0]):
-                        best = (net, c, d, rj, vc, vstep * vsteps + cost)
+                        best = (net, c, d, rj, vc, vstep * vsteps + self._restart_cost(rj.job_id, vg, vn))
                     break
         if best is None:
             return [], set(), None
@@ -747,15 +858,16 @@ class FrenzyPolicy(Policy):
         for rem, rj, tuples in runs[:self.grow_max_per_round]:
             ready = rj.start_s + self.restart_s
             steps = max(1.0, (rem - max(0.0, ready - now)) / max(rj.plan.step_time_s, 1e-9))
-            cost = self.restart_s + self._restore_s.get(rj.job_id, 0.0)
             target = rem - max(self.grow_min_gain * rem, self.grow_min_s)
+            floor = self.grow_long_min_efficiency if rem >= self.grow_long_s else self.grow_min_efficiency
+            base = _base_gpu_s(tuples)
             idx.release(rj.placement)
             placed = None
             for step_s, n, g, c in tuples:                # fastest first
-                dur = step_s * steps + cost
+                dur = step_s * steps + self._restart_cost(rj.job_id, g, n)
                 if dur > target:
-                    break
-                if idx.free_gpus(g) < n or c.plan == rj.plan:
+                    continue
+                if idx.free_gpus(g) < n or c.plan == rj.plan or base[g] < floor * n * step_s:
                     continue
                 placed = idx.place_compact(g, n, c.plan.tp)
                 if placed is not None:

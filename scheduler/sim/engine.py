@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.placement import nodes_spanned
+from scheduler.restart import CKPT_BYTES_PER_PARAM, checkpoint_gb, checkpoint_move_s  # noqa: F401 (re-export)
 from scheduler.types import ClusterState, Decision, JobRequest, Node, Policy, RunningJob
 
 from .jobs import PlanBook, StepTimes, model_spec
@@ -34,7 +35,6 @@ from .metrics import SimResult, summarise
 from .truth import memory_factor, step_factor
 
 _END, _ARRIVE, _ROUND = 0, 1, 2
-CKPT_BYTES_PER_PARAM = 14.0   # bf16 weights + fp32 master weights + Adam m and v
 
 
 @dataclass(slots=True)
@@ -133,7 +133,7 @@ class Simulator:
         for wl in sorted(jobs, key=lambda w: w.submit_s):
             req = JobRequest(job_id=wl.job_id, submit_s=wl.submit_s, plans=[], steps_left=wl.steps,
                              requested_gpu_type=wl.requested_gpu_type, requested_gpus=wl.requested_gpus,
-                             model=wl.model)
+                             model=wl.model, checkpoint_gb=checkpoint_gb(model_spec(wl.model).params))
             sj = SimJob(wl=wl, req=req, steps_total=wl.steps,
                         mem_factor=memory_factor(self.cfg.seed, wl.job_id, self.cfg.noise))
             self.jobs.append(sj)
@@ -311,8 +311,7 @@ class Simulator:
         steps_left = max(0.0, sj.steps_total - sj.steps_done)
         ready = t + self.cfg.startup_s
         if sj.steps_done > 0:                      # save (at preemption) + restore a checkpoint
-            state_bytes = CKPT_BYTES_PER_PARAM * model_spec(wl.model).params
-            ready += 2.0 * state_bytes / (self.cfg.ckpt_gbs_per_node * 1e9 * max(1, span))
+            ready += checkpoint_move_s(sj.req.checkpoint_gb, span, self.cfg.ckpt_gbs_per_node)
         end = ready if oom else ready + steps_left * real_step
         self._token += 1
         sj.run = _Run(plan=plan, placement={k: list(v) for k, v in d.placement.items()}, start_s=t,
