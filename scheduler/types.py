@@ -72,6 +72,10 @@ class Policy(ABC):
     name: str = "policy"
     # round-based policies (gavel, sia) set a period; event-driven ones leave None
     round_s: float | None = None
+    # an event-driven policy that re-sizes running jobs onto idle GPUs (frenzy's growth) sets
+    # this: the simulator then also gives it a periodic tick while GPUs sit idle, not only
+    # while jobs wait
+    grows_runs: bool = False
 
     @abstractmethod
     def schedule(self, pending: list[JobRequest], state: ClusterState, now: float) -> list[Decision]:

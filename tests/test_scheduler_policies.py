@@ -317,10 +317,10 @@ def test_a_waiter_recalls_gpus_lent_to_a_run_beyond_its_efficient_plan():
     assert not set(sum(s[1].placement.values(), [])) & set(sum(s[2].placement.values(), []))
     pol, st = setup(10 * 3600, recall=False)
     assert pol.schedule([short], st, NOW) == []
-    # a run with under 20 min left keeps its GPUs: they are free soon anyway
-    pol, st = setup(900)
+    # a run with under 15 min left keeps its GPUs: they are free soon anyway
+    pol, st = setup(600)
     assert pol.schedule([short], st, NOW) == []
-    pol, st = setup(900, recall_min_left_s=0)
+    pol, st = setup(600, recall_min_left_s=0)
     assert [x.job_id for x in pol.schedule([short], st, NOW)] == ["big", "big", "short"]
 
 

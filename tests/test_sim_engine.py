@@ -195,3 +195,26 @@ def test_round_based_policy_acts_only_on_round_boundaries():
     sim, res = run([job("a", 100.0, 10)], cluster({A100: (1, 8)}), Gavel(), [plan(A100, 1, 1.0, 10)],
                    startup_s=0.0)
     assert res.per_job[0]["first_start_s"] == pytest.approx(360.0)
+
+
+class RoundLog(FifoUser):
+    """fifo-user that records when it was asked for a round."""
+
+    def __init__(self, grows_runs: bool):
+        super().__init__()
+        self.grows_runs = grows_runs
+        self.rounds: list[float] = []
+
+    def schedule(self, pending, state, now):
+        self.rounds.append(now)
+        return super().schedule(pending, state, now)
+
+
+def test_a_policy_that_grows_runs_gets_ticks_while_gpus_sit_idle():
+    # one job on 1 of 8 GPUs for 1,000 s, nothing waiting: only its arrival and end make rounds,
+    # unless the policy re-sizes runs onto idle GPUs (then a tick every tick_s while it runs)
+    for grows, want in ((False, [0.0, 1000.0]), (True, [0.0, 300.0, 600.0, 900.0, 1000.0])):
+        pol = RoundLog(grows)
+        run([job("a", 0.0, 1000)], cluster({A100: (1, 8)}), pol, [plan(A100, 1, 1.0, 10)],
+            startup_s=0.0, tick_s=300.0)
+        assert pol.rounds == want

@@ -33,14 +33,14 @@ no solver; per job O(plans x log running jobs).
 7. Elastic growth (Sia-like, but only when it pays). When no job is left waiting after the
    round, running jobs (longest remaining first) restart on a faster plan on the idle GPUs if
    their predicted remaining time, restart and checkpoint restore included, drops by >= 10%
-   and >= 2 min; at most 6 times per job (growths and shrinks together). Growth may go down to
+   and >= 2 min; at most 16 times per job (growths and shrinks together). Growth may go down to
    40% parallel efficiency, 25% for runs with 30 min or more left (first starts: 70% when
    idle, 90% otherwise): GPUs nobody waits for cost nothing, and grown GPUs are lent (step 8).
 8. Recall. After the round, each waiting job (wait > 1 min) may take back GPUs lent to a run
    beyond that run's 90%-efficiency plan, the run shrinking to a smaller plan of its menu (not
    below that one), when the waiter's predicted gain exceeds the run's loss. The loss counts
    only while the waiter runs (the run grows back afterwards) plus two restarts, and runs with
-   less than 20 min left are left alone (they free their GPUs soon anyway).
+   less than 15 min left are left alone (they free their GPUs soon anyway).
 9. Placement. Fewest nodes, best fit (``FreeIndex.place_compact``); tensor-parallel groups
    inside one node.
 
@@ -86,13 +86,13 @@ IDLE_SHARE = 0.5            # ... on at most one node or this share of a type's 
                             # its 90% plan)
 GROW_MIN_GAIN = 0.1         # restart a run on a faster plan only if its remaining time drops >= 10%
 GROW_MIN_S = 120.0          # ... and by >= 2 min
-MAX_GROWS_PER_JOB = 6
+MAX_GROWS_PER_JOB = 16      # (a re-size must pay for its restart: this only stops pathologies)
 GROW_MIN_EFFICIENCY = 0.4   # ... onto plans down to 40% parallel efficiency: idle GPUs are free, and
                             # a job that grew wide shrinks back (a checkpoint restart) for waiters
 GROW_LONG_S = 1800.0        # ... and runs with >= 30 min left down to 25%: their restarts (growing,
 GROW_LONG_MIN_EFFICIENCY = 0.25   # recalled, growing back) are small against what width saves them
 RECALL_MIN_WAIT_S = 60.0    # a waiter recalls lent GPUs only when it would wait > 1 min ...
-RECALL_MIN_LEFT_S = 1200.0  # ... from runs with >= 20 min left
+RECALL_MIN_LEFT_S = 900.0   # ... from runs with >= 15 min left
 GROW_MAX_PER_ROUND = 8
 SHRINK_MIN_WAIT_S = 300.0   # shrink a run for a head job that would wait > 5 min ...
 SHRINK_GRACE_S = 300.0      # ... never a run in its first 5 min ...
@@ -241,6 +241,7 @@ def _complexity(p: Plan) -> tuple:
 
 class FrenzyPolicy(Policy):
     name = "frenzy"
+    grows_runs = True
 
     def __init__(self, *, safety_margin_gib: float = SAFETY_MARGIN_GIB, mem_headroom: float = MEM_HEADROOM,
                  aging_s: float = AGING_S, tolerance: float = TOLERANCE,

@@ -3,7 +3,8 @@
 Events: a job arrives; a run ends (completion, or the out-of-memory crash of a run whose real
 peak exceeds the GPU, ``startup_s`` after it started: the launcher dies, its allocation is
 released, and the policy's own ``on_oom`` rule resubmits it); a periodic tick (event-driven
-policies: every ``tick_s`` while jobs wait, so aging can act) or a round (round-based policies:
+policies: every ``tick_s`` while jobs wait, so aging can act, and for a policy that
+``grows_runs`` also while GPUs sit idle under running jobs) or a round (round-based policies:
 every ``policy.round_s``, aligned to multiples of it, and only then).
 
 Every start (first start, restart after preemption, retry after OOM) pays ``startup_s`` of
@@ -160,6 +161,7 @@ class Simulator:
         for i, sj in enumerate(self.jobs):
             self._push(sj.wl.submit_s, _ARRIVE, i)
         round_based = self.policy.round_s is not None
+        grows = self.policy.grows_runs
         round_queued = False
         tick_queued = False
         arrivals_left = len(self.jobs)
@@ -198,9 +200,9 @@ class Simulator:
                         self._push(math.ceil(t / r) * r, _ROUND)   # the next round boundary
                         round_queued = True
                 else:
-                    if changed or (round_due and self.pending and self._any_free()):
+                    if changed or (round_due and self._wants_round(grows) and self._any_free()):
                         started = self._round(t)
-                    if self.pending and not tick_queued:
+                    if not tick_queued and self._wants_round(grows):
                         self._push(t + self.cfg.tick_s, _ROUND)
                         tick_queued = True
                 self._record_queue(t)
@@ -324,6 +326,11 @@ class Simulator:
         self.running[wl.job_id] = RunningJob(job_id=wl.job_id, plan=plan, placement=sj.run.placement,
                                              start_s=t, expected_end_s=ready + steps_left * predicted)
         self._push(end, _END, self._index[wl.job_id], self._token)
+
+    def _wants_round(self, grows: bool) -> bool:
+        """Ticks go on while jobs wait (aging), and for a policy that re-sizes runs onto idle
+        GPUs also while any sit idle under running jobs."""
+        return bool(self.pending) or (grows and bool(self.running) and self._any_free())
 
     def _any_free(self) -> bool:
         return any(n.free for n in self.state.nodes)
