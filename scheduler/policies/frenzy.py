@@ -44,9 +44,9 @@ no solver; per job O(plans x log running jobs).
 9. Placement. Fewest nodes, best fit (``FreeIndex.place_compact``); tensor-parallel groups
    inside one node.
 
-Live (the submit flow), preempt decisions (and so shrinks and growths) are not acted on; the start that depended on them
-then meets a ledger conflict and re-plans, so nothing breaks. Pass ``preemption=False`` to
-turn it off.
+Live (the submit flow), preempt decisions (and so shrinks, recalls and growths) are not acted
+on; the start that depended on them then meets a ledger conflict and re-plans, so nothing
+breaks. Pass ``preemption=False`` (and ``recall=False``, ``grow=False``) to turn them off.
 """
 from __future__ import annotations
 
@@ -231,6 +231,24 @@ def _base_gpu_s(menu: list[tuple]) -> dict[str, float]:
         if g not in fewest or n < fewest[g][0]:
             fewest[g] = (n, n * step_s)
     return {g: v[1] for g, v in fewest.items()}
+
+
+def _shrink_to_fit(idx: FreeIndex, run, run_cand: _Cand, job: JobRequest, cand: _Cand) -> list[Decision]:
+    """Restart ``run`` on ``run_cand`` (fewer GPUs) and start ``job`` on ``cand`` in what that
+    frees: the three decisions, or [] with ``idx`` unchanged when either does not place."""
+    idx.release(run.placement)
+    run_place = idx.place_compact(run_cand.gpu_type, run_cand.gpus, run_cand.plan.tp)
+    if run_place is not None:
+        idx.commit(run_place)
+        place = idx.place_compact(cand.gpu_type, cand.gpus, cand.plan.tp)
+        if place is not None:
+            idx.commit(place)
+            return [Decision(job_id=run.job_id, plan=None, placement={}, action="preempt"),
+                    Decision(job_id=run.job_id, plan=run_cand.plan, placement=run_place),
+                    Decision(job_id=job.job_id, plan=cand.plan, placement=place)]
+        idx.release(run_place)
+    idx.commit(run.placement)
+    return []
 
 
 def _complexity(p: Plan) -> tuple:
@@ -764,20 +782,10 @@ class FrenzyPolicy(Policy):
             if best is None:
                 continue
             _, c, rj, vc = best
-            idx.release(rj.placement)
-            vplace = idx.place_compact(vc.gpu_type, vc.gpus, vc.plan.tp)
-            if vplace is not None:
-                idx.commit(vplace)
-                place = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
-                if place is not None:
-                    idx.commit(place)
-                    recalled.add(rj.job_id)
-                    out += [Decision(job_id=rj.job_id, plan=None, placement={}, action="preempt"),
-                            Decision(job_id=rj.job_id, plan=vc.plan, placement=vplace),
-                            Decision(job_id=job.job_id, plan=c.plan, placement=place)]
-                    continue
-                idx.release(vplace)
-            idx.commit(rj.placement)
+            moved = _shrink_to_fit(idx, rj, vc, job, c)
+            if moved:
+                recalled.add(rj.job_id)
+                out += moved
         return out
 
     def _shrink_for(self, job: JobRequest, choice, state: ClusterState, idx: FreeIndex, now: float,
@@ -822,21 +830,12 @@ class FrenzyPolicy(Policy):
         if best is None:
             return [], set(), None
         _, c, d, rj, vc, vdur = best
-        idx.release(rj.placement)
-        vplace = idx.place_compact(vc.gpu_type, vc.gpus, vc.plan.tp)
-        if vplace is not None:
-            idx.commit(vplace)
-            place = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
-            if place is not None:
-                idx.commit(place)
-                self._grown[rj.job_id] = self._grown.get(rj.job_id, 0) + 1
-                ends[rj.job_id] = now + vdur
-                return ([Decision(job_id=rj.job_id, plan=None, placement={}, action="preempt"),
-                         Decision(job_id=rj.job_id, plan=vc.plan, placement=vplace),
-                         Decision(job_id=job.job_id, plan=c.plan, placement=place)], {rj.job_id}, (c, now, d))
-            idx.release(vplace)
-        idx.commit(rj.placement)
-        return [], set(), None
+        moved = _shrink_to_fit(idx, rj, vc, job, c)
+        if not moved:
+            return [], set(), None
+        self._grown[rj.job_id] = self._grown.get(rj.job_id, 0) + 1
+        ends[rj.job_id] = now + vdur
+        return moved, {rj.job_id}, (c, now, d)
 
     def _grow_runs(self, state: ClusterState, idx: FreeIndex, now: float, touched: set[str]) -> list[Decision]:
         """Nothing waits and GPUs sit idle: checkpoint-restart running jobs (the longest
