@@ -263,6 +263,21 @@ def test_running_job_grows_onto_idle_gpus_only_when_nothing_waits_and_it_pays():
     assert knows_j().schedule([], st, later) == []
 
 
+def test_growth_weighs_the_checkpoint_save_and_restore_of_the_job():
+    # growing onto the other 4 GPUs saves 2.5 of 8.3 h; restoring a 20 TB checkpoint on one
+    # node at 2 GB/s (save + restore: 5.6 h) would cost more than that
+    for ckpt_gb, grows in ((10.0, True), (20_000.0, False)):
+        pol = FrenzyPolicy()
+        st = cluster(A100_ONLY)
+        occupy(st, "a-0", [4, 5, 6, 7], plan("A100-80GB", 4, 20, 1.0), end=NOW + 600)
+        j = job("j", ELASTIC, steps=100_000)
+        j.checkpoint_gb = ckpt_gb
+        d = pol.schedule([j], st, NOW)
+        st = cluster(A100_ONLY)
+        running(st, "j", d[0], NOW, NOW + 100_000 * 0.30)
+        assert bool(pol.schedule([], st, NOW + 600)) == grows
+
+
 def test_a_simpler_plan_within_one_percent_of_the_fastest_is_preferred():
     z2 = plan("A100-80GB", 8, 20, 0.0467, zero=2)
     for ddp_step, want_zero in ((0.0468, 0), (0.0467 * 1.05, 2)):
