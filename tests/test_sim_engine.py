@@ -176,7 +176,7 @@ def test_percentile_matches_linear_interpolation():
 
 
 def test_resumed_job_pays_checkpoint_save_and_restore():
-    from scheduler.sim.engine import CKPT_BYTES_PER_PARAM
+    from scheduler.restart import CKPT_BYTES_PER_PARAM
     from scheduler.sim.jobs import model_spec
     clu = cluster({A100: (1, 1)})
     jobs = [job("long", 0, 10_000, model="llama-3.2-1b"), job("new", 5_000, 100, model="llama-3.2-1b")]

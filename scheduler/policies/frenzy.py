@@ -329,7 +329,8 @@ class FrenzyPolicy(Policy):
         self._tuples: dict[str, list[tuple]] = {}   # job -> (step_s, gpus, gpu_type, cand), hot loop
         self._wide: dict[str, list[tuple]] = {}     # the same under the idle efficiency cap
         self._grow_menu: dict[str, list[tuple]] = {}   # ... and under the growth efficiency cap
-        self._by_plans: dict[int, tuple] = {}   # id(plan list) -> (list, len, cands, mins, work, wide, grow)
+        self._top: dict[str, dict[str, int]] = {}   # job -> per type, most GPUs of its 90% plans
+        self._by_plans: dict[int, tuple] = {}   # id(plan list) -> (list, len, cands, mins, tops, work, wide, grow)
         self._mem_key: tuple = ()
         self._mem: dict[str, float] = {}        # gpu_type -> memory, from the last round's state
 
@@ -348,12 +349,13 @@ class FrenzyPolicy(Policy):
             if shared is not None and (shared[0] is not job.plans or shared[1] != len(job.plans)):
                 shared = None
         if shared is not None:
-            cands, mins, work, wide, grow = shared[2:]
+            cands, mins, tops, work, wide, grow = shared[2:]
         else:
-            cands, mins, work, wide, grow = self._build_candidates(job, state, oom_frac)
+            cands, mins, tops, work, wide, grow = self._build_candidates(job, state, oom_frac)
             if oom_frac == INF:
-                self._by_plans[id(job.plans)] = (job.plans, len(job.plans), cands, mins, work, wide, grow)
+                self._by_plans[id(job.plans)] = (job.plans, len(job.plans), cands, mins, tops, work, wide, grow)
         self._min_gpus[job.job_id] = mins
+        self._top[job.job_id] = tops
         self._work[job.job_id] = work
         self._tuples[job.job_id] = [(c.step_s, c.gpus, c.gpu_type, c) for c in cands]
         self._wide[job.job_id] = wide
@@ -374,10 +376,12 @@ class FrenzyPolicy(Policy):
         cands, wide, grow = self._pareto(by_type, (self.min_efficiency, self.idle_min_efficiency,
                                                    min(self.grow_min_efficiency, self.grow_long_min_efficiency)))
         mins: dict[str, int] = {}
+        tops: dict[str, int] = {}                     # most GPUs of a 90%-efficiency plan per type
         for c in cands:
             mins[c.gpu_type] = min(mins.get(c.gpu_type, c.gpus), c.gpus)
+            tops[c.gpu_type] = max(tops.get(c.gpu_type, 0), c.gpus)
         work = min((c.gpus * c.step_s for c in cands), default=INF)
-        return (cands, list(mins.items()), work, [(c.step_s, c.gpus, c.gpu_type, c) for c in wide],
+        return (cands, list(mins.items()), tops, work, [(c.step_s, c.gpus, c.gpu_type, c) for c in wide],
                 [(c.step_s, c.gpus, c.gpu_type, c) for c in grow])
 
     @staticmethod
@@ -596,6 +600,7 @@ class FrenzyPolicy(Policy):
             self._tuples.pop(jid, None)
             self._wide.pop(jid, None)
             self._grow_menu.pop(jid, None)
+            self._top.pop(jid, None)
         if len(self._by_plans) > 2 * len(pending) + 256:   # live: plan lists of finished jobs
             keep = {id(j.plans) for j in pending}
             self._by_plans = {k: v for k, v in self._by_plans.items() if k in keep}
@@ -672,7 +677,7 @@ class FrenzyPolicy(Policy):
                     out.append(Decision(job_id=job.job_id, plan=c.plan, placement=placement))
                     continue
                 # enough GPUs but fragmented across nodes: wait like a blocked job
-            if self.recall and len(waiting) < LOOKAHEAD:
+            if self.recall and len(waiting) < lookahead:
                 waiting.append((job, start, dur))
             if reservations < self.max_reservations:
                 s0 = max(start, now)
@@ -699,10 +704,9 @@ class FrenzyPolicy(Policy):
         against Sia itp05 +4.6% -> +3.1%, itp01 +9.7% -> +9.1%, itp03 +0.1% -> -0.4%)."""
         if self.idle_share >= 1:
             return self._wide[job_id]
-        cap: dict[str, float] = {}
-        for _, n, g, _ in self._tuples[job_id]:
-            cap[g] = max(cap.get(g, 0), n, self._per_node.get(g, 0), self.idle_share * free.get(g, 0))
-        return [t for t in self._wide[job_id] if t[1] <= cap.get(t[2], 0)]
+        top = self._top[job_id]
+        return [t for t in self._wide[job_id]
+                if t[1] <= max(top.get(t[2], 0), self._per_node.get(t[2], 0), self.idle_share * free.get(t[2], 0))]
 
     def _remember_runs(self, state: ClusterState, keyed: list, touched: set[str]) -> None:
         """Keep the plan menu of the jobs starting now (a running job's request is gone), and
@@ -711,10 +715,7 @@ class FrenzyPolicy(Policy):
             jid = k[3].job_id
             if jid in touched:
                 self._run_tuples[jid] = self._grow_menu[jid]
-                lent_above: dict[str, int] = {}
-                for _, n, g, _ in self._tuples[jid]:
-                    lent_above[g] = max(lent_above.get(g, 0), n)
-                self._lent_above[jid] = lent_above
+                self._lent_above[jid] = self._top[jid]
                 # checkpoint size; unknown (0): at most the 1-GPU-equivalent footprint of the
                 # job's smallest plan (pessimistic)
                 self._ckpt_gb[jid] = k[3].checkpoint_gb or 1.074 * min(
@@ -822,10 +823,10 @@ class FrenzyPolicy(Policy):
                 for vstep, vn, vg, vc in vt:             # the victim's fastest plan that leaves n free
                     if vg != g or vn >= m or vn + n > free + m:
                         continue
-                    loss = vstep * vsteps + self._restart_cost(rj.job_id, vg, vn) - rem
-                    net = gain - self.shrink_gain * loss
+                    vdur = vstep * vsteps + self._restart_cost(rj.job_id, vg, vn)
+                    net = gain - self.shrink_gain * (vdur - rem)
                     if net > 0 and (best is None or net > best[0]):
-                        best = (net, c, d, rj, vc, vstep * vsteps + self._restart_cost(rj.job_id, vg, vn))
+                        best = (net, c, d, rj, vc, vdur)
                     break
         if best is None:
             return [], set(), None

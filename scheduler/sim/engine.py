@@ -11,7 +11,7 @@ Every start (first start, restart after preemption, retry after OOM) pays ``star
 allocated-but-idle time: launch, model build. A preempted run keeps the optimizer steps it
 completed: it checkpoints when preempted and restores when it starts again; a start that has
 progress to restore pays the save and the restore of the training state
-(``CKPT_BYTES_PER_PARAM`` x params, at ``ckpt_gbs_per_node`` GB/s per node spanned) on top of
+(``scheduler.restart``: 14 bytes per parameter, at ``ckpt_gbs_per_node`` GB/s per node spanned) on top of
 ``startup_s`` (the save is charged to the next start, so the preempted GPUs free at once). A run progresses at its real
 step time: the throughput model's step time for the placement it got (nodes spanned, slowest
 inter-node link among the pools it touches) times the job's noise factor (``truth.py``).
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.placement import nodes_spanned
-from scheduler.restart import CKPT_BYTES_PER_PARAM, checkpoint_gb, checkpoint_move_s  # noqa: F401 (re-export)
+from scheduler.restart import checkpoint_gb, checkpoint_move_s
 from scheduler.types import ClusterState, Decision, JobRequest, Node, Policy, RunningJob
 
 from .jobs import PlanBook, StepTimes, model_spec
