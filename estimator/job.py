@@ -28,6 +28,22 @@ class DataSpec(BaseModel):
         return self
 
 
+class FinetuneSpec(BaseModel):
+    """How the job trains the model's weights: all of them, or low-rank adapters (PEFT)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["full", "lora", "qlora"] = Field(
+        "full", description="full: every weight trains; lora: low-rank adapters on a frozen 16-bit "
+                            "base; qlora: adapters on a 4-bit (NF4) base (GPU with bitsandbytes only)")
+    rank: int = Field(16, gt=0, le=4096, description="LoRA rank r")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha (the update is scaled by alpha / r)")
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: list[str] | None = Field(
+        None, description="module names that get adapters (e.g. q_proj, v_proj); default: PEFT's "
+                          "default for the architecture")
+
+
 def steps_for_tokens(train_tokens: int, global_batch: int, seq_len: int) -> int:
     """Optimizer steps that consume ``train_tokens`` (the last step may be partial)."""
     return max(1, math.ceil(train_tokens / (global_batch * seq_len)))
@@ -47,6 +63,11 @@ class TrainingJob(BaseModel):
     train_steps: int | None = Field(None, gt=0, description="optimizer steps (or give train_tokens)")
     train_tokens: int | None = Field(None, gt=0, description="tokens to train on (or give train_steps)")
     precision: Precision = "bf16"
+    master_weights: Literal["fp32", "none"] = Field(
+        "fp32", description="fp32: mixed precision with fp32 master weights and optimizer states; "
+                            "none: pure 16-bit training (weights, gradients and states in `precision`)")
+    finetune: FinetuneSpec = Field(default_factory=FinetuneSpec,
+                                   description="full fine-tune (default) or LoRA / QLoRA adapters")
     optimizer: Optimizer = "adamw"
     attention: Attention = "flash"
     lr: float = Field(3e-4, gt=0)

@@ -46,6 +46,11 @@ class RunningJob:
     placement: dict[str, list[int]]      # node_id -> device indices
     start_s: float
     expected_end_s: float                # predicted, from the throughput model
+    # the job's request (plans over every GPU type, steps left at this start, restarts,
+    # checkpoint size): what a policy needs to re-size or preempt the run without keeping
+    # private notes on it; None only for runs the scheduler knows nothing about
+    request: JobRequest | None = None
+    resizes: int = 0                     # re-sizes (grow, shrink, recall) of this job so far
 
 
 @dataclass(slots=True)
@@ -58,20 +63,39 @@ class ClusterState:
 
 @dataclass(slots=True)
 class Decision:
-    """Start ``job_id`` with ``plan`` on ``placement``, or preempt it (round-based baselines)."""
+    """Start ``job_id`` with ``plan`` on ``placement``, or preempt it. A preempt and a start of
+    the same running job in one round is a re-size (``scheduler.round`` tells them apart)."""
 
     job_id: str
     plan: Plan | None
     placement: dict[str, list[int]]
     action: Literal["start", "preempt"] = "start"
+    reason: str = ""                     # why, for events and the queue view (e.g. "grow", "recall")
+
+
+@dataclass(slots=True)
+class Wait:
+    """Why a pending job did not start this round, and when the policy expects it to."""
+
+    job_id: str
+    predicted_start_s: float             # absolute time; inf when unknown
+    gpu_type: str | None = None          # the plan it waits for
+    gpus: int = 0
+    reason: str = ""
 
 
 class Policy(ABC):
-    """A scheduling policy. ``schedule`` must not mutate its inputs."""
+    """A scheduling policy. ``schedule`` must not mutate its inputs.
+
+    What a policy may do is declared, not probed: ``restarts_runs`` (it emits preempt
+    decisions: preemption, shrinking, re-sizing) and ``grows_runs`` (it re-sizes running jobs
+    onto idle GPUs). The live scheduler and the simulator act on every decision alike."""
 
     name: str = "policy"
     # round-based policies (gavel, sia) set a period; event-driven ones leave None
     round_s: float | None = None
+    # a policy that stops running jobs (preempt, shrink, re-size) sets this
+    restarts_runs: bool = False
     # an event-driven policy that re-sizes running jobs onto idle GPUs (frenzy's growth) sets
     # this: the simulator then also gives it a periodic tick while GPUs sit idle, not only
     # while jobs wait
@@ -80,6 +104,11 @@ class Policy(ABC):
     @abstractmethod
     def schedule(self, pending: list[JobRequest], state: ClusterState, now: float) -> list[Decision]:
         ...
+
+    def waits(self) -> dict[str, Wait]:
+        """After ``schedule``: why each pending job that did not start waits (default: none
+        known). The live scheduler shows it in the queue view."""
+        return {}
 
     def on_oom(self, job: JobRequest, plan: Plan) -> JobRequest:
         """How this policy resubmits a job whose run died of out-of-memory (default: unchanged)."""

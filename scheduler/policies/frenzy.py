@@ -260,6 +260,7 @@ def _complexity(p: Plan) -> tuple:
 class FrenzyPolicy(Policy):
     name = "frenzy"
     grows_runs = True
+    restarts_runs = True
 
     def __init__(self, *, safety_margin_gib: float = SAFETY_MARGIN_GIB, mem_headroom: float = MEM_HEADROOM,
                  aging_s: float = AGING_S, tolerance: float = TOLERANCE,

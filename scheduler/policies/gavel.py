@@ -24,6 +24,7 @@ ROUND_S = 360.0
 
 class Gavel(Policy):
     name = "gavel"
+    restarts_runs = True
     round_s = ROUND_S
 
     def __init__(self, round_s: float = ROUND_S) -> None:

@@ -43,6 +43,7 @@ def config_counts(gpus_per_node: int, capacity: int) -> list[int]:
 
 class Sia(Policy):
     name = "sia"
+    restarts_runs = True
     round_s = ROUND_S
 
     def __init__(self, round_s: float = ROUND_S) -> None:

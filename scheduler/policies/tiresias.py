@@ -24,6 +24,7 @@ STARVE_FACTOR = 2.0
 
 class Tiresias(Policy):
     name = "tiresias"
+    restarts_runs = True
 
     def __init__(self) -> None:
         self._reqs: dict[str, JobRequest] = {}       # running jobs, as last seen pending

@@ -29,6 +29,7 @@ from typing import Any
 
 from scheduler.placement import nodes_spanned
 from scheduler.restart import checkpoint_gb, checkpoint_move_s
+from scheduler.round import next_round_s, run_round, wants_tick
 from scheduler.types import ClusterState, Decision, JobRequest, Node, Policy, RunningJob
 
 from .jobs import PlanBook, StepTimes, model_spec
@@ -114,6 +115,7 @@ class SimJob:
     ooms: int = 0
     preemptions: int = 0
     starts: int = 0
+    resizes: int = 0                 # restarts on another plan in the same round (grow, shrink, recall)
 
 
 class Simulator:
@@ -160,8 +162,9 @@ class Simulator:
     def run(self) -> SimResult:
         for i, sj in enumerate(self.jobs):
             self._push(sj.wl.submit_s, _ARRIVE, i)
-        round_based = self.policy.round_s is not None
-        grows = self.policy.grows_runs
+        policy = self.policy
+        round_based = policy.round_s is not None
+        tick_s = self.cfg.tick_s
         round_queued = False
         tick_queued = False
         arrivals_left = len(self.jobs)
@@ -190,20 +193,19 @@ class Simulator:
                         round_queued = tick_queued = False
                 started = 0
                 if round_based:
-                    r = self.policy.round_s
                     if round_due:
                         started = self._round(t)
                         if self.pending or self.running:
-                            self._push(t + r, _ROUND)
+                            self._push(next_round_s(policy, t, tick_s, after_round=True), _ROUND)
                             round_queued = True
                     elif changed and not round_queued:
-                        self._push(math.ceil(t / r) * r, _ROUND)   # the next round boundary
+                        self._push(next_round_s(policy, t, tick_s, after_round=False), _ROUND)
                         round_queued = True
                 else:
-                    if changed or (round_due and self._wants_round(grows) and self._any_free()):
+                    if changed or (round_due and self._wants_round() and self._any_free()):
                         started = self._round(t)
-                    if not tick_queued and self._wants_round(grows):
-                        self._push(t + self.cfg.tick_s, _ROUND)
+                    if not tick_queued and self._wants_round():
+                        self._push(next_round_s(policy, t, tick_s, after_round=True), _ROUND)
                         tick_queued = True
                 self._record_queue(t)
                 if bar is not None:
@@ -262,9 +264,7 @@ class Simulator:
         sj.run = None
 
     def _preempt(self, d: Decision, t: float) -> None:
-        sj = self.by_id.get(d.job_id)
-        if sj is None or sj.state != "running":
-            raise ValueError(f"policy {self.policy.name}: preempt of {d.job_id}, which is not running")
+        sj = self.by_id[d.job_id]
         run = sj.run
         if not run.oom and t > run.ready_s:
             sj.steps_done = min(sj.steps_total, sj.steps_done + (t - run.ready_s) / run.step_s)
@@ -275,26 +275,9 @@ class Simulator:
         self.pending[sj.wl.job_id] = sj
 
     def _start(self, d: Decision, t: float) -> None:
-        sj = self.by_id.get(d.job_id)
-        name = self.policy.name
-        if sj is None or sj.state != "pending":
-            raise ValueError(f"policy {name}: start of {d.job_id}, which is not pending")
+        """Start a checked decision (``scheduler.round`` validated it against the state)."""
+        sj = self.by_id[d.job_id]
         plan = d.plan
-        if plan is None:
-            raise ValueError(f"policy {name}: start of {d.job_id} without a plan")
-        ngpu = 0
-        for node_id, devs in d.placement.items():
-            node = self.nodes.get(node_id)
-            if node is None:
-                raise ValueError(f"policy {name}: {d.job_id} placed on unknown node {node_id}")
-            if node.gpu_type != plan.gpu_type:
-                raise ValueError(f"policy {name}: {d.job_id} plan {plan.gpu_type} placed on {node.gpu_type} node")
-            free = set(node.free)
-            if len(set(devs)) != len(devs) or not free.issuperset(devs):
-                raise ValueError(f"policy {name}: {d.job_id} placed on busy GPUs {node_id}:{devs}")
-            ngpu += len(devs)
-        if ngpu != plan.gpus:
-            raise ValueError(f"policy {name}: {d.job_id} plan needs {plan.gpus} GPUs, placement has {ngpu}")
         for node_id, devs in d.placement.items():
             node = self.nodes[node_id]
             used = set(devs)
@@ -324,13 +307,13 @@ class Simulator:
             sj.first_start = t
         del self.pending[wl.job_id]
         self.running[wl.job_id] = RunningJob(job_id=wl.job_id, plan=plan, placement=sj.run.placement,
-                                             start_s=t, expected_end_s=ready + steps_left * predicted)
+                                             start_s=t, expected_end_s=ready + steps_left * predicted,
+                                             request=sj.req, resizes=sj.resizes)
         self._push(end, _END, self._index[wl.job_id], self._token)
 
-    def _wants_round(self, grows: bool) -> bool:
-        """Ticks go on while jobs wait (aging), and for a policy that re-sizes runs onto idle
-        GPUs also while any sit idle under running jobs."""
-        return bool(self.pending) or (grows and bool(self.running) and self._any_free())
+    def _wants_round(self) -> bool:
+        return wants_tick(self.policy, pending=len(self.pending), running=len(self.running),
+                          any_free=self._any_free())
 
     def _any_free(self) -> bool:
         return any(n.free for n in self.state.nodes)
@@ -338,22 +321,19 @@ class Simulator:
     def _round(self, t: float) -> int:
         self.state.running = list(self.running.values())
         pending = [sj.req for sj in self.pending.values()]
-        t0 = time.perf_counter()
-        decisions = self.policy.schedule(pending, self.state, t)
+        result = run_round(self.policy, pending, self.state, t)
         # a policy may answer a round whose inputs did not change from memory (sia's ILP):
         # such rounds say nothing about its cost per decision and are left out of sched_ms
-        if not getattr(self.policy, "round_was_cached", False):
-            self.sched_ms.append((time.perf_counter() - t0) * 1e3)
+        if not result.cached:
+            self.sched_ms.append(result.policy_ms)
         self.rounds += 1
-        started = 0
-        for d in decisions:
-            if d.action == "preempt":
-                self._preempt(d, t)
-        for d in decisions:
-            if d.action == "start":
-                self._start(d, t)
-                started += 1
-        return started
+        for d in result.stops:
+            self._preempt(d, t)
+        for d in result.starts:
+            if d.job_id in result.resizes:
+                self.by_id[d.job_id].resizes += 1
+            self._start(d, t)
+        return len(result.starts)
 
     def _record_queue(self, t: float) -> None:
         q = len(self.pending)
