@@ -192,14 +192,16 @@ def test_short_job_preempts_a_much_longer_one_sparingly():
     assert FrenzyPolicy().schedule([short], st2, NOW) == []
 
 
-def running(state, jid, decision, start, end):
-    """Put a job a policy started (``decision``) on the cluster as a running job."""
+def running(state, req, decision, start, end):
+    """Put a job a policy started (``decision``) on the cluster as a running job that carries
+    its request (as the simulator and the live scheduler hand runs to policies)."""
+    jid = req.job_id
     for nid, devs in decision.placement.items():
         for n in state.nodes:
             if n.node_id == nid:
                 n.free = [d for d in n.free if d not in devs]
     state.running.append(RunningJob(job_id=jid, plan=decision.plan, placement=dict(decision.placement),
-                                    start_s=start, expected_end_s=end))
+                                    start_s=start, expected_end_s=end, request=req))
 
 
 # 4 GPUs at full efficiency; 8 GPUs 43% faster but at 71% parallel efficiency: worth it only
@@ -238,20 +240,19 @@ def test_running_job_grows_onto_idle_gpus_only_when_nothing_waits_and_it_pays():
     pol = FrenzyPolicy()
     st = cluster(A100_ONLY)
     occupy(st, "a-0", [4, 5, 6, 7], plan("A100-80GB", 4, 20, 1.0), end=NOW + 600)
-    d = pol.schedule([job("j", ELASTIC, steps=100_000)], st, NOW)
+    j = job("j", ELASTIC, steps=100_000)
+    d = pol.schedule([j], st, NOW)
     assert [(x.job_id, x.plan.gpus) for x in d] == [("j", 4)]
     # the other run ended: j restarts on 8 GPUs (8.3 h -> 5.8 h left, restore included)
     st = cluster(A100_ONLY)
-    running(st, "j", d[0], NOW, NOW + 100_000 * 0.30)
+    running(st, j, d[0], NOW, NOW + 100_000 * 0.30)
     later = NOW + 600
     g = pol.schedule([], st, later)
     assert [(x.action, x.job_id) for x in g] == [("preempt", "j"), ("start", "j")]
     assert g[1].plan.gpus == 8 and sum(map(len, g[1].placement.values())) == 8
 
-    def knows_j(**kw):                                 # a policy that started j itself
-        p = FrenzyPolicy(preemption=False, **kw)
-        p.schedule([job("j", ELASTIC, steps=100_000)], cluster(A100_ONLY), NOW)
-        return p
+    def knows_j(**kw):            # a fresh policy: the run's request says all it needs
+        return FrenzyPolicy(preemption=False, **kw)
 
     # not while a job waits (one that needs the whole node), nor with grow=False, nor for a run
     # almost done
@@ -274,7 +275,7 @@ def test_growth_weighs_the_checkpoint_save_and_restore_of_the_job():
         j.checkpoint_gb = ckpt_gb
         d = pol.schedule([j], st, NOW)
         st = cluster(A100_ONLY)
-        running(st, "j", d[0], NOW, NOW + 100_000 * 0.30)
+        running(st, j, d[0], NOW, NOW + 100_000 * 0.30)
         assert bool(pol.schedule([], st, NOW + 600)) == grows
 
 
@@ -292,10 +293,11 @@ def test_growth_goes_below_the_idle_efficiency_floor_only_onto_idle_gpus():
     plans = [plan("A100-80GB", 2, 20, 0.30), plan("A100-80GB", 8, 20, 0.15)]
     for floor, grows in ((0.4, True), (0.6, False)):
         pol = FrenzyPolicy(grow_min_efficiency=floor, grow_long_min_efficiency=floor)
-        d = pol.schedule([job("j", plans, steps=100_000)], cluster(A100_ONLY), NOW)
+        j = job("j", plans, steps=100_000)
+        d = pol.schedule([j], cluster(A100_ONLY), NOW)
         assert [(x.job_id, x.plan.gpus) for x in d] == [("j", 2)]
         st = cluster(A100_ONLY)
-        running(st, "j", d[0], NOW, NOW + 100_000 * 0.30)
+        running(st, j, d[0], NOW, NOW + 100_000 * 0.30)
         g = pol.schedule([], st, NOW + 600)
         assert [(x.action, x.plan and x.plan.gpus) for x in g] == ([("preempt", None), ("start", 8)] if grows else [])
 
@@ -306,10 +308,11 @@ def test_only_runs_with_30_min_or_more_left_grow_below_40_percent_efficiency():
     plans = [plan("A100-80GB", 2, 20, 0.40), plan("A100-80GB", 8, 20, 0.30)]
     for steps, grows in ((100_000, True), (5_250, False)):     # 11 h / 25 min left at the round
         pol = FrenzyPolicy()
-        d = pol.schedule([job("j", plans, steps=steps)], cluster(A100_ONLY), NOW)
+        j = job("j", plans, steps=steps)
+        d = pol.schedule([j], cluster(A100_ONLY), NOW)
         assert [(x.job_id, x.plan.gpus) for x in d] == [("j", 2)]
         st = cluster(A100_ONLY)
-        running(st, "j", d[0], NOW, NOW + steps * 0.40)
+        running(st, j, d[0], NOW, NOW + steps * 0.40)
         g = pol.schedule([], st, NOW + 600)
         assert [(x.action, x.plan and x.plan.gpus) for x in g] == ([("preempt", None), ("start", 8)] if grows else [])
 
@@ -318,10 +321,11 @@ def test_a_waiter_recalls_gpus_lent_to_a_run_beyond_its_efficient_plan():
     # big started alone on the whole node at 71% efficiency: 4 of its 8 GPUs are lent
     def setup(left_s, **kw):
         pol = FrenzyPolicy(shrink=False, preempt_ratio=1e9, **kw)   # only the recall may act
-        d = pol.schedule([job("big", ELASTIC, steps=200_000)], cluster(A100_ONLY), NOW - 3600)
+        big = job("big", ELASTIC, steps=200_000)
+        d = pol.schedule([big], cluster(A100_ONLY), NOW - 3600)
         assert d[0].plan.gpus == 8
         st = cluster(A100_ONLY)
-        running(st, "big", d[0], NOW - 3600, NOW + left_s)
+        running(st, big, d[0], NOW - 3600, NOW + left_s)
         return pol, st
 
     short = job("short", [plan("A100-80GB", 4, 20, 1.0)], steps=1800)   # 30 min, would wait 10 h
@@ -348,7 +352,7 @@ def test_a_job_started_by_preemption_can_grow_later():
     d = pol.schedule([short], st, NOW)
     assert [(x.action, x.job_id) for x in d][-1] == ("start", "short") and d[-1].plan.gpus == 4
     st = cluster(A100_ONLY)                           # the preempted job was sent elsewhere
-    running(st, "short", d[-1], NOW, NOW + 1800 + 60)
+    running(st, short, d[-1], NOW, NOW + 1800 + 60)
     g = pol.schedule([], st, NOW + 60)
     assert [(x.action, x.job_id) for x in g] == [("preempt", "short"), ("start", "short")]
     assert g[1].plan.gpus == 8
@@ -360,7 +364,7 @@ def test_wide_run_shrinks_for_a_waiting_job_when_the_waiter_gains_more():
     d = pol.schedule([big], cluster(A100_ONLY), NOW - 3600)
     assert d[0].plan.gpus == 8
     st = cluster(A100_ONLY)
-    running(st, "big", d[0], NOW - 3600, NOW + 10 * 3600)
+    running(st, big, d[0], NOW - 3600, NOW + 10 * 3600)
     short = job("short", [plan("A100-80GB", 4, 20, 1.0)], steps=1800)   # 30 min, would wait 10 h
     s = pol.schedule([short], st, NOW)
     assert [(x.action, x.job_id) for x in s] == [("preempt", "big"), ("start", "big"), ("start", "short")]

@@ -329,6 +329,8 @@ class Simulator:
         self.rounds += 1
         for d in result.stops:
             self._preempt(d, t)
+            if d.job_id not in result.resizes:
+                self.by_id[d.job_id].req.preemptions += 1
         for d in result.starts:
             if d.job_id in result.resizes:
                 self.by_id[d.job_id].resizes += 1
