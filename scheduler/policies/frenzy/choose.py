@@ -102,3 +102,25 @@ def choose(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: Gpu
         if o[0] <= lim and (pick is None or o[1] < pick[1] or (o[1] == pick[1] and o[0] < pick[0])):
             pick = o
     return Pick(pick[2], pick[3], pick[4])
+
+
+def start_now(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: GpuCounts, now: float) -> Pick | None:
+    """The fastest plan of ``menu`` that can start now on free GPUs without delaying any
+    reservation (a stopgap for a job whose chosen plan starts later), or None."""
+    for c in menu:                    # fastest first
+        f = free.get(c.gpu_type, 0)
+        if f < c.gpus:
+            continue
+        prof = profiles.get(c.gpu_type)
+        dur = c.step_s * steps
+        if prof is not None and (not prof.res or prof.fits_now(c.gpus, dur, now, f)):
+            return Pick(c, now, dur)
+    return None
+
+
+def stopgap_pays(pick: Pick, stop: Pick, move_cost_s: float, now: float) -> bool:
+    """Start on ``stop`` now rather than wait for ``pick``: the progress made until ``pick``'s
+    start, in ``pick``'s time, exceeds the restart that moving onto it then costs (or the
+    stopgap alone finishes no later than waiting)."""
+    wait = pick.start - now
+    return stop.dur <= wait + pick.dur or wait * pick.dur > move_cost_s * stop.dur

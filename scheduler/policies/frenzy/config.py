@@ -49,6 +49,19 @@ class Choice:
 
 
 @dataclass(frozen=True, slots=True)
+class Stopgap:
+    """No GPUs idle while a job that could use them waits (step 3b, ``choose.start_now``).
+
+    A job whose chosen plan starts later starts now on the fastest plan that fits the free GPUs
+    (delaying no reservation), unless its own plan is due very soon: moving onto it once its GPUs
+    free costs a restart ``C``, which the head start repays when the wait ``w`` exceeds
+    ``C x d_now / d_later`` (the progress made meanwhile, in the later plan's time, beats the
+    restart). Growth (``Growth.while_waiting``) moves the run up when the GPUs are free."""
+
+    enabled: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class Backfill:
     """Reservations and the availability profile: steps 4-5 (``profile.Profile``)."""
 
@@ -95,6 +108,9 @@ class Growth:
     max_resizes_per_job: int = 16    # growths and shrinks together (RunningJob.resizes); each must pay
                                      # for its restart, this only stops pathologies
     max_per_round: int = 8
+    while_waiting: bool = True       # while jobs wait, a run may still move to a faster plan of its
+                                     # queue menu (>= 90% efficiency) on GPUs free after the round,
+                                     # delaying no reservation (a stopgap start moving up)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +136,7 @@ class FrenzyConfig:
     memory: MemoryGate = field(default_factory=MemoryGate)
     order: Ordering = field(default_factory=Ordering)
     choice: Choice = field(default_factory=Choice)
+    stopgap: Stopgap = field(default_factory=Stopgap)
     backfill: Backfill = field(default_factory=Backfill)
     preempt: Preemption = field(default_factory=Preemption)
     shrink: Shrink = field(default_factory=Shrink)
@@ -141,12 +158,12 @@ class FrenzyConfig:
 def _flat_names() -> dict[str, tuple[str, str]]:
     """Flat option name -> (group, field): the group's prefix joined to the field, with the
     historic names of the switches and of a few fields."""
-    prefix = {"memory": "", "order": "", "choice": "", "backfill": "", "preempt": "preempt_",
+    prefix = {"memory": "", "order": "", "choice": "", "stopgap": "stopgap_", "backfill": "", "preempt": "preempt_",
               "shrink": "shrink_", "growth": "grow_", "recall": "recall_", "restart": ""}
     special = {("memory", "headroom"): "mem_headroom", ("preempt", "enabled"): "preemption",
                ("preempt", "max_per_job"): "max_preemptions_per_job", ("shrink", "enabled"): "shrink",
                ("growth", "enabled"): "grow", ("growth", "max_resizes_per_job"): "max_grows_per_job",
-               ("recall", "enabled"): "recall", ("restart", "launch_s"): "restart_s",
+               ("recall", "enabled"): "recall", ("stopgap", "enabled"): "stopgap", ("restart", "launch_s"): "restart_s",
                ("memory", "fallback_slack"): "fallback_slack"}
     out = {}
     for g in fields(FrenzyConfig):

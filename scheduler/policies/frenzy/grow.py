@@ -8,7 +8,7 @@ from scheduler.types import Decision
 
 from .config import FrenzyConfig
 from .gate import base_gpu_s
-from .profile import expected_end
+from .profile import Profile, expected_end
 from .records import GpuCounts, Run
 from .resize import restart_cost, steps_left
 
@@ -16,11 +16,14 @@ INF = math.inf
 
 
 def grow_runs(runs: dict[str, Run], idx: FreeIndex, now: float, per_node: GpuCounts, cfg: FrenzyConfig,
-              touched: set[str]) -> list[Decision]:
+              touched: set[str], waiting: dict[str, Profile] | None = None) -> list[Decision]:
     """Nothing waits and GPUs sit idle: checkpoint-restart runs (the longest remaining first)
     on a faster plan when the predicted remaining time, restart and checkpoint restore
     included, drops by at least ``min_gain`` of it (and ``min_s``). Plans may go down to the
-    growth efficiency floors (lower for runs with ``long_s`` or more left)."""
+    growth efficiency floors (lower for runs with ``long_s`` or more left).
+
+    ``waiting`` (jobs wait; their availability profiles, reservations included): only moves to
+    a faster plan of the run's queue menu (>= 90% efficiency) that delay no reservation."""
     gc = cfg.growth
     out: list[Decision] = []
     if not any(idx.total.values()):
@@ -40,15 +43,20 @@ def grow_runs(runs: dict[str, Run], idx: FreeIndex, now: float, per_node: GpuCou
         steps = steps_left(run, rem, now, cfg.restart.launch_s)
         target = rem - max(gc.min_gain * rem, gc.min_s)
         floor = gc.long_min_efficiency if rem >= gc.long_s else gc.min_efficiency
-        base = base_gpu_s(run.menu.grow)
+        menu = run.menu.grow if waiting is None else run.menu.queue
+        base = base_gpu_s(menu)
         idx.release(rj.placement)
         placed = None
-        for step_s, n, g, plan in run.menu.grow:        # fastest first
+        for step_s, n, g, plan in menu:                 # fastest first
             dur = step_s * steps + restart_cost(run.ckpt_gb, g, n, per_node, cfg.restart)
             if dur > target:
                 continue
             if idx.free_gpus(g) < n or plan == rj.plan or base[g] < floor * n * step_s:
                 continue
+            if waiting is not None:
+                prof = waiting.get(g)
+                if prof is None or (prof.res and not prof.fits_now(n, dur, now, idx.free_gpus(g))):
+                    continue
             placed = idx.place_compact(g, n, plan.tp)
             if placed is not None:
                 break
@@ -56,6 +64,8 @@ def grow_runs(runs: dict[str, Run], idx: FreeIndex, now: float, per_node: GpuCou
             idx.commit(rj.placement)
             continue
         idx.commit(placed)
+        if waiting is not None:
+            waiting[g].add_release(now + dur, n)
         out.append(Decision(job_id=rj.job_id, plan=None, placement={}, action="preempt", reason="grow"))
         out.append(Decision(job_id=rj.job_id, plan=plan, placement=placed, reason="grow"))
         if not any(idx.total.values()):

@@ -7,7 +7,7 @@ from estimator.plan import Plan
 from scheduler.placement import FreeIndex, gpu_memory_gib
 from scheduler.types import ClusterState, Decision, JobRequest, Policy, Wait
 
-from .choose import choose, idle_menu, lightly_loaded, order_queue
+from .choose import choose, idle_menu, lightly_loaded, order_queue, start_now, stopgap_pays
 from .config import FrenzyConfig
 from .gate import build_menu, memory_gate
 from .grow import grow_runs
@@ -15,6 +15,7 @@ from .preempt import preempt_for, preemptible, shrink_for
 from .profile import build_profiles
 from .recall import recall
 from .records import GpuCounts, Menu, Run, WaitNote, Waiter
+from .resize import restart_cost
 
 INF = math.inf
 CKPT_FOOTPRINT = 1.074      # unknown checkpoint size: at most the 1-GPU-equivalent footprint of the
@@ -172,6 +173,13 @@ class FrenzyPolicy(Policy):
             if pick is None:
                 notes.append(WaitNote(job.job_id, INF, None, 0, "no_free" if deep else "no_type"))
                 continue
+            if pick.start > now and cfg.stopgap.enabled:
+                stop = start_now(cands, max(job.steps_left, 1), profiles, total, now)
+                if stop is not None:
+                    ckpt = job.checkpoint_gb or CKPT_FOOTPRINT * menu.footprint_gib
+                    move = restart_cost(ckpt, pick.cand.gpu_type, pick.cand.gpus, per_node, cfg.restart)
+                    if stopgap_pays(pick, stop, move, now):
+                        pick = stop
             c, start, dur = pick
             if self.trace is not None:    # why each job got what it got (debugging, reports)
                 self.trace.append((job.job_id, c.gpu_type, c.gpus, start - now, dur, depth))
@@ -204,6 +212,8 @@ class FrenzyPolicy(Policy):
             touched = {d.job_id for d in out}
             if all(k.job_id in touched for k in keyed):
                 out.extend(grow_runs(runs, idx, now, per_node, cfg, touched))
+            elif cfg.growth.while_waiting:
+                out.extend(grow_runs(runs, idx, now, per_node, cfg, touched, profiles))
         self._now = now
         return out
 
