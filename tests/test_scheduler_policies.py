@@ -471,16 +471,18 @@ def test_a_stopgap_run_moves_up_when_its_plan_frees_while_others_wait():
     fast, slow = plan("A100-80GB", 8, 15, 1.0), plan("RTX3090-24GB", 8, 15, 2.5)
     j = job("j", [fast, slow], steps=36_000)
     wide = job("w", [plan("RTX3090-24GB", 16, 15, 1.0)], steps=36_000)   # waits for all 16 RTX GPUs
-    for while_waiting, moves in ((True, True), (False, False)):
+    for kw, moves in (({"grow_while_waiting": True}, True), ({"stopgap_move_up": True}, True), ({}, False)):
         st = cluster(MIXED)
         occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 1800)
-        start = next(d for d in FrenzyPolicy().schedule([j], st, NOW) if d.job_id == "j")
+        start = next(d for d in FrenzyPolicy(stopgap=True).schedule([j], st, NOW) if d.job_id == "j")
         assert start.plan is slow                             # the stopgap
         st = cluster(MIXED)                                   # the A100s are free again
         running(st, j, start, NOW, NOW + 36_000 * 2.5)
-        d = FrenzyPolicy(grow_while_waiting=while_waiting).schedule([wide], st, NOW + 600)
+        d = FrenzyPolicy(**kw).schedule([wide], st, NOW + 600)
         got = [(x.action, x.job_id, x.plan and x.plan.gpu_type) for x in d]
-        assert got == ([("preempt", "j", None), ("start", "j", "A100-80GB")] if moves else []), got
+        # moving up inside the queue pass also frees j's RTX cards for w in the same round
+        assert got[:2] == ([("preempt", "j", None), ("start", "j", "A100-80GB")] if moves else []), got
+        assert got[2:] == ([("start", "w", "RTX3090-24GB")] if "stopgap_move_up" in kw else []), got
 
 
 def test_waits_say_why_each_job_waits():

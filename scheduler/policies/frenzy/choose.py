@@ -12,11 +12,17 @@ from .records import Cand, GpuCounts, Menu, Pick, Queued
 INF = math.inf
 
 
-def order_queue(pending: list[tuple[JobRequest, Menu]], now: float, cfg: Ordering) -> list[Queued]:
+def order_queue(pending: list[tuple[JobRequest, Menu]], now: float, cfg: Ordering,
+                movers: dict | None = None) -> list[Queued]:
     """Shortest predicted remaining work first (GPU-seconds of the job's cheapest plan), divided
     by ``1 + wait / aging_s`` so waiting jobs climb and none starves; jobs with no plan are left
-    out. Ties: earlier submission, then job id."""
+    out. Ties: earlier submission, then job id. ``movers`` (job id -> (run, remaining s,
+    remaining steps)): runs that compete for a faster plan, keyed the same way."""
     keyed = []
+    for jid, (run, _, steps) in (movers or {}).items():
+        req = run.rj.request
+        wait = max(0.0, now - req.submit_s)
+        keyed.append(Queued(run.menu.work * steps / (1.0 + wait / cfg.aging_s), req.submit_s, jid, req, run.menu))
     for job, menu in pending:
         if not menu.queue:
             continue

@@ -50,15 +50,20 @@ class Choice:
 
 @dataclass(frozen=True, slots=True)
 class Stopgap:
-    """No GPUs idle while a job that could use them waits (step 3b, ``choose.start_now``).
+    """Work-conserving starts and moves (step 3b, ``choose.start_now``): measured, OFF by default.
 
-    A job whose chosen plan starts later starts now on the fastest plan that fits the free GPUs
-    (delaying no reservation), unless its own plan is due very soon: moving onto it once its GPUs
-    free costs a restart ``C``, which the head start repays when the wait ``w`` exceeds
-    ``C x d_now / d_later`` (the progress made meanwhile, in the later plan's time, beats the
-    restart). Growth (``Growth.while_waiting``) moves the run up when the GPUs are free."""
+    ``enabled``: after the queue pass, a waiter starts now on the fastest plan that fits the GPUs
+    left free (delaying no reservation), unless its own plan is due very soon: moving onto it
+    once its GPUs free costs a restart ``C``, which the head start repays when the wait ``w``
+    exceeds ``C x d_now / d_later``. Off: on the small cluster (itp01, seeds 0-1) it cost +29% /
+    +83% average JCT (the stopgaps hold slow GPUs the next arrivals needed) and it did not win
+    the Sia-like workload back (docs/benchmarks.md, ablation)."""
 
-    enabled: bool = True
+    enabled: bool = False
+    move_up: bool = False             # a run on a plan slower than its fastest queue plan competes in
+                                     # the queue pass, in SRPT order, for a faster plan that starts
+                                     # now (its remaining time, restart included, must drop by the
+                                     # growth gain): Sia's re-allocation, without its churn
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +113,7 @@ class Growth:
     max_resizes_per_job: int = 16    # growths and shrinks together (RunningJob.resizes); each must pay
                                      # for its restart, this only stops pathologies
     max_per_round: int = 8
-    while_waiting: bool = True       # while jobs wait, a run may still move to a faster plan of its
+    while_waiting: bool = False      # (measured, off: see Stopgap) while jobs wait, a run may still move to a faster plan of its
                                      # queue menu (>= 90% efficiency) on GPUs free after the round,
                                      # delaying no reservation (a stopgap start moving up)
 

@@ -12,10 +12,10 @@ from .config import FrenzyConfig
 from .gate import build_menu, memory_gate
 from .grow import grow_runs
 from .preempt import preempt_for, preemptible, shrink_for
-from .profile import build_profiles
+from .profile import build_profiles, expected_end
 from .recall import recall
 from .records import GpuCounts, Menu, Run, WaitNote, Waiter
-from .resize import restart_cost
+from .resize import restart_cost, steps_left
 
 INF = math.inf
 CKPT_FOOTPRINT = 1.074      # unknown checkpoint size: at most the 1-GPU-equivalent footprint of the
@@ -116,8 +116,9 @@ class FrenzyPolicy(Policy):
         profiles = build_profiles(state, now, node_type, cfg.backfill)
         menus = [(job, self.menu(job.plans)) for job in pending]
         notes = self._notes = [WaitNote(j.job_id, INF, None, 0, "no_fit") for j, m in menus if not m.queue]
-        keyed = order_queue(menus, now, cfg.order)
         runs = self._runs(state, node_type)
+        movers = self._movers(runs, now) if cfg.stopgap.move_up else {}
+        keyed = order_queue(menus, now, cfg.order, movers)
 
         out: list[Decision] = []
         total = idx.total
@@ -127,7 +128,7 @@ class FrenzyPolicy(Policy):
             preempted: set[str] = set()
             started: set[str] = set()
             ends: dict[str, float] = {}           # predicted end of each start decided so far
-            for head in keyed[:cfg.preempt.heads]:
+            for head in [k for k in keyed if k.job_id not in movers][:cfg.preempt.heads]:
                 pick = choose(head.menu.queue, max(head.job.steps_left, 1), profiles, total, now, cfg.choice)
                 if pick is None or pick.start <= now:
                     continue
@@ -155,10 +156,13 @@ class FrenzyPolicy(Policy):
         bf = cfg.backfill
         reservations = 0
         depth = 0
-        fastest = lightly_loaded(keyed, total, cfg.choice)
+        fastest = lightly_loaded([k for k in keyed if k.job_id not in movers], total, cfg.choice)
         waiting: list[Waiter] = []
         for q in keyed:
             job, menu = q.job, q.menu
+            if q.job_id in movers:
+                out.extend(self._move_up(movers[q.job_id], profiles, idx, now, per_node))
+                continue
             depth += 1
             if reservations >= bf.max_reservations:
                 if not any(total.values()):
@@ -173,13 +177,6 @@ class FrenzyPolicy(Policy):
             if pick is None:
                 notes.append(WaitNote(job.job_id, INF, None, 0, "no_free" if deep else "no_type"))
                 continue
-            if pick.start > now and cfg.stopgap.enabled:
-                stop = start_now(cands, max(job.steps_left, 1), profiles, total, now)
-                if stop is not None:
-                    ckpt = job.checkpoint_gb or CKPT_FOOTPRINT * menu.footprint_gib
-                    move = restart_cost(ckpt, pick.cand.gpu_type, pick.cand.gpus, per_node, cfg.restart)
-                    if stopgap_pays(pick, stop, move, now):
-                        pick = stop
             c, start, dur = pick
             if self.trace is not None:    # why each job got what it got (debugging, reports)
                 self.trace.append((job.job_id, c.gpu_type, c.gpus, start - now, dur, depth))
@@ -193,8 +190,8 @@ class FrenzyPolicy(Policy):
                 why = "fragmented"        # enough GPUs but spread across nodes: wait like a blocked job
             else:
                 why = "backfill" if total.get(c.gpu_type, 0) >= c.gpus else "reserved"
-            if cfg.recall.enabled and len(waiting) < bf.lookahead:
-                waiting.append(Waiter(job, start, dur, menu))
+            if len(waiting) < bf.lookahead:
+                waiting.append(Waiter(job, start, dur, menu, pick, cands))
             if reservations < bf.max_reservations:
                 s0 = max(start, now)
                 profiles[c.gpu_type].reserve(s0, s0 + dur, c.gpus)
@@ -205,16 +202,87 @@ class FrenzyPolicy(Policy):
                 profiles[c.gpu_type].backlog += c.gpus * dur
                 why = "queued" if why == "reserved" else why
             notes.append(WaitNote(job.job_id, max(start, now), c.gpu_type, c.gpus, why))
+        # step 3b: GPUs nobody chose stay idle no longer while a waiter could use them
+        if cfg.stopgap.enabled and waiting and any(total.values()):
+            out.extend(self._stopgaps(waiting, profiles, idx, now, per_node))
+            started_now = {d.job_id for d in out}
+            waiting = [w for w in waiting if w.job.job_id not in started_now]
+            notes[:] = [n for n in notes if n.job_id not in started_now]
         # step 8: waiters recall lent GPUs; step 7: nothing waits, runs grow onto idle GPUs
-        if waiting:
+        if waiting and cfg.recall.enabled:
             out.extend(recall(waiting, runs, idx, now, per_node, cfg, {d.job_id for d in out}))
         if cfg.growth.enabled:
             touched = {d.job_id for d in out}
-            if all(k.job_id in touched for k in keyed):
+            if all(k.job_id in touched or k.job_id in movers for k in keyed):
                 out.extend(grow_runs(runs, idx, now, per_node, cfg, touched))
             elif cfg.growth.while_waiting:
                 out.extend(grow_runs(runs, idx, now, per_node, cfg, touched, profiles))
         self._now = now
+        return out
+
+    def _movers(self, runs: dict[str, Run], now: float) -> dict[str, tuple[Run, float, float]]:
+        """Runs on a plan slower than their fastest queue plan by more than the growth gain, with
+        time left: job id -> (run, remaining s, remaining steps)."""
+        cfg = self.config
+        out = {}
+        for jid, run in runs.items():
+            rj = run.rj
+            if not run.menu.queue or rj.resizes >= cfg.growth.max_resizes_per_job:
+                continue
+            if run.menu.queue[0].step_s * (1.0 + cfg.growth.min_gain) >= rj.plan.step_time_s:
+                continue
+            rem = expected_end(rj, now, cfg.backfill) - now
+            if rem == INF or rem < cfg.growth.min_s:
+                continue
+            out[jid] = (run, rem, steps_left(run, rem, now, cfg.restart.launch_s))
+        return out
+
+    def _move_up(self, mover: tuple[Run, float, float], profiles, idx: FreeIndex, now: float,
+                 per_node: GpuCounts) -> list[Decision]:
+        """A mover takes the plan it would choose if it were queued, when that plan starts now and
+        its remaining time, restart included, drops by the growth gain."""
+        cfg = self.config
+        run, rem, steps = mover
+        rj = run.rj
+        pick = choose(run.menu.queue, max(1, int(steps)), profiles, idx.total, now, cfg.choice)
+        if pick is None or pick.start > now or pick.cand.plan == rj.plan:
+            return []
+        c = pick.cand
+        cost = restart_cost(run.ckpt_gb, c.gpu_type, c.gpus, per_node, cfg.restart)
+        if rem - (pick.dur + cost) < max(cfg.growth.min_gain * rem, cfg.growth.min_s):
+            return []
+        placement = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
+        if placement is None:
+            return []
+        idx.commit(placement)
+        idx.release(rj.placement)
+        profiles[c.gpu_type].add_release(now + pick.dur + cost, c.gpus)
+        return [Decision(job_id=rj.job_id, plan=None, placement={}, action="preempt", reason="move up"),
+                Decision(job_id=rj.job_id, plan=c.plan, placement=placement, reason="move up")]
+
+    def _stopgaps(self, waiting: list[Waiter], profiles, idx: FreeIndex, now: float,
+                  per_node: GpuCounts) -> list[Decision]:
+        """After the queue pass, waiters in queue order start on GPUs left free (delaying no
+        reservation) when ``choose.stopgap_pays``; growth later moves them up."""
+        out = []
+        total = idx.total
+        for w in waiting:
+            if not any(total.values()):
+                break
+            stop = start_now(w.cands, max(w.job.steps_left, 1), profiles, total, now)
+            if stop is None:
+                continue
+            ckpt = w.job.checkpoint_gb or CKPT_FOOTPRINT * w.menu.footprint_gib
+            move = restart_cost(ckpt, w.pick.cand.gpu_type, w.pick.cand.gpus, per_node, self.config.restart)
+            if not stopgap_pays(w.pick, stop, move, now):
+                continue
+            c = stop.cand
+            placement = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
+            if placement is None:
+                continue
+            idx.commit(placement)
+            profiles[c.gpu_type].add_release(now + stop.dur, c.gpus)
+            out.append(Decision(job_id=w.job.job_id, plan=c.plan, placement=placement, reason="stopgap"))
         return out
 
     def waits(self) -> dict[str, Wait]:

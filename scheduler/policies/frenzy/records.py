@@ -63,6 +63,8 @@ class Waiter(NamedTuple):
     start: float
     dur: float
     menu: Menu
+    pick: Pick                          # the plan it waits for
+    cands: list[Cand]                   # the menu it chose from (queue or idle)
 
 
 @dataclass(slots=True)
