@@ -424,10 +424,16 @@ the command that reproduces it. All numbers measured on the shared 2-core develo
 * Baselines: `fifo-user` (author's GPU type and count, FCFS, no backfill, OOM -> 2x GPUs),
   `gavel` (max-sum-throughput LP over time fractions per GPU type, HiGHS `linprog`, 360 s
   rounds, Gavel's priority = allocation / share received), `sia` (ILP over (type, count)
-  configurations, `milp`, 60 s rounds, p = -0.5 goodput utility, restart penalty),
-  `tiresias` (discretised 2D-LAS, preemptive, type-blind). After an OOM, gavel/sia/tiresias
-  drop plans at least as tight on that type (they "profile" what fits); frenzy-paper drops
-  the failed plan; frenzy keeps only roomier plans.
+  configurations, `milp`, 60 s rounds, p = -0.5 goodput utility, restart penalty; only
+  configurations that pass the shared memory gate, as Sia's profiling knows what fits:
+  `sia-noprofile` is the variant without), `tiresias` (discretised 2D-LAS, preemptive,
+  type-blind). After an OOM, gavel/sia/tiresias drop plans at least as tight on that type
+  (they "profile" what fits); frenzy-paper drops the failed plan; frenzy keeps only roomier
+  plans.
+* Sia-like blocks: `bench/mix-sia-like.yaml` (short small-model jobs from an 8-hour ITP window)
+  on `examples/clusters/sia-3type.yaml` (64 GPUs of 3 types, after Sia's simulator cluster).
+  `--world-round-s 60` simulates a round-based world (Sia's simulator): arrivals are seen and
+  GPUs freed only every 60 s.
 * Workloads: `frenzy workload` maps ITP trace jobs (arrival, duration, GPU count) to LLM jobs
   (model from a weighted mix by GPU-count class, seq_len, global batch; `train_tokens` so the
   job lasts the trace duration on its trace GPU count of A100-40GB); the author's request is
