@@ -27,6 +27,8 @@ def register(sub) -> None:
                    help="seconds every (re)start spends launching / restoring before training (default 60)")
     p.add_argument("--tick-s", type=float, default=300.0,
                    help="periodic tick of event-driven policies while jobs wait (default 300)")
+    p.add_argument("--world-round-s", type=float, default=None,
+                   help="a round-based world: arrivals seen and GPUs freed only every N s (Sia's simulator: 60)")
     p.add_argument("--plot", help="with --compare: write the JCT CDF and queue-length figure here (PNG)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (with --compare: a list, one object per policy)")
@@ -69,6 +71,8 @@ def handle_simulate(args) -> int:
         raise FrenzyInputError("noise", f"must be >= 0, got {args.noise}")
     if args.startup_s < 0 or args.tick_s <= 0:
         raise FrenzyInputError("startup-s/tick-s", "startup must be >= 0 and tick > 0")
+    if args.world_round_s is not None and args.world_round_s <= 0:
+        raise FrenzyInputError("world-round-s", f"must be > 0, got {args.world_round_s}")
     if args.plot and not args.compare:
         raise FrenzyInputError("plot", "needs --compare (one figure compares policies)")
     names = _policies(args)
@@ -81,7 +85,7 @@ def handle_simulate(args) -> int:
     results = []
     for name in names:
         cfg = SimConfig(seed=args.seed, noise=args.noise, startup_s=args.startup_s, tick_s=args.tick_s,
-                        progress=show)
+                        progress=show, world_round_s=args.world_round_s)
         results.append(simulate(jobs, sim_cluster, name, config=cfg, plan_book=book))
     if args.json:
         payload = [r.summary() for r in results]

@@ -27,6 +27,8 @@ class JobRequest:
     model: str = ""                      # preset name, for reports
     checkpoint_gb: float = 0.0           # model + optimizer states a restart saves and restores
                                          # (scheduler.restart.checkpoint_gb); 0 = unknown
+    preemptions: int = 0                 # times stopped and sent back to the queue (not re-sizes);
+                                         # whoever applies a round counts them (RoundResult.preempted)
 
 
 @dataclass(slots=True)

@@ -11,7 +11,9 @@ The mapping (``frenzy workload``), reproducible from (trace, mix file, seed):
 
 1. Read the trace (``job_id,submission_time,duration,num_gpu``); optionally cut a window
    ``[start_s, end_s)`` of submission times and keep the first ``max_jobs``; rebase arrivals so
-   the first job arrives at 0 and divide them by ``time_scale`` (> 1 = heavier load).
+   the first job arrives at 0 and divide them by ``time_scale`` (> 1 = heavier load). Optionally
+   cap GPU counts at ``max_gpus`` and scale durations by ``duration_scale`` (Sia-like workloads:
+   many short jobs of at most 16 GPUs).
 2. For trace job *i* draw, from ``random.Random(f"{seed}:{i}")`` (so a job's draw does not
    depend on the other jobs), a model from the weighted presets of the first mix class whose
    ``max_gpus`` >= the job's ``num_gpu``, a sequence length and a global batch from the weighted
@@ -176,6 +178,8 @@ class Mix:
     end_s: float | None = None
     max_jobs: int | None = None
     time_scale: float = 1.0
+    duration_scale: float = 1.0      # a job's work lasts duration x this (< 1: shorter jobs, e.g. Sia's)
+    max_gpus: int | None = None      # trace GPU counts above this are capped to it (Sia: 16)
 
     def class_for(self, num_gpu: int) -> MixClass:
         for c in self.classes:
@@ -235,12 +239,18 @@ def load_mix(path: str | Path, *, models: Iterable[str] | None = None,
     scale = float(raw.get("time_scale", 1.0))
     if scale <= 0:
         raise FrenzyInputError(f"{path}: time_scale", "must be > 0")
+    dscale = float(raw.get("duration_scale", 1.0))
+    if dscale <= 0:
+        raise FrenzyInputError(f"{path}: duration_scale", "must be > 0")
+    max_gpus = raw.get("max_gpus")
+    if max_gpus is not None and (not isinstance(max_gpus, int) or max_gpus <= 0):
+        raise FrenzyInputError(f"{path}: max_gpus", f"must be an integer > 0, got {max_gpus!r}")
     return Mix(reference_gpu=ref, classes=classes,
                seq_len=_weights(raw.get("seq_len"), f"{path}: seq_len", int),
                global_batch=_weights(raw.get("global_batch"), f"{path}: global_batch", int),
                gpus_per_node=int(raw.get("gpus_per_node", 8)),
                start_s=raw.get("start_s"), end_s=raw.get("end_s"),
-               max_jobs=raw.get("max_jobs"), time_scale=scale)
+               max_jobs=raw.get("max_jobs"), time_scale=scale, duration_scale=dscale, max_gpus=max_gpus)
 
 
 # ----------------------------------------------------------------------------- the trace
@@ -307,24 +317,25 @@ def map_trace(trace: list[TraceJob], mix: Mix, seed: int, *, ref_step: RefStepFn
     out: list[WorkloadJob] = []
     for i, tj in enumerate(jobs):
         rng = random.Random(f"{seed}:{i}")
-        cls = mix.class_for(tj.num_gpu)
+        num_gpu = min(tj.num_gpu, mix.max_gpus) if mix.max_gpus else tj.num_gpu
+        cls = mix.class_for(num_gpu)
         for _ in range(MAX_DRAWS):
             model = _draw(rng, cls.models)
             seq = _draw(rng, mix.seq_len)
             gb = _draw(rng, mix.global_batch)
-            step = ref_step(model, seq, gb, mix.reference_gpu, tj.num_gpu, mix.gpus_per_node)
+            step = ref_step(model, seq, gb, mix.reference_gpu, num_gpu, mix.gpus_per_node)
             if step:
                 break
         else:
             raise FrenzyInputError(
-                "mix", f"no model of the class max_gpus={cls.max_gpus} fits on {tj.num_gpu} x "
+                "mix", f"no model of the class max_gpus={cls.max_gpus} fits on {num_gpu} x "
                        f"{mix.reference_gpu} after {MAX_DRAWS} draws (trace job {tj.job_id}); "
                        "widen the class or the batch/sequence choices")
-        steps = max(1, round(tj.duration / step))
+        steps = max(1, round(tj.duration * mix.duration_scale / step))
         out.append(WorkloadJob(
             job_id=f"j{i:05d}", submit_s=round((tj.submission_time - t0) / mix.time_scale, 3),
             model=model, seq_len=seq, global_batch=gb, train_tokens=steps * gb * seq,
-            requested_gpu_type=mix.reference_gpu, requested_gpus=tj.num_gpu))
+            requested_gpu_type=mix.reference_gpu, requested_gpus=num_gpu))
         if progress:
             progress(i + 1)
     return out

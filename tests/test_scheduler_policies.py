@@ -192,14 +192,16 @@ def test_short_job_preempts_a_much_longer_one_sparingly():
     assert FrenzyPolicy().schedule([short], st2, NOW) == []
 
 
-def running(state, jid, decision, start, end):
-    """Put a job a policy started (``decision``) on the cluster as a running job."""
+def running(state, req, decision, start, end):
+    """Put a job a policy started (``decision``) on the cluster as a running job that carries
+    its request (as the simulator and the live scheduler hand runs to policies)."""
+    jid = req.job_id
     for nid, devs in decision.placement.items():
         for n in state.nodes:
             if n.node_id == nid:
                 n.free = [d for d in n.free if d not in devs]
     state.running.append(RunningJob(job_id=jid, plan=decision.plan, placement=dict(decision.placement),
-                                    start_s=start, expected_end_s=end))
+                                    start_s=start, expected_end_s=end, request=req))
 
 
 # 4 GPUs at full efficiency; 8 GPUs 43% faster but at 71% parallel efficiency: worth it only
@@ -238,20 +240,19 @@ def test_running_job_grows_onto_idle_gpus_only_when_nothing_waits_and_it_pays():
     pol = FrenzyPolicy()
     st = cluster(A100_ONLY)
     occupy(st, "a-0", [4, 5, 6, 7], plan("A100-80GB", 4, 20, 1.0), end=NOW + 600)
-    d = pol.schedule([job("j", ELASTIC, steps=100_000)], st, NOW)
+    j = job("j", ELASTIC, steps=100_000)
+    d = pol.schedule([j], st, NOW)
     assert [(x.job_id, x.plan.gpus) for x in d] == [("j", 4)]
     # the other run ended: j restarts on 8 GPUs (8.3 h -> 5.8 h left, restore included)
     st = cluster(A100_ONLY)
-    running(st, "j", d[0], NOW, NOW + 100_000 * 0.30)
+    running(st, j, d[0], NOW, NOW + 100_000 * 0.30)
     later = NOW + 600
     g = pol.schedule([], st, later)
     assert [(x.action, x.job_id) for x in g] == [("preempt", "j"), ("start", "j")]
     assert g[1].plan.gpus == 8 and sum(map(len, g[1].placement.values())) == 8
 
-    def knows_j(**kw):                                 # a policy that started j itself
-        p = FrenzyPolicy(preemption=False, **kw)
-        p.schedule([job("j", ELASTIC, steps=100_000)], cluster(A100_ONLY), NOW)
-        return p
+    def knows_j(**kw):            # a fresh policy: the run's request says all it needs
+        return FrenzyPolicy(preemption=False, **kw)
 
     # not while a job waits (one that needs the whole node), nor with grow=False, nor for a run
     # almost done
@@ -274,7 +275,7 @@ def test_growth_weighs_the_checkpoint_save_and_restore_of_the_job():
         j.checkpoint_gb = ckpt_gb
         d = pol.schedule([j], st, NOW)
         st = cluster(A100_ONLY)
-        running(st, "j", d[0], NOW, NOW + 100_000 * 0.30)
+        running(st, j, d[0], NOW, NOW + 100_000 * 0.30)
         assert bool(pol.schedule([], st, NOW + 600)) == grows
 
 
@@ -292,10 +293,11 @@ def test_growth_goes_below_the_idle_efficiency_floor_only_onto_idle_gpus():
     plans = [plan("A100-80GB", 2, 20, 0.30), plan("A100-80GB", 8, 20, 0.15)]
     for floor, grows in ((0.4, True), (0.6, False)):
         pol = FrenzyPolicy(grow_min_efficiency=floor, grow_long_min_efficiency=floor)
-        d = pol.schedule([job("j", plans, steps=100_000)], cluster(A100_ONLY), NOW)
+        j = job("j", plans, steps=100_000)
+        d = pol.schedule([j], cluster(A100_ONLY), NOW)
         assert [(x.job_id, x.plan.gpus) for x in d] == [("j", 2)]
         st = cluster(A100_ONLY)
-        running(st, "j", d[0], NOW, NOW + 100_000 * 0.30)
+        running(st, j, d[0], NOW, NOW + 100_000 * 0.30)
         g = pol.schedule([], st, NOW + 600)
         assert [(x.action, x.plan and x.plan.gpus) for x in g] == ([("preempt", None), ("start", 8)] if grows else [])
 
@@ -306,10 +308,11 @@ def test_only_runs_with_30_min_or_more_left_grow_below_40_percent_efficiency():
     plans = [plan("A100-80GB", 2, 20, 0.40), plan("A100-80GB", 8, 20, 0.30)]
     for steps, grows in ((100_000, True), (5_250, False)):     # 11 h / 25 min left at the round
         pol = FrenzyPolicy()
-        d = pol.schedule([job("j", plans, steps=steps)], cluster(A100_ONLY), NOW)
+        j = job("j", plans, steps=steps)
+        d = pol.schedule([j], cluster(A100_ONLY), NOW)
         assert [(x.job_id, x.plan.gpus) for x in d] == [("j", 2)]
         st = cluster(A100_ONLY)
-        running(st, "j", d[0], NOW, NOW + steps * 0.40)
+        running(st, j, d[0], NOW, NOW + steps * 0.40)
         g = pol.schedule([], st, NOW + 600)
         assert [(x.action, x.plan and x.plan.gpus) for x in g] == ([("preempt", None), ("start", 8)] if grows else [])
 
@@ -318,10 +321,11 @@ def test_a_waiter_recalls_gpus_lent_to_a_run_beyond_its_efficient_plan():
     # big started alone on the whole node at 71% efficiency: 4 of its 8 GPUs are lent
     def setup(left_s, **kw):
         pol = FrenzyPolicy(shrink=False, preempt_ratio=1e9, **kw)   # only the recall may act
-        d = pol.schedule([job("big", ELASTIC, steps=200_000)], cluster(A100_ONLY), NOW - 3600)
+        big = job("big", ELASTIC, steps=200_000)
+        d = pol.schedule([big], cluster(A100_ONLY), NOW - 3600)
         assert d[0].plan.gpus == 8
         st = cluster(A100_ONLY)
-        running(st, "big", d[0], NOW - 3600, NOW + left_s)
+        running(st, big, d[0], NOW - 3600, NOW + left_s)
         return pol, st
 
     short = job("short", [plan("A100-80GB", 4, 20, 1.0)], steps=1800)   # 30 min, would wait 10 h
@@ -348,7 +352,7 @@ def test_a_job_started_by_preemption_can_grow_later():
     d = pol.schedule([short], st, NOW)
     assert [(x.action, x.job_id) for x in d][-1] == ("start", "short") and d[-1].plan.gpus == 4
     st = cluster(A100_ONLY)                           # the preempted job was sent elsewhere
-    running(st, "short", d[-1], NOW, NOW + 1800 + 60)
+    running(st, short, d[-1], NOW, NOW + 1800 + 60)
     g = pol.schedule([], st, NOW + 60)
     assert [(x.action, x.job_id) for x in g] == [("preempt", "short"), ("start", "short")]
     assert g[1].plan.gpus == 8
@@ -360,7 +364,7 @@ def test_wide_run_shrinks_for_a_waiting_job_when_the_waiter_gains_more():
     d = pol.schedule([big], cluster(A100_ONLY), NOW - 3600)
     assert d[0].plan.gpus == 8
     st = cluster(A100_ONLY)
-    running(st, "big", d[0], NOW - 3600, NOW + 10 * 3600)
+    running(st, big, d[0], NOW - 3600, NOW + 10 * 3600)
     short = job("short", [plan("A100-80GB", 4, 20, 1.0)], steps=1800)   # 30 min, would wait 10 h
     s = pol.schedule([short], st, NOW)
     assert [(x.action, x.job_id) for x in s] == [("preempt", "big"), ("start", "big"), ("start", "short")]
@@ -380,3 +384,125 @@ def test_importing_the_registry_does_not_load_scipy():
     repo = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# --- the configuration and each step alone -------------------------------------------------
+OLD_KEYWORDS = """safety_margin_gib mem_headroom aging_s tolerance max_reservations lookahead min_efficiency
+preemption preempt_min_wait_s preempt_ratio preempt_grace_s max_preemptions_per_job preempt_heads idle_factor
+idle_min_efficiency idle_share grow grow_min_gain grow_min_s grow_min_efficiency grow_long_s
+grow_long_min_efficiency recall recall_min_wait_s recall_min_left_s max_grows_per_job grow_max_per_round
+restart_s ckpt_gbs shrink shrink_min_wait_s shrink_grace_s shrink_gain""".split()
+
+
+def test_config_groups_take_every_former_keyword_as_a_flat_override():
+    from scheduler.policies.frenzy import FrenzyConfig
+    from scheduler.policies.frenzy.config import FLAT
+    assert len(OLD_KEYWORDS) == 33 and set(OLD_KEYWORDS) <= set(FLAT)
+    cfg = FrenzyConfig().with_overrides(grow=False, aging_s=600, recall_min_left_s=0, max_grows_per_job=3)
+    assert (cfg.growth.enabled, cfg.order.aging_s, cfg.recall.min_left_s, cfg.growth.max_resizes_per_job) == (
+        False, 600, 0, 3)
+    assert FrenzyConfig().growth.enabled and FrenzyConfig().recall.min_left_s == 900
+    assert get_policy("frenzy", shrink=False, preempt_ratio=9).config.preempt.ratio == 9
+    with pytest.raises(FrenzyInputError, match="bogus"):
+        FrenzyConfig().with_overrides(bogus=1)
+
+
+def test_memory_gate_alone_safe_plans_else_the_roomiest_that_fit():
+    from scheduler.policies.frenzy.config import MemoryGate
+    from scheduler.policies.frenzy.gate import memory_gate
+    mem = {"A100-80GB": 80.0}.get
+    safe, tight, over = plan("A100-80GB", 1, 50, 1), plan("A100-80GB", 2, 75, 1), plan("A100-80GB", 4, 81, 1)
+    assert memory_gate([safe, tight, over], mem, MemoryGate()) == [safe]
+    assert memory_gate([tight, over], mem, MemoryGate()) == [tight]          # no safe plan: fallback
+    assert memory_gate([over], mem, MemoryGate()) == []
+
+
+def test_order_alone_shortest_work_first_and_aging():
+    from scheduler.policies.frenzy import FrenzyPolicy
+    from scheduler.policies.frenzy.choose import order_queue
+    from scheduler.policies.frenzy.config import Ordering
+    pol = FrenzyPolicy()
+    st = cluster(A100_ONLY)
+    pol.schedule([], st, NOW)                                  # learns the cluster's memory
+    p = [plan("A100-80GB", 1, 20, 1.0)]
+    old, new = job("old", p, steps=10_000, submit=NOW - 7200), job("new", p, steps=2_000)
+    pairs = [(j, pol.menu(j.plans)) for j in (old, new)]
+    assert [q.job_id for q in order_queue(pairs, NOW, Ordering())] == ["new", "old"]
+    assert [q.job_id for q in order_queue(pairs, NOW, Ordering(aging_s=600))] == ["old", "new"]
+
+
+def test_choose_alone_waits_for_a_faster_type_only_when_it_finishes_sooner():
+    from scheduler.policies.frenzy.choose import choose
+    from scheduler.policies.frenzy.config import Choice
+    from scheduler.policies.frenzy.profile import Profile
+    from scheduler.policies.frenzy.records import Cand
+    fast, slow = plan("A100-80GB", 8, 20, 1.0), plan("RTX3090-24GB", 8, 20, 2.0)
+    menu = [Cand(1.0, 8, "A100-80GB", fast), Cand(2.0, 8, "RTX3090-24GB", slow)]
+    a, r = Profile(), Profile()
+    a.total, r.total = 8, 8
+    a.add_release(NOW + 600, 8)                                # the A100s free in 10 min
+    free = {"A100-80GB": 0, "RTX3090-24GB": 8}
+    assert choose(menu, 1000, {"A100-80GB": a, "RTX3090-24GB": r}, free, NOW, Choice()).cand.plan is fast
+    assert choose(menu, 300, {"A100-80GB": a, "RTX3090-24GB": r}, free, NOW, Choice()).cand.plan is slow
+
+
+def test_stopgap_rule_alone_weighs_the_wait_against_the_later_move():
+    from scheduler.policies.frenzy.records import Cand, Pick
+    from scheduler.policies.frenzy.choose import stopgap_pays
+    c = Cand(1.0, 8, "A100-80GB", plan("A100-80GB", 8, 20, 1.0))
+    later = Pick(c, NOW + 1800, 3600.0)                        # 30 min wait, 1 h on the fast type
+    assert stopgap_pays(later, Pick(c, NOW, 9000.0), 100.0, NOW)        # 1800 x 3600 > 100 x 9000
+    soon = Pick(c, NOW + 120, 3600.0)
+    assert not stopgap_pays(soon, Pick(c, NOW, 9000.0), 100.0, NOW)     # 120 x 3600 < 100 x 9000
+    assert stopgap_pays(soon, Pick(c, NOW, 3700.0), 100.0, NOW)         # no slower than waiting
+
+
+# --- no idle GPUs while a job that could use them waits ------------------------------------
+def test_a_job_starts_now_on_a_slower_type_unless_its_plan_is_due_very_soon():
+    fast, slow = plan("A100-80GB", 8, 15, 1.0), plan("RTX3090-24GB", 8, 15, 2.5)
+    for busy_for, stopgap, want in ((1800, True, "RTX3090-24GB"), (1800, False, None), (60, True, None)):
+        st = cluster(MIXED)
+        occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + busy_for)
+        d = FrenzyPolicy(stopgap=stopgap).schedule([job("j", [fast, slow], steps=3600)], st, NOW)
+        assert [x.plan.gpu_type for x in d] == ([want] if want else []), (busy_for, stopgap)
+
+
+def test_a_stopgap_run_moves_up_when_its_plan_frees_while_others_wait():
+    fast, slow = plan("A100-80GB", 8, 15, 1.0), plan("RTX3090-24GB", 8, 15, 2.5)
+    j = job("j", [fast, slow], steps=36_000)
+    wide = job("w", [plan("RTX3090-24GB", 16, 15, 1.0)], steps=36_000)   # waits for all 16 RTX GPUs
+    for kw, moves in (({"grow_while_waiting": True}, True), ({"stopgap_move_up": True}, True), ({}, False)):
+        st = cluster(MIXED)
+        occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 1800)
+        start = next(d for d in FrenzyPolicy(stopgap=True).schedule([j], st, NOW) if d.job_id == "j")
+        assert start.plan is slow                             # the stopgap
+        st = cluster(MIXED)                                   # the A100s are free again
+        running(st, j, start, NOW, NOW + 36_000 * 2.5)
+        d = FrenzyPolicy(**kw).schedule([wide], st, NOW + 600)
+        got = [(x.action, x.job_id, x.plan and x.plan.gpu_type) for x in d]
+        # moving up inside the queue pass also frees j's RTX cards for w in the same round
+        assert got[:2] == ([("preempt", "j", None), ("start", "j", "A100-80GB")] if moves else []), got
+        assert got[2:] == ([("start", "w", "RTX3090-24GB")] if "stopgap_move_up" in kw else []), got
+
+
+def test_waits_say_why_each_job_waits():
+    from scheduler.round import run_round
+    st = cluster(MIXED)
+    occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 1800)
+    big = job("big", [plan("A100-80GB", 8, 60.0, 1.0)])             # only fits the A100s
+    huge = job("huge", [plan("A100-80GB", 8, 200.0, 1.0)])          # fits nothing here
+    res = run_round(FrenzyPolicy(), [big, huge], st, NOW)
+    w = res.waits
+    assert w["big"].gpu_type == "A100-80GB" and w["big"].gpus == 8
+    assert w["big"].predicted_start_s == pytest.approx(NOW + 1800)
+    assert w["big"].reason == "reserved for 8xA100-80GB at +30 min"
+    assert w["huge"].predicted_start_s == float("inf") and "no plan fits" in w["huge"].reason
+    # a short job that could start on the RTX cards now but would run into big's reservation
+    st = cluster(MIXED)
+    occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 1800)
+    occupy(st, "rtx-0", list(range(8)), plan("RTX3090-24GB", 8, 10, 1), end=NOW + 600)
+    occupy(st, "rtx-1", list(range(4)), plan("RTX3090-24GB", 4, 10, 1), end=NOW + 600)
+    wide = job("wide", [plan("RTX3090-24GB", 16, 10.0, 1.0)], steps=10)        # reserved at +10 min
+    long4 = job("long4", [plan("RTX3090-24GB", 4, 10.0, 1.0)], steps=100_000)  # 4 free, runs past it
+    res = run_round(FrenzyPolicy(), [wide, long4], st, NOW)
+    assert "would delay a reservation" in res.waits["long4"].reason

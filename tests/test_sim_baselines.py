@@ -141,3 +141,24 @@ def test_sia_does_not_swap_two_jobs_that_want_the_same_only_node():
     assert res.completed == 2 and res.preemptions == 0
     by = {r["job_id"]: r for r in res.per_job}
     assert by["b"]["first_start_s"] == pytest.approx(by["a"]["end_s"], abs=60.0)
+
+
+def test_faithful_sia_never_runs_a_configuration_the_estimator_says_does_not_fit():
+    from scheduler.policies.sia import SiaNoProfile
+    clu = cluster({A100: (1, 4)})
+    cap = clu.gpus[A100].memory_gib
+    tight = plan(A100, 2, 0.4, cap * 1.1)       # fastest, but predicted not to fit
+    roomy = plan(A100, 1, 1.0, 10)
+    for pol, ooms in ((Sia(), 0), (SiaNoProfile(), 1)):
+        sim = Simulator([job("a", 0, 100)], clu, pol, SimConfig(noise=0.0, startup_s=10.0),
+                        Book([tight, roomy]), TableSteps())
+        res = sim.run()
+        assert (res.completed, res.oom_events) == (1, ooms), pol.name
+
+
+def test_sia_profiling_delays_a_new_jobs_first_round():
+    clu = cluster({A100: (1, 4)})
+    for profile_s, first in ((0.0, 0.0), (300.0, 300.0)):
+        sim = Simulator([job("a", 0, 100)], clu, Sia(profile_s=profile_s), SimConfig(noise=0.0, startup_s=10.0),
+                        Book([plan(A100, 1, 1.0, 10)]), TableSteps())
+        assert sim.run().per_job[0]["first_start_s"] == pytest.approx(first)

@@ -218,3 +218,16 @@ def test_a_policy_that_grows_runs_gets_ticks_while_gpus_sit_idle():
         run([job("a", 0.0, 1000)], cluster({A100: (1, 8)}), pol, [plan(A100, 1, 1.0, 10)],
             startup_s=0.0, tick_s=300.0)
         assert pol.rounds == want
+
+
+def test_a_round_based_world_sees_arrivals_and_frees_gpus_only_at_round_boundaries():
+    # one GPU; a runs 100 s, b 50 s. Event world: a 10-110, b 110-160. Round world (60 s): a is
+    # seen at 60 and ends its last step at 160 (its JCT), but frees the GPU only at 180
+    jobs = [job("a", 10.0, 100), job("b", 20.0, 50)]
+    for world, a_start, b_start in ((None, 10.0, 110.0), (60.0, 60.0, 180.0)):
+        _, res = run(jobs, cluster({A100: (1, 1)}), FifoUser(), [plan(A100, 1, 1.0, 10)], startup_s=0.0,
+                     world_round_s=world)
+        by = {r["job_id"]: r for r in res.per_job}
+        assert by["a"]["first_start_s"] == pytest.approx(a_start)
+        assert by["a"]["end_s"] == pytest.approx(a_start + 100)
+        assert by["b"]["first_start_s"] == pytest.approx(b_start)

@@ -111,3 +111,8 @@ def test_unknown_policy_and_bad_noise_exit_2(workload, capsys):
     assert main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--policy", "magic"]) == 2
     assert "unknown policy 'magic'" in capsys.readouterr().err
     assert main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--noise", "-1"]) == 2
+
+
+def test_bad_world_round_exits_2_before_anything_runs(workload, capsys):
+    assert main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--world-round-s", "0"]) == 2
+    assert "world-round-s: must be > 0" in capsys.readouterr().err

@@ -134,3 +134,20 @@ def test_example_mix_loads():
     mix = load_mix("examples/workload-mix.yaml")
     assert mix.reference_gpu == "A100-40GB" and mix.class_for(64).max_gpus == 64
     assert mix.class_for(3).max_gpus == 8
+
+
+def test_sia_like_mapping_caps_gpu_counts_and_shortens_durations(tmp_path):
+    trace = read_trace(_trace(tmp_path))
+    short = Mix(reference_gpu="A100-40GB", classes=[MixClass(64, {"gpt2": 1})], seq_len={1024: 1},
+                global_batch={32: 1}, max_gpus=16, duration_scale=0.1)
+    w = map_trace(trace, short, seed=0, ref_step=fake_step)
+    assert [j.requested_gpus for j in w] == [1, 8, 2, 16]            # 32 capped at 16
+    for j, t in zip(w, trace):
+        step = fake_step(j.model, j.seq_len, j.global_batch, "A100-40GB", j.requested_gpus, 8)
+        assert j.steps * step == pytest.approx(0.1 * t.duration, rel=0.01, abs=step)
+    p = tmp_path / "mix.yaml"
+    p.write_text("reference_gpu: A100-40GB\nclasses: [{max_gpus: 8, models: {gpt2: 1}}]\n"
+                 "seq_len: {1024: 1}\nglobal_batch: {32: 1}\nduration_scale: 0\n")
+    with pytest.raises(FrenzyInputError, match="duration_scale"):
+        load_mix(p)
+    assert load_mix("bench/mix-sia-like.yaml").max_gpus == 16

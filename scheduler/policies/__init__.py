@@ -14,7 +14,7 @@ from .fifo_user import FifoUser
 from .frenzy import FrenzyPolicy
 from .frenzy_paper import FrenzyPaperPolicy
 from .gavel import Gavel
-from .sia import Sia
+from .sia import Sia, SiaNoProfile
 from .tiresias import Tiresias
 
 POLICIES: dict[str, Callable[..., Policy]] = {
@@ -23,6 +23,7 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "fifo-user": FifoUser,
     "gavel": Gavel,
     "sia": Sia,
+    "sia-noprofile": SiaNoProfile,
     "tiresias": Tiresias,
 }
 

@@ -13,13 +13,24 @@ configuration earns ``RESTART_PENALTY`` (Sia's lambda_a, scaled to these units: 
 including losing the GPUs, gives it up, so ties never make jobs swap places every round);
 in the simulator the change also costs a checkpoint-restore delay (the start-up delay).
 Capacity: ``sum count x <= GPUs`` per type. Jobs keeping their configuration keep their GPUs.
+
+Feasibility. Real Sia profiles every new job (a few batch sizes on one GPU of each type) before
+it schedules it, so it never runs a configuration that does not fit in memory. ``sia`` knows the
+same from the estimator: its configurations are the plans that pass the memory gate every
+policy here shares (``frenzy.gate.memory_gate``: predicted use x 1.35 + 0.5 GiB fits), and
+``profile_s`` (default 0) delays a new job's first round as profiling would. ``sia-noprofile``
+is the earlier baseline: every plan the estimator enumerates, tight ones included, learning
+what does not fit only from out-of-memory crashes (150-230 per bench workload).
 """
 from __future__ import annotations
 
 from estimator.plan import Plan
+from scheduler.placement import gpu_memory_gib
 from scheduler.types import ClusterState, Decision, JobRequest, Policy
 
 from .baseline_common import forget_plans_like, gpu_types, realise
+from .frenzy.config import MemoryGate
+from .frenzy.gate import memory_gate
 
 ROUND_S = 60.0
 P_NORM = -0.5
@@ -46,8 +57,14 @@ class Sia(Policy):
     restarts_runs = True
     round_s = ROUND_S
 
-    def __init__(self, round_s: float = ROUND_S) -> None:
+    def __init__(self, round_s: float = ROUND_S, *, profiled: bool = True, profile_s: float = 0.0,
+                 memory: MemoryGate | None = None) -> None:
         self.round_s = round_s
+        self.profiled = profiled          # configurations limited to what fits (profiling)
+        self.profile_s = profile_s        # a new job's profiling delay before its first round
+        self.memory = memory or MemoryGate()
+        self._fits: dict[int, tuple[list[Plan], int, list[Plan]]] = {}   # id(plans) -> plans that fit
+        self._mem_state: ClusterState | None = None
         self._reqs: dict[str, JobRequest] = {}
         # The ILP's inputs are the jobs, their plans, their current configurations and the
         # capacities; when none changed since the last solve its answer cannot change either.
@@ -56,11 +73,22 @@ class Sia(Policy):
         self.solves = 0
         self.round_was_cached = False   # the simulator leaves such rounds out of sched_ms
 
-    @staticmethod
-    def configs(job: JobRequest, counts: dict[str, set[int]]) -> list[Plan]:
+    def feasible(self, job: JobRequest) -> list[Plan]:
+        """The job's plans that fit in memory, as profiling shows (cached per plan list)."""
+        if not self.profiled:
+            return job.plans
+        hit = self._fits.get(id(job.plans))
+        if hit is not None and hit[0] is job.plans and hit[1] == len(job.plans):
+            return hit[2]
+        state = self._mem_state
+        fits = memory_gate(job.plans, lambda t: gpu_memory_gib(state, t), self.memory)
+        self._fits[id(job.plans)] = (job.plans, len(job.plans), fits)
+        return fits
+
+    def configs(self, job: JobRequest, counts: dict[str, set[int]]) -> list[Plan]:
         """The job's fastest plan per Sia configuration (type, count) it can run in."""
         best: dict[tuple[str, int], Plan] = {}
-        for p in job.plans:
+        for p in self.feasible(job):
             if p.gpus not in counts.get(p.gpu_type, ()):
                 continue
             key = (p.gpu_type, p.gpus)
@@ -76,7 +104,7 @@ class Sia(Policy):
         for n in state.nodes:
             capacity[n.gpu_type] += n.gpus
             per_node[n.gpu_type] = max(per_node[n.gpu_type], n.gpus)
-        key = (tuple((j.job_id, id(j.plans), current.get(j.job_id)) for j in jobs),
+        key = (tuple((j.job_id, id(j.plans), len(j.plans), current.get(j.job_id)) for j in jobs),
                tuple(sorted(capacity.items())))
         self.round_was_cached = key == self._last_key
         if self.round_was_cached:
@@ -128,8 +156,17 @@ class Sia(Policy):
 
     def schedule(self, pending: list[JobRequest], state: ClusterState, now: float) -> list[Decision]:
         running = {r.job_id: r for r in state.running}
+        if self._mem_state is None or self._mem_state.gpu_memory_gib != (state.gpu_memory_gib or {}):
+            self._mem_state = ClusterState(nodes=[], gpu_memory_gib=dict(state.gpu_memory_gib or {}))
+            self._fits.clear()
+        if len(self._fits) > 2 * (len(pending) + len(running)) + 256:
+            self._fits.clear()
         self._reqs = {jid: req for jid, req in self._reqs.items() if jid in running}
-        jobs = [self._reqs[jid] for jid in running if jid in self._reqs] + list(pending)
+        for r in state.running:               # runs carry their request (live: other instances' runs)
+            if r.job_id not in self._reqs and r.request is not None:
+                self._reqs[r.job_id] = r.request
+        profiled = [j for j in pending if now >= j.submit_s + self.profile_s]
+        jobs = [self._reqs[jid] for jid in running if jid in self._reqs] + profiled
         if not jobs:
             self.round_was_cached = True
             return []
@@ -144,3 +181,12 @@ class Sia(Policy):
 
     def on_oom(self, job: JobRequest, plan: Plan) -> JobRequest:
         return forget_plans_like(job, plan)
+
+
+class SiaNoProfile(Sia):
+    """``sia`` without profiling: runs any plan the estimator enumerates, learns from OOMs."""
+
+    name = "sia-noprofile"
+
+    def __init__(self, round_s: float = ROUND_S) -> None:
+        super().__init__(round_s, profiled=False)

@@ -16,6 +16,10 @@ progress to restore pays the save and the restore of the training state
 step time: the throughput model's step time for the placement it got (nodes spanned, slowest
 inter-node link among the pools it touches) times the job's noise factor (``truth.py``).
 
+``SimConfig.world_round_s`` makes the world round-based, as Sia's simulator is (60 s): arrivals
+are seen and finished runs free their GPUs only at round boundaries (a job's JCT still ends at
+its last step).
+
 Decisions are applied preempt-first; a decision that names GPUs that are not free, a node of
 another GPU type, or the wrong number of GPUs is a policy bug and raises ``ValueError``.
 """
@@ -49,6 +53,12 @@ class SimConfig:
     max_restarts: int = 8
     progress: bool = False
     idle_rounds_limit: int = 3   # stop when nothing runs, nothing arrives and rounds place nothing
+    idle_s: float = 3600.0       # ... for this long too (a policy may hold jobs on purpose: sia's
+                                 # profiling delay)
+    # a round-based world (Sia's simulator: 60 s): arrivals are seen and finished runs free their
+    # GPUs only at multiples of this; a job's JCT still ends when its last step does. None: events
+    # happen when they happen
+    world_round_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -159,9 +169,14 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self.heap, (t, kind, self._seq, ji, token))
 
+    def _world(self, t: float) -> float:
+        """When the world lets an event at ``t`` be seen: the next round boundary, or ``t``."""
+        r = self.cfg.world_round_s
+        return t if not r else math.ceil(t / r - 1e-9) * r
+
     def run(self) -> SimResult:
         for i, sj in enumerate(self.jobs):
-            self._push(sj.wl.submit_s, _ARRIVE, i)
+            self._push(self._world(sj.wl.submit_s), _ARRIVE, i)
         policy = self.policy
         round_based = policy.round_s is not None
         tick_s = self.cfg.tick_s
@@ -169,6 +184,7 @@ class Simulator:
         tick_queued = False
         arrivals_left = len(self.jobs)
         idle_rounds = 0
+        last_progress = 0.0
         bar = _progress(self.cfg.progress, len(self.jobs), self.policy.name)
         wall0 = time.perf_counter()
         try:
@@ -211,9 +227,11 @@ class Simulator:
                 if bar is not None:
                     bar.update(self._finished)
                 # nothing can ever change again: nothing runs, nothing arrives, rounds place nothing
+                if changed or started:
+                    last_progress = t
                 if not self.running and arrivals_left == 0 and self.pending:
                     idle_rounds = 0 if started else idle_rounds + (1 if (round_due or changed) else 0)
-                    if idle_rounds >= self.cfg.idle_rounds_limit:
+                    if idle_rounds >= self.cfg.idle_rounds_limit and t - last_progress >= self.cfg.idle_s:
                         break
         finally:
             if bar is not None:
@@ -249,7 +267,7 @@ class Simulator:
         sj.steps_done = sj.steps_total
         sj.req.steps_left = 0
         sj.state = "done"
-        sj.end_s = t
+        sj.end_s = min(t, run.end_s)          # the last step (a round-based world frees GPUs later)
         self._finished += 1
 
     def _release(self, sj: SimJob, t: float) -> None:
@@ -309,7 +327,7 @@ class Simulator:
         self.running[wl.job_id] = RunningJob(job_id=wl.job_id, plan=plan, placement=sj.run.placement,
                                              start_s=t, expected_end_s=ready + steps_left * predicted,
                                              request=sj.req, resizes=sj.resizes)
-        self._push(end, _END, self._index[wl.job_id], self._token)
+        self._push(self._world(end), _END, self._index[wl.job_id], self._token)
 
     def _wants_round(self) -> bool:
         return wants_tick(self.policy, pending=len(self.pending), running=len(self.running),
@@ -329,6 +347,8 @@ class Simulator:
         self.rounds += 1
         for d in result.stops:
             self._preempt(d, t)
+            if d.job_id not in result.resizes:
+                self.by_id[d.job_id].req.preemptions += 1
         for d in result.starts:
             if d.job_id in result.resizes:
                 self.by_id[d.job_id].resizes += 1

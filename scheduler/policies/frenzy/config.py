@@ -1,0 +1,181 @@
+"""``frenzy``'s configuration: one documented dataclass per concern (torchtitan style).
+
+    from scheduler.policies.frenzy import FrenzyConfig, FrenzyPolicy
+    cfg = FrenzyConfig()                                  # the defaults every benchmark uses
+    cfg = FrenzyConfig().with_overrides(grow=False, aging_s=600)   # flat names, as get_policy takes
+    FrenzyPolicy(cfg)
+
+Every constant carries its physical or measured reason beside it (docs/benchmarks.md has the
+ablations). The flat names (``FLAT``) are the keyword arguments ``FrenzyPolicy`` took before
+it was a package; ``get_policy("frenzy", **flat)`` keeps accepting them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from estimator.errors import FrenzyInputError
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryGate:
+    """Which plans a job may run: step 1 (``gate.memory_gate``)."""
+
+    safety_margin_gib: float = 0.5   # CUDA context jitter, allocator slack beyond the prediction
+    headroom: float = 0.35           # predicted x 1.35 must fit: covers a +3 sigma estimator error at
+                                     # 10% lognormal error; Fujii et al. 2024 saw no OOM below 80% use
+    fallback_slack: float = 0.05     # without safe plans: those within 5% of the job's roomiest one
+
+
+@dataclass(frozen=True, slots=True)
+class Ordering:
+    """Queue order: step 2 (``order.order_queue``)."""
+
+    aging_s: float = 4 * 3600.0      # a job waiting this long has its work key halved
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Plan choice: step 3 (``choose.choose``), including the lightly loaded cluster."""
+
+    tolerance: float = 0.10          # plans within 10% of the earliest completion count as equally fast
+    min_efficiency: float = 0.9      # a bigger GPU count must keep >= 90% parallel efficiency vs the
+                                     # fewest GPUs of that type (wasting more never pays in a queue)
+    simpler_within: float = 0.01     # per GPU count, a simpler plan within 1% of the fastest is preferred
+                                     # (a 0.2% predicted edge is noise in the throughput model)
+    idle_factor: float = 2.0         # waiting jobs' fewest GPUs x this <= free GPUs: "lightly loaded"
+    idle_min_efficiency: float = 0.7  # ... then jobs take their fastest plan down to 70% efficiency
+    idle_share: float = 0.5          # ... on at most one node or this share of a type's free GPUs
+                                     # beyond their 90% plan (a burst's next arrivals still find some)
+
+
+@dataclass(frozen=True, slots=True)
+class Stopgap:
+    """Work-conserving starts and moves (step 3b, ``choose.start_now``): measured, OFF by default.
+
+    ``enabled``: after the queue pass, a waiter starts now on the fastest plan that fits the GPUs
+    left free (delaying no reservation), unless its own plan is due very soon: moving onto it
+    once its GPUs free costs a restart ``C``, which the head start repays when the wait ``w``
+    exceeds ``C x d_now / d_later``. Off: on the small cluster (itp01, seeds 0-1) it took frenzy
+    from -23% / -18% to +5% / +65% against Sia (the stopgaps hold slow GPUs the next arrivals
+    needed), and it only halves the round-based-world loss on the Sia-like cluster07 window
+    (+28% -> +15%; docs/benchmarks.md, ablation)."""
+
+    enabled: bool = False
+    move_up: bool = False             # a run on a plan slower than its fastest queue plan competes in
+                                     # the queue pass, in SRPT order, for a faster plan that starts
+                                     # now (its remaining time, restart included, must drop by the
+                                     # growth gain): Sia's re-allocation, without its churn
+
+
+@dataclass(frozen=True, slots=True)
+class Backfill:
+    """Reservations and the availability profile: steps 4-5 (``profile.Profile``)."""
+
+    max_reservations: int = 8        # head-of-line jobs that hold a reservation per round
+    lookahead: int = 128             # jobs whose waiting choice is tracked (as queued load per type);
+                                     # deeper jobs are only tried for an immediate start
+    overdue_min_s: float = 300.0     # a run past its predicted end is expected to need at least
+    overdue_fraction: float = 0.2    # max(5 min, 20% of its predicted run time) more
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """Whole-run preemption for a head-of-queue job: step 6 (``preempt.preempt_for``)."""
+
+    enabled: bool = True
+    min_wait_s: float = 300.0        # only for a head job that would otherwise wait > 5 min
+    ratio: float = 4.0               # ... for GPUs held by runs with > 4x its (duration + 5 min) left
+    grace_s: float = 300.0           # never a run in its first 5 min (restart costs, thrashing)
+    max_per_job: int = 2             # (JobRequest.preemptions)
+    heads: int = 4                   # jobs at the head of the queue that may preempt, per round
+
+
+@dataclass(frozen=True, slots=True)
+class Shrink:
+    """Shrinking one run for a head-of-queue job: step 6 (``preempt.shrink_for``)."""
+
+    enabled: bool = True
+    min_wait_s: float = 300.0        # for a head job that would wait > 5 min ...
+    grace_s: float = 300.0           # ... never a run in its first 5 min ...
+    gain: float = 1.5                # ... and only when the waiter gains 1.5x what the run loses
+
+
+@dataclass(frozen=True, slots=True)
+class Growth:
+    """Re-sizing runs onto idle GPUs: step 7 (``grow.grow_runs``)."""
+
+    enabled: bool = True
+    min_gain: float = 0.1            # restart a run on a faster plan only if its remaining time drops
+    min_s: float = 120.0             # by >= 10% and >= 2 min
+    min_efficiency: float = 0.4      # onto plans down to 40% parallel efficiency: idle GPUs are free,
+                                     # and a run that grew wide shrinks back for waiters (recall)
+    long_s: float = 1800.0           # runs with >= 30 min left down to 25%: their restarts (growing,
+    long_min_efficiency: float = 0.25  # recalled, growing back) are small against what width saves
+    max_resizes_per_job: int = 16    # growths and shrinks together (RunningJob.resizes); each must pay
+                                     # for its restart, this only stops pathologies
+    max_per_round: int = 8
+    while_waiting: bool = False      # (measured, off: see Stopgap) while jobs wait, a run may still move to a faster plan of its
+                                     # queue menu (>= 90% efficiency) on GPUs free after the round,
+                                     # delaying no reservation (a stopgap start moving up)
+
+
+@dataclass(frozen=True, slots=True)
+class Recall:
+    """Waiters taking back GPUs lent to runs beyond their 90% plan: step 8 (``recall.recall``)."""
+
+    enabled: bool = True
+    min_wait_s: float = 60.0         # a waiter recalls only when it would wait > 1 min ...
+    min_left_s: float = 900.0        # ... from runs with >= 15 min left (others free theirs soon)
+
+
+@dataclass(frozen=True, slots=True)
+class RestartCost:
+    """What the policy predicts a checkpoint restart costs (``scheduler.restart``, the formula the
+    simulator charges)."""
+
+    launch_s: float = 60.0           # launch + model build of a (re)start
+    ckpt_gbs: float = 2.0            # checkpoint write / read bandwidth per node spanned (GB/s)
+
+
+@dataclass(frozen=True, slots=True)
+class FrenzyConfig:
+    memory: MemoryGate = field(default_factory=MemoryGate)
+    order: Ordering = field(default_factory=Ordering)
+    choice: Choice = field(default_factory=Choice)
+    stopgap: Stopgap = field(default_factory=Stopgap)
+    backfill: Backfill = field(default_factory=Backfill)
+    preempt: Preemption = field(default_factory=Preemption)
+    shrink: Shrink = field(default_factory=Shrink)
+    growth: Growth = field(default_factory=Growth)
+    recall: Recall = field(default_factory=Recall)
+    restart: RestartCost = field(default_factory=RestartCost)
+
+    def with_overrides(self, **flat) -> "FrenzyConfig":
+        """A copy with flat overrides (``FLAT`` names, e.g. ``grow=False, aging_s=600``)."""
+        groups: dict[str, dict] = {}
+        for name, value in flat.items():
+            where = FLAT.get(name)
+            if where is None:
+                raise FrenzyInputError("frenzy option", f"unknown option {name!r}; known: {', '.join(sorted(FLAT))}")
+            groups.setdefault(where[0], {})[where[1]] = value
+        return replace(self, **{g: replace(getattr(self, g), **kw) for g, kw in groups.items()})
+
+
+def _flat_names() -> dict[str, tuple[str, str]]:
+    """Flat option name -> (group, field): the group's prefix joined to the field, with the
+    historic names of the switches and of a few fields."""
+    prefix = {"memory": "", "order": "", "choice": "", "stopgap": "stopgap_", "backfill": "", "preempt": "preempt_",
+              "shrink": "shrink_", "growth": "grow_", "recall": "recall_", "restart": ""}
+    special = {("memory", "headroom"): "mem_headroom", ("preempt", "enabled"): "preemption",
+               ("preempt", "max_per_job"): "max_preemptions_per_job", ("shrink", "enabled"): "shrink",
+               ("growth", "enabled"): "grow", ("growth", "max_resizes_per_job"): "max_grows_per_job",
+               ("recall", "enabled"): "recall", ("stopgap", "enabled"): "stopgap", ("restart", "launch_s"): "restart_s",
+               ("memory", "fallback_slack"): "fallback_slack"}
+    out = {}
+    for g in fields(FrenzyConfig):
+        for f in fields(g.default_factory):
+            out[special.get((g.name, f.name), prefix[g.name] + f.name)] = (g.name, f.name)
+    return out
+
+
+FLAT: dict[str, tuple[str, str]] = _flat_names()

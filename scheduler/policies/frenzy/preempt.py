@@ -1,0 +1,129 @@
+"""Step 6: a head-of-queue job that would wait long preempts or shrinks runs, sparingly."""
+from __future__ import annotations
+
+import math
+
+from scheduler.placement import FreeIndex, placement_gpus
+from scheduler.types import ClusterState, Decision, JobRequest
+
+from .config import FrenzyConfig
+from .profile import expected_end
+from .records import Cand, GpuCounts, Menu, Pick, Run
+from .resize import restart_cost, shrink_to_fit, steps_left
+
+INF = math.inf
+Eligible = dict[str, list[tuple[float, object]]]   # gpu_type -> (remaining s, RunningJob), longest first
+Got = tuple[list[Decision], set[str], Pick | None]  # decisions, runs stopped, what the job got
+NOTHING: Got = ([], set(), None)
+
+
+def preemptible(state: ClusterState, now: float, node_type: dict[str, str], cfg: FrenzyConfig) -> Eligible:
+    """Runs a waiter may preempt, per GPU type, longest remaining first: past their grace
+    period, preempted fewer than ``max_per_job`` times (``JobRequest.preemptions``), with a
+    known end."""
+    eligible: Eligible = {}
+    for rj in state.running:
+        times = rj.request.preemptions if rj.request is not None else 0
+        if not rj.placement or now - rj.start_s < cfg.preempt.grace_s or times >= cfg.preempt.max_per_job:
+            continue
+        remaining = expected_end(rj, now, cfg.backfill) - now
+        if remaining == INF:
+            continue                         # unknown end (live run without a step count)
+        g = node_type.get(next(iter(rj.placement)), "")
+        eligible.setdefault(g, []).append((remaining, rj))
+    for v in eligible.values():
+        v.sort(key=lambda x: -x[0])
+    return eligible
+
+
+def preempt_for(job: JobRequest, menu: Menu, pick: Pick, eligible: Eligible, idx: FreeIndex, now: float,
+                cfg: FrenzyConfig, skip: set[str]) -> Got:
+    """Shortest-remaining-first with preemption, sparingly: when a job near the head of the
+    queue would wait long while runs with far more remaining work (``ratio`` x) hold GPUs it
+    could use, checkpoint-preempt them (the longest first) so it starts now, on whichever GPU
+    type completes it soonest."""
+    pc = cfg.preempt
+    wait_rel = pick.start - now + pick.dur
+    if pick.start - now < pc.min_wait_s or not eligible:
+        return NOTHING
+    best = None                                  # (duration, cand, victims)
+    steps = max(job.steps_left, 1)
+    for c in menu.queue:
+        d = c.step_s * steps
+        if d * (1.0 + cfg.choice.tolerance) + pc.min_wait_s > wait_rel or (best and d >= best[0]):
+            continue                             # not clearly better than waiting
+        need = pc.ratio * (d + pc.min_wait_s)
+        chosen, freed = [], idx.free_gpus(c.gpu_type)
+        for remaining, rj in eligible.get(c.gpu_type, ()):
+            if freed >= c.gpus or remaining <= need:
+                break
+            if rj.job_id in skip:
+                continue
+            chosen.append(rj)
+            freed += placement_gpus(rj.placement)
+        if freed >= c.gpus and chosen:
+            best = (d, c, chosen)
+    if best is None:
+        return NOTHING
+    d, c, chosen = best
+    for rj in chosen:
+        idx.release(rj.placement)
+    placement = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
+    if placement is None:
+        for rj in chosen:
+            idx.commit(rj.placement)
+        return NOTHING
+    idx.commit(placement)
+    why = f"preempted for {job.job_id}"
+    out = [Decision(job_id=rj.job_id, plan=None, placement={}, action="preempt", reason=why) for rj in chosen]
+    out.append(Decision(job_id=job.job_id, plan=c.plan, placement=placement, reason="start after preemption"))
+    return out, {rj.job_id for rj in chosen}, Pick(c, now, d)
+
+
+def shrink_for(job: JobRequest, menu: Menu, pick: Pick, runs: dict[str, Run], idx: FreeIndex, now: float,
+               per_node: GpuCounts, cfg: FrenzyConfig, skip: set[str], ends: dict[str, float]) -> Got:
+    """A job near the head would wait: restart one run of a type on fewer GPUs of that type (a
+    checkpoint restart, as Sia's re-sizing) when that lets the waiter start now and the
+    waiter's predicted time saved exceeds the run's predicted time lost (restart and restore
+    included) by ``gain``."""
+    sc = cfg.shrink
+    wait_rel = pick.start - now + pick.dur
+    if pick.start - now < sc.min_wait_s:
+        return NOTHING
+    steps = max(job.steps_left, 1)
+    best = None                                   # (net gain, cand, d, run, run's cand, run's duration)
+    for run in runs.values():
+        rj = run.rj
+        if (not rj.placement or rj.job_id in skip or now - rj.start_s < sc.grace_s
+                or rj.resizes >= cfg.growth.max_resizes_per_job):
+            continue
+        rem = expected_end(rj, now, cfg.backfill) - now
+        if rem == INF:
+            continue
+        g = run.gpu_type
+        m = rj.plan.gpus
+        free = idx.free_gpus(g)
+        vsteps = steps_left(run, rem, now, cfg.restart.launch_s)
+        for c in menu.queue:
+            if c.gpu_type != g or c.gpus > free + m - 1:
+                continue
+            d = c.step_s * steps
+            gain = wait_rel - d
+            if gain <= 0:
+                continue
+            for vc in run.menu.grow:                 # the run's fastest plan that leaves n free
+                if vc.gpu_type != g or vc.gpus >= m or vc.gpus + c.gpus > free + m:
+                    continue
+                vdur = vc.step_s * vsteps + restart_cost(run.ckpt_gb, g, vc.gpus, per_node, cfg.restart)
+                net = gain - sc.gain * (vdur - rem)
+                if net > 0 and (best is None or net > best[0]):
+                    best = (net, c, d, run, vc, vdur)
+                break
+    if best is None:
+        return NOTHING
+    _, c, d, run, vc, vdur = best
+    moved = shrink_to_fit(idx, run, vc, job, c, "shrink")
+    if not moved:
+        return NOTHING
+    ends[run.rj.job_id] = now + vdur
+    return moved, {run.rj.job_id}, Pick(c, now, d)
