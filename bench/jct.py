@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.chdir(ROOT)
 
-TRACES = Path("../shared/traces/elasticflow")
+TRACES = Path("data/traces/elasticflow")
 OUT = Path("out/jct")
 REPORT = Path("docs/benchmarks-jct.md")
 POLICIES = ["frenzy", "frenzy-paper", "gavel", "sia", "tiresias", "fifo-user"]
