@@ -162,7 +162,7 @@ def parse_yaml(text: str, source: str = "input", kind: FileKind | None = None) -
     return data
 
 
-def read_text(path: str | Path, what: str = "file") -> str:
+def read_text(path: str | Path, what: str = "YAML") -> str:
     """The text of a user's file, with size and encoding checked; errors name ``what``."""
     p = Path(path)
     if not p.exists():
@@ -175,7 +175,7 @@ def read_text(path: str | Path, what: str = "file") -> str:
     except OSError as e:
         raise FrenzyInputError(what, f"cannot read {str(p)!r}: {e.strerror}") from None
     if len(raw) > MAX_BYTES:
-        raise FrenzyInputError(str(p), f"is larger than {MAX_BYTES // 2**20} MiB; a {what} is a few KiB")
+        raise FrenzyInputError(str(p), f"is larger than {MAX_BYTES // 2**20} MiB, the limit for a {what} file")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -186,7 +186,7 @@ def read_text(path: str | Path, what: str = "file") -> str:
 
 def load_yaml(path: str | Path, kind: FileKind | None = None, what: str | None = None) -> Any:
     """Read and parse a user's YAML file (``kind``: which kind of file it must be)."""
-    text = read_text(path, what or (kind.name if kind else "file"))
+    text = read_text(path, what or (kind.name.removesuffix(" file") if kind else "YAML"))
     return parse_yaml(text, source=str(path), kind=kind)
 
 

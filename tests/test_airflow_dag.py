@@ -121,10 +121,14 @@ def test_airflow_dag_trains_through_frenzy_submit(tmp_path, airflow_env):
                                              if (logs / f"{n}.log").exists() else "(no log)") for n in names)
 
     # The Airflow side: the site's Airflow environment with frenzy installed without its deps,
-    # read from a folder outside the checkout so nothing can come from the repository.
-    wheel_dir, site = tmp_path / "wheel", tmp_path / "frenzy-site"
+    # read from a folder outside the checkout so nothing can come from the repository. The
+    # wheel is built from a copy (setuptools writes build/ and *.egg-info beside the sources).
+    src, wheel_dir, site = tmp_path / "src", tmp_path / "wheel", tmp_path / "frenzy-site"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".frenzy", ".whl", ".gpu", "build", "out", "runs", "data", "docs", "*.egg-info", "__pycache__",
+        ".pytest_cache"))
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(wheel_dir), str(ROOT)],
+                            "-w", str(wheel_dir), str(src)],
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     [wheel] = wheel_dir.glob("frenzy-*.whl")
