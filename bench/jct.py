@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.chdir(ROOT)
 
-# the ITP traces (a checkout beside shared/ finds them; FRENZY_TRACES points elsewhere)
-TRACES = Path(os.environ.get("FRENZY_TRACES", "../shared/traces/elasticflow"))
+# the ITP traces shipped in data/ (FRENZY_TRACES points elsewhere)
+TRACES = Path(os.environ.get("FRENZY_TRACES", "data/traces/elasticflow"))
 OUT = Path("out/jct")
 REPORT = Path("docs/benchmarks-jct.md")
 POLICIES = ["frenzy", "frenzy-paper", "gavel", "sia", "tiresias", "fifo-user"]

@@ -9,6 +9,9 @@
     start = FrenzySubmitOperator(task_id="start", job=..., wait=False)
     done = FrenzyFlowRunSensor(task_id="done", flow_run_id=start.output, mode="reschedule")
 
+Tested against a real Airflow 3 (``airflow dags test`` of ``examples/airflow/frenzy_dag.py``, see
+tests/test_airflow_dag.py); the Airflow 2 import paths are kept as a fallback.
+
 The idempotency key is the task instance (dag, task, run id, map index), never the try number:
 an Airflow retry finds the flow run of the first try and waits on it; it never starts a second
 training. The flow run id goes to XCom. Only httpx talks to Prefect: no prefect import here.
@@ -17,8 +20,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from airflow.models import BaseOperator
-from airflow.sensors.base import BaseSensorOperator
+try:                                   # Airflow 3: the task SDK is the public API
+    from airflow.sdk import BaseOperator, BaseSensorOperator
+except ImportError:                    # Airflow 2
+    from airflow.models import BaseOperator
+    from airflow.sensors.base import BaseSensorOperator
 
 from .client import (DEFAULT_DEPLOYMENT, FINAL_STATES, FrenzyRunFailed, idempotency_key, make_client,
                      read_flow_run, state_type, trigger, wait)
@@ -28,7 +34,10 @@ def _conn(conn_id: str | None, api_url: str | None) -> tuple[str | None, str | N
     """API URL and key from an Airflow connection (host = API URL, password = API key)."""
     if not conn_id:
         return api_url, None
-    from airflow.hooks.base import BaseHook
+    try:
+        from airflow.sdk import BaseHook
+    except ImportError:
+        from airflow.hooks.base import BaseHook
 
     c = BaseHook.get_connection(conn_id)
     return api_url or c.host, c.password or None
@@ -81,6 +90,7 @@ class FrenzyFlowRunSensor(BaseSensorOperator):
         with make_client(url, api_key) as client:
             fr = read_flow_run(client, self.flow_run_id)
         st = state_type(fr)
+        self.log.info("flow run %s (%s): %s", fr.get("name"), self.flow_run_id, st)
         if st in FINAL_STATES and st != "COMPLETED":
             raise FrenzyRunFailed(fr)
         return st == "COMPLETED"

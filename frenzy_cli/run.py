@@ -26,25 +26,29 @@ def register(sub) -> None:
 
 
 def load_job(path: str):
-    import yaml
+    """The job file as a TrainingJob; every problem is one FrenzyInputError line (the safe YAML
+    reader's size, encoding, syntax and alias checks, then the job model's fields, with the
+    line of the offending field)."""
     from pydantic import ValidationError
 
     from estimator.errors import FrenzyInputError, from_validation_error
     from estimator.job import TrainingJob
+    from estimator.yamlfile import JOB_FILE, line_of, load_yaml
 
-    file = Path(path)
-    if not file.is_file():
-        raise FrenzyInputError("job", f"file {path} does not exist")
-    try:
-        raw = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as err:
-        raise FrenzyInputError("job", f"{path} is not valid YAML ({err.__class__.__name__})") from None
-    if not isinstance(raw, dict):
-        raise FrenzyInputError("job", f"{path} must hold a mapping of job fields")
+    raw = load_yaml(path, kind=JOB_FILE, what="job")
     try:
         return TrainingJob.model_validate(raw)
     except ValidationError as err:
-        raise from_validation_error(err) from None
+        bad = from_validation_error(err)
+        node, line = raw, None
+        for key in err.errors()[0].get("loc", ()):     # the deepest key of the field's path in the file
+            if isinstance(node, dict) and key in node:
+                line, node = line_of(node, key) or line, node[key]
+            elif isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+                node = node[key]
+            else:
+                break
+        raise FrenzyInputError(bad.field, f"{bad.rule} ({path} line {line})" if line else bad.rule) from None
 
 
 def embedded_prefect_env(json_mode: bool) -> None:

@@ -1,21 +1,40 @@
-"""`frenzy simulate` (trace-driven cluster simulation) and `frenzy workload` (ITP trace ->
-LLM training workload CSV).
-
-    frenzy workload --trace ../shared/traces/elasticflow/cluster01.csv --mix examples/workload-mix.yaml \\
-        --seed 0 --out W.csv
-    frenzy simulate --workload W.csv --cluster examples/clusters/small-3type.yaml --policy frenzy --json
-    frenzy simulate --workload W.csv --cluster C.yaml --compare frenzy,frenzy-paper,gavel,sia,fifo-user \\
-        --plot out.png
-"""
+"""`frenzy simulate` (trace-driven cluster simulation) and `frenzy workload` (ITP trace -> LLM
+training workload CSV). Each command has its own help text (``SIMULATE_HELP``,
+``WORKLOAD_HELP``), printed verbatim so the examples stay runnable as shown."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+
+WORKLOAD_HELP = """\
+Map the jobs of a Microsoft ITP trace (arrival time, duration, GPU count) to LLM training jobs
+(model, sequence length, global batch, tokens) with a mix file and a seed, and write the
+workload CSV that `frenzy simulate` reads. The seven ITP traces ship in data/traces/elasticflow/.
+
+examples:
+  frenzy workload --trace data/traces/elasticflow/cluster01.csv \\
+      --mix examples/workload-mix.yaml --seed 1 --max-jobs 300 --out w01.csv
+  frenzy workload --trace data/traces/elasticflow/cluster05.csv \\
+      --mix examples/workload-mix.yaml --seed 0 --max-jobs 400 --time-scale 8 --out w05.csv
+"""
+
+SIMULATE_HELP = """\
+Simulate a workload CSV (from `frenzy workload`) on a cluster file under one scheduling policy,
+or several side by side, and report job completion times, queueing, GPU utilisation and
+scheduler time per round.
+
+examples:
+  frenzy simulate --workload w01.csv --cluster examples/clusters/small-3type.yaml \\
+      --policy frenzy --json
+  frenzy simulate --workload w01.csv --cluster examples/clusters/small-3type.yaml \\
+      --compare frenzy,frenzy-paper,gavel,sia,fifo-user --plot jct.png
+"""
 
 
 def register(sub) -> None:
     p = sub.add_parser("simulate", help="simulate a workload on a cluster under one or more policies",
-                       description=__doc__)
+                       description=SIMULATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", required=True, help="workload CSV (see `frenzy workload`)")
     p.add_argument("--cluster", required=True, help="cluster YAML (pools of GPU types)")
     p.add_argument("--policy", default="frenzy", help="scheduling policy (default: frenzy)")
@@ -36,7 +55,7 @@ def register(sub) -> None:
     p.set_defaults(handler=handle_simulate)
 
     w = sub.add_parser("workload", help="map an ITP trace to an LLM training workload CSV",
-                       description=__doc__)
+                       description=WORKLOAD_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     w.add_argument("--trace", required=True, help="ElasticFlow/ITP trace CSV (job_id,submission_time,duration,num_gpu)")
     w.add_argument("--mix", required=True, help="mix YAML (see examples/workload-mix.yaml)")
     w.add_argument("--seed", type=int, default=0, help="seed of the model/shape draws (default 0)")

@@ -14,9 +14,14 @@ Contract (cluster YAML)::
       B200-192GB: {memory_gib: 178, bf16_tflops: 2250, mem_bw_gbs: 8000, intra_link: nvlink5}
 
 Every error names the file, the line, the field and the rule, and nothing is half-loaded.
+Bounds (``MAX_*`` below, each with its reason): nodes per pool, GPUs per node and per cluster;
+GPU rates positive and finite; addresses are host names or IP addresses, nothing a shell or an
+SSH command line could read as more than one word.
 """
 from __future__ import annotations
 
+import ipaddress
+import math
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,11 +31,53 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from estimator.catalog import CATALOG, GPU, get_gpu, make_gpu
 from estimator.errors import FrenzyInputError
+from estimator.yamlfile import CLUSTER_FILE, line_of, parse_yaml, read_text
 
 from .types import ClusterState, Node
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 POOL_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "inter_node_gbps", "addresses", "devices")
+
+# Size bounds. The ledger keeps one row per GPU and every submission syncs the cluster, so a
+# typo such as `nodes: 100000` (800,000 rows, about two minutes of writes) must fail at once.
+# The largest published single training clusters hold 24,576 GPUs (Meta's two H100 clusters,
+# 2024, 3,072 nodes of 8); the bounds leave headroom above them. At MAX_CLUSTER_GPUS a first
+# sync into SQLite takes 10 s and a re-sync 5 s (measured on a 2-core machine).
+MAX_NODES_PER_POOL = 4096
+# NVLink domains: 8 GPUs per HGX board, 72 in a GB200 NVL72 rack (which a site may describe as
+# one node, since the whole rack is one NVLink domain).
+MAX_GPUS_PER_NODE = 72
+MAX_CLUSTER_GPUS = 32768
+# Physical device indices on one node (CUDA_VISIBLE_DEVICES): no node exposes more than this.
+MAX_DEVICE_INDEX = 1023
+# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens, 253 at most.
+_HOST_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+
+
+def is_host_address(addr: str) -> bool:
+    """An IPv4/IPv6 address or an RFC 1123 host name (so no spaces, quotes, ``;``, ``$``, ...)."""
+    try:
+        ipaddress.ip_address(addr)
+        return True
+    except ValueError:
+        pass
+    return 0 < len(addr) <= 253 and all(_HOST_LABEL.match(label) for label in addr.split("."))
+
+
+def _rate_rule(name: str, v: Any, fields: dict) -> str | None:
+    """Why a custom GPU type's numeric field ``name`` is unacceptable, or None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return f"must be a number (got {v!r})"
+    if not math.isfinite(v):
+        return f"must be finite (got {v!r})"
+    if name == "bf16_tflops" and v == 0:
+        # the catalog's V100/T4 convention: 0 = no native bf16 (bf16 runs at fp32 speed); then
+        # the fp16 rate is what describes the card
+        return None if "fp16_tflops" in fields else ("0 means no native bf16 and needs fp16_tflops too; "
+                                                      "otherwise give the card's bf16 TFLOP/s (> 0)")
+    if v <= 0:
+        return f"must be > 0 (got {v!r})"
+    return None
 
 
 class Pool(BaseModel):
@@ -38,9 +85,9 @@ class Pool(BaseModel):
 
     name: str
     gpu: str
-    nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(..., ge=1)
-    inter_node_gbps: float | None = Field(None, gt=0)
+    nodes: int = Field(1, ge=1, le=MAX_NODES_PER_POOL)
+    gpus_per_node: int = Field(..., ge=1, le=MAX_GPUS_PER_NODE)
+    inter_node_gbps: float | None = Field(None, gt=0, allow_inf_nan=False)
     addresses: list[str] | None = None
     devices: list[int] | None = None
 
@@ -115,61 +162,21 @@ class Cluster(BaseModel):
 
 # --- loading ---------------------------------------------------------------------------------
 
-class _LineLoader(yaml.SafeLoader):
-    """A SafeLoader that remembers the line of every mapping and of every mapping key."""
-
-
-def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> dict:
-    mapping = _LineDict(loader.construct_mapping(node, deep=True))
-    mapping.line = node.start_mark.line + 1
-    mapping.key_lines = {k.value: k.start_mark.line + 1 for k, _ in node.value if hasattr(k, "value")}
-    return mapping
-
-
-class _LineDict(dict):
-    line: int = 0
-    key_lines: dict[str, int] = {}
-
-
-_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _line(obj: Any, key: str | None = None) -> int | None:
-    if isinstance(obj, _LineDict):
-        if key is not None and key in obj.key_lines:
-            return obj.key_lines[key]
-        return obj.line
-    return None
-
-
 def load_cluster(path: str | Path) -> Cluster:
     """Read and validate a cluster YAML file (see module docstring)."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise FrenzyInputError("cluster", f"file {str(p)!r} does not exist") from None
-    except OSError as e:
-        raise FrenzyInputError("cluster", f"cannot read {str(p)!r}: {e.strerror}") from None
-    return parse_cluster(text, source=str(p))
+    return parse_cluster(read_text(path, "cluster"), source=str(path))
 
 
 def parse_cluster(text: str, source: str = "cluster") -> Cluster:
     """Validate cluster YAML text; ``source`` names it in errors."""
-    try:
-        data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise FrenzyInputError(f"{source}{where}", f"is not valid YAML ({getattr(e, 'problem', e)})") from None
-    return cluster_from_dict(data, source=source)
+    return cluster_from_dict(parse_yaml(text, source=source, kind=CLUSTER_FILE), source=source)
 
 
 def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
     """Validate a cluster given as a mapping (a parsed YAML file, a block's value, ...)."""
 
     def err(obj: Any, key: str | None, field: str, rule: str) -> FrenzyInputError:
-        ln = _line(obj, key)
+        ln = line_of(obj, key)
         return FrenzyInputError(f"{source}{f' line {ln}' if ln else ''}: {field}", rule)
 
     if not isinstance(data, dict):
@@ -196,6 +203,11 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
             if k not in GPU.model_fields or k == "name":
                 raise err(fields, k, f"gpu_types.{name}.{k}",
                           f"unknown field; allowed: {', '.join(f for f in GPU.model_fields if f != 'name')}")
+        for k, v in fields.items():
+            if GPU.model_fields[k].annotation is float:
+                rule = _rate_rule(k, v, fields)
+                if rule:
+                    raise err(fields, k, f"gpu_types.{name}.{k}", rule)
         for need in ("memory_gib",):
             if need not in fields:
                 raise err(fields, None, f"gpu_types.{name}.{need}", "is required")
@@ -232,34 +244,50 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
             known = ", ".join(sorted(set(CATALOG) | set(extra)))
             raise err(raw, "gpu", f"{where}.gpu", f"unknown GPU type {gpu!r}; known types: {known} "
                                                   "(or define it under gpu_types)")
-        for k in ("nodes", "gpus_per_node"):
+        for k, most, why in (("nodes", MAX_NODES_PER_POOL, "a bound above the largest published training "
+                                                           "clusters, 3,072 nodes"),
+                             ("gpus_per_node", MAX_GPUS_PER_NODE, "the largest NVLink domain, a GB200 NVL72 rack")):
             v = raw.get(k, 1)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise err(raw, k, f"{where}.{k}", f"must be a whole number >= 1 (got {v!r})")
+            if v > most:
+                raise err(raw, k, f"{where}.{k}", f"must be at most {most:,} (got {v:,}; {why})")
         nodes = raw.get("nodes", 1)
         gpn = raw["gpus_per_node"]
         bw = raw.get("inter_node_gbps")
-        if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float)) or bw <= 0):
-            raise err(raw, "inter_node_gbps", f"{where}.inter_node_gbps", f"must be a number > 0 (Gbit/s), got {bw!r}")
+        if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw)
+                               or bw <= 0):
+            raise err(raw, "inter_node_gbps", f"{where}.inter_node_gbps",
+                      f"must be a finite number > 0 (Gbit/s), got {bw!r}")
         addrs = raw.get("addresses")
         if addrs is not None:
             if not isinstance(addrs, list) or not all(isinstance(a, str) and a for a in addrs):
                 raise err(raw, "addresses", f"{where}.addresses", "must be a list of host names/addresses")
+            bad = next((a for a in addrs if not is_host_address(a)), None)
+            if bad is not None:
+                raise err(raw, "addresses", f"{where}.addresses",
+                          f"{bad!r} is not a host name (letters, digits, '-' and '.') or an IP address")
             if len(addrs) != nodes:
                 raise err(raw, "addresses", f"{where}.addresses", f"needs one address per node ({nodes}), got {len(addrs)}")
             if len(set(addrs)) != len(addrs):
                 raise err(raw, "addresses", f"{where}.addresses", "addresses must be distinct")
         devs = raw.get("devices")
         if devs is not None:
-            if (not isinstance(devs, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devs)
+            if (not isinstance(devs, list)
+                    or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DEVICE_INDEX for d in devs)
                     or len(set(devs)) != len(devs)):
-                raise err(raw, "devices", f"{where}.devices", "must be a list of distinct device indices >= 0")
+                raise err(raw, "devices", f"{where}.devices",
+                          f"must be a list of distinct device indices from 0 to {MAX_DEVICE_INDEX}")
             if len(devs) != gpn:
                 raise err(raw, "devices", f"{where}.devices", f"needs gpus_per_node ({gpn}) indices, got {len(devs)}")
         pools.append(Pool(name=name, gpu=gpu, nodes=nodes, gpus_per_node=gpn,
                           inter_node_gbps=float(bw) if bw is not None else None,
                           addresses=list(addrs) if addrs is not None else None,
                           devices=list(devs) if devs is not None else None))
+    total = sum(p.gpus for p in pools)
+    if total > MAX_CLUSTER_GPUS:
+        raise err(data, "pools", "pools", f"the cluster has {total:,} GPUs; at most {MAX_CLUSTER_GPUS:,} (a bound "
+                                          "above the largest published training clusters, 24,576 GPUs)")
     return Cluster(pools=pools, gpu_types=extra)
 
 

@@ -35,10 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-import yaml
-
 from estimator.errors import FrenzyInputError
 from estimator.job import steps_for_tokens
+from estimator.yamlfile import WORKLOAD_MIX, load_yaml
 
 WORKLOAD_COLUMNS = ("job_id", "submit_s", "model", "seq_len", "global_batch", "train_tokens",
                     "requested_gpu_type", "requested_gpus")
@@ -211,12 +210,7 @@ def load_mix(path: str | Path, *, models: Iterable[str] | None = None,
     path = Path(path)
     if not path.is_file():
         raise FrenzyInputError("mix", f"no such file: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise FrenzyInputError(f"{path}{line}", f"not valid YAML ({getattr(err, 'problem', err)})") from None
+    raw = load_yaml(path, kind=WORKLOAD_MIX)
     if not isinstance(raw, dict):
         raise FrenzyInputError(str(path), "must be a mapping")
     known_models = set(models) if models is not None else _known_models()

@@ -2,8 +2,9 @@
 never starts a second run), wait for the final state; never imports prefect.
 
 The HTTP side runs against the session Prefect server. Airflow itself cannot be installed next
-to Prefect, so the operator test gives it a two-class stand-in for Airflow's base classes and
-exercises the operator's own logic (key per task instance, XCom id, waiting)."""
+to Prefect, so the operator test here gives it a two-class stand-in for Airflow's base classes and
+exercises the operator's own logic (key per task instance, XCom id, waiting) in seconds; the
+real Airflow, in its own environment, runs the example DAG in tests/test_airflow_dag.py."""
 from __future__ import annotations
 
 import subprocess

@@ -72,7 +72,7 @@ def test_example_cluster_loads():
     ("gpu_types:\n  X1: {bf16_tflops: 1}\npools:\n  - {name: a, gpu: X1, gpus_per_node: 1}\n",
      "gpu_types.X1.memory_gib", "is required"),
     ("gpu_types:\n  X1: {memory_gib: -3, bf16_tflops: 1}\npools:\n  - {name: a, gpu: X1, gpus_per_node: 1}\n",
-     "gpu_types.X1.memory_gib", "greater than 0"),
+     "gpu_types.X1.memory_gib", "must be > 0"),
     ("pools: [\n", "c.yaml line", "not valid YAML"),
     ("- just a list\n", "c.yaml", "must be a mapping"),
     ("pools:\n  - {name: a, gpu: A100-80GB, gpus_per_node: 1}\nnodes: 3\n", "line 3: nodes", "unknown top-level key"),
