@@ -28,7 +28,7 @@ Sources: NVIDIA datasheets (V100, A100, H100, H200, A10, L4, L40S, T4, RTX A6000
 Ampere/Ada GA102/AD102 architecture whitepapers for RTX 3090 / 4090); NVML memory totals as
 printed by ``nvidia-smi`` on the respective cards; AWS / GCP instance pages for typical
 inter-node bandwidth of cloud-only cards (A10G on g5, L4 on g6/g2, T4 on g4dn, L40S on g6e);
-/work/shared/notes/scheduling.md section 4 for measured speed ratios.
+the development notes, notes/scheduling.md section 4 for measured speed ratios.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Run a training launcher (``accelerate launch`` / ``torchrun``) as a child process group.
 
-Why a subprocess in its own session (see /work/shared/notes/prefect.md section 9): torch's
+Why a subprocess in its own session (see the development notes, notes/prefect.md section 9): torch's
 launchers install signal handlers and fork workers, neither of which is safe inside a Prefect
 task thread, and CUDA must never be initialised in the orchestrating process. The deadline
 does not depend on the child printing anything (a reader thread pumps the output while the

@@ -1,5 +1,5 @@
 """``frenzy-paper``: the published heterogeneity-aware scheduler (HAS) of Frenzy (arXiv
-2412.14479), as far as it is known (see /work/shared/notes/frenzy-paper.md, sections 2.3 and 5.4).
+2412.14479), as far as it is known (see the development notes, notes/frenzy-paper.md, sections 2.3 and 5.4).
 
 * Plans (MARP): per GPU type the smallest GPU count whose predicted memory fits the card
   (the fastest such plan), ranked by predicted step time ("training efficiency").
