@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .plan import Attention, Optimizer, Precision
 
@@ -55,12 +55,13 @@ class OptimSpec(BaseModel):
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (AdamW), L2 (others)")
     grad_clip: float | None = Field(1.0, gt=0, description="clip the global gradient norm to this; null: no clipping")
 
-    @model_validator(mode="after")
-    def _betas(self) -> "OptimSpec":
-        for i, b in enumerate(self.betas):
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        for i, b in enumerate(betas):
             if not 0 <= b < 1:
-                raise ValueError(f"optim.betas: beta{i + 1} must be in [0, 1) (got {b})")
-        return self
+                raise ValueError(f"beta{i + 1} must be in [0, 1) (got {b})")
+        return betas
 
 
 class ScheduleSpec(BaseModel):
@@ -91,7 +92,7 @@ class EvalSpec(BaseModel):
     @model_validator(mode="after")
     def _one_source(self) -> "EvalSpec":
         if (self.fraction is None) == (self.data is None):
-            raise ValueError("eval: give either eval.fraction (in (0, 1)) or eval.data")
+            raise ValueError("give either eval.fraction (in (0, 1)) or eval.data")
         return self
 
 

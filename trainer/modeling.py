@@ -121,10 +121,6 @@ def count_params(model) -> tuple[int, int]:
     return total, trainable
 
 
-def trainable_names(model) -> set[str]:
-    return {n for n, p in model.named_parameters() if p.requires_grad}
-
-
 def export(accelerator, model, spec: dict[str, Any], out: Path, *, step: int, main: bool) -> Path | None:
     """Write ``model`` to ``out`` in Hugging Face format (every rank calls: under ZeRO-3 the full
     weights are gathered from the shards, module by module, to rank 0's host memory).

@@ -178,7 +178,7 @@ def train(run_dir: Path) -> None:
     from trainer import checkpoints as ck
     from trainer import control
     from trainer.data import TokenSource, eval_source
-    from trainer.modeling import add_adapters, build_model, count_params, export, trainable_names, uses_adapters
+    from trainer.modeling import add_adapters, build_model, count_params, export, uses_adapters
     from trainer.optim import lr_at, make_optimizer
 
     spec = json.loads((run_dir / "train_spec.json").read_text())
@@ -235,18 +235,15 @@ def train(run_dir: Path) -> None:
         if deepspeed:
             save_kw, load_kw = {"exclude_frozen_parameters": True}, {"load_module_strict": False}
         else:
-            keep = trainable_names(model)
-
-            def adapters_only(models, weights, _out):
-                for w in weights:
-                    for k in [k for k in w if k not in keep]:
-                        del w[k]
-
-            accelerator.register_save_state_pre_hook(adapters_only)
-            load_kw = {"strict": False}
+            register_adapter_state(accelerator, accelerator.unwrap_model(model), main)
     if latest is not None and resume_mode is None:
         accelerator.load_state(str(latest.path), **load_kw)
         resume_mode = "full"
+    if latest is not None:
+        # Accelerate counts micro-batches to place gradient-accumulation boundaries and restores
+        # the count of the saving plan; a relaunch with another grad_accum (2 ranks x 1 -> 1 rank
+        # x 2) would sync in mid step. Count the finished steps in this plan's micro-batches.
+        accelerator.step = latest.step * ga
     start = latest.step if latest is not None else 0
     if main:
         print(f"frenzy: rank 0/{world} device={device} plan={plan['gpu_type']} zero={plan['zero']} "
@@ -385,16 +382,50 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, fmt: dict[str, Any], 
     accelerator.wait_for_everyone()
 
 
+ADAPTER_STATE = "adapter_state.safetensors"
+
+
+def register_adapter_state(accelerator, unwrapped, main: bool) -> None:
+    """Plain (non-DeepSpeed) LoRA checkpoints: the trainable tensors under the unwrapped model's
+    names in ``adapter_state.safetensors`` instead of Accelerate's model file (which would hold
+    the frozen base too, under names that carry DDP's ``module.`` prefix on some world sizes
+    only). The optimizer, RNG and step state stay Accelerate's."""
+    from safetensors.torch import load_file, save_file
+
+    names = trainable_names_of(unwrapped)
+
+    def save(models, weights, out):
+        weights.clear()
+        if main:
+            params = dict(unwrapped.named_parameters())
+            save_file({n: params[n].detach().contiguous().cpu() for n in sorted(names)}, str(Path(out) / ADAPTER_STATE))
+
+    def load(models, inp):
+        models.clear()
+        state = load_file(str(Path(inp) / ADAPTER_STATE))
+        missing = names - state.keys()
+        if missing:
+            raise RuntimeError(f"checkpoint {inp} lacks adapter tensors {sorted(missing)[:5]}")
+        unwrapped.load_state_dict(state, strict=False)
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+
+
+def trainable_names_of(model) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
 def load_weights_only(model, latest) -> None:
     """Model weights from a checkpoint of another format (the plan changed ZeRO stage or world
     size): Accelerate's ``model.safetensors`` or DeepSpeed's shards consolidated to fp32. The
     optimizer restarts; the step count and the data order continue. A LoRA checkpoint holds the
     adapters only: the frozen base comes from ``init_from`` as in the first launch."""
     path = latest.path
-    if (path / "model.safetensors").is_file():
+    if (path / ADAPTER_STATE).is_file() or (path / "model.safetensors").is_file():
         from safetensors.torch import load_file
 
-        state = load_file(str(path / "model.safetensors"))
+        state = load_file(str(path / (ADAPTER_STATE if (path / ADAPTER_STATE).is_file() else "model.safetensors")))
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
