@@ -1,7 +1,7 @@
 """LoRA and QLoRA fine-tunes of a ~1B Llama-shaped model on one GPU: measured memory (torch
 allocator peaks, NVML) against the estimator's prediction for the same plan.
 
-    scripts/gpu_check_finetune.sh [--steps 20] [--out DIR]
+    PYTHONPATH=. python3 scripts/gpu_check_finetune.py [--steps 20] [--out DIR]
 
 The GPU box reaches no hub: the script saves a model of Llama-3.2-1B's shape with random
 weights (bf16, save_pretrained) under --out first, and both fine-tunes start from that folder
