@@ -410,9 +410,10 @@ def test_zero3_loads_pretrained_weights_sharded_and_exports_them_consolidated(tm
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    j = job(init_from=str(random_model), train_steps=2, tracking={"enabled": False})
+    j = job(init_from=str(random_model), train_steps=2, eval={"fraction": 0.5, "max_sequences": 5})
     res, lines = train(j, cpu_plan(j, gpus=2, micro_batch=2, zero=3), tmp_path / "z3")
     assert res.status == "completed", (res.error, lines[-30:])
+    assert len(res.eval_losses) == 1 and math.isfinite(res.eval_losses[0].loss)   # 5 sequences over 2 ranks
     assert res.optimizer_impl == "torch.optim.AdamW(fused)"                  # CPU: torch's fused kernel
     trained = AutoModelForCausalLM.from_pretrained(res.export_dir)
     start = load_file(str(random_model / "model.safetensors"))

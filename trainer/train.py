@@ -326,7 +326,7 @@ def train(run_dir: Path) -> None:
             control.acknowledge(run_dir, req, step)
         if stop:
             stopped = {"step": step, "reason": req["reason"] if req else "", "request_id": req["request_id"] if req else ""}
-            if export_now:
+            if export_now and spec.get("export", {}).get("enabled", True):
                 run_export(step, Path(spec["export"]["dir"]))
             break
     if stopped is None:
