@@ -6,10 +6,15 @@ STAMP  := $(VENV)/.frenzy-installed
 # torch: the CPU build on machines without an NVIDIA GPU (never the multi-GB CUDA build there).
 TORCH_CPU := torch==2.13.0
 JOB       ?= examples/tiny-job.yaml
+# The tiny pretrained model the fine-tune examples start from (made locally, never in git).
+TINY_MODEL := examples/.models/tiny-llama/model.safetensors
 
 .PHONY: setup demo test test-fast clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(TINY_MODEL)
+
+$(TINY_MODEL): examples/make_tiny_model.py $(STAMP)
+	$(BIN)/python examples/make_tiny_model.py
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,14 +29,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: setup
 	$(BIN)/frenzy run $(JOB)
 
-test: $(STAMP)
+test: setup
 	$(BIN)/python -m pytest -q -ra
 
-test-fast: $(STAMP)
+test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not prefect"
 
 clean:
-	rm -rf $(VENV) .frenzy .pytest_cache
+	rm -rf $(VENV) .frenzy .pytest_cache examples/.models/tiny-llama

@@ -41,7 +41,7 @@ class FrenzySettings(Block):
     _block_type_name = "Frenzy Settings"
     _block_type_slug = "frenzy-settings"
     _description = ("Frenzy defaults: GPU ledger URL, memory safety margin, default precision and "
-                    "optimizer, scheduling policy and the out-of-memory fallback order.")
+                    "optimizer, scheduling policy, the out-of-memory fallback order and the MLflow server.")
 
     ledger_url: SecretStr | None = Field(
         None, description="SQLAlchemy URL of the GPU ledger, e.g. postgresql+psycopg://user:pw@host/db "
@@ -55,6 +55,9 @@ class FrenzySettings(Block):
         default_factory=lambda: list(DEFAULT_FALLBACK_ORDER),
         description="out-of-memory fallbacks to try, in order; leave a kind out to forbid it")
     hf_token: SecretStr | None = Field(None, description="Hugging Face token for private tokenizers/datasets")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking server URL (e.g. http://mlflow:5000) for jobs that name none "
+                          "(empty: SQLite under FRENZY_HOME)")
 
     def ledger_url_value(self) -> str | None:
         return self.ledger_url.get_secret_value() if self.ledger_url else None

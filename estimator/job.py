@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .plan import Attention, Optimizer, Precision
 
@@ -44,6 +44,81 @@ class FinetuneSpec(BaseModel):
                           "default for the architecture")
 
 
+class OptimSpec(BaseModel):
+    """Hyper-parameters of the job's ``optimizer`` (AdamW/Adam: all; SGD: weight decay; the
+    momentum of SGD is 0.9) and gradient clipping."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam(W) beta1, beta2, each in [0, 1)")
+    eps: float = Field(1e-8, gt=0, description="Adam(W) epsilon")
+    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (AdamW), L2 (others)")
+    grad_clip: float | None = Field(1.0, gt=0, description="clip the global gradient norm to this; null: no clipping")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        for i, b in enumerate(betas):
+            if not 0 <= b < 1:
+                raise ValueError(f"beta{i + 1} must be in [0, 1) (got {b})")
+        return betas
+
+
+class ScheduleSpec(BaseModel):
+    """The learning-rate schedule: linear warm-up from 0 to ``lr``, then constant or a decay to
+    ``min_lr_ratio * lr`` at the last step. A function of the step alone (a resumed or re-sized
+    run needs no scheduler state)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["constant", "linear", "cosine"] = Field("constant", description="after the warm-up")
+    warmup_steps: int | None = Field(None, ge=0, description="default: 10% of the steps, at most 100")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decay's end as a fraction of lr")
+
+
+class EvalSpec(BaseModel):
+    """A held-out split evaluated every ``every`` steps and after the last one: the mean token
+    loss is reported (``eval_losses``) and tracked."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fraction: float | None = Field(None, gt=0, lt=1, description="hold out this fraction of the "
+                                                                 "training data's sequences")
+    data: DataSpec | None = Field(None, description="or evaluate on a separate data set")
+    every: int | None = Field(None, gt=0, description="evaluate every N optimizer steps (and at the end); "
+                                                      "null: at the end only")
+    max_sequences: int = Field(64, gt=0, description="evaluate on at most this many held-out sequences")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "EvalSpec":
+        if (self.fraction is None) == (self.data is None):
+            raise ValueError("give either eval.fraction (in (0, 1)) or eval.data")
+        return self
+
+
+class ExportSpec(BaseModel):
+    """The trained model in Hugging Face format (``from_pretrained(export_dir)`` loads it),
+    written at the end; a control-file request writes one at a step too."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="write the export at the end of training")
+    dir: str | None = Field(None, description="where (default: <run folder>/export)")
+    merge_adapters: bool = Field(False, description="LoRA/QLoRA: write the base with the adapters merged "
+                                                    "(the adapters alone go to <dir>/adapter)")
+
+
+class TrackingSpec(BaseModel):
+    """MLflow tracking of the run: parameters, plan, estimate, losses, throughput, memory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    uri: str | None = Field(None, description="MLflow tracking URI (a server URL, sqlite:///..., file:...); "
+                                              "default: the FrenzySettings block's, else SQLite under FRENZY_HOME")
+    experiment: str = Field("frenzy", min_length=1, description="MLflow experiment name")
+
+
 def steps_for_tokens(train_tokens: int, global_batch: int, seq_len: int) -> int:
     """Optimizer steps that consume ``train_tokens`` (the last step may be partial)."""
     return max(1, math.ceil(train_tokens / (global_batch * seq_len)))
@@ -55,9 +130,18 @@ class TrainingJob(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field("frenzy-job", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-    model: str | dict[str, Any] = Field(
-        ..., description="a preset name (see `frenzy models`), a path to a Hugging Face config.json, "
-                         "or the dimensions {arch, layers, hidden, heads, kv_heads, ffn, vocab, ...}")
+    model: str | dict[str, Any] | None = Field(
+        None, description="a preset name (see `frenzy models`), a path to a Hugging Face config.json "
+                          "or model folder, a Hub id in the local HF cache, or the dimensions {arch, "
+                          "layers, hidden, heads, kv_heads, ffn, vocab, ...}; default: init_from's config")
+    init_from: str | None = Field(
+        None, min_length=1, description="start from these weights: a local Hugging Face model folder "
+                                        "(config.json + safetensors) or a Hub id already in the local "
+                                        "HF cache (nothing is downloaded); null: random initialisation")
+    resume_from: str | None = Field(
+        None, min_length=1, description="continue from this checkpoint: a run folder, a checkpoint folder "
+                                        "or a job id under FRENZY_HOME/runs (default: the newest unfinished "
+                                        "run of a job with the same name)")
     seq_len: int = Field(..., gt=0)
     global_batch: int = Field(..., gt=0, description="sequences per optimizer step, kept on every plan")
     train_steps: int | None = Field(None, gt=0, description="optimizer steps (or give train_tokens)")
@@ -70,7 +154,9 @@ class TrainingJob(BaseModel):
                                    description="full fine-tune (default) or LoRA / QLoRA adapters")
     optimizer: Optimizer = "adamw"
     attention: Attention = "flash"
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(3e-4, gt=0, description="peak learning rate (after the warm-up)")
+    optim: OptimSpec = Field(default_factory=OptimSpec, description="optimizer hyper-parameters, gradient clipping")
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="learning-rate schedule")
     seed: int = 0
     data: DataSpec = Field(default_factory=DataSpec)
     entry_point: str | None = Field(
@@ -79,13 +165,26 @@ class TrainingJob(BaseModel):
                     "returning a torch module whose forward(input_ids=, labels=) gives a loss; "
                     "`model` still gives the dimensions the estimator sizes")
     checkpoint_every: int = Field(50, gt=0, description="save a checkpoint every N steps (and at the end)")
+    eval: EvalSpec | None = Field(None, description="held-out evaluation (null: none)")
+    export: ExportSpec = Field(default_factory=ExportSpec, description="Hugging Face export of the result")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking")
     # constraints (all optional)
     allowed_gpu_types: list[str] | None = Field(None, description="only these GPU types (catalog names)")
     max_gpus: int | None = Field(None, gt=0)
     deadline_s: float | None = Field(None, gt=0, description="wall-clock limit for the training run")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _model_from_init(cls, data: Any) -> Any:
+        # The estimator sizes `model`: omitted, it is the config of the weights that will load.
+        if isinstance(data, dict) and data.get("model") is None and data.get("init_from"):
+            data = {**data, "model": data["init_from"]}
+        return data
+
     @model_validator(mode="after")
     def _steps_or_tokens(self) -> "TrainingJob":
+        if self.model is None:
+            raise ValueError("model: give a model (preset, config, dimensions) or init_from (weights)")
         if self.train_steps is None and self.train_tokens is None:
             raise ValueError("train_steps: give train_steps or train_tokens")
         return self

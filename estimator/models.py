@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from functools import cached_property
 from typing import Any, Literal
 
@@ -412,9 +413,35 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                                     "(gpt2, opt, bert, llama, mistral, qwen2)")
 
 
+# A Hugging Face Hub model id: "name" or "org/name" (letters, digits, "-", "_", ".").
+HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def cached_hub_snapshot(repo_id: str, field: str = "model") -> str:
+    """The local snapshot folder of Hub model ``repo_id`` in the Hugging Face cache
+    (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``). Never downloads:
+    a model that is not cached raises FrenzyInputError naming the cache entry it looked for."""
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        raise FrenzyInputError(field, f"{repo_id!r} looks like a Hub id, which needs huggingface_hub") from None
+    entry = os.path.join(constants.HF_HUB_CACHE, "models--" + repo_id.replace("/", "--"))
+    try:
+        folder = snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+        raise FrenzyInputError(field, f"{repo_id!r} is neither a preset, a local folder nor a Hub id in the "
+                                      f"local Hugging Face cache (no {entry}; runs never download: fetch it "
+                                      f"first, e.g. `hf download {repo_id}`)") from None
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise FrenzyInputError(field, f"the cached snapshot of {repo_id!r} ({folder}) has no config.json")
+    return folder
+
+
 def resolve_model(model: "str | dict[str, Any] | ModelSpec | os.PathLike") -> ModelSpec:
-    """A preset name, a path to a Hugging Face config.json (or its folder), a dict of
-    dimensions, or a ModelSpec -> ModelSpec. Bad input raises FrenzyInputError."""
+    """A preset name, a path to a Hugging Face config.json (or its model folder), a Hub id
+    cached locally, a dict of dimensions, or a ModelSpec -> ModelSpec. Bad input raises
+    FrenzyInputError."""
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, dict):
@@ -447,6 +474,15 @@ def resolve_model(model: "str | dict[str, Any] | ModelSpec | os.PathLike") -> Mo
                 raise FrenzyInputError("model", f"{path} is not a JSON object")
             name = os.path.basename(os.path.dirname(os.path.abspath(path))) or "config"
             return _from_hf_dict(cfg, name)
+        if HUB_ID.match(key) and not key.endswith(".json") and not key.startswith((".", "~")):
+            try:
+                folder = cached_hub_snapshot(key)   # raises, naming the cache entry, when absent
+            except FrenzyInputError as err:
+                if "/" in key:
+                    raise
+                raise FrenzyInputError("model", f"unknown preset {key!r} (see `frenzy models`); as a Hub id: "
+                                                f"{err.rule}") from None
+            return resolve_model(folder)
         if key.endswith(".json") or os.sep in key:
             raise FrenzyInputError("model", f"config file not found: {key}")
         raise FrenzyInputError("model", f"unknown preset {key!r} (see `frenzy models`)")

@@ -72,6 +72,9 @@ def handle(args) -> int:
     from estimator.errors import FrenzyInputError
     from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, plans_for_job
     from scheduler.discover import cluster_or_local
+    from trainer.pretrained import check_job
+
+    check_job(job)          # starting point, config/weights, LoRA targets, QLoRA support
 
     topology = cluster_or_local(args.cluster)
     # With a settings block its margin is only known once Prefect is up: check against none.

@@ -1,5 +1,6 @@
 """What a Frenzy run shows in the Prefect UI: the candidate plans, the memory breakdown, training
-progress and the predicted-vs-measured summary, as Prefect artifacts.
+progress, the predicted-vs-measured summary, the link to the run's MLflow record and its loss
+curve, as Prefect artifacts.
 
 Each function has a pure half (``*_rows`` / ``*_markdown``: plain data, unit-testable) and a thin
 half that creates the artifact. Artifacts are attached to the current flow/task run when there
@@ -20,6 +21,12 @@ PLANS_KEY = "frenzy-plans"
 MEMORY_KEY = "frenzy-memory"
 PROGRESS_KEY = "frenzy-progress"
 SUMMARY_KEY = "frenzy-summary"
+TRACKING_KEY = "frenzy-mlflow"
+LOSS_KEY = "frenzy-loss-curve"
+
+# A loss table longer than this is thinned to every k-th step (the first and last kept): the UI
+# shows tables unpaged, and MLflow holds every step anyway.
+LOSS_TABLE_MAX_ROWS = 200
 
 # The UI needs no more than a few progress updates a second; a tiny model steps far faster.
 PROGRESS_MIN_INTERVAL_S = 1.0
@@ -236,3 +243,65 @@ def summary(plan: Plan, predicted: dict, measured: dict) -> None:
 
     create_markdown_artifact(markdown=summary_markdown(plan, predicted, measured), key=SUMMARY_KEY,
                              description=f"predicted vs measured for {plan.short()}")
+
+
+# ---------------------------------------------------------------- tracking and loss curve
+
+def loss_curve_rows(losses: list[float], eval_losses: list[Mapping[str, Any]], *, first_step: int = 1,
+                    max_rows: int = LOSS_TABLE_MAX_ROWS) -> list[dict[str, Any]]:
+    """One row per optimizer step (thinned to at most ``max_rows``, eval steps always kept):
+    ``step``, training ``loss`` and ``eval_loss`` where the run evaluated."""
+    evals = {int(e["step"]): float(e["loss"]) for e in eval_losses}
+    steps = {first_step + i: v for i, v in enumerate(losses)}
+    every = max(1, -(-len(steps) // max_rows))
+    last = max(steps, default=0)
+    rows = []
+    for step in sorted(set(steps) | set(evals)):
+        if step in evals or step == last or (step - first_step) % every == 0:
+            rows.append({"step": step, "loss": steps.get(step), "eval_loss": evals.get(step)})
+    return rows
+
+
+def tracking_markdown(trained: Mapping[str, Any]) -> str | None:
+    """Markdown naming the MLflow run (link when the store is a server, else the command that
+    opens it), the export folder and the last eval loss; None without an MLflow run."""
+    run_id = trained.get("mlflow_run_id")
+    if not run_id:
+        return None
+    uri = trained.get("mlflow_tracking_uri") or ""
+    url = trained.get("mlflow_url")
+    lines = ["# MLflow run", ""]
+    if url:
+        lines.append(f"[{run_id}]({url}) on {uri}")
+    else:
+        lines += [f"Run `{run_id}` in experiment {trained.get('mlflow_experiment_id')} of `{uri}`; open it with",
+                  "", f"    mlflow ui --backend-store-uri {uri}", ""]
+    evals = trained.get("eval_losses") or []
+    lines += ["", "| field | value |", "|---|---|",
+              f"| status | {trained.get('status')} |",
+              f"| parameters (trainable) | {trained.get('params')} ({trained.get('trainable_params')}) |",
+              f"| optimizer | {trained.get('optimizer_impl')} |"]
+    if evals:
+        lines.append(f"| last eval loss | {float(evals[-1]['loss']):.4f} (step {evals[-1]['step']}) |")
+    if trained.get("export_dir"):
+        lines.append(f"| export | `{trained['export_dir']}` |")
+    if trained.get("stop"):
+        st = trained["stop"]
+        lines.append(f"| stopped | step {st.get('step')}: {st.get('reason')} |")
+    return "\n".join(lines) + "\n"
+
+
+def training_record(trained: Mapping[str, Any]) -> None:
+    """Artifacts ``frenzy-mlflow`` (markdown with the MLflow link) and ``frenzy-loss-curve``
+    (table: training and eval loss per step) of a finished training (a TrainResult dump)."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    md = tracking_markdown(trained)
+    if md is not None:
+        create_markdown_artifact(markdown=md, key=TRACKING_KEY, description="the MLflow run of this training")
+    losses = list(trained.get("losses") or [])
+    if losses:
+        first = int((trained.get("attempts") or [{}])[0].get("resumed_from_step", 0)) + 1
+        rows = loss_curve_rows(losses, trained.get("eval_losses") or [], first_step=first)
+        create_table_artifact(table=rows, key=LOSS_KEY,
+                              description=f"loss per step ({len(losses)} steps, {len(rows)} rows shown)")

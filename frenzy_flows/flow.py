@@ -14,7 +14,7 @@ from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan
 from scheduler.discover import cluster_or_local
 
 from frenzy_flows import artifacts, dispatch, events
-from frenzy_flows.results import Assignment, SubmitResult, predicted_figures
+from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, training_fields
 from frenzy_flows.tasks import (assign, estimate_memory, fastest, load_settings, new_job_id,
                                 secret_value, select_resources, with_site_defaults)
 from frenzy_flows.train_flow import train_on_pool
@@ -57,9 +57,13 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     from ledger import Ledger
     from prefect.utilities.asyncutils import run_coro_as_sync
 
+    from trainer.pretrained import check_job
+    from trainer.tracking import with_tracking_default
+
     log = get_run_logger()
     site = load_settings(settings)
-    job = with_site_defaults(job, site)
+    job = with_tracking_default(with_site_defaults(job, site), site)
+    check_job(job)              # starting point, LoRA targets, QLoRA support: before any GPU is taken
     ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
     policy = policy or (site.policy if site else "frenzy")
     if safety_margin_gib is None:
@@ -86,8 +90,8 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     try:
         trained = train(job, job_id, chosen, assignment, ledger_url, topology.inventory(), settings)
         # the trainer reports a run that ran out of fallbacks or time; it does not raise
-        ok = trained.get("status") == "completed"
-        status, error = ("completed", None) if ok else ("failed", trained.get("error") or trained.get("status"))
+        ok = trained.get("status") in ("completed", "stopped")
+        status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
     except FrenzyInputError:
         raise
     except Exception as err:  # the run failed for good: report it, GPUs already released
@@ -97,12 +101,13 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     final = Plan.model_validate(trained["final_plan"]) if trained.get("final_plan") else chosen
     measured = trained.get("measured", {})
     artifacts.summary(final, predicted_figures(final), measured)
+    artifacts.training_record(trained)          # MLflow link and loss curve
     result = SubmitResult(
         status=status, job_id=job_id, job_name=job.name, plan=final, initial_plan=chosen,
         allocation=assignment, estimate=estimate_plan(job, final, gpus=gpus).model_dump(mode="json"),
         plans=plans_by_type, losses=trained.get("losses", []), attempts=trained.get("attempts", []),
         measured=measured, checkpoint_dir=trained.get("checkpoint_dir"),
-        flow_run_id=str(flow_run.id) if flow_run.id else None, error=error)
+        flow_run_id=str(flow_run.id) if flow_run.id else None, error=error, **training_fields(trained))
     if status == "failed":
         raise RuntimeError(f"job {job.name} failed: {error}")
     return result

@@ -33,7 +33,7 @@ def predicted_figures(plan: Plan) -> dict[str, float]:
 
 
 class SubmitResult(BaseModel):
-    status: Literal["completed", "failed"]
+    status: Literal["completed", "failed", "stopped"]      # stopped: a control-file stop (deadline, re-size)
     job_id: str
     job_name: str
     plan: Plan                                   # the plan the job finished on
@@ -47,3 +47,23 @@ class SubmitResult(BaseModel):
     checkpoint_dir: str | None = None
     flow_run_id: str | None = None
     error: str | None = None
+    # what the trainer reports beyond losses (trainer.runner.TrainResult), see training_fields
+    export_dir: str | None = None                # Hugging Face export: from_pretrained(export_dir)
+    eval_losses: list[dict[str, Any]] = Field(default_factory=list)   # [{"step", "loss"}]
+    trainable_params: int | None = None
+    params: int | None = None
+    optimizer_impl: str | None = None            # the optimizer implementation that ran (trainer.optim)
+    stop: dict[str, Any] | None = None           # {"step", "reason", "request_id"} of a stopped run
+    mlflow_run_id: str | None = None
+    mlflow_tracking_uri: str | None = None
+    mlflow_url: str | None = None
+    run_dir: str | None = None
+
+
+TRAINING_FIELDS = ("export_dir", "eval_losses", "trainable_params", "params", "optimizer_impl", "stop", "mlflow_run_id",
+                   "mlflow_tracking_uri", "mlflow_url", "run_dir")
+
+
+def training_fields(trained: dict[str, Any]) -> dict[str, Any]:
+    """The SubmitResult fields taken as they are from a TrainResult dump."""
+    return {k: trained[k] for k in TRAINING_FIELDS if trained.get(k) is not None}

@@ -28,8 +28,11 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
     `FrenzySettings` block whose fallback order (and ledger URL, when none is given) apply."""
     from ledger import Ledger
 
+    from trainer.tracking import with_tracking_default
+
     log = get_run_logger()
     site = load_settings(settings)
+    job = with_tracking_default(job, site)          # the settings block's MLflow server
     ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
     job_id = job_id or new_job_id(job)
     if assignment is None:

@@ -29,6 +29,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``. ``fallbacks``:
     the out-of-memory fallback plans to try (default: the trainer's own ladder)."""
     from ledger import Ledger
+    from trainer.resume import prepare_run_dir
     from trainer.runner import run_training
 
     ledger = Ledger(ledger_url)
@@ -54,7 +55,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
         if current["alloc_id"]:
             ledger.release(current["alloc_id"])
 
-    run_dir = runs_dir() / job_id
+    run_dir = prepare_run_dir(job, job_id, runs_dir())      # a resubmission continues its last checkpoint
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         result = run_training(job, plan, run_dir=run_dir, acquire=acquire, release=release, log=log,

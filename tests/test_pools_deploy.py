@@ -41,14 +41,17 @@ def test_prefect_deploy_all_creates_submit_train_and_nightly(deployed):
     schema = sub.parameter_openapi_schema
     assert schema["required"] == ["job"]
     job_def = schema["definitions"]["TrainingJob"]
-    assert {"model", "seq_len", "global_batch", "train_steps", "train_tokens", "allowed_gpu_types",
-            "deadline_s", "max_gpus", "data"} <= set(job_def["properties"])
-    assert set(job_def["required"]) == {"model", "seq_len", "global_batch"}
+    assert {"model", "init_from", "finetune", "eval", "export", "seq_len", "global_batch", "train_steps",
+            "train_tokens", "allowed_gpu_types", "deadline_s", "max_gpus", "data"} <= set(job_def["properties"])
+    # `model` may be left out when init_from names the weights (their config is the model)
+    assert set(job_def["required"]) == {"seq_len", "global_batch"}
     a100 = deployed["frenzy-train-a100"]
     assert a100.work_pool_name == "a100" and a100.job_variables == {"gpu_type": "A100-40GB"}
     [sched] = deployed["nightly-finetune"].schedules
     assert sched.schedule.cron == "0 2 * * *" and sched.active is False
-    assert deployed["nightly-finetune"].parameters["job"]["model"] == "gpt2"
+    nightly = deployed["nightly-finetune"].parameters["job"]
+    assert nightly["init_from"] == "openai-community/gpt2" and nightly["finetune"]["method"] == "lora"
+    assert nightly["eval"]["fraction"] == 0.01
 
 
 def test_the_server_rejects_a_job_that_fails_the_model_naming_the_field(deployed):

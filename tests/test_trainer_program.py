@@ -10,13 +10,16 @@ import torch
 
 from estimator.models import resolve_model
 from trainer import checkpoints as ck
-from trainer.train import apply_activation_checkpointing, build_model, is_transient, lr_at
+from trainer.modeling import build_model
+from trainer.optim import lr_at
+from trainer.train import apply_activation_checkpointing, is_transient
 
 LLAMA_TINY = {"arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 256}
 
 
 def spec_for(model, attention="flash"):
-    return {"hf_config": resolve_model(model).hf_config(), "plan": {"attention": attention}, "entry_point": None}
+    return {"hf_config": resolve_model(model).hf_config(), "plan": {"attention": attention, "precision": "fp32"},
+            "entry_point": None}
 
 
 def grads(model, x):
@@ -30,9 +33,9 @@ def grads(model, x):
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_activation_checkpointing_keeps_loss_and_gradients(model, attention, mode):
     torch.manual_seed(0)
-    ref = build_model(spec_for(model, attention))
+    ref = build_model(spec_for(model, attention), "cpu")
     torch.manual_seed(0)
-    ckm = build_model(spec_for(model, attention))
+    ckm = build_model(spec_for(model, attention), "cpu")
     ckm.load_state_dict(ref.state_dict())
     applied = apply_activation_checkpointing(ckm, mode)
     assert applied.startswith(mode)
@@ -48,7 +51,7 @@ def test_activation_checkpointing_keeps_loss_and_gradients(model, attention, mod
 
 def test_model_matches_the_estimators_parameter_count():
     for model in ("gpt2-tiny", LLAMA_TINY):
-        m = build_model(spec_for(model))
+        m = build_model(spec_for(model), "cpu")
         n = sum(p.numel() for p in m.parameters())             # tied weights counted once
         assert n == resolve_model(model).params
 

@@ -38,14 +38,9 @@ def list_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
     out = []
     if root.is_dir():
         for d in root.iterdir():
-            m = _NAME.match(d.name)
-            if not m or not (d / MARKER).is_file():
-                continue
-            try:
-                meta = json.loads((d / MARKER).read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-            out.append(Checkpoint(int(m.group(1)), d, meta))
+            c = read_checkpoint(d)
+            if c is not None:
+                out.append(c)
     return sorted(out, key=lambda c: c.step)
 
 
@@ -82,3 +77,16 @@ def prune(run_dir: str | Path, keep: int = 2) -> None:
         m = _NAME.match(d.name)
         if m and int(m.group(1)) < newest_kept and not (d / MARKER).exists():
             shutil.rmtree(d, ignore_errors=True)
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint | None:
+    """The complete checkpoint in folder ``path`` (None when it is not one)."""
+    d = Path(path)
+    m = _NAME.match(d.name)
+    if not m or not (d / MARKER).is_file():
+        return None
+    try:
+        meta = json.loads((d / MARKER).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return Checkpoint(int(m.group(1)), d, meta)

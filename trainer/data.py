@@ -121,23 +121,50 @@ def _tokens(texts: list[str], tok) -> list[int]:
     return out
 
 
+# Synthetic held-out sequences are numbered from here: far beyond any training sequence.
+SYNTHETIC_EVAL_OFFSET = 1 << 40
+
+
+def split_windows(windows: int, holdout: float) -> tuple[int, int]:
+    """(training windows, held-out windows) of a token stream cut into ``windows`` sequences,
+    ``holdout`` of them (at least one) held out at the end; at least one left to train on."""
+    held = min(windows - 1, max(1, round(windows * holdout)))
+    return windows - held, held
+
+
 class TokenSource:
     """Sequence number -> ``seq_len`` tokens, deterministic, independent of the parallel plan.
 
     Optimizer step ``s`` always consumes sequences ``[s * G, (s + 1) * G)`` (G: global batch),
     however they are split over ranks and micro-batches, so a resumed or re-planned run sees
     exactly the data the failed one would have.
+
+    ``holdout`` (a fraction in (0, 1)) keeps the last windows of a file's token stream out of
+    training; ``part="eval"`` reads those (synthetic data: a disjoint range of sequences).
     """
 
-    def __init__(self, data: dict[str, Any], *, seq_len: int, vocab: int, seed: int):
+    def __init__(self, data: dict[str, Any], *, seq_len: int, vocab: int, seed: int,
+                 holdout: float | None = None, part: str = "train"):
         import torch
 
         self.seq_len, self.vocab, self.seed = seq_len, vocab, seed
         self.kind = data.get("kind", "synthetic")
         self.tokens = None
+        self.offset = SYNTHETIC_EVAL_OFFSET if (part == "eval" and holdout is not None) else 0
+        self.windows = None                      # None: unbounded (synthetic)
         if self.kind != "synthetic":
             self.tokens = torch.tensor(token_stream(data), dtype=torch.long)
-            self.windows = max(1, (len(self.tokens) - 1) // seq_len)
+            total = max(1, (len(self.tokens) - 1) // seq_len)
+            self.first, self.windows = 0, total
+            if holdout is not None:
+                if total < 2:
+                    raise FrenzyInputError("eval.fraction", f"the data holds {total} sequence of seq_len tokens: "
+                                                            "nothing left to hold out")
+                train, held = split_windows(total, holdout)
+                self.first, self.windows = (0, train) if part == "train" else (train, held)
+
+    def __len__(self) -> int:
+        return self.windows if self.windows is not None else 1 << 62
 
     def sequence(self, n: int):
         import torch
@@ -145,14 +172,44 @@ class TokenSource:
         if self.tokens is None:
             # Learnable synthetic text: arithmetic progressions modulo the vocabulary, with a
             # random start and a small random stride per sequence, so the loss really falls.
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + n)
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.offset + n)
             start = int(torch.randint(0, self.vocab, (1,), generator=g))
             stride = int(torch.randint(1, 8, (1,), generator=g))
             return (start + stride * torch.arange(self.seq_len)) % self.vocab
-        w = n % self.windows
+        w = self.first + n % self.windows
         return self.tokens[w * self.seq_len: w * self.seq_len + self.seq_len]
 
     def batch(self, first: int, count: int):
         import torch
 
         return torch.stack([self.sequence(first + i) for i in range(count)])
+
+
+def eval_source(spec: dict[str, Any], *, vocab: int) -> TokenSource | None:
+    """The held-out sequences of the training spec's ``eval`` section (None: no evaluation)."""
+    ev = spec.get("eval")
+    if not ev:
+        return None
+    if ev.get("data"):
+        return TokenSource(ev["data"], seq_len=spec["seq_len"], vocab=vocab, seed=spec["seed"] + 1)
+    return TokenSource(spec["data"], seq_len=spec["seq_len"], vocab=vocab, seed=spec["seed"],
+                       holdout=ev["fraction"], part="eval")
+
+
+def check_eval(ev: dict[str, Any] | None, data: dict[str, Any], *, vocab: int, seq_len: int) -> None:
+    """The eval split's preconditions, before launch: its file exists and is usable, or the
+    fraction leaves sequences on both sides."""
+    if not ev:
+        return
+    if ev.get("data"):
+        try:
+            check_data(ev["data"], vocab=vocab, seq_len=seq_len)
+        except FrenzyInputError as e:
+            raise FrenzyInputError("eval." + e.field, e.rule) from None
+        return
+    if data.get("kind", "synthetic") in ("text", "jsonl"):
+        n = len(token_stream(data))
+        windows = max(1, (n - 1) // seq_len)
+        if windows < 2:
+            raise FrenzyInputError("eval.fraction", f"{data.get('path')!r} holds {windows} sequence of "
+                                                    f"{seq_len} tokens: nothing left to hold out")

@@ -48,11 +48,13 @@ def check_realisable(plan: Plan) -> None:
 
 def accelerate_config(plan: Plan, *, num_machines: int = 1, machine_rank: int = 0,
                       main_address: str | None = None, main_port: int = 29500, cpu: bool = False,
-                      deepspeed_config_file: str = DEEPSPEED_FILE) -> dict[str, Any]:
+                      deepspeed_config_file: str = DEEPSPEED_FILE, master_weights: str = "fp32") -> dict[str, Any]:
     """The Accelerate config (as ``accelerate config`` writes it) for ``plan``.
 
     ``plan.gpus`` processes in total over ``num_machines`` machines. Mixed precision comes from
-    ``plan.precision`` (fp32 master weights always); with ZeRO the DeepSpeed file carries it.
+    ``plan.precision`` with fp32 master weights; ``master_weights="none"`` (pure 16-bit: the
+    program casts the model to ``precision``) turns autocast off. With ZeRO the DeepSpeed file
+    carries the precision.
     """
     check_realisable(plan)
     if num_machines < 1 or not 0 <= machine_rank < num_machines:
@@ -83,7 +85,7 @@ def accelerate_config(plan: Plan, *, num_machines: int = 1, machine_rank: int = 
         # With a DeepSpeed file, Accelerate insists mixed precision is left to that file.
     else:
         cfg["distributed_type"] = "MULTI_GPU" if plan.gpus > 1 else "NO"
-        cfg["mixed_precision"] = _MIXED[plan.precision]
+        cfg["mixed_precision"] = "no" if master_weights == "none" else _MIXED[plan.precision]
     return cfg
 
 
@@ -107,14 +109,19 @@ def deepspeed_config(plan: Plan, job: TrainingJob) -> dict[str, Any] | None:
     if plan.offload == "optimizer+params":
         zero["offload_param"] = {"device": "cpu", "pin_memory": not is_cpu_plan(plan)}
     if plan.zero == 3:
-        zero["stage3_gather_16bit_weights_on_model_save"] = False
+        # the export gathers the full weights from the shards (module by module, to rank 0)
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    bf16: dict[str, Any] = {"enabled": plan.precision == "bf16"}
+    if plan.precision == "bf16" and job.master_weights == "none":
+        # pure bf16: no fp32 copy of the weights, gradients or optimizer states
+        bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     return {
         "train_batch_size": plan.global_batch,
         "train_micro_batch_size_per_gpu": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": job.optim.grad_clip or 0.0,
         "zero_optimization": zero,
-        "bf16": {"enabled": plan.precision == "bf16"},
+        "bf16": bf16,
         "fp16": {"enabled": plan.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         # The training program checkpoints activations itself (Hugging Face gradient
         # checkpointing, per plan.act_ckpt); this section records the choice and keeps
@@ -123,7 +130,9 @@ def deepspeed_config(plan: Plan, job: TrainingJob) -> dict[str, Any] | None:
                                      "contiguous_memory_optimization": False,
                                      "number_checkpoints": None, "synchronize_checkpoint_boundary": False,
                                      "profile": False},
-        "zero_allow_untested_optimizer": True,   # the program passes a torch optimizer
+        # the program builds the optimizer itself (trainer.optim: DeepSpeed's FusedAdam or
+        # CPUAdam where they apply); the others (SGD, Adafactor) are torch's
+        "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
@@ -158,13 +167,23 @@ def validate_deepspeed_config(cfg: dict[str, Any], *, dp: int | None = None) -> 
         raise FrenzyInputError("deepspeed_config", f"rejected by DeepSpeed: {msg[:300]}") from None
 
 
-def training_spec(job: TrainingJob, plan: Plan) -> dict[str, Any]:
+def export_dir(job: TrainingJob, run_dir: str | Path) -> Path:
+    """Where the end-of-training export goes: ``export.dir``, else ``<run_dir>/export``."""
+    return Path(job.export.dir).resolve() if job.export.dir else Path(run_dir).resolve() / "export"
+
+
+def training_spec(job: TrainingJob, plan: Plan, run_dir: str | Path = ".",
+                  resume_from: str | None = None) -> dict[str, Any]:
     """What the training program needs, as plain JSON (it never imports pydantic models).
 
     The model is resolved here, in the orchestrator, through the estimator's one model
-    resolver, so the program trains exactly the architecture that was estimated.
+    resolver, so the program trains exactly the architecture that was estimated; pretrained
+    weights are the local folder ``init_from`` resolves to (a Hub id: its cached snapshot).
+    ``resume_from``: a checkpoint folder of another run to continue from.
     """
     from estimator.models import resolve_model  # the estimator's (H1) single source of models
+
+    from .pretrained import start_folder
 
     spec = resolve_model(job.model)
     hf = spec.hf_config()
@@ -176,13 +195,21 @@ def training_spec(job: TrainingJob, plan: Plan) -> dict[str, Any]:
         "job_name": job.name,
         "hf_config": hf,
         "entry_point": entry,
+        "init_from": str(start_folder(job.init_from)) if job.init_from else None,
+        "resume_from": resume_from,
+        "finetune": job.finetune.model_dump(),
+        "master_weights": job.master_weights,
         "seq_len": job.seq_len,
         "global_batch": job.global_batch,
         "steps": job.steps,
         "lr": job.lr,
+        "optim": job.optim.model_dump(),
+        "schedule": job.schedule.model_dump(),
         "seed": job.seed,
         "checkpoint_every": job.checkpoint_every,
         "data": job.data.model_dump(),
+        "eval": job.eval.model_dump() if job.eval else None,
+        "export": {**job.export.model_dump(), "dir": str(export_dir(job, run_dir))},
         "plan": plan.model_dump(),
     }
 
@@ -198,7 +225,7 @@ class Paths(NamedTuple):
 
 def write_launch_files(run_dir: str | Path, plan: Plan, job: TrainingJob, *, num_machines: int = 1,
                        machine_rank: int = 0, main_address: str | None = None, main_port: int = 29500,
-                       cpu: bool | None = None, validate: bool = True) -> Paths:
+                       cpu: bool | None = None, validate: bool = True, resume_from: str | None = None) -> Paths:
     """Write accelerate.yaml, deepspeed.json (ZeRO plans, validated first) and train_spec.json.
 
     Nothing is written when any check fails, so a rejected plan leaves no half-made run folder.
@@ -208,10 +235,11 @@ def write_launch_files(run_dir: str | Path, plan: Plan, job: TrainingJob, *, num
     ds = deepspeed_config(plan, job)
     if ds is not None and validate:
         validate_deepspeed_config(ds, dp=plan.dp)
-    spec = training_spec(job, plan)
+    spec = training_spec(job, plan, run_dir, resume_from=resume_from)
     acc = accelerate_config(plan, num_machines=num_machines, machine_rank=machine_rank,
                             main_address=main_address, main_port=main_port, cpu=cpu,
-                            deepspeed_config_file=str((run_dir / DEEPSPEED_FILE).resolve()))
+                            deepspeed_config_file=str((run_dir / DEEPSPEED_FILE).resolve()),
+                            master_weights=job.master_weights)
     run_dir.mkdir(parents=True, exist_ok=True)
     acc_path = run_dir / ACCELERATE_FILE
     acc_path.write_text(yaml.safe_dump(acc, sort_keys=False))

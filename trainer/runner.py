@@ -9,10 +9,22 @@
 * Outcomes: ``ok``; ``oom`` -> the next plan of ``trainer.fallback.fallback_plans`` (same
   global batch), resumed from the newest checkpoint; ``failed`` -> retried on the same plan
   with exponential backoff and jitter when transient (a lost process, a collective timeout),
-  at most ``max_transient_retries`` times; ``timeout`` (the run's deadline) -> stop.
-* Bad input (missing data, tokenizer not loadable offline, entry point not importable, a plan
-  the launcher cannot realise, more processes than devices) raises ``FrenzyInputError``
-  before any process starts, with the devices released.
+  at most ``max_transient_retries`` times; ``stopped`` -> the program acted on a stop request
+  of the control file (``trainer.control.request_stop``: a re-size, a lease fenced, the
+  deadline) after an optimizer step, with a checkpoint: the result says the step and the
+  reason, and a relaunch in the same run folder (any plan with the same global batch)
+  continues from that step; ``timeout`` -> the deadline passed before the program stopped.
+* The deadline (``deadline_s``) stops the program through the control file too: the runner
+  writes a stop request (with an export of the model) when the time left is down to what a
+  step, a checkpoint save and the exit take (measured as the run goes, ``stop_margin_s``).
+* Where a run starts: its own newest checkpoint, else the checkpoint of an earlier run of the
+  job (``trainer.resume``: a resubmission, or ``resume_from``), else step 0 or ``init_from``.
+* Bad input (missing data, tokenizer not loadable offline, entry point not importable, a
+  starting point that does not exist or does not match its config, LoRA targets that match
+  nothing, QLoRA without a GPU, a plan the launcher cannot realise, more processes than
+  devices, an MLflow store that cannot be opened) raises ``FrenzyInputError`` before any
+  process starts, with the devices released.
+* Tracking: one MLflow run per call (``trainer.tracking``), unless ``job.tracking.enabled`` is off.
 
 No prefect here: ``log``, ``on_step`` and ``on_attempt`` are the flow's hooks (Prefect logs,
 progress artifact, events).
@@ -25,6 +37,7 @@ import json
 import random
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,13 +49,20 @@ from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
-from . import checkpoints
-from .data import check_data
+from . import checkpoints, control, resume
+from .data import check_data, check_eval
 from .fallback import fallback_plans
 from .launch_config import Paths, check_realisable, is_cpu_plan, training_spec, write_launch_files
 from .launcher import free_port, launch_env, run_process_group
+from .pretrained import check_job
 
-Outcome = Literal["ok", "oom", "failed", "timeout"]
+Outcome = Literal["ok", "oom", "failed", "timeout", "stopped"]
+Status = Literal["completed", "failed", "timeout", "stopped"]
+
+# What a deadline stop must leave time for beyond the measured step and checkpoint times: the
+# program's teardown (end of training, process group destroyed, interpreter exit: 1-2 s for a
+# CPU gloo run here) and the case of a program still starting when the request is written.
+DEADLINE_STOP_FLOOR_S = 5.0
 
 
 class Attempt(BaseModel):
@@ -70,14 +90,39 @@ class Measured(BaseModel):
     per_rank: list[dict[str, Any]] = Field(default_factory=list)
 
 
+class StopInfo(BaseModel):
+    """Why and where a run stopped on a control-file request (``FRENZY_STOPPED``)."""
+
+    step: int
+    reason: str
+    request_id: str = ""
+
+
+class EvalLoss(BaseModel):
+    step: int
+    loss: float
+
+
 class TrainResult(BaseModel):
-    status: Literal["completed", "failed", "timeout"]
+    status: Status
     losses: list[float]
     attempts: list[Attempt]
     measured: Measured
     checkpoint_dir: str | None
     final_plan: Plan
     error: str | None = None
+    stop: StopInfo | None = None                 # status "stopped": the step and the reason
+    eval_losses: list[EvalLoss] = Field(default_factory=list)
+    export_dir: str | None = None                # Hugging Face export (from_pretrained loads it)
+    params: int | None = None                    # all parameters of the trained model
+    trainable_params: int | None = None          # those the optimizer updates (LoRA: the adapters)
+    optimizer_impl: str | None = None
+    run_dir: str | None = None
+    resumed_from: str | None = None              # another run's checkpoint this run continued from
+    mlflow_run_id: str | None = None
+    mlflow_experiment_id: str | None = None
+    mlflow_tracking_uri: str | None = None
+    mlflow_url: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -88,6 +133,14 @@ class TrainResult(BaseModel):
 def preflight(job: TrainingJob, plan: Plan) -> dict[str, Any]:
     """Every check that needs no process: raises FrenzyInputError naming the file or setting."""
     check_realisable(plan)
+    check_job(job)
+    if job.finetune.method == "qlora":
+        if is_cpu_plan(plan):
+            raise FrenzyInputError("finetune.method", "qlora needs a GPU (bitsandbytes' 4-bit kernels); "
+                                                      "the plan runs on the CPU")
+        if plan.zero == 3 or plan.offload == "optimizer+params":
+            raise FrenzyInputError("plan.zero", "qlora keeps its 4-bit base on every GPU; ZeRO-3 / parameter "
+                                                "offload would partition it (use zero <= 2)")
     spec = training_spec(job, plan)
     hf = spec["hf_config"]
     positions = hf.get("n_positions") or hf.get("max_position_embeddings")
@@ -95,6 +148,7 @@ def preflight(job: TrainingJob, plan: Plan) -> dict[str, Any]:
         raise FrenzyInputError("seq_len", f"{job.seq_len} exceeds the model's {positions} positions")
     vocab = int(hf.get("vocab_size", 0)) or 1 << 30
     check_data(spec["data"], vocab=vocab, seq_len=job.seq_len)
+    check_eval(spec["eval"], spec["data"], vocab=vocab, seq_len=job.seq_len)
     if job.entry_point:
         mod_name, _, fn_name = job.entry_point.partition(":")
         try:
@@ -121,12 +175,20 @@ _SIGNAL_DEATH = re.compile(r"exitcode\s*:\s*-\d+|Signal \d+ \(SIG[A-Z]+\) receiv
 class _Listener:
     """Turns the program's lines into losses, the result and errors, and forwards every line."""
 
-    def __init__(self, log: Callable[[str], None], on_step, losses: dict[int, float], logfile):
+    def __init__(self, log: Callable[[str], None], on_step, losses: dict[int, float], logfile,
+                 evals: dict[int, float] | None = None, tracker=None):
         self.log, self.on_step, self.losses, self.logfile = log, on_step, losses, logfile
+        self.evals = {} if evals is None else evals
+        self.tracker = tracker
         self.result: dict[str, Any] | None = None
         self.errors: list[dict[str, Any]] = []
         self.ooms: list[dict[str, Any]] = []
         self.resume: dict[str, Any] | None = None
+        self.model: dict[str, Any] | None = None
+        self.stopped: dict[str, Any] | None = None
+        self.exports: list[dict[str, Any]] = []
+        self.slowest_step_s = 0.0
+        self.slowest_save_s = 0.0
         self.signalled = False       # a rank died from a signal (killed, lost): always worth a retry
 
     def __call__(self, line: str) -> None:
@@ -141,10 +203,23 @@ class _Listener:
             payload = json.loads(rest)
         except json.JSONDecodeError:
             return
+        if self.tracker is not None:
+            self.tracker.on_line(tag, payload)
         if tag == "FRENZY_STEP":
             self.losses[int(payload["step"])] = float(payload["loss"])
+            self.slowest_step_s = max(self.slowest_step_s, float(payload.get("step_time_s") or 0.0))
             if self.on_step is not None:
                 self.on_step(int(payload["step"]), int(payload.get("total", 0)), float(payload["loss"]))
+        elif tag == "FRENZY_EVAL":
+            self.evals[int(payload["step"])] = float(payload["loss"])
+        elif tag == "FRENZY_CHECKPOINT":
+            self.slowest_save_s = max(self.slowest_save_s, float(payload.get("save_s") or 0.0))
+        elif tag == "FRENZY_MODEL":
+            self.model = payload
+        elif tag == "FRENZY_EXPORT":
+            self.exports.append(payload)
+        elif tag == "FRENZY_STOPPED":
+            self.stopped = payload
         elif tag == "FRENZY_RESULT":
             self.result = payload
         elif tag == "FRENZY_ERROR":
@@ -153,6 +228,42 @@ class _Listener:
             self.ooms.append(payload)
         elif tag == "FRENZY_RESUME":
             self.resume = payload
+
+
+def stop_margin_s(listener: _Listener) -> float:
+    """Time a stop at the next step boundary needs: the step under way, the checkpoint save and
+    an export (each bounded by twice/thrice the slowest seen so far), the teardown floor."""
+    return DEADLINE_STOP_FLOOR_S + 2 * listener.slowest_step_s + 3 * listener.slowest_save_s
+
+
+class _DeadlineStop:
+    """While an attempt runs: write a stop request (with an export) into the control file once
+    the time left is down to the stop margin, so the deadline ends the run with a checkpoint."""
+
+    def __init__(self, run_dir: Path, remaining: Callable[[], float | None], listener: _Listener,
+                 log: Callable[[str], None]):
+        self.run_dir, self.remaining, self.listener, self.log = run_dir, remaining, listener, log
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="frenzy-deadline-stop", daemon=True)
+
+    def __enter__(self) -> "_DeadlineStop":
+        if self.remaining() is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        if self.thread.is_alive():
+            self.thread.join(5)
+
+    def _watch(self) -> None:
+        while not self.done.wait(0.25):
+            left = self.remaining()
+            if left is not None and left <= stop_margin_s(self.listener):
+                rid = control.request_stop(self.run_dir, "deadline", export=True)
+                self.log(f"frenzy: {max(left, 0):.0f} s to the deadline: asked the training to stop with a "
+                         f"checkpoint (request {rid})")
+                return
 
 
 def _backoff(retry: int, base_s: float, cap_s: float = 60.0) -> float:
@@ -192,113 +303,155 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
     started = time.monotonic()
     preflight(job, plan)                                # nothing acquired yet: nothing to release
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / resume.JOB_FILE).is_file():
+        resume.record_job(run_dir, job)                 # so a resubmission finds this run
+    start_ck = resume.resume_checkpoint(job, run_dir)
+    external = start_ck if start_ck is not None and run_dir.resolve() not in start_ck.path.resolve().parents else None
+    tracker = None
+    if job.tracking.enabled:
+        from .tracking import Tracker
+
+        tracker = Tracker(job, plan, run_dir, log)      # FrenzyInputError when the store cannot be opened
+        log(f"frenzy: MLflow run {tracker.run_id} at {tracker.uri}")
     losses: dict[int, float] = {}
+    evals: dict[int, float] = {}
     attempts: list[Attempt] = []
     current = plan
     retries_left = max_transient_retries
     measured = Measured()
-    status: str = "failed"
+    status: Status = "failed"
     error: str | None = None
+    stop: StopInfo | None = None
+    model_info: dict[str, Any] = {}
+    export: str | None = None
 
     def remaining() -> float | None:
         return None if deadline_s is None else deadline_s - (time.monotonic() - started)
 
-    for number in range(1, 10 ** 6):
-        devices = list(acquire(current))
-        try:
-            if len(devices) < current.gpus:
-                raise FrenzyInputError("plan.gpus", f"the plan runs {current.gpus} processes but only "
-                                                    f"{len(devices)} devices were allocated ({', '.join(devices) or 'none'})")
-            if current is not plan:
-                preflight(job, current)
-            paths = write_launch_files(run_dir, current, job, main_port=free_port())
-        except BaseException:
-            release()
-            raise
-        latest = checkpoints.latest_checkpoint(run_dir)
-        resumed = latest.step if latest is not None else 0
-        log(f"frenzy: attempt {number} on {current.short()} devices={','.join(devices[:current.gpus])}"
-            + (f", resuming from step {resumed}" if resumed else ""))
-        env = launch_env(devices[:current.gpus], cpu=is_cpu_plan(current), attempt=number,
-                         deepspeed=current.zero > 0)
-        left = remaining()
-        t0 = time.monotonic()
-        with open(run_dir / f"attempt-{number}.log", "w") as logfile:
-            listener = _Listener(log, on_step, losses, logfile)
+    try:
+        for number in range(1, 10 ** 6):
+            devices = list(acquire(current))
             try:
-                if left is not None and left <= 0:
-                    rc, oom, tail = None, False, []
-                else:
-                    rc, oom, tail = run_process_group(launch_command(paths), env, left, listener, grace_s)
+                if len(devices) < current.gpus:
+                    raise FrenzyInputError("plan.gpus", f"the plan runs {current.gpus} processes but only "
+                                                        f"{len(devices)} devices were allocated ({', '.join(devices) or 'none'})")
+                if current is not plan:
+                    preflight(job, current)
+                paths = write_launch_files(run_dir, current, job, main_port=free_port(),
+                                           resume_from=str(external.path) if external is not None else None)
             except BaseException:
                 release()
                 raise
-        if listener.result is not None:
-            # rank 0 reports the result after every rank finished and the last checkpoint is
-            # saved: a crash while the processes tear down does not undo the training
-            outcome: Outcome = "ok"
-            if rc != 0:
-                log(f"frenzy: attempt {number} finished training but its processes exited with {rc}")
-        elif rc is None:
-            outcome = "timeout"
-        elif oom:
-            outcome = "oom"
-        else:
-            outcome = "failed"
-        err = None if outcome == "ok" else (
-            f"deadline of {deadline_s:.0f} s reached" if outcome == "timeout" else _error_text(tail, listener, rc))
-        att = Attempt(plan=current, outcome=outcome, resumed_from_step=resumed, error=err, number=number,
-                      devices=devices[:current.gpus], duration_s=round(time.monotonic() - t0, 3))
-        attempts.append(att)
-        (run_dir / "attempts.json").write_text(json.dumps([a.model_dump(mode="json") for a in attempts], indent=2))
-        if on_attempt is not None:
-            on_attempt(att)
+            latest = checkpoints.latest_checkpoint(run_dir) or external
+            resumed = latest.step if latest is not None else 0
+            log(f"frenzy: attempt {number} on {current.short()} devices={','.join(devices[:current.gpus])}"
+                + (f", resuming from step {resumed}" if resumed else ""))
+            env = launch_env(devices[:current.gpus], cpu=is_cpu_plan(current), attempt=number,
+                             deepspeed=current.zero > 0)
+            left = remaining()
+            t0 = time.monotonic()
+            with open(run_dir / f"attempt-{number}.log", "w") as logfile:
+                listener = _Listener(log, on_step, losses, logfile, evals, tracker)
+                try:
+                    if left is not None and left <= 0:
+                        rc, oom, tail = None, False, []
+                    else:
+                        with _DeadlineStop(run_dir, remaining, listener, log):
+                            rc, oom, tail = run_process_group(launch_command(paths), env, left, listener, grace_s)
+                except BaseException:
+                    release()
+                    raise
+            model_info = listener.model or model_info
+            if listener.exports:
+                export = listener.exports[-1]["dir"] if listener.exports[-1].get("request_id") is None else export
+            if listener.stopped is not None and listener.result is not None:
+                outcome: Outcome = "stopped"
+            elif listener.result is not None:
+                # rank 0 reports the result after every rank finished and the last checkpoint is
+                # saved: a crash while the processes tear down does not undo the training
+                outcome = "ok"
+                if rc != 0:
+                    log(f"frenzy: attempt {number} finished training but its processes exited with {rc}")
+            elif rc is None:
+                outcome = "timeout"
+            elif oom:
+                outcome = "oom"
+            else:
+                outcome = "failed"
+            err = None if outcome in ("ok", "stopped") else (
+                f"deadline of {deadline_s:.0f} s reached" if outcome == "timeout" else _error_text(tail, listener, rc))
+            att = Attempt(plan=current, outcome=outcome, resumed_from_step=resumed, error=err, number=number,
+                          devices=devices[:current.gpus], duration_s=round(time.monotonic() - t0, 3))
+            attempts.append(att)
+            (run_dir / "attempts.json").write_text(json.dumps([a.model_dump(mode="json") for a in attempts], indent=2))
+            if on_attempt is not None:
+                on_attempt(att)
 
-        if outcome == "ok":
-            r = listener.result
-            measured = Measured(step_time_s=r.get("step_time_s", 0.0), tokens_per_s=r.get("tokens_per_s", 0.0),
-                                allocated_peak_gib=r.get("allocated_peak_gib"),
-                                reserved_peak_gib=r.get("reserved_peak_gib"),
-                                nvml_used_gib=r.get("nvml_used_gib"),
-                                memory_measured=bool(r.get("memory_measured")), per_rank=r.get("per_rank", []))
-            status = "completed"
-            release()
-            break
-        if outcome == "timeout":
-            status, error = "timeout", err
-            release()
-            break
-        if outcome == "oom":
-            release()
-            if fallbacks is None:
-                fallbacks = fallback_plans(job, current, inventory=inventory)
-            nxt = next(fallbacks, None)
-            if nxt is None:
-                status, error = "failed", f"out of memory on {current.short()} and no fallback plan is left"
-                log(f"frenzy: {error}")
+            if outcome in ("ok", "stopped"):
+                r = listener.result
+                measured = Measured(step_time_s=r.get("step_time_s", 0.0), tokens_per_s=r.get("tokens_per_s", 0.0),
+                                    allocated_peak_gib=r.get("allocated_peak_gib"),
+                                    reserved_peak_gib=r.get("reserved_peak_gib"),
+                                    nvml_used_gib=r.get("nvml_used_gib"),
+                                    memory_measured=bool(r.get("memory_measured")), per_rank=r.get("per_rank", []))
+                status = "completed" if outcome == "ok" else "stopped"
+                if outcome == "stopped":
+                    stop = StopInfo(**{k: listener.stopped.get(k) or d for k, d in
+                                       (("step", 0), ("reason", "stop"), ("request_id", ""))})
+                    log(f"frenzy: stopped after step {stop.step} ({stop.reason}), checkpoint saved")
+                release()
                 break
-            log(f"frenzy: out of memory on {current.short()}; falling back to {nxt.short()} "
-                f"(global batch {nxt.global_batch} kept)")
-            current = nxt
-            continue
-        # failed
-        release()
-        permanent = (bool(listener.errors) and not listener.signalled and rc is not None and rc >= 0
-                     and all(not e.get("transient", True) for e in listener.errors))
-        if permanent or retries_left <= 0:
-            status, error = "failed", err if permanent else f"{err} (after {max_transient_retries} retries)"
-            log(f"frenzy: attempt {number} failed: {error}")
-            break
-        retries_left -= 1
-        delay = _backoff(max_transient_retries - retries_left, backoff_s)
-        left = remaining()
-        if left is not None:
-            delay = max(0.0, min(delay, left))
-        log(f"frenzy: attempt {number} failed ({err}); retry in {delay:.1f} s "
-            f"({retries_left} retries left), resuming from the newest checkpoint")
-        time.sleep(delay)
+            if outcome == "timeout":
+                status, error = "timeout", err
+                release()
+                break
+            if outcome == "oom":
+                release()
+                if fallbacks is None:
+                    fallbacks = fallback_plans(job, current, inventory=inventory)
+                nxt = next(fallbacks, None)
+                if nxt is None:
+                    status, error = "failed", f"out of memory on {current.short()} and no fallback plan is left"
+                    log(f"frenzy: {error}")
+                    break
+                log(f"frenzy: out of memory on {current.short()}; falling back to {nxt.short()} "
+                    f"(global batch {nxt.global_batch} kept)")
+                current = nxt
+                continue
+            # failed
+            release()
+            permanent = (bool(listener.errors) and not listener.signalled and rc is not None and rc >= 0
+                         and all(not e.get("transient", True) for e in listener.errors))
+            if permanent or retries_left <= 0:
+                status, error = "failed", err if permanent else f"{err} (after {max_transient_retries} retries)"
+                log(f"frenzy: attempt {number} failed: {error}")
+                break
+            retries_left -= 1
+            delay = _backoff(max_transient_retries - retries_left, backoff_s)
+            left = remaining()
+            if left is not None:
+                delay = max(0.0, min(delay, left))
+            log(f"frenzy: attempt {number} failed ({err}); retry in {delay:.1f} s "
+                f"({retries_left} retries left), resuming from the newest checkpoint")
+            time.sleep(delay)
+    except BaseException as e:               # bad input found late, cancellation: the run ends failed
+        if tracker is not None:
+            tracker.finish("failed", measured={}, final_plan=current, export_dir=None, steps=max(losses, default=0))
+        resume.record_result(run_dir, "failed", error=f"{type(e).__name__}: {str(e)[:300]}")
+        raise
 
     latest = checkpoints.latest_checkpoint(run_dir)
-    return TrainResult(status=status, losses=[losses[s] for s in sorted(losses)], attempts=attempts,
-                       measured=measured, checkpoint_dir=str(latest.path) if latest else None,
-                       final_plan=current, error=error)
+    result = TrainResult(
+        status=status, losses=[losses[s] for s in sorted(losses)], attempts=attempts,
+        measured=measured, checkpoint_dir=str(latest.path) if latest else None, final_plan=current,
+        error=error, stop=stop, eval_losses=[EvalLoss(step=s, loss=evals[s]) for s in sorted(evals)],
+        export_dir=export, params=model_info.get("params"), trainable_params=model_info.get("trainable_params"),
+        optimizer_impl=model_info.get("optimizer_impl"), run_dir=str(run_dir.resolve()),
+        resumed_from=str(external.path) if external is not None else None)
+    if tracker is not None:
+        tracker.finish(status, measured=measured.model_dump(exclude={"per_rank"}), final_plan=current,
+                       export_dir=export, steps=max(losses, default=0))
+        result = result.model_copy(update={"mlflow_run_id": tracker.run_id, "mlflow_experiment_id": tracker.experiment_id,
+                                           "mlflow_tracking_uri": tracker.uri, "mlflow_url": tracker.url})
+    resume.record_result(run_dir, status, stop=stop.model_dump() if stop else None)
+    return result

@@ -3,26 +3,34 @@
     accelerate launch --config_file <run>/accelerate.yaml -m trainer.train --run-dir <run>
 
 It reads ``<run>/train_spec.json`` (plain JSON written by ``trainer.launch_config``: the Hugging
-Face config of the model, data, batch geometry, the plan), builds a causal LM from that config
-with transformers (no hub download) or calls the user's ``module:function``, trains with
-Accelerate (DeepSpeed ZeRO when the plan says so), checkpoints with ``save_state`` every N steps
-and at the end, resumes from the newest checkpoint, and speaks to the runner in single lines:
+Face config of the model or the folder of its pretrained weights, fine-tune method, data and eval
+split, batch geometry, optimizer and schedule, the plan), builds the model (``trainer.modeling``:
+from the config, from pretrained weights, or the user's ``module:function``; LoRA/QLoRA adapters
+through PEFT), trains with Accelerate (DeepSpeed ZeRO when the plan says so), evaluates every N
+steps, checkpoints with ``save_state`` every N steps and at the end, resumes from the newest
+checkpoint (or the one ``resume_from`` names), acts on the control file between optimizer steps
+(``trainer.control``: stop with a checkpoint, or export), exports the result in Hugging Face
+format, and speaks to the runner in single lines:
 
+    FRENZY_MODEL {"params": 108608, "trainable_params": 1792, "optimizer_impl": "torch.optim.AdamW(fused)", ...}
     FRENZY_RESUME {"step": 4, "mode": "full"}
     FRENZY_STEP {"step": 5, "loss": 5.41, "step_time_s": 0.12, "tokens": 1024, "lr": 0.0003}
+    FRENZY_EVAL {"step": 5, "loss": 5.30, "sequences": 16}
+    FRENZY_CHECKPOINT {"step": 6, "dir": "...", "save_s": 0.05}
+    FRENZY_EXPORT {"step": 8, "dir": "...", "request_id": null}
+    FRENZY_STOPPED {"step": 6, "reason": "resize", "request_id": "r-17"}
     FRENZY_RESULT {"steps": 8, "step_time_s": ..., "tokens_per_s": ..., "memory_measured": false, ...}
     FRENZY_OOM {"step": 3, "rank": 0, "injected": true}
     FRENZY_ERROR {"type": "ValueError", "message": "...", "transient": false}
 
 Rank and world come from the launcher's environment (RANK / WORLD_SIZE), not from Accelerate's
 state: on CPU, Accelerate's DeepSpeed path reports every rank as process 0 of 1 (accelerate 1.15).
-Imports only torch, transformers, accelerate (+ deepspeed for ZeRO): no pydantic models, no
+Imports only torch, transformers, accelerate, peft (+ deepspeed for ZeRO): no pydantic models, no
 prefect, so it runs on a bare GPU box from a checkout.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
@@ -33,15 +41,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from trainer.problems import InputProblem
+
 GIB = 1024 ** 3
 
 
 def emit(tag: str, payload: dict[str, Any]) -> None:
     print(f"{tag} {json.dumps(payload, separators=(', ', ': '))}", flush=True)
-
-
-class InputProblem(Exception):
-    """Bad input found inside the program (a retry would fail the same way)."""
 
 
 def dist_info() -> tuple[int, int, int]:
@@ -52,28 +58,6 @@ def dist_info() -> tuple[int, int, int]:
 
 
 # ---------------------------------------------------------------------------------------- model
-def build_model(spec: dict[str, Any]):
-    import torch
-
-    hf = dict(spec["hf_config"])
-    attn = "sdpa" if spec["plan"].get("attention", "flash") == "flash" else "eager"
-    if spec.get("entry_point"):
-        mod_name, _, fn_name = spec["entry_point"].partition(":")
-        try:
-            fn = getattr(importlib.import_module(mod_name), fn_name)
-        except (ImportError, AttributeError) as e:
-            raise InputProblem(f"entry_point: cannot import {spec['entry_point']!r} ({e})") from None
-        model = fn(hf)
-        if not isinstance(model, torch.nn.Module):
-            raise InputProblem(f"entry_point: {spec['entry_point']!r} returned {type(model).__name__}, not a torch module")
-        return model
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(**hf)
-    cfg.use_cache = False
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
-
-
 def apply_activation_checkpointing(model, mode: str) -> str:
     """``full``: recompute every block (HF gradient checkpointing). ``selective``: recompute only
     the attention sub-modules (the part whose activations grow fastest), as Megatron's selective
@@ -104,35 +88,6 @@ def apply_activation_checkpointing(model, mode: str) -> str:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return "full"
     return "none (model does not support it)"
-
-
-def make_optimizer(name: str, params, lr: float):
-    import torch
-
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.95))
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False)
-    if name == "adamw8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise InputProblem("optimizer: adamw8bit needs the bitsandbytes package") from None
-        return bnb.optim.AdamW8bit(params, lr=lr)
-    raise InputProblem(f"optimizer: unknown {name!r}")
-
-
-def lr_at(step: int, base: float, steps: int) -> float:
-    """Linear warm-up over the first ~10% of steps (at most 100), then constant: a function of
-    the step alone, so a resumed run needs no scheduler state."""
-    warm = max(1, min(100, steps // 10))
-    return base * min(1.0, step / warm)
 
 
 # -------------------------------------------------------------------------------- measurement
@@ -181,13 +136,50 @@ class MemoryProbe:
 
 
 # ----------------------------------------------------------------------------------- training
+def _all_reduce_sum(t):
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def evaluate(model, source, *, count: int, mb: int, rank: int, world: int, device) -> float:
+    """Mean token loss over held-out sequences ``0..count-1`` of ``source``, split over ranks.
+    Every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively in each
+    one); a rank with no sequence left runs a padding batch that is weighted 0."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    rounds = math.ceil(count / (mb * world))
+    with torch.no_grad():
+        for r in range(rounds):
+            first = (r * world + rank) * mb
+            n = max(0, min(mb, count - first))
+            x = source.batch(first if n else 0, n or 1).to(device)
+            out = model(input_ids=x, labels=x)
+            loss = out.loss if hasattr(out, "loss") else out
+            tokens = n * (x.shape[1] - 1)              # labels are shifted by one inside the model
+            totals[0] += loss.detach().double() * tokens
+            totals[1] += tokens
+    _all_reduce_sum(totals)
+    if was_training:
+        model.train()
+    return float(totals[0] / totals[1])
+
+
 def train(run_dir: Path) -> None:
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
 
     from trainer import checkpoints as ck
-    from trainer.data import TokenSource
+    from trainer import control
+    from trainer.data import TokenSource, eval_source
+    from trainer.modeling import add_adapters, build_model, count_params, export, uses_adapters
+    from trainer.optim import lr_at, make_optimizer
 
     spec = json.loads((run_dir / "train_spec.json").read_text())
     plan = spec["plan"]
@@ -203,42 +195,91 @@ def train(run_dir: Path) -> None:
     G, seq_len, steps = spec["global_batch"], spec["seq_len"], spec["steps"]
     if mb * ga * dp != G:
         raise InputProblem(f"plan: micro_batch {mb} x grad_accum {ga} x dp {dp} != global_batch {G}")
+    optim = spec.get("optim", {})
+    clip = optim.get("grad_clip", 1.0)
 
     torch.manual_seed(spec["seed"])
+    # created first: under ZeRO-3 it makes from_pretrained/from_config build partitioned (zero.Init)
     accelerator = Accelerator() if deepspeed else Accelerator(gradient_accumulation_steps=ga)
     device = accelerator.device
     vocab = int(spec["hf_config"].get("vocab_size", 256))
-    source = TokenSource(spec["data"], seq_len=seq_len, vocab=vocab, seed=spec["seed"])
+    # an eval fraction holds the last sequences of the training data out of training
+    source = TokenSource(spec["data"], seq_len=seq_len, vocab=vocab, seed=spec["seed"],
+                         holdout=(spec.get("eval") or {}).get("fraction"))
+    held_out = eval_source(spec, vocab=vocab)
+    eval_count = min(len(held_out), spec["eval"]["max_sequences"]) if held_out is not None else 0
+    eval_every = (spec.get("eval") or {}).get("every")
 
-    model = build_model(spec)
+    model = build_model(spec, device)
     applied = apply_activation_checkpointing(model, plan.get("act_ckpt", "none"))
-    fmt = ck.state_format(zero=plan["zero"], world=world, offload=plan.get("offload", "none"))
+    model = add_adapters(model, spec, act_ckpt=plan.get("act_ckpt", "none") != "none")
+    adapters = uses_adapters(spec)
+    params, trainable = count_params(model)
+    fmt = {**ck.state_format(zero=plan["zero"], world=world, offload=plan.get("offload", "none")),
+           "adapters_only": adapters}
     latest = ck.latest_checkpoint(run_dir)
+    if latest is None and spec.get("resume_from"):
+        latest = ck.read_checkpoint(spec["resume_from"])      # a resubmission continues another run
     resume_mode = None
     if latest is not None and not ck.full_resume_possible(latest.meta.get("format", {}), fmt):
         load_weights_only(model, latest)          # before prepare: DeepSpeed then shards them
         resume_mode = "weights"
-    optimizer = make_optimizer(plan.get("optimizer", "adamw"), model.parameters(), spec["lr"])
+    optimizer, optimizer_impl = make_optimizer(plan.get("optimizer", "adamw"), model, lr=spec["lr"], optim=optim,
+                                               device_type=device.type, zero=plan["zero"],
+                                               offload=plan.get("offload", "none"))
     model, optimizer = accelerator.prepare(model, optimizer)
+    # LoRA checkpoints hold the adapters and their optimizer state, not a copy of the frozen base
+    save_kw: dict[str, Any] = {}
+    load_kw: dict[str, Any] = {}
+    if adapters:
+        if deepspeed:
+            save_kw, load_kw = {"exclude_frozen_parameters": True}, {"load_module_strict": False}
+        else:
+            register_adapter_state(accelerator, accelerator.unwrap_model(model), main)
     if latest is not None and resume_mode is None:
-        accelerator.load_state(str(latest.path))
+        accelerator.load_state(str(latest.path), **load_kw)
         resume_mode = "full"
+    if latest is not None:
+        # Accelerate counts micro-batches to place gradient-accumulation boundaries and restores
+        # the count of the saving plan; a relaunch with another grad_accum (2 ranks x 1 -> 1 rank
+        # x 2) would sync in mid step. Count the finished steps in this plan's micro-batches.
+        accelerator.step = latest.step * ga
     start = latest.step if latest is not None else 0
     if main:
         print(f"frenzy: rank 0/{world} device={device} plan={plan['gpu_type']} zero={plan['zero']} "
-              f"act_ckpt={applied} micro_batch={mb} grad_accum={ga} attempt={attempt}", flush=True)
+              f"act_ckpt={applied} micro_batch={mb} grad_accum={ga} attempt={attempt} "
+              f"finetune={spec.get('finetune', {}).get('method', 'full')} optimizer={optimizer_impl}", flush=True)
+        emit("FRENZY_MODEL", {"params": params, "trainable_params": trainable, "optimizer_impl": optimizer_impl,
+                              "finetune": spec.get("finetune", {}).get("method", "full"),
+                              "init_from": spec.get("init_from")})
         if latest is not None:
             emit("FRENZY_RESUME", {"step": start, "mode": resume_mode, "from": str(latest.path)})
+
+    def run_eval(step: int) -> None:
+        if held_out is None:
+            return
+        t0 = time.perf_counter()
+        loss = evaluate(model, held_out, count=eval_count, mb=mb, rank=rank, world=world, device=device)
+        if main:
+            emit("FRENZY_EVAL", {"step": step, "loss": round(loss, 6), "sequences": eval_count,
+                                 "eval_time_s": round(time.perf_counter() - t0, 4)})
+
+    def run_export(step: int, out: Path, request_id: str | None = None) -> None:
+        where = export(accelerator, model, spec, out, step=step, main=main)
+        accelerator.wait_for_everyone()
+        if main and where is not None:
+            emit("FRENZY_EXPORT", {"step": step, "dir": str(where), "request_id": request_id})
 
     probe = MemoryProbe(device)
     step_times: list[float] = []
     tokens_per_step = G * seq_len
+    stopped: dict[str, Any] | None = None
     for step in range(start + 1, steps + 1):
         t0 = time.perf_counter()
         if inject_at is not None and step == inject_at:
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory. (rehearsal injected by FRENZY_INJECT_OOM_AT_STEP={inject_at} at step {step})")
-        lr = lr_at(step, spec["lr"], steps)
+        lr = lr_at(step, spec["lr"], steps, spec.get("schedule"))
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
@@ -249,14 +290,20 @@ def train(run_dir: Path) -> None:
                 out = model(input_ids=x, labels=x)
                 loss = out.loss if hasattr(out, "loss") else out
                 accelerator.backward(loss)
-                if not deepspeed and accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                if not deepspeed and clip and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach().float()
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(loss_sum)
-        mean_loss = float(loss_sum) / (ga * world)
+        # one collective per step: the loss (summed) and rank 0's control request (only rank 0
+        # contributes it), so every rank acts on it after this same step
+        req = control.read_request(run_dir) if main else None
+        code = 0
+        if req is not None:
+            code = control.ACTION_CODES[req["action"]] | (control.ACTION_CODES["export"] if req.get("export") else 0)
+        packed = _all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(code), device=device)]))
+        mean_loss = float(packed[0]) / (ga * world)
+        code = int(round(float(packed[1])))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
@@ -267,8 +314,25 @@ def train(run_dir: Path) -> None:
         if main:
             emit("FRENZY_STEP", {"step": step, "total": steps, "loss": round(mean_loss, 6),
                                  "step_time_s": round(dt, 6), "tokens": tokens_per_step, "lr": lr})
-        if step % spec["checkpoint_every"] == 0 or step == steps:
-            save_checkpoint(accelerator, run_dir, step, fmt, main)
+        stop = bool(code & control.ACTION_CODES["stop"])
+        export_now = bool(code & control.ACTION_CODES["export"])
+        if step % spec["checkpoint_every"] == 0 or step == steps or stop:
+            save_checkpoint(accelerator, run_dir, step, fmt, main, save_kw)
+        if (eval_every and step % eval_every == 0 and step != steps) or (stop and export_now):
+            run_eval(step)
+        if export_now and not stop:
+            run_export(step, run_dir / "exports" / f"step-{step:08d}", req["request_id"] if req else None)
+        if main and req is not None:
+            control.acknowledge(run_dir, req, step)
+        if stop:
+            stopped = {"step": step, "reason": req["reason"] if req else "", "request_id": req["request_id"] if req else ""}
+            if export_now and spec.get("export", {}).get("enabled", True):
+                run_export(step, Path(spec["export"]["dir"]))
+            break
+    if stopped is None:
+        run_eval(steps)
+        if spec.get("export", {}).get("enabled", True):
+            run_export(steps, Path(spec["export"]["dir"]))
 
     # Measurements: every rank's peaks, gathered to rank 0.
     mine = {"rank": rank, **probe.result()}
@@ -282,11 +346,15 @@ def train(run_dir: Path) -> None:
         result: dict[str, Any] = {"steps": steps, "resumed_from": start, "steps_run": len(step_times),
                                   "step_time_s": st, "tokens_per_s": tokens_per_step / st if st else 0.0,
                                   "memory_measured": all(r.get("memory_measured") for r in ranks),
-                                  "per_rank": ranks}
+                                  "params": params, "trainable_params": trainable,
+                                  "optimizer_impl": optimizer_impl, "per_rank": ranks}
         if result["memory_measured"]:
             for key in ("allocated_peak_gib", "reserved_peak_gib", "nvml_used_gib"):
                 vals = [r[key] for r in ranks if r.get(key) is not None]
                 result[key] = max(vals) if vals else None
+        if stopped is not None:
+            result["stopped"] = stopped
+            emit("FRENZY_STOPPED", stopped)
         emit("FRENZY_RESULT", result)
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -298,33 +366,72 @@ def train(run_dir: Path) -> None:
         os.abort()
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, fmt: dict[str, Any], main: bool) -> None:
+def save_checkpoint(accelerator, run_dir: Path, step: int, fmt: dict[str, Any], main: bool,
+                    save_kw: dict[str, Any] | None = None) -> None:
     from trainer import checkpoints as ck
 
     path = ck.checkpoint_path(run_dir, step)
+    t0 = time.perf_counter()
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(path))
+    accelerator.save_state(str(path), **(save_kw or {}))
     accelerator.wait_for_everyone()                   # every rank has written its shard
     if main:
         (path / ck.MARKER).write_text(json.dumps({"step": step, "format": fmt, "time": time.time()}))
         ck.prune(run_dir, keep=2)
-        print(f"frenzy: checkpoint step {step} -> {path}", flush=True)
+        emit("FRENZY_CHECKPOINT", {"step": step, "dir": str(path), "save_s": round(time.perf_counter() - t0, 4)})
     accelerator.wait_for_everyone()
+
+
+ADAPTER_STATE = "adapter_state.safetensors"
+
+
+def register_adapter_state(accelerator, unwrapped, main: bool) -> None:
+    """Plain (non-DeepSpeed) LoRA checkpoints: the trainable tensors under the unwrapped model's
+    names in ``adapter_state.safetensors`` instead of Accelerate's model file (which would hold
+    the frozen base too, under names that carry DDP's ``module.`` prefix on some world sizes
+    only). The optimizer, RNG and step state stay Accelerate's."""
+    from safetensors.torch import load_file, save_file
+
+    names = trainable_names_of(unwrapped)
+
+    def save(models, weights, out):
+        weights.clear()
+        if main:
+            params = dict(unwrapped.named_parameters())
+            save_file({n: params[n].detach().contiguous().cpu() for n in sorted(names)}, str(Path(out) / ADAPTER_STATE))
+
+    def load(models, inp):
+        models.clear()
+        state = load_file(str(Path(inp) / ADAPTER_STATE))
+        missing = names - state.keys()
+        if missing:
+            raise RuntimeError(f"checkpoint {inp} lacks adapter tensors {sorted(missing)[:5]}")
+        unwrapped.load_state_dict(state, strict=False)
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+
+
+def trainable_names_of(model) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
 def load_weights_only(model, latest) -> None:
     """Model weights from a checkpoint of another format (the plan changed ZeRO stage or world
     size): Accelerate's ``model.safetensors`` or DeepSpeed's shards consolidated to fp32. The
-    optimizer restarts; the step count and the data order continue."""
+    optimizer restarts; the step count and the data order continue. A LoRA checkpoint holds the
+    adapters only: the frozen base comes from ``init_from`` as in the first launch."""
     path = latest.path
-    if (path / "model.safetensors").is_file():
+    if (path / ADAPTER_STATE).is_file() or (path / "model.safetensors").is_file():
         from safetensors.torch import load_file
 
-        state = load_file(str(path / "model.safetensors"))
+        state = load_file(str(path / (ADAPTER_STATE if (path / ADAPTER_STATE).is_file() else "model.safetensors")))
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(path))
+    # a state saved from a DDP-wrapped model carries its "module." prefix
+    state = {k.removeprefix("module."): v for k, v in state.items()}
     params = list(model.parameters())
     if any(hasattr(p, "ds_id") for p in params):
         # Built under ZeRO-3's zero.Init: parameters are partitioned placeholders. Gather them,
@@ -336,7 +443,10 @@ def load_weights_only(model, latest) -> None:
     else:
         missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    real_missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    adapters_only = latest.meta.get("format", {}).get("adapters_only", False)
+    real_missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")
+                    and not (adapters_only and k in frozen)]
     if real_missing or unexpected:
         raise RuntimeError(f"checkpoint {path} does not match the model: missing {real_missing[:5]}, "
                            f"unexpected {list(unexpected)[:5]}")
