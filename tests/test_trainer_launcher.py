@@ -70,6 +70,11 @@ def test_exception_in_caller_kills_tree(tmp_path):
     """A KeyboardInterrupt (Prefect cancellation) reaching the waiting thread kills everything."""
     pidfile = str(tmp_path / "pids")
     import _thread
+    import signal
+
+    # interrupt_main() only raises KeyboardInterrupt under Python's own SIGINT handler; a
+    # library imported earlier in the session (Prefect's engine, uvicorn) may have replaced it
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def interrupt_soon():
         for _ in range(100):
@@ -79,8 +84,11 @@ def test_exception_in_caller_kills_tree(tmp_path):
         _thread.interrupt_main()
 
     threading.Thread(target=interrupt_soon, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        run_process_group(py(_spawn_tree_code(pidfile)), None, 60, grace_s=2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_process_group(py(_spawn_tree_code(pidfile)), None, 60, grace_s=2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     grandchild = int(open(pidfile).read())
     time.sleep(0.2)
     assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
