@@ -3,11 +3,31 @@ never a GPU. This model is the parameter form of the ``frenzy-submit`` deploymen
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from .plan import Attention, Optimizer, Precision
+
+
+def _not_bool(v: Any) -> Any:
+    # YAML's `true` is an int to pydantic (train_steps: true trained 1 step): refuse it
+    if isinstance(v, bool):
+        raise ValueError(f"must be an integer, not a boolean ({v!r})")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+"""An integer field that refuses booleans (pydantic's lax mode reads true as 1)."""
+
+# Bounds of a job's numbers, each far beyond any published training run, so a typo or an
+# overflow fails in one line here instead of deep in the planner or in a rank:
+MAX_SEQ_LEN = 2 ** 24          # 16.8M tokens per sequence (the longest trained contexts are ~10M)
+MAX_GLOBAL_BATCH = 2 ** 20     # sequences per step (LLM pre-training uses at most ~16k)
+MAX_STEPS = 10 ** 9            # optimizer steps (large pre-training runs take ~10^6)
+MAX_TOKENS = 10 ** 15          # training tokens (the largest public runs use ~4 x 10^13)
+MAX_SEED = 2 ** 63 - 1         # torch.manual_seed takes a 64-bit integer; numpy wants < 2^63
+MAX_DEADLINE_S = 366 * 86400.0  # a year of wall clock
 
 
 class DataSpec(BaseModel):
@@ -36,8 +56,8 @@ class FinetuneSpec(BaseModel):
     method: Literal["full", "lora", "qlora"] = Field(
         "full", description="full: every weight trains; lora: low-rank adapters on a frozen 16-bit "
                             "base; qlora: adapters on a 4-bit (NF4) base (GPU with bitsandbytes only)")
-    rank: int = Field(16, gt=0, le=4096, description="LoRA rank r")
-    alpha: float = Field(32.0, gt=0, description="LoRA alpha (the update is scaled by alpha / r)")
+    rank: Int = Field(16, gt=0, le=4096, description="LoRA rank r")
+    alpha: float = Field(32.0, gt=0, allow_inf_nan=False, description="LoRA alpha (the update is scaled by alpha / r)")
     dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapters' input")
     target_modules: list[str] | None = Field(
         None, description="module names that get adapters (e.g. q_proj, v_proj); default: PEFT's "
@@ -51,9 +71,10 @@ class OptimSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     betas: tuple[float, float] = Field((0.9, 0.95), description="Adam(W) beta1, beta2, each in [0, 1)")
-    eps: float = Field(1e-8, gt=0, description="Adam(W) epsilon")
-    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (AdamW), L2 (others)")
-    grad_clip: float | None = Field(1.0, gt=0, description="clip the global gradient norm to this; null: no clipping")
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False, description="Adam(W) epsilon")
+    weight_decay: float = Field(0.1, ge=0, allow_inf_nan=False, description="decoupled weight decay (AdamW), L2 (others)")
+    grad_clip: float | None = Field(1.0, gt=0, allow_inf_nan=False,
+                                    description="clip the global gradient norm to this; null: no clipping")
 
     @field_validator("betas")
     @classmethod
@@ -72,7 +93,7 @@ class ScheduleSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["constant", "linear", "cosine"] = Field("constant", description="after the warm-up")
-    warmup_steps: int | None = Field(None, ge=0, description="default: 10% of the steps, at most 100")
+    warmup_steps: Int | None = Field(None, ge=0, le=MAX_STEPS, description="default: 10% of the steps, at most 100")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decay's end as a fraction of lr")
 
 
@@ -85,9 +106,9 @@ class EvalSpec(BaseModel):
     fraction: float | None = Field(None, gt=0, lt=1, description="hold out this fraction of the "
                                                                  "training data's sequences")
     data: DataSpec | None = Field(None, description="or evaluate on a separate data set")
-    every: int | None = Field(None, gt=0, description="evaluate every N optimizer steps (and at the end); "
+    every: Int | None = Field(None, gt=0, le=MAX_STEPS, description="evaluate every N optimizer steps (and at the end); "
                                                       "null: at the end only")
-    max_sequences: int = Field(64, gt=0, description="evaluate on at most this many held-out sequences")
+    max_sequences: Int = Field(64, gt=0, le=MAX_GLOBAL_BATCH, description="evaluate on at most this many held-out sequences")
 
     @model_validator(mode="after")
     def _one_source(self) -> "EvalSpec":
@@ -142,10 +163,11 @@ class TrainingJob(BaseModel):
         None, min_length=1, description="continue from this checkpoint: a run folder, a checkpoint folder "
                                         "or a job id under FRENZY_HOME/runs (default: the newest unfinished "
                                         "run of a job with the same name)")
-    seq_len: int = Field(..., gt=0)
-    global_batch: int = Field(..., gt=0, description="sequences per optimizer step, kept on every plan")
-    train_steps: int | None = Field(None, gt=0, description="optimizer steps (or give train_tokens)")
-    train_tokens: int | None = Field(None, gt=0, description="tokens to train on (or give train_steps)")
+    seq_len: Int = Field(..., gt=0, le=MAX_SEQ_LEN, description="tokens per training sequence")
+    global_batch: Int = Field(..., gt=0, le=MAX_GLOBAL_BATCH,
+                              description="sequences per optimizer step, kept on every plan")
+    train_steps: Int | None = Field(None, gt=0, le=MAX_STEPS, description="optimizer steps (or give train_tokens)")
+    train_tokens: Int | None = Field(None, gt=0, le=MAX_TOKENS, description="tokens to train on (or give train_steps)")
     precision: Precision = "bf16"
     master_weights: Literal["fp32", "none"] = Field(
         "fp32", description="fp32: mixed precision with fp32 master weights and optimizer states; "
@@ -154,24 +176,25 @@ class TrainingJob(BaseModel):
                                    description="full fine-tune (default) or LoRA / QLoRA adapters")
     optimizer: Optimizer = "adamw"
     attention: Attention = "flash"
-    lr: float = Field(3e-4, gt=0, description="peak learning rate (after the warm-up)")
+    lr: float = Field(3e-4, gt=0, allow_inf_nan=False, description="peak learning rate (after the warm-up)")
     optim: OptimSpec = Field(default_factory=OptimSpec, description="optimizer hyper-parameters, gradient clipping")
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="learning-rate schedule")
-    seed: int = 0
+    seed: Int = Field(0, ge=0, le=MAX_SEED, description="seed of the initialisation and the data order")
     data: DataSpec = Field(default_factory=DataSpec)
     entry_point: str | None = Field(
         None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
         description="custom model: 'module:function' called with the model's Hugging Face config dict, "
                     "returning a torch module whose forward(input_ids=, labels=) gives a loss; "
                     "`model` still gives the dimensions the estimator sizes")
-    checkpoint_every: int = Field(50, gt=0, description="save a checkpoint every N steps (and at the end)")
+    checkpoint_every: Int = Field(50, gt=0, le=MAX_STEPS, description="save a checkpoint every N steps (and at the end)")
     eval: EvalSpec | None = Field(None, description="held-out evaluation (null: none)")
     export: ExportSpec = Field(default_factory=ExportSpec, description="Hugging Face export of the result")
     tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking")
     # constraints (all optional)
     allowed_gpu_types: list[str] | None = Field(None, description="only these GPU types (catalog names)")
-    max_gpus: int | None = Field(None, gt=0)
-    deadline_s: float | None = Field(None, gt=0, description="wall-clock limit for the training run")
+    max_gpus: Int | None = Field(None, gt=0, le=2 ** 20, description="use at most this many GPUs")
+    deadline_s: float | None = Field(None, gt=0, le=MAX_DEADLINE_S, allow_inf_nan=False,
+                                     description="wall-clock limit for the training run")
 
     @model_validator(mode="before")
     @classmethod
