@@ -44,7 +44,7 @@ class FileKind:
     example: str                # the example file to point the user at
 
 
-JOB_FILE = FileKind("job file", ("model",), "examples/tiny-job.yaml")
+JOB_FILE = FileKind("job file", ("model", "init_from"), "examples/tiny-job.yaml")
 CLUSTER_FILE = FileKind("cluster file", ("pools", "gpu_types"), "examples/cluster.yaml")
 WORKLOAD_MIX = FileKind("workload mix", ("reference_gpu", "classes"), "examples/workload-mix.yaml")
 KINDS = (JOB_FILE, CLUSTER_FILE, WORKLOAD_MIX)
