@@ -282,3 +282,42 @@ def job_duration_s(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, steps: int, 
     """Predicted seconds to run ``steps`` optimizer steps."""
     return steps * step_time(spec, plan, gpu, seq_len=seq_len, nodes=nodes,
                              inter_node_gbps=inter_node_gbps, factors=factors)
+
+
+# --- calibration from measured runs ----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One measured run: what ran (spec, plan, GPU, sequence length, nodes) and its step time."""
+
+    spec: Any
+    plan: Any
+    gpu: GPU
+    seq_len: int
+    step_s: float
+    nodes: int = 1
+
+
+def fit_factors(measured: list[Measurement], base: Factors = DEFAULT_FACTORS,
+                iterations: int = 6) -> Factors:
+    """Refit the per-GPU-type achievable utilisation (``Factors.util``) from measured runs.
+
+    For each GPU type the utilisation is scaled until the median of predicted / measured step
+    time over its runs is 1 (only the compute term depends on it, so a few fixed-point rounds
+    converge). Types without runs keep the catalog's value. Pure; returns new Factors.
+    """
+    by_gpu: dict[str, list[Measurement]] = {}
+    for m in measured:
+        if m.step_s > 0 and math.isfinite(m.step_s):
+            by_gpu.setdefault(m.gpu.name, []).append(m)
+    util = dict(base.util)
+    for name, ms in by_gpu.items():
+        u = util.get(name, ms[0].gpu.util)
+        for _ in range(iterations):
+            f = base.with_(util={**util, name: u})
+            ratios = sorted(step_time(m.spec, m.plan, m.gpu, seq_len=m.seq_len, nodes=m.nodes, factors=f)
+                            / m.step_s for m in ms)
+            med = ratios[len(ratios) // 2] if len(ratios) % 2 else \
+                0.5 * (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2])
+            u = min(1.0, u * med)
+        util[name] = u
+    return base.with_(util=util)
