@@ -1,16 +1,22 @@
 """Throughput model: predicted seconds per optimizer step of a plan on a GPU type. Pure.
 
-step = compute / (peak x util x micro-batch efficiency)
+step = matmuls at the GPU's sustained tensor rate, plus the operand traffic they cannot hide
+       (a serial roofline per GEMM shape: narrow or split layers are bandwidth-bound, not
+       "inefficient" by a fixed width curve)
+     + attention: fused (flash) kernels at a share of the GEMM rate, causal masks skip half;
+       eager kernels as batched GEMMs plus the s x s score traffic (scale, mask, softmax,
+       dropout) at memory bandwidth
+     + memory-bound work: norms, residual adds, MLP activation, the loss over the vocabulary
      + pipeline bubble
      + exposed data-parallel communication (all-reduce, or ZeRO reduce-scatter / all-gather),
-       over the slowest link the data-parallel group crosses
+       over the slowest link the data-parallel group crosses, minus what overlaps compute
      + tensor-parallel all-reduces (on the critical path) + pipeline point-to-point
      + optimizer step (memory-bound) + CPU-offload traffic + a fixed per-micro-batch overhead
 
-Compute counts training FLOPs per token (PaLM / Megatron accounting, forward = 1/3):
-``6 x matmul params + 12 x layers x hidden x seq`` (attention scores and values); full
-activation recomputation adds a forward: ``8 x P + 16 x l h s``; selective recomputation only
-re-runs attention: ``6 x P + 16 x l h s``.
+FLOPs follow the PaLM / Megatron accounting (forward = 1/3): ``6 x matmul params + 12 x
+layers x hidden x seq`` (attention scores and values); full activation recomputation adds a
+forward: ``8 x P + 16 x l h s``; selective recomputation only re-runs attention. Every other
+term is bytes over the GPU's own memory bandwidth or bits over a link.
 
 Every factor is a field of ``Factors`` (defaults = the module constants below) so measured runs
 can recalibrate them without touching code; per-GPU utilisation lives in the catalog.
@@ -28,16 +34,29 @@ from .catalog import GPU
 # --- named constants (defaults of Factors) -----------------------------------------------
 ATTN_FLOPS_PER_LHS = 12.0          # training FLOPs per token per (layer x hidden x seq), no recompute
 RECOMPUTE_FULL_EXTRA = 1.0 / 3.0   # full recompute: one more forward = +1/3 of training FLOPs
-MB_HALF_SAT_TOKENS = 512.0         # tokens per micro-batch per GPU where kernels reach ~half their
-MB_FULL_TOKENS = 8192.0            # ... asymptotic efficiency; at MB_FULL_TOKENS the factor is 1
-WIDTH_HALF_SAT = 1024.0           # GEMM width (hidden / tp) where matmuls reach ~half their
-WIDTH_FULL = 4096.0                # ... asymptotic efficiency; from WIDTH_FULL up the factor is 1
-EAGER_ATTN_FACTOR = 10.0           # eager attention (scores materialised: memory-bound masking,
-                                   # softmax, dropout over s x s) costs ~10x the FLOP time of fused
-                                   # (flash/SDPA) attention (fitted on H200 runs, see bench)
+MEM_BW_EFF = 0.85                  # share of datasheet DRAM bandwidth streaming kernels reach
+                                   # (STREAM-like copies: ~85-92% on HBM2e/HBM3 and GDDR6X)
+FLASH_ATTN_EFF = 0.7               # fused attention fwd+bwd runs at ~70% of the GEMM rate
+                                   # (FlashAttention-2, Dao 2023: 50-73% of A100 peak vs ~80% GEMMs)
+CAUSAL_ATTN_SHARE = 0.5            # a causal mask lets fused kernels skip half the score tiles
+# Memory-bound bytes per token per layer, for 2-byte activations (fp32 doubles them). Forward
+# writes and backward reads each saved tensor; each backward kernel reads input + grad, writes grad:
+NORM_RESIDUAL_BYTES_PER_H = 126.0  # two norms + two residual adds, unfused PyTorch under autocast:
+                                   # a norm reads 2 B, writes fp32 4 B, the next GEMM's cast reads 4
+                                   # writes 2 (12 B/h each); a residual add reads 2+2 writes 2; fwd
+                                   # 2 x 12 + 2 x 6 = 36 B/h, bwd ~2.5x (reads x, dy, writes dx, casts)
+MLP_ACT_BYTES_PER_FFN = 10.0       # GeLU on the ffn width: fwd read+write 4 B, bwd read x, dy, write dx 6 B
+GATED_ACT_BYTES_PER_FFN = 16.0     # SwiGLU: fwd reads two halves, writes one (6 B), bwd ~10 B
+FLASH_IO_BYTES_PER_H = 26.0        # fused attention: fwd reads q,k,v writes o; bwd reads q,k,v,o,do,
+                                   # writes dq,dk,dv: ~13 h-wide tensors x 2 B
+EAGER_BYTES_PER_SCORE = 72.0       # eager attention per (head, query, key): fwd scale 4 + mask 4 +
+                                   # softmax (autocast fp32) 6 + dropout 9 + cast 6 B, bwd ~31 B, plus
+                                   # the score GEMMs' own writes/reads of the s x s matrices ~12 B
+LOSS_BYTES_PER_VOCAB = 28.0        # cross entropy per logit: cast to fp32 (2+4), log-softmax (4+4),
+                                   # backward softmax grad (4+4), cast back (4+2) bytes
 FP32_UTIL = 0.6                    # plain fp32 (no tensor cores) reaches a higher share of its
                                    # much lower peak: 76% in a large GEMM on H200
-DP_OVERLAP = 0.7                   # fraction of the backward pass DP comms can hide under
+DP_OVERLAP = 0.7                   # fraction of the overlap window DP comms hide under
 DP_MIN_EXPOSED = 0.15              # ... but at least this share of them stays exposed (bucket tail)
 TP_OVERLAP = 0.0                   # Megatron TP all-reduces sit on the critical path
 PP_P2P_EXPOSED_FACTOR = 2.0        # fill + drain: activation sends on the critical path per stage boundary
@@ -55,11 +74,15 @@ class Factors:
 
     attn_flops_per_lhs: float = ATTN_FLOPS_PER_LHS
     recompute_full_extra: float = RECOMPUTE_FULL_EXTRA
-    mb_half_sat_tokens: float = MB_HALF_SAT_TOKENS
-    mb_full_tokens: float = MB_FULL_TOKENS
-    width_half_sat: float = WIDTH_HALF_SAT
-    width_full: float = WIDTH_FULL
-    eager_attn_factor: float = EAGER_ATTN_FACTOR
+    mem_bw_eff: float = MEM_BW_EFF
+    flash_attn_eff: float = FLASH_ATTN_EFF
+    causal_attn_share: float = CAUSAL_ATTN_SHARE
+    norm_residual_bytes_per_h: float = NORM_RESIDUAL_BYTES_PER_H
+    mlp_act_bytes_per_ffn: float = MLP_ACT_BYTES_PER_FFN
+    gated_act_bytes_per_ffn: float = GATED_ACT_BYTES_PER_FFN
+    flash_io_bytes_per_h: float = FLASH_IO_BYTES_PER_H
+    eager_bytes_per_score: float = EAGER_BYTES_PER_SCORE
+    loss_bytes_per_vocab: float = LOSS_BYTES_PER_VOCAB
     fp32_util: float = FP32_UTIL
     dp_overlap: float = DP_OVERLAP
     dp_min_exposed: float = DP_MIN_EXPOSED
@@ -71,7 +94,8 @@ class Factors:
     microbatch_overhead_s: float = MICROBATCH_OVERHEAD_S
     step_overhead_s: float = STEP_OVERHEAD_S
     cpu_microbatch_overhead_s: float = CPU_MICROBATCH_OVERHEAD_S
-    util: dict[str, float] = field(default_factory=dict)  # gpu_type -> calibrated utilisation
+    util: dict[str, float] = field(default_factory=dict)        # gpu_type -> calibrated utilisation
+    mem_eff: dict[str, float] = field(default_factory=dict)     # gpu_type -> calibrated bandwidth share
 
     def with_(self, **kw: Any) -> "Factors":
         return replace(self, **kw)
@@ -84,7 +108,11 @@ _BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 @dataclass(slots=True)
 class StepTime:
-    """Seconds per optimizer step, by part (``total`` is what the scheduler uses)."""
+    """Seconds per optimizer step, by part (``total`` is what the scheduler uses).
+
+    ``compute``: matmuls and attention (tensor math plus the operand traffic GEMMs cannot hide);
+    ``memory``: memory-bound kernels (norms, activations, eager score traffic, loss).
+    """
 
     compute: float
     bubble: float
@@ -94,10 +122,11 @@ class StepTime:
     optimizer: float
     offload: float
     overhead: float
+    memory: float = 0.0
 
     @property
     def total(self) -> float:
-        return (self.compute + self.bubble + self.dp_comm + self.tp_comm + self.pp_comm
+        return (self.compute + self.memory + self.bubble + self.dp_comm + self.tp_comm + self.pp_comm
                 + self.optimizer + self.offload + self.overhead)
 
     def as_dict(self) -> dict[str, float]:
@@ -116,6 +145,15 @@ def _spec_dims(spec: Any) -> tuple[float, int, int, int, bool]:
         tied = getattr(spec, "tied_embeddings", None)
     tied = True if tied is None else bool(tied)
     return params, layers, hidden, vocab, tied
+
+
+def _shape_dims(spec: Any, hidden: int) -> tuple[int, int, int, bool, bool]:
+    """heads, kv heads, ffn width, gated MLP, causal: from a ModelSpec or any object with them."""
+    heads = int(getattr(spec, "heads", 0) or 0) or max(1, hidden // 64)
+    kv = int(getattr(spec, "n_kv", 0) or getattr(spec, "kv_heads", 0) or heads)
+    ffn = int(getattr(spec, "f", 0) or getattr(spec, "ffn", 0) or 4 * hidden)
+    arch = getattr(spec, "arch", "gpt")
+    return heads, kv, ffn, arch == "llama", arch != "bert"
 
 
 def _attn_flops(layers: int, hidden: int, seq_len: int, f: Factors) -> float:
@@ -138,18 +176,18 @@ def flops_per_token(spec: Any, seq_len: int, act_ckpt: str = "none",
     return base
 
 
-def _mb_efficiency(tokens: float, f: Factors) -> float:
-    """Kernel efficiency for small micro-batches, 1.0 from ``mb_full_tokens`` tokens up."""
-    k = f.mb_half_sat_tokens
-    ref = f.mb_full_tokens / (f.mb_full_tokens + k)
-    return min(1.0, (tokens / (tokens + k)) / ref)
+def _gemm_elems_per_token(k: float, n: float, m: float) -> float:
+    """Operand elements one token moves through a (m x k) @ (k x n) GEMM in one pass: its input
+    row, its output row and its share of the weight matrix (read once per micro-batch)."""
+    return k + n + k * n / m
 
 
-def _width_efficiency(width: float, f: Factors) -> float:
-    """GEMM efficiency for narrow layers (small hidden size, or hidden split by TP)."""
-    k = f.width_half_sat
-    ref = f.width_full / (f.width_full + k)
-    return min(1.0, (width / (width + k)) / ref)
+def _layer_gemm_elems(hidden: int, heads: int, kv: int, ffn: int, gated: bool, tp: int, m: float) -> float:
+    """Operand elements per token of one transformer block's GEMMs (forward pass), per TP rank."""
+    q_kv = hidden + 2 * kv * (hidden // heads)
+    up = ffn * (2 if gated else 1)
+    return (_gemm_elems_per_token(hidden, q_kv / tp, m) + _gemm_elems_per_token(hidden / tp, hidden, m)
+            + _gemm_elems_per_token(hidden, up / tp, m) + _gemm_elems_per_token(ffn / tp, hidden, m))
 
 
 def _ring(n: int) -> float:
@@ -165,21 +203,25 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
                         factors: Factors = DEFAULT_FACTORS) -> StepTime:
     """Predicted seconds per optimizer step of ``plan`` on ``gpu``, by part.
 
-    ``spec``: a model with ``params``, ``layers``, ``hidden`` (``vocab``, ``tied_embeddings``
-    optional), e.g. ``estimator.models.ModelSpec``. ``plan``: ``estimator.plan.Plan`` (or any
-    object with its fields). ``nodes``: how many nodes the placement spans; the data-parallel
-    group then crosses the inter-node network (``inter_node_gbps``, node aggregate, defaults to
-    the GPU class's typical figure). Tensor-parallel groups stay inside a node when they fit.
+    ``spec``: a model with ``params``, ``layers``, ``hidden`` (``vocab``, ``tied_embeddings``,
+    ``heads``, ``kv_heads``, ``ffn``, ``arch`` optional), e.g. ``estimator.models.ModelSpec``.
+    ``plan``: ``estimator.plan.Plan`` (or any object with its fields). ``nodes``: how many nodes
+    the placement spans; the data-parallel group then crosses the inter-node network
+    (``inter_node_gbps``, node aggregate, defaults to the GPU class's typical figure).
+    Tensor-parallel groups stay inside a node when they fit.
     """
     f = factors
-    params, layers, hidden, _, _ = _spec_dims(spec)
+    params, layers, hidden, vocab, tied = _spec_dims(spec)
+    heads, kv, ffn, gated, causal = _shape_dims(spec, hidden)
     dp, tp, pp = int(plan.dp), int(plan.tp), int(plan.pp)
     cp = int(getattr(plan, "cp", 1) or 1)
     mb, ga = int(plan.micro_batch), int(plan.grad_accum)
     precision = getattr(plan, "precision", "bf16")
+    matmul_precision = getattr(plan, "matmul_precision", "default") or "default"
     act_ckpt = getattr(plan, "act_ckpt", "none")
     zero = int(getattr(plan, "zero", 0))
     offload = getattr(plan, "offload", "none")
+    eager = getattr(plan, "attention", "flash") == "eager"
     nbytes = _BYTES.get(precision, 2)
     gpus = max(1, dp * tp * pp * cp)
     nodes = max(1, int(nodes))
@@ -187,20 +229,37 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
     inter = inter_node_gbps if inter_node_gbps else gpu.inter_node_gbps
     intra = gpu.intra_link_gbps
 
-    # --- compute --------------------------------------------------------------------------
-    tokens_step = mb * ga * dp * seq_len
-    per_token = flops_per_token(spec, seq_len, act_ckpt, f)
-    if getattr(plan, "attention", "flash") == "eager":
-        attn = _attn_flops(layers, hidden, seq_len, f)
-        attn *= (1.0 + f.recompute_full_extra) if act_ckpt in ("full", "selective") else 1.0
-        per_token += attn * (f.eager_attn_factor - 1.0)
-    flops_gpu = tokens_step * per_token / (dp * tp * pp * cp)
-    util = f.fp32_util if precision == "fp32" and not gpu.is_cpu else f.util.get(gpu.name, gpu.util)
-    eff = _mb_efficiency(mb * seq_len / cp, f)
-    if precision != "fp32":              # narrow GEMMs starve tensor cores; plain fp32 FMA less so
-        eff *= _width_efficiency(hidden / tp, f)
-    compute = flops_gpu / (gpu.peak_tflops(precision) * 1e12 * util * eff)
-    t_mb = compute / ga                  # one micro-batch through one stage (fwd + bwd)
+    # --- compute: matmuls (serial roofline) and attention ------------------------------------
+    tokens_gpu = mb * ga * seq_len / cp * dp / dp   # tokens one rank's stages see per step
+    m = mb * seq_len / cp                           # GEMM rows per micro-batch
+    fwd_passes = {"full": 1.0 + 3.0 * f.recompute_full_extra}.get(act_ckpt, 1.0)  # fwd+bwd = 3 passes
+    passes = 2.0 + fwd_passes                      # fwd, dgrad, wgrad (+ recomputed fwd)
+    tensor_util = f.util.get(gpu.name, gpu.util)
+    if precision == "fp32" and matmul_precision != "tf32" and not gpu.is_cpu:
+        tensor_util = f.fp32_util
+    rate = gpu.peak_tflops(precision, matmul_precision) * 1e12 * tensor_util
+    bw = gpu.mem_bw_gbs * 1e9 * f.mem_eff.get(gpu.name, f.mem_bw_eff)
+    mm_params = params - (0 if tied else vocab * hidden)
+    flops_mm = tokens_gpu * 6.0 * mm_params / (tp * pp) * (passes / 3.0)
+    gemm_elems = layers / pp * _layer_gemm_elems(hidden, heads, kv, ffn, gated, tp, m)
+    if vocab:
+        gemm_elems += _gemm_elems_per_token(hidden, vocab / tp, m) / pp
+    compute = flops_mm / rate + tokens_gpu * gemm_elems * passes * nbytes / bw
+    attn_passes = passes if act_ckpt == "none" else 2.0 + 1.0 + 3.0 * f.recompute_full_extra
+    flops_attn = tokens_gpu * _attn_flops(layers, hidden, seq_len / cp, f) / (tp * pp) * (attn_passes / 3.0)
+    lay = layers / pp
+    if eager:   # full s x s scores (a causal mask is applied, not skipped)
+        compute += flops_attn / rate
+        score_bytes = lay * (heads / tp) * (seq_len / cp) * f.eager_bytes_per_score * (attn_passes / 3.0)
+        attn_io = score_bytes * nbytes / 2.0
+    else:
+        compute += flops_attn * (f.causal_attn_share if causal else 1.0) / (rate * f.flash_attn_eff)
+        attn_io = lay * f.flash_io_bytes_per_h * hidden / tp * nbytes / 2.0 * (attn_passes / 3.0)
+    act = f.gated_act_bytes_per_ffn if gated else f.mlp_act_bytes_per_ffn
+    elem = lay * (f.norm_residual_bytes_per_h * hidden + act * ffn / tp) * nbytes / 2.0 * (passes / 3.0)
+    loss = (vocab / tp * f.loss_bytes_per_vocab / pp) if vocab else 0.0
+    memory = tokens_gpu * (attn_io + elem + loss) / bw
+    t_mb = (compute + memory) / ga      # one micro-batch through one stage (fwd + bwd)
     bubble = t_mb * (pp - 1)             # 1F1B: (pp - 1) micro-batch slots idle per step
 
     # --- data parallel (gradients / ZeRO shards of this rank's model-parallel slice) --------
@@ -222,7 +281,10 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
                    + _xfer_s(shard_bytes * mult * _ring(dp_nodes) * groups_on_node, inter))
         else:
             raw = _xfer_s(shard_bytes * mult * _ring(dp), intra)
-        window = (2.0 / 3.0) * (compute if zero >= 2 else t_mb)  # backward the comms hide under
+        # ZeRO-3 prefetches the next layer's gather during the current one's compute, forward and
+        # backward; gradient reduction (DDP buckets, ZeRO-1/2) overlaps the backward only
+        busy = compute + memory
+        window = busy if zero >= 3 else (2.0 / 3.0) * (busy if zero == 2 else t_mb)
         dp_comm = max(raw - f.dp_overlap * window, f.dp_min_exposed * raw)
     else:
         dp_comm = 0.0
@@ -248,7 +310,7 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
     # --- optimizer step, offload, overhead -------------------------------------------------
     opt_params = params / (tp * pp) / (dp if zero >= 1 else 1)
     if offload == "none":
-        optimizer = opt_params * f.optimizer_bytes_per_param / (gpu.mem_bw_gbs * 1e9)
+        optimizer = opt_params * f.optimizer_bytes_per_param / bw
         off = 0.0
     else:
         optimizer = opt_params / f.cpu_adam_params_per_s
@@ -259,7 +321,7 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
     mb_over = f.cpu_microbatch_overhead_s if gpu.is_cpu else f.microbatch_overhead_s
     overhead = f.step_overhead_s + ga * mb_over
 
-    return StepTime(compute=compute, bubble=bubble, dp_comm=dp_comm, tp_comm=tp_comm,
+    return StepTime(compute=compute, memory=memory, bubble=bubble, dp_comm=dp_comm, tp_comm=tp_comm,
                     pp_comm=pp_comm, optimizer=optimizer, offload=off, overhead=overhead)
 
 
@@ -297,27 +359,37 @@ class Measurement:
     nodes: int = 1
 
 
-def fit_factors(measured: list[Measurement], base: Factors = DEFAULT_FACTORS,
-                iterations: int = 6) -> Factors:
-    """Refit the per-GPU-type achievable utilisation (``Factors.util``) from measured runs.
+FIT_UTIL_GRID = tuple(round(0.10 + 0.02 * i, 2) for i in range(46))      # 0.10 .. 1.00
+FIT_MEM_EFF_GRID = tuple(round(0.20 + 0.05 * i, 2) for i in range(17))   # 0.20 .. 1.00
 
-    For each GPU type the utilisation is scaled until the median of predicted / measured step
-    time over its runs is 1 (only the compute term depends on it, so a few fixed-point rounds
-    converge). Types without runs keep the catalog's value. Pure; returns new Factors.
+
+def _log_err(ms: list[Measurement], f: Factors) -> float:
+    return sum(math.log(step_time(m.spec, m.plan, m.gpu, seq_len=m.seq_len, nodes=m.nodes, factors=f)
+                        / m.step_s) ** 2 for m in ms) / len(ms)
+
+
+def fit_factors(measured: list[Measurement], base: Factors = DEFAULT_FACTORS) -> Factors:
+    """Refit the per-GPU-type named factors from measured runs: the sustained tensor-core
+    utilisation (``Factors.util``) and, where the runs separate it, the share of memory bandwidth
+    the memory-bound kernels reach (``Factors.mem_eff``).
+
+    Per GPU type, the pair minimising the mean squared log error of predicted / measured step
+    time over that type's runs, on a grid of physical values (utilisation 0.10-1.00, bandwidth
+    share 0.20-1.00). With fewer than 3 runs only the utilisation is refit (one run cannot
+    separate the two). Types without runs keep their defaults. Pure; returns new Factors.
     """
     by_gpu: dict[str, list[Measurement]] = {}
     for m in measured:
         if m.step_s > 0 and math.isfinite(m.step_s):
             by_gpu.setdefault(m.gpu.name, []).append(m)
-    util = dict(base.util)
+    util, mem = dict(base.util), dict(base.mem_eff)
     for name, ms in by_gpu.items():
-        u = util.get(name, ms[0].gpu.util)
-        for _ in range(iterations):
-            f = base.with_(util={**util, name: u})
-            ratios = sorted(step_time(m.spec, m.plan, m.gpu, seq_len=m.seq_len, nodes=m.nodes, factors=f)
-                            / m.step_s for m in ms)
-            med = ratios[len(ratios) // 2] if len(ratios) % 2 else \
-                0.5 * (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2])
-            u = min(1.0, u * med)
-        util[name] = u
-    return base.with_(util=util)
+        mem_grid = FIT_MEM_EFF_GRID if len(ms) >= 3 else (mem.get(name, base.mem_bw_eff),)
+        best = (math.inf, util.get(name, ms[0].gpu.util), mem.get(name, base.mem_bw_eff))
+        for me in mem_grid:
+            for u in FIT_UTIL_GRID:
+                err = _log_err(ms, base.with_(util={**util, name: u}, mem_eff={**mem, name: me}))
+                if err < best[0]:
+                    best = (err, u, me)
+        util[name], mem[name] = best[1], best[2]
+    return base.with_(util=util, mem_eff=mem)
