@@ -102,13 +102,18 @@ def parse_row(d: dict[str, str]) -> Row:
                                          f"{v['gpus_per_node'] * v['nodes']}")
         m = ATTN.search(d.get("notes") or "")
         attention = m.group(1) if m else "flash"
+        # fp8 / tf32 name the GEMM precision: 16-bit training with FP8 GEMMs, fp32 on TF32 cores
+        precision, matmul_precision = {"fp8": ("bf16", "fp8"), "tf32": ("fp32", "tf32")}.get(
+            d["precision"], (d["precision"], "default"))
+        arch = "bert" if r.model.lower().startswith("bert") else "gpt"   # encoder: no causal mask
         r.spec = SimpleNamespace(params=v["params"], layers=v["layers"], hidden=v["hidden"], heads=v["heads"],
-                                 kv_heads=v["kv_heads"], ffn=v["ffn"], vocab=v["vocab"], tied_embeddings=True)
+                                 kv_heads=v["kv_heads"], ffn=v["ffn"], vocab=v["vocab"], tied_embeddings=True,
+                                 arch=arch)
         from pydantic import ValidationError
         try:
             r.plan = Plan(gpu_type=r.gpu, gpus=gpus, dp=v["dp"], tp=v["tp"], pp=v["pp"], zero=v["zero"],
                           act_ckpt=d["act_ckpt"], micro_batch=v["micro_batch"], grad_accum=v["grad_accum"],
-                          precision=d["precision"], attention=attention)
+                          precision=precision, matmul_precision=matmul_precision, attention=attention)
         except ValidationError as e:
             err = e.errors()[0]
             raise FrenzyInputError(".".join(map(str, err["loc"])) or "plan", err["msg"]) from None

@@ -25,11 +25,15 @@ of the buffer per rank, a reduce-scatter or all-gather ``(n-1)/n``.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from .catalog import GPU
+from .home import DEFAULT_HOME
 
 # --- named constants (defaults of Factors) -----------------------------------------------
 ATTN_FLOPS_PER_LHS = 12.0          # training FLOPs per token per (layer x hidden x seq), no recompute
@@ -200,7 +204,7 @@ def _xfer_s(nbytes: float, gbps: float) -> float:
 
 def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
                         inter_node_gbps: float | None = None,
-                        factors: Factors = DEFAULT_FACTORS) -> StepTime:
+                        factors: Factors | None = None) -> StepTime:
     """Predicted seconds per optimizer step of ``plan`` on ``gpu``, by part.
 
     ``spec``: a model with ``params``, ``layers``, ``hidden`` (``vocab``, ``tied_embeddings``,
@@ -208,9 +212,10 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
     ``plan``: ``estimator.plan.Plan`` (or any object with its fields). ``nodes``: how many nodes
     the placement spans; the data-parallel group then crosses the inter-node network
     (``inter_node_gbps``, node aggregate, defaults to the GPU class's typical figure).
-    Tensor-parallel groups stay inside a node when they fit.
+    Tensor-parallel groups stay inside a node when they fit. ``factors``: None = the defaults
+    with the per-GPU factors ``frenzy calibrate`` fitted (``calibrated_factors``).
     """
-    f = factors
+    f = factors if factors is not None else calibrated_factors()
     params, layers, hidden, vocab, tied = _spec_dims(spec)
     heads, kv, ffn, gated, causal = _shape_dims(spec, hidden)
     dp, tp, pp = int(plan.dp), int(plan.tp), int(plan.pp)
@@ -326,21 +331,21 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
 
 
 def step_time(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
-              inter_node_gbps: float | None = None, factors: Factors = DEFAULT_FACTORS) -> float:
+              inter_node_gbps: float | None = None, factors: Factors | None = None) -> float:
     """Predicted seconds per optimizer step (see ``step_time_breakdown``)."""
     return step_time_breakdown(spec, plan, gpu, seq_len=seq_len, nodes=nodes,
                                inter_node_gbps=inter_node_gbps, factors=factors).total
 
 
 def tokens_per_s(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
-                 inter_node_gbps: float | None = None, factors: Factors = DEFAULT_FACTORS) -> float:
+                 inter_node_gbps: float | None = None, factors: Factors | None = None) -> float:
     tokens = plan.micro_batch * plan.grad_accum * plan.dp * seq_len
     return tokens / step_time(spec, plan, gpu, seq_len=seq_len, nodes=nodes,
                               inter_node_gbps=inter_node_gbps, factors=factors)
 
 
 def job_duration_s(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, steps: int, nodes: int = 1,
-                   inter_node_gbps: float | None = None, factors: Factors = DEFAULT_FACTORS) -> float:
+                   inter_node_gbps: float | None = None, factors: Factors | None = None) -> float:
     """Predicted seconds to run ``steps`` optimizer steps."""
     return steps * step_time(spec, plan, gpu, seq_len=seq_len, nodes=nodes,
                              inter_node_gbps=inter_node_gbps, factors=factors)
@@ -393,3 +398,58 @@ def fit_factors(measured: list[Measurement], base: Factors = DEFAULT_FACTORS) ->
                     best = (err, u, me)
         util[name], mem[name] = best[1], best[2]
     return base.with_(util=util, mem_eff=mem)
+
+
+# --- the calibration file: per-GPU factors fitted from the ledger's measurements -----------------
+CALIBRATED_KEYS = ("util", "mem_eff")
+_cal_cache: dict[str, tuple[int, Factors]] = {}
+
+
+def calibration_file() -> str:
+    """``$FRENZY_HOME/throughput_calibration.json``: {gpu_type: {"util": u, "mem_eff": m}}."""
+    return os.path.join(os.environ.get("FRENZY_HOME") or DEFAULT_HOME, "throughput_calibration.json")
+
+
+def calibrated_factors(path: str | os.PathLike | None = None) -> Factors:
+    """The default factors with the fitted per-GPU ones from the calibration file (the defaults
+    alone when there is none). Re-read only when the file changes (mtime)."""
+    key = os.fspath(path) if path else calibration_file()
+    try:
+        mtime = os.stat(key).st_mtime_ns
+    except OSError:
+        return DEFAULT_FACTORS
+    hit = _cal_cache.get(key)
+    if hit and hit[0] == mtime:
+        return hit[1]
+    try:
+        with open(key, encoding="utf-8") as fh:
+            data = json.load(fh)
+        per = {k: {str(g): float(t[k]) for g, t in data.items() if isinstance(t, dict) and k in t}
+               for k in CALIBRATED_KEYS}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return DEFAULT_FACTORS
+    per = {k: {g: v for g, v in d.items() if math.isfinite(v) and 0 < v <= 1} for k, d in per.items()}
+    f = DEFAULT_FACTORS.with_(util=per["util"], mem_eff=per["mem_eff"])
+    _cal_cache[key] = (mtime, f)
+    return f
+
+
+def write_calibration(fitted: Factors, gpu_types: list[str], path: str | os.PathLike | None = None) -> Path:
+    """Merge the fitted per-GPU factors of ``gpu_types`` into the calibration file (other types
+    kept) and return its path."""
+    p = Path(path) if path else Path(calibration_file())
+    p.parent.mkdir(parents=True, exist_ok=True)
+    current: dict[str, Any] = {}
+    if p.exists():
+        try:
+            current = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            current = {}
+    for g in gpu_types:
+        terms = {k: getattr(fitted, k)[g] for k in CALIBRATED_KEYS if g in getattr(fitted, k)}
+        current.setdefault(g, {}).update(terms)
+    tmp = p.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(current, indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, p)
+    _cal_cache.clear()
+    return p
