@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,23 @@ def _shape_dims(spec: Any, hidden: int) -> tuple[int, int, int, bool, bool]:
     return heads, kv, ffn, arch == "llama", arch != "bert"
 
 
+_dims_cache: dict[int, tuple[Any, tuple]] = {}
+
+
+def _dims(spec: Any) -> tuple:
+    """``_spec_dims`` + ``_shape_dims`` of ``spec``, memoised by identity (the planner asks for
+    the same spec thousands of times; the spec object is kept so a reused id cannot alias)."""
+    hit = _dims_cache.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    base = _spec_dims(spec)
+    dims = base + _shape_dims(spec, base[2])
+    if len(_dims_cache) > 4096:
+        _dims_cache.clear()
+    _dims_cache[id(spec)] = (spec, dims)
+    return dims
+
+
 def _attn_flops(layers: int, hidden: int, seq_len: int, f: Factors) -> float:
     """Training FLOPs per token of the attention core (scores and values), no recompute."""
     return f.attn_flops_per_lhs * layers * hidden * seq_len
@@ -180,18 +198,76 @@ def flops_per_token(spec: Any, seq_len: int, act_ckpt: str = "none",
     return base
 
 
-def _gemm_elems_per_token(k: float, n: float, m: float) -> float:
-    """Operand elements one token moves through a (m x k) @ (k x n) GEMM in one pass: its input
-    row, its output row and its share of the weight matrix (read once per micro-batch)."""
-    return k + n + k * n / m
+@dataclass(frozen=True, slots=True)
+class _Ctx:
+    """What a step time needs of (spec, GPU, sequence, precision, kernels, factors), per token
+    and per layer, before the plan's shape divides it (memoised: the planner asks thousands of
+    shapes of one context)."""
+
+    params: float
+    layers: int
+    hidden: int
+    nbytes: int
+    rate: float          # sustained matmul FLOP/s
+    attn_rate: float     # FLOP/s the attention core runs at (fused: a share of the GEMM rate)
+    bw: float            # achieved bytes/s of memory-bound kernels
+    mm_flops: float      # 6 x matmul params (training FLOPs per token, no recompute)
+    attn_flops: float    # attention core FLOPs per token (per layer x layers), causal skip applied
+    g0: float            # per-layer GEMM operand elements per token: g0 + g1/tp + g2/(tp m)
+    g1: float
+    g2: float
+    gv0: float           # LM head: gv0/pp + gv1/(tp pp) + gv2/(tp pp m)
+    gv1: float
+    gv2: float
+    attn_io: float       # per layer per token (before / tp): fused q,k,v,o traffic or eager scores
+    elem_h: float        # norms + residuals, per layer per token
+    elem_ffn: float      # MLP activation, per layer per token (before / tp)
+    loss: float          # cross entropy over the vocabulary, per token (before / (tp pp))
 
 
-def _layer_gemm_elems(hidden: int, heads: int, kv: int, ffn: int, gated: bool, tp: int, m: float) -> float:
-    """Operand elements per token of one transformer block's GEMMs (forward pass), per TP rank."""
-    q_kv = hidden + 2 * kv * (hidden // heads)
+_ctx_cache: dict[tuple, tuple[Any, Any, Any, _Ctx]] = {}
+
+
+def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision: str, eager: bool,
+             cp: int, f: Factors) -> _Ctx:
+    key = (id(spec), id(gpu), seq_len, precision, matmul_precision, eager, cp, id(f))
+    hit = _ctx_cache.get(key)
+    if hit is not None and hit[0] is spec and hit[1] is gpu and hit[2] is f:
+        return hit[3]
+    params, layers, hidden, vocab, tied, heads, kv, ffn, gated, causal = _dims(spec)
+    nbytes = _BYTES.get(precision, 2)
+    util = f.util.get(gpu.name, gpu.util)
+    if precision == "fp32" and matmul_precision != "tf32" and not gpu.is_cpu:
+        util = f.fp32_util
+    rate = gpu.peak_tflops(precision, matmul_precision) * 1e12 * util
+    bw = gpu.mem_bw_gbs * 1e9 * f.mem_eff.get(gpu.name, f.mem_bw_eff)
+    s = seq_len / cp
+    h = float(hidden)
+    q_kv = h + 2 * kv * (hidden // heads)
     up = ffn * (2 if gated else 1)
-    return (_gemm_elems_per_token(hidden, q_kv / tp, m) + _gemm_elems_per_token(hidden / tp, hidden, m)
-            + _gemm_elems_per_token(hidden, up / tp, m) + _gemm_elems_per_token(ffn / tp, hidden, m))
+    # Operand elements one token moves through an (m x k) @ (k x n) GEMM in one pass: its input
+    # row k, its output row n and its share k n / m of the weights (read once per micro-batch).
+    # A block's four GEMMs per TP rank: qkv (h, q_kv/tp), out (h/tp, h), up (h, up/tp),
+    # down (ffn/tp, h); summed: g0 + g1 / tp + g2 / (tp m). The LM head (h, V/tp) likewise.
+    g0, g1, g2 = 4 * h, q_kv + h + up + ffn, h * q_kv + h * h + h * up + ffn * h
+    gv = (h, vocab, h * vocab) if vocab else (0.0, 0.0, 0.0)
+    half = nbytes / 2.0
+    if eager:   # full s x s scores (a causal mask is applied, not skipped)
+        attn_rate = rate
+        attn_io = heads * s * f.eager_bytes_per_score * half
+    else:
+        attn_rate = rate * f.flash_attn_eff / (f.causal_attn_share if causal else 1.0)
+        attn_io = f.flash_io_bytes_per_h * h * half
+    act = f.gated_act_bytes_per_ffn if gated else f.mlp_act_bytes_per_ffn
+    c = _Ctx(params=params, layers=layers, hidden=hidden, nbytes=nbytes, rate=rate, attn_rate=attn_rate, bw=bw,
+             mm_flops=6.0 * (params - (0 if tied else vocab * hidden)),
+             attn_flops=_attn_flops(layers, hidden, s, f), g0=g0, g1=g1, g2=g2, gv0=gv[0], gv1=gv[1], gv2=gv[2],
+             attn_io=attn_io, elem_h=f.norm_residual_bytes_per_h * h * half, elem_ffn=act * ffn * half,
+             loss=vocab * f.loss_bytes_per_vocab)
+    if len(_ctx_cache) > 8192:
+        _ctx_cache.clear()
+    _ctx_cache[key] = (spec, gpu, f, c)
+    return c
 
 
 def _ring(n: int) -> float:
@@ -216,8 +292,6 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
     with the per-GPU factors ``frenzy calibrate`` fitted (``calibrated_factors``).
     """
     f = factors if factors is not None else calibrated_factors()
-    params, layers, hidden, vocab, tied = _spec_dims(spec)
-    heads, kv, ffn, gated, causal = _shape_dims(spec, hidden)
     dp, tp, pp = int(plan.dp), int(plan.tp), int(plan.pp)
     cp = int(getattr(plan, "cp", 1) or 1)
     mb, ga = int(plan.micro_batch), int(plan.grad_accum)
@@ -227,7 +301,8 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
     zero = int(getattr(plan, "zero", 0))
     offload = getattr(plan, "offload", "none")
     eager = getattr(plan, "attention", "flash") == "eager"
-    nbytes = _BYTES.get(precision, 2)
+    c = _context(spec, gpu, seq_len, precision, matmul_precision, eager, cp, f)
+    params, layers, hidden, nbytes, bw = c.params, c.layers, c.hidden, c.nbytes, c.bw
     gpus = max(1, dp * tp * pp * cp)
     nodes = max(1, int(nodes))
     per_node = math.ceil(gpus / nodes)
@@ -235,35 +310,22 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
     intra = gpu.intra_link_gbps
 
     # --- compute: matmuls (serial roofline) and attention ------------------------------------
-    tokens_gpu = mb * ga * seq_len / cp * dp / dp   # tokens one rank's stages see per step
+    tokens_gpu = mb * ga * seq_len / cp             # tokens one rank's stages see per step
     m = mb * seq_len / cp                           # GEMM rows per micro-batch
-    fwd_passes = {"full": 1.0 + 3.0 * f.recompute_full_extra}.get(act_ckpt, 1.0)  # fwd+bwd = 3 passes
-    passes = 2.0 + fwd_passes                      # fwd, dgrad, wgrad (+ recomputed fwd)
-    tensor_util = f.util.get(gpu.name, gpu.util)
-    if precision == "fp32" and matmul_precision != "tf32" and not gpu.is_cpu:
-        tensor_util = f.fp32_util
-    rate = gpu.peak_tflops(precision, matmul_precision) * 1e12 * tensor_util
-    bw = gpu.mem_bw_gbs * 1e9 * f.mem_eff.get(gpu.name, f.mem_bw_eff)
-    mm_params = params - (0 if tied else vocab * hidden)
-    flops_mm = tokens_gpu * 6.0 * mm_params / (tp * pp) * (passes / 3.0)
-    gemm_elems = layers / pp * _layer_gemm_elems(hidden, heads, kv, ffn, gated, tp, m)
-    if vocab:
-        gemm_elems += _gemm_elems_per_token(hidden, vocab / tp, m) / pp
-    compute = flops_mm / rate + tokens_gpu * gemm_elems * passes * nbytes / bw
-    attn_passes = passes if act_ckpt == "none" else 2.0 + 1.0 + 3.0 * f.recompute_full_extra
-    flops_attn = tokens_gpu * _attn_flops(layers, hidden, seq_len / cp, f) / (tp * pp) * (attn_passes / 3.0)
+    # fwd, dgrad, wgrad = 3 passes; full recomputation adds a forward to everything, selective
+    # only to the attention core
+    passes = 3.0 + (3.0 * f.recompute_full_extra if act_ckpt == "full" else 0.0)
+    attn_passes = 3.0 + (3.0 * f.recompute_full_extra if act_ckpt in ("full", "selective") else 0.0)
+    mp = tp * pp
     lay = layers / pp
-    if eager:   # full s x s scores (a causal mask is applied, not skipped)
-        compute += flops_attn / rate
-        score_bytes = lay * (heads / tp) * (seq_len / cp) * f.eager_bytes_per_score * (attn_passes / 3.0)
-        attn_io = score_bytes * nbytes / 2.0
-    else:
-        compute += flops_attn * (f.causal_attn_share if causal else 1.0) / (rate * f.flash_attn_eff)
-        attn_io = lay * f.flash_io_bytes_per_h * hidden / tp * nbytes / 2.0 * (attn_passes / 3.0)
-    act = f.gated_act_bytes_per_ffn if gated else f.mlp_act_bytes_per_ffn
-    elem = lay * (f.norm_residual_bytes_per_h * hidden + act * ffn / tp) * nbytes / 2.0 * (passes / 3.0)
-    loss = (vocab / tp * f.loss_bytes_per_vocab / pp) if vocab else 0.0
-    memory = tokens_gpu * (attn_io + elem + loss) / bw
+    gemm_elems = lay * (c.g0 + c.g1 / tp + c.g2 / (tp * m)) + c.gv0 / pp + c.gv1 / (mp + 0.0) \
+        + c.gv2 / (mp * m)
+    compute = (tokens_gpu * c.mm_flops / mp * (passes / 3.0) / c.rate
+               + tokens_gpu * gemm_elems * passes * nbytes / bw
+               + tokens_gpu * c.attn_flops / mp * (attn_passes / 3.0) / c.attn_rate)
+    attn_io = lay * c.attn_io / tp * (attn_passes / 3.0)
+    elem = lay * (c.elem_h + c.elem_ffn / tp) * (passes / 3.0)
+    memory = tokens_gpu * (attn_io + elem + c.loss / mp) / bw
     t_mb = (compute + memory) / ga      # one micro-batch through one stage (fwd + bwd)
     bubble = t_mb * (pp - 1)             # 1F1B: (pp - 1) micro-batch slots idle per step
 
@@ -402,7 +464,9 @@ def fit_factors(measured: list[Measurement], base: Factors = DEFAULT_FACTORS) ->
 
 # --- the calibration file: per-GPU factors fitted from the ledger's measurements -----------------
 CALIBRATED_KEYS = ("util", "mem_eff")
+CAL_RECHECK_S = 1.0    # look at the file's mtime at most once a second (a stat costs ~3 us a call)
 _cal_cache: dict[str, tuple[int, Factors]] = {}
+_cal_checked: dict[str, tuple[float, Factors]] = {}
 
 
 def calibration_file() -> str:
@@ -412,8 +476,19 @@ def calibration_file() -> str:
 
 def calibrated_factors(path: str | os.PathLike | None = None) -> Factors:
     """The default factors with the fitted per-GPU ones from the calibration file (the defaults
-    alone when there is none). Re-read only when the file changes (mtime)."""
-    key = os.fspath(path) if path else calibration_file()
+    alone when there is none). The file is looked at at most once a second per location and
+    re-read only when it changed (mtime): every step time calls this."""
+    home = os.fspath(path) if path else os.environ.get("FRENZY_HOME") or DEFAULT_HOME
+    now = time.monotonic()
+    seen = _cal_checked.get(home)
+    if seen is not None and now - seen[0] < CAL_RECHECK_S:
+        return seen[1]
+    f = _load_calibrated(os.fspath(path) if path else calibration_file())
+    _cal_checked[home] = (now, f)
+    return f
+
+
+def _load_calibrated(key: str) -> Factors:
     try:
         mtime = os.stat(key).st_mtime_ns
     except OSError:
@@ -452,4 +527,5 @@ def write_calibration(fitted: Factors, gpu_types: list[str], path: str | os.Path
     tmp.write_text(json.dumps(current, indent=2, sort_keys=True), encoding="utf-8")
     os.replace(tmp, p)
     _cal_cache.clear()
+    _cal_checked.clear()
     return p

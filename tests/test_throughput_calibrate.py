@@ -72,7 +72,9 @@ def test_calibrate_cli_fits_throughput_factors_that_step_times_use(frenzy_home, 
     assert _abs_log_median(held, cal) < _abs_log_median(held, DEFAULT_FACTORS)
 
 
-def test_calibration_file_with_bad_values_falls_back_to_defaults(frenzy_home):
+def test_calibration_file_with_bad_values_falls_back_to_defaults(frenzy_home, monkeypatch):
+    import estimator.throughput as tm
+    monkeypatch.setattr(tm, "CAL_RECHECK_S", 0.0)      # look at the file on every call
     frenzy_home.mkdir(parents=True, exist_ok=True)
     with open(calibration_file(), "w") as fh:
         json.dump({"A100-80GB": {"util": 7.0, "mem_eff": 0.5}, "H100-80GB": "nonsense"}, fh)
