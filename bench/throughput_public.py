@@ -50,6 +50,7 @@ INT_COLS = ("params", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "
 STR_COLS = ("row", "source", "model", "act_ckpt", "precision", "gpu")
 FLOAT_COLS = ("measured_tokens_per_s_per_gpu",)
 ATTN = re.compile(r"attention\s*=\s*(\w+)")
+NO_HEAD = re.compile(r"\bno (LM|language[- ]model) head\b", re.I)
 
 
 @dataclass
@@ -106,9 +107,10 @@ def parse_row(d: dict[str, str]) -> Row:
         precision, matmul_precision = {"fp8": ("bf16", "fp8"), "tf32": ("fp32", "tf32")}.get(
             d["precision"], (d["precision"], "default"))
         arch = "bert" if r.model.lower().startswith("bert") else "gpt"   # encoder: no causal mask
+        lm_head = not NO_HEAD.search(d.get("notes") or "")           # e.g. a SQuAD span head
         r.spec = SimpleNamespace(params=v["params"], layers=v["layers"], hidden=v["hidden"], heads=v["heads"],
                                  kv_heads=v["kv_heads"], ffn=v["ffn"], vocab=v["vocab"], tied_embeddings=True,
-                                 arch=arch)
+                                 arch=arch, lm_head=lm_head)
         from pydantic import ValidationError
         try:
             r.plan = Plan(gpu_type=r.gpu, gpus=gpus, dp=v["dp"], tp=v["tp"], pp=v["pp"], zero=v["zero"],

@@ -140,7 +140,12 @@ class StepTime:
         return d
 
 
-def _spec_dims(spec: Any) -> tuple[float, int, int, int, bool]:
+def _spec_dims(spec: Any) -> tuple[float, int, int, int, float]:
+    """params, layers, hidden, the LM head's vocabulary (0 without a head) and matmul params.
+
+    The input embedding is a lookup, not a matmul; a tied head still multiplies by it. A model
+    without an LM head (``lm_head=False``: e.g. a span or classification head) only looks it up.
+    """
     params = float(spec.params)
     layers = int(spec.layers)
     hidden = int(spec.hidden)
@@ -149,7 +154,9 @@ def _spec_dims(spec: Any) -> tuple[float, int, int, int, bool]:
     if tied is None:
         tied = getattr(spec, "tied_embeddings", None)
     tied = True if tied is None else bool(tied)
-    return params, layers, hidden, vocab, tied
+    head = bool(getattr(spec, "lm_head", True))
+    matmul_params = params - (0 if tied and head else vocab * hidden)
+    return params, layers, hidden, vocab if head else 0, matmul_params
 
 
 def _shape_dims(spec: Any, hidden: int) -> tuple[int, int, int, bool, bool]:
@@ -186,9 +193,7 @@ def _attn_flops(layers: int, hidden: int, seq_len: int, f: Factors) -> float:
 def flops_per_token(spec: Any, seq_len: int, act_ckpt: str = "none",
                     factors: Factors = DEFAULT_FACTORS) -> float:
     """Training FLOPs per token (forward + backward, plus recomputation)."""
-    params, layers, hidden, vocab, tied = _spec_dims(spec)
-    # The input embedding is a lookup, not a matmul; a tied head still multiplies by it.
-    matmul_params = params - (0 if tied else vocab * hidden)
+    _, layers, hidden, _, matmul_params = _spec_dims(spec)
     attn = _attn_flops(layers, hidden, seq_len, factors)
     base = 6.0 * matmul_params + attn
     if act_ckpt == "full":
@@ -234,7 +239,7 @@ def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision
     hit = _ctx_cache.get(key)
     if hit is not None and hit[0] is spec and hit[1] is gpu and hit[2] is f:
         return hit[3]
-    params, layers, hidden, vocab, tied, heads, kv, ffn, gated, causal = _dims(spec)
+    params, layers, hidden, vocab, mm_params, heads, kv, ffn, gated, causal = _dims(spec)
     nbytes = _BYTES.get(precision, 2)
     util = f.util.get(gpu.name, gpu.util)
     if precision == "fp32" and matmul_precision != "tf32" and not gpu.is_cpu:
@@ -260,7 +265,7 @@ def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision
         attn_io = f.flash_io_bytes_per_h * h * half
     act = f.gated_act_bytes_per_ffn if gated else f.mlp_act_bytes_per_ffn
     c = _Ctx(params=params, layers=layers, hidden=hidden, nbytes=nbytes, rate=rate, attn_rate=attn_rate, bw=bw,
-             mm_flops=6.0 * (params - (0 if tied else vocab * hidden)),
+             mm_flops=6.0 * mm_params,
              attn_flops=_attn_flops(layers, hidden, s, f), g0=g0, g1=g1, g2=g2, gv0=gv[0], gv1=gv[1], gv2=gv[2],
              attn_io=attn_io, elem_h=f.norm_residual_bytes_per_h * h * half, elem_ffn=act * ffn * half,
              loss=vocab * f.loss_bytes_per_vocab)
