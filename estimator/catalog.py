@@ -23,7 +23,7 @@ Units
   Everything else a step does (memory-bound kernels, attention, communication, launches) is
   a separate term of ``estimator.throughput``. A named, recalibratable factor: measured runs
   refine it per GPU type (``frenzy calibrate``).
-* ``tf32_tflops`` / ``fp8_tflops``: dense TF32 / FP8 tensor rates (0 where the GPU has none).
+* ``tf32_tflops`` / ``fp8_tflops``: dense TF32 / FP8 tensor rates (None where the GPU has none).
 * ``l2_mib``, ``tdp_w`` (board power), ``gpu_class`` (datacenter | workstation | consumer).
 
 Sources: NVIDIA datasheets (V100, A100, H100, H200, A10, L4, L40S, T4, RTX A6000 and the
@@ -57,11 +57,12 @@ class GPU(BaseModel):
     intra_link_gbps: float = Field(128.0, gt=0)
     inter_node_gbps: float = Field(100.0, gt=0)
     util: float = Field(0.4, gt=0, le=1)
-    tf32_tflops: float = Field(0.0, ge=0)      # dense TF32 tensor rate; 0 = no TF32 (pre-Ampere)
-    fp8_tflops: float = Field(0.0, ge=0)       # dense FP8 tensor rate; 0 = no FP8 (pre-Ada/Hopper)
+    tf32_tflops: float | None = Field(None, gt=0)   # dense TF32 tensor rate; None = no TF32 (pre-Ampere)
+    fp8_tflops: float | None = Field(None, gt=0)    # dense FP8 tensor rate; None = no FP8 (pre-Ada/Hopper)
     l2_mib: float = Field(6.0, gt=0)
     tdp_w: float = Field(300.0, gt=0)
     gpu_class: str = "datacenter"              # datacenter | workstation | consumer | cpu
+    flash_attn_eff: float = Field(0.7, gt=0, le=1)  # fused attention's share of the GEMM rate
     is_cpu: bool = False
 
     @property
@@ -78,13 +79,13 @@ class GPU(BaseModel):
         if matmul_precision == "tf32":
             if precision != "fp32":
                 raise FrenzyInputError("matmul_precision", f"tf32 applies to fp32 training (precision {precision!r})")
-            if self.tf32_tflops <= 0:
+            if not self.tf32_tflops:
                 raise FrenzyInputError("matmul_precision", f"{self.name} has no TF32 tensor cores")
             return self.tf32_tflops
         if matmul_precision == "fp8":
             if precision == "fp32":
                 raise FrenzyInputError("matmul_precision", "fp8 applies to 16-bit training (precision 'fp32')")
-            if self.fp8_tflops <= 0:
+            if not self.fp8_tflops:
                 raise FrenzyInputError("matmul_precision", f"{self.name} has no FP8 tensor cores")
             return self.fp8_tflops
         if matmul_precision != "default":
@@ -132,6 +133,11 @@ UTIL_LOW_TDP = 0.55       # A10 (150 W) / T4 (70 W) / L4 (72 W): full tensor rat
 UTIL_ADA_DC = 0.60        # L40S (350 W for 362 TF/s dense): power-limited, ~0.75 of boost x 0.8
 UTIL_A10G = 0.80          # A10G: a lower rated peak (~70 TF/s) on a 300 W budget holds its clock
 
+# ``flash_attn_eff``: fused attention (fwd + bwd) runs at this share of the GEMM rate. FlashAttention-2
+# reaches 50-73% of A100 peak (Dao 2023) against ~80% for GEMMs -> ~0.7 (the default); on Hopper it
+# reaches only ~35% of H100 peak (Shah et al. 2024, FlashAttention-3) against ~64% -> 0.55
+FLASH_ATTN_EFF_HOPPER = 0.55
+
 # Datasheet figures (dense, no sparsity): tensor bf16/fp16 (FP32 accumulate), TF32, FP8, FP32,
 # memory bandwidth, L2, TDP (board power). V100 SXM2, A100 SXM4, H100 SXM5, H200 SXM, A10, L4,
 # L40S, T4, RTX A6000 product datasheets; RTX 3090 / 4090 from NVIDIA's Ampere GA102 and Ada
@@ -152,10 +158,12 @@ CATALOG: dict[str, GPU] = {g.name: g for g in [
        util=UTIL_HBM_DC, l2_mib=40, tdp_w=400),
     _G(name="H100-80GB", memory_gib=79.65, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67, tf32_tflops=495,
        fp8_tflops=1979, mem_bw_gbs=3350, intra_link="nvlink4", intra_link_gbps=NVLINK4_GBPS,
-       inter_node_gbps=3200, util=UTIL_HOPPER, l2_mib=50, tdp_w=700),
+       inter_node_gbps=3200, util=UTIL_HOPPER, l2_mib=50, tdp_w=700,
+       flash_attn_eff=FLASH_ATTN_EFF_HOPPER),
     _G(name="H200-141GB", memory_gib=140.4, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67, tf32_tflops=495,
        fp8_tflops=1979, mem_bw_gbs=4800, intra_link="nvlink4", intra_link_gbps=NVLINK4_GBPS,
-       inter_node_gbps=3200, util=UTIL_HOPPER, l2_mib=50, tdp_w=700),
+       inter_node_gbps=3200, util=UTIL_HOPPER, l2_mib=50, tdp_w=700,
+       flash_attn_eff=FLASH_ATTN_EFF_HOPPER),
     _G(name="A10-24GB", memory_gib=22.49, bf16_tflops=125, fp16_tflops=125, fp32_tflops=31.2, tf32_tflops=62.5,
        mem_bw_gbs=600, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100,
        util=UTIL_LOW_TDP, l2_mib=6, tdp_w=150),

@@ -41,8 +41,6 @@ ATTN_FLOPS_PER_LHS = 12.0          # training FLOPs per token per (layer x hidde
 RECOMPUTE_FULL_EXTRA = 1.0 / 3.0   # full recompute: one more forward = +1/3 of training FLOPs
 MEM_BW_EFF = 0.85                  # share of datasheet DRAM bandwidth streaming kernels reach
                                    # (STREAM-like copies: ~85-92% on HBM2e/HBM3 and GDDR6X)
-FLASH_ATTN_EFF = 0.7               # fused attention fwd+bwd runs at ~70% of the GEMM rate
-                                   # (FlashAttention-2, Dao 2023: 50-73% of A100 peak vs ~80% GEMMs)
 CAUSAL_ATTN_SHARE = 0.5            # a causal mask lets fused kernels skip half the score tiles
 # Memory-bound bytes per token per layer, for 2-byte activations (fp32 doubles them). Forward
 # writes and backward reads each saved tensor; each backward kernel reads input + grad, writes grad:
@@ -80,7 +78,6 @@ class Factors:
     attn_flops_per_lhs: float = ATTN_FLOPS_PER_LHS
     recompute_full_extra: float = RECOMPUTE_FULL_EXTRA
     mem_bw_eff: float = MEM_BW_EFF
-    flash_attn_eff: float = FLASH_ATTN_EFF
     causal_attn_share: float = CAUSAL_ATTN_SHARE
     norm_residual_bytes_per_h: float = NORM_RESIDUAL_BYTES_PER_H
     mlp_act_bytes_per_ffn: float = MLP_ACT_BYTES_PER_FFN
@@ -261,7 +258,7 @@ def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision
         attn_rate = rate
         attn_io = heads * s * f.eager_bytes_per_score * half
     else:
-        attn_rate = rate * f.flash_attn_eff / (f.causal_attn_share if causal else 1.0)
+        attn_rate = rate * gpu.flash_attn_eff / (f.causal_attn_share if causal else 1.0)
         attn_io = f.flash_io_bytes_per_h * h * half
     act = f.gated_act_bytes_per_ffn if gated else f.mlp_act_bytes_per_ffn
     c = _Ctx(params=params, layers=layers, hidden=hidden, nbytes=nbytes, rate=rate, attn_rate=attn_rate, bw=bw,
