@@ -432,9 +432,13 @@ FIT_UTIL_GRID = tuple(round(0.10 + 0.02 * i, 2) for i in range(46))      # 0.10 
 FIT_MEM_EFF_GRID = tuple(round(0.20 + 0.05 * i, 2) for i in range(17))   # 0.20 .. 1.00
 
 
+FIT_PRIOR_RUNS = 2.0   # the datasheet-derived default weighs as much as two runs: one or two runs
+                       # (a single benchmark, another software stack) move a factor only part way
+
+
 def _log_err(ms: list[Measurement], f: Factors) -> float:
     return sum(math.log(step_time(m.spec, m.plan, m.gpu, seq_len=m.seq_len, nodes=m.nodes, factors=f)
-                        / m.step_s) ** 2 for m in ms) / len(ms)
+                        / m.step_s) ** 2 for m in ms)
 
 
 def fit_factors(measured: list[Measurement], base: Factors = DEFAULT_FACTORS) -> Factors:
@@ -442,10 +446,11 @@ def fit_factors(measured: list[Measurement], base: Factors = DEFAULT_FACTORS) ->
     utilisation (``Factors.util``) and, where the runs separate it, the share of memory bandwidth
     the memory-bound kernels reach (``Factors.mem_eff``).
 
-    Per GPU type, the pair minimising the mean squared log error of predicted / measured step
-    time over that type's runs, on a grid of physical values (utilisation 0.10-1.00, bandwidth
-    share 0.20-1.00). With fewer than 3 runs only the utilisation is refit (one run cannot
-    separate the two). Types without runs keep their defaults. Pure; returns new Factors.
+    Per GPU type, the pair minimising the squared log error of predicted / measured step time
+    over that type's runs plus a pull towards the defaults (``FIT_PRIOR_RUNS`` pseudo-runs at
+    the default values, in log space), on a grid of physical values (utilisation 0.10-1.00,
+    bandwidth share 0.20-1.00). With fewer than 3 runs only the utilisation is refit (one run
+    cannot separate the two). Types without runs keep their defaults. Pure; returns new Factors.
     """
     by_gpu: dict[str, list[Measurement]] = {}
     for m in measured:
@@ -453,11 +458,13 @@ def fit_factors(measured: list[Measurement], base: Factors = DEFAULT_FACTORS) ->
             by_gpu.setdefault(m.gpu.name, []).append(m)
     util, mem = dict(base.util), dict(base.mem_eff)
     for name, ms in by_gpu.items():
-        mem_grid = FIT_MEM_EFF_GRID if len(ms) >= 3 else (mem.get(name, base.mem_bw_eff),)
-        best = (math.inf, util.get(name, ms[0].gpu.util), mem.get(name, base.mem_bw_eff))
+        u0, me0 = util.get(name, ms[0].gpu.util), mem.get(name, base.mem_bw_eff)
+        mem_grid = FIT_MEM_EFF_GRID if len(ms) >= 3 else (me0,)
+        best = (math.inf, u0, me0)
         for me in mem_grid:
             for u in FIT_UTIL_GRID:
-                err = _log_err(ms, base.with_(util={**util, name: u}, mem_eff={**mem, name: me}))
+                err = _log_err(ms, base.with_(util={**util, name: u}, mem_eff={**mem, name: me})) \
+                    + FIT_PRIOR_RUNS * (math.log(u / u0) ** 2 + math.log(me / me0) ** 2)
                 if err < best[0]:
                     best = (err, u, me)
         util[name], mem[name] = best[1], best[2]
