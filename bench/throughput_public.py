@@ -157,12 +157,14 @@ def summary(rows: list[Row]) -> dict[str, Any]:
         jobs.setdefault((r.model, r.seq_len), []).append(r)
     pairs = correct = 0
     wrong: list[str] = []
+    gaps: list[float] = []      # |log(predicted speed ratio / measured speed ratio)| per pair
     for group in jobs.values():
         for i, a in enumerate(group):
             for b in group[i + 1:]:
                 if a.gpu == b.gpu or a.measured == b.measured:
                     continue
                 pairs += 1
+                gaps.append(abs(math.log((a.predicted / b.predicted) / (a.measured / b.measured))))
                 if (a.predicted > b.predicted) == (a.measured > b.measured):
                     correct += 1
                 else:
@@ -173,7 +175,8 @@ def summary(rows: list[Row]) -> dict[str, Any]:
             "p10_ratio": round(_q(ratios, 0.1), 4) if ratios else None,
             "p90_ratio": round(_q(ratios, 0.9), 4) if ratios else None,
             "per_gpu_median_ratio": {g: round(statistics.median(v), 4) for g, v in sorted(by_gpu.items())},
-            "rank_pairs": pairs, "rank_pairs_correct": correct, "_wrong_pairs": wrong}
+            "rank_pairs": pairs, "rank_pairs_correct": correct, "_wrong_pairs": wrong,
+            "_gap_median": statistics.median(gaps) if gaps else None, "_gap_max": max(gaps) if gaps else None}
 
 
 def measurements(rows: list[Row]) -> list[Measurement]:
@@ -200,6 +203,9 @@ def print_summary(s: dict[str, Any], title: str) -> None:
           f"{s['median_ratio']}, p10 {s['p10_ratio']}, p90 {s['p90_ratio']}")
     print("  per GPU type: " + ", ".join(f"{g} {v:.2f}" for g, v in s["per_gpu_median_ratio"].items()))
     print(f"  same-job pairs of GPU types ordered right: {s['rank_pairs_correct']}/{s['rank_pairs']}")
+    if s["_gap_median"] is not None:
+        print(f"  their speed ratio (predicted / measured): median error {math.exp(s['_gap_median']) - 1:+.1%}"
+              f", worst {math.exp(s['_gap_max']) - 1:+.1%}")
     for w in s["_wrong_pairs"]:
         print(f"    wrong: {w}")
 
