@@ -4,6 +4,7 @@ start, and the JCT summary. Point PYTHONPATH at another checkout to compare mode
 
     PYTHONPATH=$PWD python bench/throughput_decisions.py WORKLOAD.csv CLUSTER.yaml POLICY
 """
+import argparse
 import collections
 import json
 import statistics
@@ -12,12 +13,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from estimator.errors import FrenzyInputError  # noqa: E402
 from scheduler.cluster import load_cluster  # noqa: E402
 from scheduler.sim import SimConfig, simulate  # noqa: E402
 from scheduler.sim.engine import SimCluster, Simulator  # noqa: E402
 from scheduler.workload import read_workload  # noqa: E402
 
-workload, cluster_file, policy = sys.argv[1:4]
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("workload", help="workload CSV (from `frenzy workload`)")
+ap.add_argument("cluster", help="cluster YAML")
+ap.add_argument("policy", nargs="?", default="frenzy")
+args = ap.parse_args()
+workload, cluster_file, policy = args.workload, args.cluster, args.policy
 starts = []
 orig = Simulator._start
 
@@ -29,8 +36,12 @@ def rec(self, d, t):
 
 
 Simulator._start = rec
-cl = load_cluster(cluster_file)
-jobs = read_workload(workload, extra_gpu_types=cl.gpu_types)
+try:
+    cl = load_cluster(cluster_file)
+    jobs = read_workload(workload, extra_gpu_types=cl.gpu_types)
+except FrenzyInputError as e:
+    print(e, file=sys.stderr)
+    sys.exit(2)
 sc = SimCluster.from_cluster(cl)
 t0 = time.time()
 res = simulate(jobs, sc, policy, config=SimConfig(seed=0), plan_book=sc.plan_book())
