@@ -61,6 +61,12 @@ FP32_UTIL = 0.6                    # plain fp32 (no tensor cores) reaches a high
                                    # much lower peak: 76% in a large GEMM on H200
 DP_OVERLAP = 0.7                   # fraction of the overlap window DP comms hide under
 DP_MIN_EXPOSED = 0.15              # ... but at least this share of them stays exposed (bucket tail)
+OVERLAP_COST = 0.15                # an overlapped collective still slows compute by this share of
+                                   # its time: NCCL runs a CTA per channel (16-32 channels on NVLink
+                                   # systems hold ~12-25% of the SMs) and its copies draw HBM bandwidth
+NVLINK_EFF = 0.8                   # NCCL bus bandwidth over NVLink: nccl-tests reach ~230-240 of 300
+                                   # GB/s (A100) and ~360-380 of 450 GB/s (H100) per GPU
+NETWORK_EFF = 0.9                  # ... and ~90% of InfiniBand / RoCE line rate between nodes
 TP_OVERLAP = 0.0                   # Megatron TP all-reduces sit on the critical path
 PP_P2P_EXPOSED_FACTOR = 2.0        # fill + drain: activation sends on the critical path per stage boundary
 OPTIMIZER_BYTES_PER_PARAM = 32.0   # Adam step: read/write fp32 master, m, v + grads + 16-bit params
@@ -89,6 +95,9 @@ class Factors:
     dp_overlap: float = DP_OVERLAP
     dp_min_exposed: float = DP_MIN_EXPOSED
     tp_overlap: float = TP_OVERLAP
+    overlap_cost: float = OVERLAP_COST
+    nvlink_eff: float = NVLINK_EFF
+    network_eff: float = NETWORK_EFF
     pp_p2p_exposed_factor: float = PP_P2P_EXPOSED_FACTOR
     optimizer_bytes_per_param: float = OPTIMIZER_BYTES_PER_PARAM
     offload_pcie_gbs: float = OFFLOAD_PCIE_GBS
@@ -308,8 +317,8 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
     gpus = max(1, dp * tp * pp * cp)
     nodes = max(1, int(nodes))
     per_node = math.ceil(gpus / nodes)
-    inter = inter_node_gbps if inter_node_gbps else gpu.inter_node_gbps
-    intra = gpu.intra_link_gbps
+    inter = (inter_node_gbps if inter_node_gbps else gpu.inter_node_gbps) * f.network_eff
+    intra = gpu.intra_link_gbps * (f.nvlink_eff if gpu.intra_link.startswith("nvlink") else 1.0)
 
     # --- compute: matmuls (serial roofline) and attention ------------------------------------
     tokens_gpu = mb * ga * seq_len / cp             # tokens one rank's stages see per step
@@ -354,7 +363,8 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
         # backward; gradient reduction (DDP buckets, ZeRO-1/2) overlaps the backward only
         busy = compute + memory
         window = busy if zero >= 3 else (2.0 / 3.0) * (busy if zero == 2 else t_mb)
-        dp_comm = max(raw - f.dp_overlap * window, f.dp_min_exposed * raw)
+        exposed = max(raw - f.dp_overlap * window, f.dp_min_exposed * raw)
+        dp_comm = exposed + f.overlap_cost * (raw - exposed)   # hidden comms still slow compute
     else:
         dp_comm = 0.0
 
