@@ -4,7 +4,7 @@ Reads the single-GPU training runs H1 measured on an H200 (bench/estimator_measu
 30 configurations of GPT-2 / OPT / BERT / Qwen2.5 / Llama-3.2 models, amp / master / fp32,
 flash and eager attention, with and without recomputation) and prints, per run, the predicted
 step time (estimator.throughput.step_time) next to the measured one, then the median and the
-spread of predicted / measured, and the utilisation factor that would make the median exact.
+spread of predicted / measured (uncalibrated defaults unless ``--fit``).
 
     python bench/throughput_accuracy.py [--file bench/estimator_measured_h200.json] [--fit FILE]
 
