@@ -15,7 +15,7 @@ from scheduler.discover import cluster_or_local
 
 from frenzy_flows import artifacts, dispatch, events
 from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, training_fields
-from frenzy_flows.tasks import (assign, estimate_memory, fastest, load_settings, new_job_id,
+from frenzy_flows.tasks import (assign, estimate_memory, load_settings, new_job_id,
                                 secret_value, select_resources, with_site_defaults)
 from frenzy_flows.train_flow import train_on_pool
 
@@ -74,9 +74,7 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     job_id = new_job_id(job)
 
     plans_by_type = estimate_memory(job, topology, safety_margin_gib)
-    best = fastest(plans_by_type)
     gpus = topology.gpu_catalog()
-    artifacts.memory_breakdown(estimate_plan(job, best, gpus=gpus), best)
 
     registered = run_coro_as_sync(_registered_pools())
     candidates = select_resources(job, plans_by_type, topology, registered)
@@ -85,6 +83,7 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     chosen = assignment.plan
     artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
                           pool_notes=dispatch.pool_notes(topology))
+    artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
     events.placed(job.name, chosen, assignment)
 
     try:
@@ -100,7 +99,7 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
 
     final = Plan.model_validate(trained["final_plan"]) if trained.get("final_plan") else chosen
     measured = trained.get("measured", {})
-    artifacts.summary(final, predicted_figures(final), measured)
+    artifacts.summary(final, predicted_figures(final), measured, trained)
     artifacts.training_record(trained)          # MLflow link and loss curve
     result = SubmitResult(
         status=status, job_id=job_id, job_name=job.name, plan=final, initial_plan=chosen,
