@@ -80,6 +80,10 @@ _EST_KEYS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "v
 
 def handle_estimate(args) -> int:
     from estimator import estimate
+    from estimator.catalog import resolve_gpu_name
+
+    if args.gpu is not None:
+        args.gpu = resolve_gpu_name(args.gpu, field="--gpu")
 
     kw = {k: getattr(args, k) for k in _EST_KEYS if getattr(args, k) is not None}
     import warnings
@@ -125,14 +129,16 @@ def handle_estimate(args) -> int:
 
 def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int, dict | None]:
     """(GPU type -> count, GPUs per node, the cluster's own GPU types or None)."""
-    from estimator.catalog import GPU_NAMES, get_gpu
+    from estimator.catalog import GPU_NAMES, resolve_gpu_name
     if args.cluster:
         from scheduler.cluster import load_cluster
         cl = load_cluster(args.cluster)
+        if args.gpu:
+            args.gpu = [resolve_gpu_name(g, cl.gpu_types, field="--gpu") for g in args.gpu]
         return cl.inventory(), cl.gpus_per_node(), cl.gpu_catalog()
+    if args.gpu:
+        args.gpu = [resolve_gpu_name(g, field="--gpu") for g in args.gpu]
     types = args.gpu or list(GPU_NAMES)
-    for g in types:
-        get_gpu(g)
     if args.max_gpus < 1:
         raise FrenzyInputError("max_gpus", f"must be a positive integer, got {args.max_gpus}")
     return {g: args.max_gpus for g in types}, 8, None
@@ -140,6 +146,10 @@ def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int, dict | None]
 
 def handle_plan(args) -> int:
     from estimator.plans import plans_for_job
+
+    if args.top < 1:
+        raise FrenzyInputError("--top", f"must be at least 1 (plans shown per GPU type), got {args.top}; "
+                                        "--json prints every plan")
 
     job = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
            "precision": args.precision, "optimizer": args.optimizer, "attention": args.attention}
