@@ -42,7 +42,7 @@ def print_result(result, console: Console | None = None) -> None:
         for p in shown:
             mark = CHOSEN_MARK if p == plan else ""
             if not mark and p.step_time_s < plan.step_time_s:
-                mark = why_not_chosen(p, plan)
+                mark = why_not_chosen(p, plan, short=True)
             t.add_row(gpu_type, str(p.gpus), f"{p.dp}/{p.tp}/{p.pp}", str(p.zero), p.offload,
                       p.act_ckpt, f"{p.micro_batch} x {p.grad_accum}", format_memory(p.device_used_gib),
                       format_seconds(p.step_time_s), mark, style="bold green" if p == plan else None)
@@ -52,7 +52,8 @@ def print_result(result, console: Console | None = None) -> None:
 
     a = result.allocation
     console.print(f"[bold]Assignment[/]: {a.gpu_type} pool [cyan]{a.pool}[/], "
-                  f"placement {a.placement}, allocation {a.allocation_id}")
+                  "placement " + "; ".join(f"{node} devices {','.join(map(str, ids))}" for node, ids in a.placement.items())
+                  + f", allocation {a.allocation_id}")
     for i, att in enumerate(result.attempts, 1):
         console.print(f"  attempt {i}: {att.get('outcome')} on {att.get('plan', {}).get('gpu_type')}"
                       f" (resumed from step {att.get('resumed_from_step', 0)})"

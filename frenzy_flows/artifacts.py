@@ -122,11 +122,11 @@ def _gpu_memory_gib(gpu_type: str) -> float | None:
 # ---------------------------------------------------------------- plan table
 
 def _layout(p: Plan) -> str:
-    """The plan's knobs in one short cell: 'dp4 tp2 · ZeRO-1 · ckpt full · mb 2x4'."""
+    """The plan's knobs in one short cell: 'dp4 tp2 ZeRO-1 ckpt:full mb 2x4'."""
     par = " ".join(f"{k}{getattr(p, k)}" for k in ("dp", "tp", "pp", "cp") if k == "dp" or getattr(p, k) > 1)
-    zero = f"ZeRO-{p.zero}" + ("" if p.offload == "none" else f" +offload {p.offload}")
-    ckpt = "" if p.act_ckpt == "none" else f" · ckpt {p.act_ckpt}"
-    return f"{par} · {zero}{ckpt} · mb {p.micro_batch}x{p.grad_accum}"
+    zero = f"ZeRO-{p.zero}" + ("" if p.offload == "none" else f"+off:{p.offload}")
+    ckpt = "" if p.act_ckpt == "none" else f" ckpt:{p.act_ckpt}"
+    return f"{par} {zero}{ckpt} mb {p.micro_batch}x{p.grad_accum}"
 
 
 def not_launchable(p: Plan) -> str | None:
@@ -144,67 +144,71 @@ def not_launchable(p: Plan) -> str | None:
     return None
 
 
-def why_not_chosen(p: Plan, chosen: Plan) -> str:
-    """Why a plan ranked above the chosen one was not taken, from the figures alone."""
+def why_not_chosen(p: Plan, chosen: Plan, *, short: bool = False) -> str:
+    """Why a plan ranked above the chosen one was not taken, from the figures alone; ``short``:
+    the few words of the plans table's ``choice`` column."""
     bad = not_launchable(p)
     if bad:
-        return bad
+        return bad.split(":")[0] if short else bad
     if p.gpu_type == chosen.gpu_type and p.gpus > chosen.gpus and p.step_time_s > 0:
         eff = chosen.step_time_s * chosen.gpus / (p.step_time_s * p.gpus)
+        if short:
+            return f"{100 * eff:.0f}% efficiency"
         return (f"{chosen.step_time_s / p.step_time_s:.2f}x faster on {p.gpus} GPUs, not {chosen.gpus}: "
                 f"{100 * eff:.0f}% parallel efficiency")
     if p.gpu_type != chosen.gpu_type:
-        return f"policy placed the job on {chosen.gpu_type}"
-    return "policy preferred the chosen plan"
+        return "other GPU type" if short else f"policy placed the job on {chosen.gpu_type}"
+    return "policy's pick" if short else "policy preferred the chosen plan"
 
 
-def plan_rows(plans_by_type: Mapping[str, list[Plan]], chosen: Plan, *, steps: int,
-              pool_notes: Mapping[str, str] | None = None,
-              now: dt.datetime | None = None) -> list[dict[str, Any]]:
+def plan_rows(plans_by_type: Mapping[str, list[Plan]], chosen: Plan, *, steps: int) -> list[dict[str, Any]]:
     """One row per candidate plan, GPU types in the given order, the chosen plan marked.
 
-    Eight named columns that fit a 1400 px page: ``choice`` (``CHOSEN_MARK``, or why a plan
-    ranked above the chosen one was not taken), ``GPUs``, ``layout``, ``memory / GPU``,
-    ``step``, ``duration``, ``done by (UTC)``, ``pool``. ``pool_notes`` (gpu_type -> text, e.g.
-    "cpu: no workers online") fills the ``pool`` column so a type whose pool cannot run anything
-    right now says so in the table.
+    Six named columns that fit the artifact page at 1400 px: ``choice`` (``CHOSEN_MARK``, or in
+    a few words why a plan ranked above the chosen one was not taken), ``GPUs``, ``layout``,
+    ``memory / GPU``, ``step``, ``duration``. The rest (why in full, predicted end, pools)
+    goes in the artifact's description (``plans_description``).
     """
-    now = now or dt.datetime.now(dt.timezone.utc)
     rows: list[dict[str, Any]] = []
     seen_chosen = False
-    for gpu_type, plans in plans_by_type.items():
-        note = (pool_notes or {}).get(gpu_type, "")
+    for plans in plans_by_type.values():
         for p in plans:
-            total_s = p.step_time_s * steps
-            done = now + dt.timedelta(seconds=total_s)
             is_chosen = not seen_chosen and _same_plan(p, chosen)
             seen_chosen = seen_chosen or is_chosen
             choice = CHOSEN_MARK if is_chosen else ""
             if not is_chosen and p.step_time_s < chosen.step_time_s:
-                choice = why_not_chosen(p, chosen)
+                choice = why_not_chosen(p, chosen, short=True)
             rows.append({
                 "choice": choice,
                 "GPUs": f"{p.gpus} x {p.gpu_type}",
                 "layout": _layout(p),
                 "memory / GPU": format_memory(p.device_used_gib),
                 "step": format_seconds(p.step_time_s),
-                "duration": format_duration(total_s),
-                "done by (UTC)": done.strftime("%Y-%m-%d %H:%M"),
-                "pool": note,
+                "duration": format_duration(p.step_time_s * steps),
             })
     if not seen_chosen:   # chosen plan not among candidates: still show it
-        rows.insert(0, plan_rows({chosen.gpu_type: [chosen]}, chosen, steps=steps,
-                                 pool_notes=pool_notes, now=now)[0])
+        rows.insert(0, plan_rows({chosen.gpu_type: [chosen]}, chosen, steps=steps)[0])
     return rows
 
 
-def chosen_note(rows: list[dict[str, Any]], chosen: Plan) -> str:
-    """One sentence: the chosen plan, and why it is not the first row when it is not."""
+def plans_description(plans_by_type: Mapping[str, list[Plan]], chosen: Plan, *, steps: int,
+                      pool_notes: Mapping[str, str] | None = None, now: dt.datetime | None = None) -> str:
+    """The plans table's description: the chosen plan and its predicted end, why each faster
+    plan was not taken (in full), and what the pools' workers look like."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    plans = [p for ps in plans_by_type.values() for p in ps]
+    rows = plan_rows(plans_by_type, chosen, steps=steps)
     idx = next(i for i, r in enumerate(rows) if r["choice"] == CHOSEN_MARK)
-    if idx == 0:
-        return f"chosen: {chosen.short()} (the first row)"
-    reasons = sorted({r["choice"] for r in rows[:idx] if r["choice"]})
-    return (f"chosen: {chosen.short()} (row {idx + 1}); the faster rows above: " + "; ".join(reasons))
+    done = now + dt.timedelta(seconds=chosen.step_time_s * steps)
+    text = (f"{len(plans)} candidate plans over {len(plans_by_type)} GPU types for {steps} steps, fastest first. "
+            f"Chosen: {chosen.short()} (row {idx + 1}), predicted done by {done:%Y-%m-%d %H:%M} UTC.")
+    faster = sorted({why_not_chosen(p, chosen) for p in plans
+                     if p.step_time_s < chosen.step_time_s and not _same_plan(p, chosen)})
+    if faster:
+        text += " Faster plans not taken: " + "; ".join(faster) + "."
+    if pool_notes:
+        text += " Pools: " + "; ".join(pool_notes.values()) + "."
+    return text
 
 
 def plans_table(plans_by_type: dict[str, list[Plan]], chosen: Plan, *, steps: int,
@@ -212,12 +216,8 @@ def plans_table(plans_by_type: dict[str, list[Plan]], chosen: Plan, *, steps: in
     """Table artifact ``frenzy-plans``: every candidate plan per GPU type, the chosen one marked."""
     from prefect.artifacts import create_table_artifact
 
-    rows = plan_rows(plans_by_type, chosen, steps=steps, pool_notes=pool_notes)
-    n = sum(len(v) for v in plans_by_type.values())
-    create_table_artifact(
-        table=rows, key=PLANS_KEY,
-        description=(f"{n} candidate plans over {len(plans_by_type)} GPU types for {steps} steps, "
-                     f"fastest first; {chosen_note(rows, chosen)}"))
+    create_table_artifact(table=plan_rows(plans_by_type, chosen, steps=steps), key=PLANS_KEY,
+                          description=plans_description(plans_by_type, chosen, steps=steps, pool_notes=pool_notes))
 
 
 # ---------------------------------------------------------------- memory breakdown

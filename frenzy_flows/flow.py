@@ -3,6 +3,8 @@ it estimates, selects GPU types among the registered pools, assigns GPUs on the 
 trains."""
 from __future__ import annotations
 
+from typing import Annotated
+
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 from pydantic import SecretStr
@@ -15,6 +17,7 @@ from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan
 from scheduler.discover import cluster_or_local
 
 from frenzy_flows import artifacts, dispatch, events
+from frenzy_flows.form import RunForm
 from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, training_fields
 from frenzy_flows.tasks import (assign, estimate_memory, load_settings, new_job_id,
                                 secret_value, select_resources, with_site_defaults)
@@ -44,9 +47,12 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
 
 
 @flow(name="frenzy-submit", log_prints=False)
-def submit_training(job: TrainingJob, cluster: GPUCluster | str | None = None, policy: str | None = None,
-                    safety_margin_gib: float | None = None, ledger_url: SecretStr | None = None,
-                    wait_timeout_s: float = 3600.0, settings: str | None = None,
+def submit_training(job: Annotated[TrainingJob, RunForm()],
+                    cluster: Annotated[GPUCluster | str | None, RunForm()] = None,
+                    policy: Annotated[str | None, RunForm()] = None,
+                    safety_margin_gib: Annotated[float | None, RunForm()] = None,
+                    ledger_url: Annotated[SecretStr | None, RunForm()] = None,
+                    wait_timeout_s: float = 3600.0, settings: Annotated[str | None, RunForm()] = None,
                     dry_run: bool = False) -> SubmitResult | dict:
     """Train a job without naming a GPU: estimate its memory, pick GPU type and count, assign
     GPUs on the ledger and train.

@@ -26,19 +26,22 @@ def test_plan_rows_mark_exactly_the_chosen_plan_and_predict_completion():
     now = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.timezone.utc)
     # the chosen plan may carry refreshed predictions: still matched by its knobs
     chosen = b.model_copy(update={"step_time_s": 1.4})
-    rows = artifacts.plan_rows(by_type, chosen, steps=3600, now=now,
-                               pool_notes={"RTX3090": "rtx3090: no workers online"})
+    rows = artifacts.plan_rows(by_type, chosen, steps=3600)
     assert len(rows) == 3
     assert rows[1]["choice"] == artifacts.CHOSEN_MARK
     assert sum(r["choice"] == artifacts.CHOSEN_MARK for r in rows) == 1
     # the faster row above the chosen one says why it was not taken
-    assert rows[0]["choice"] == "1.75x faster on 4 GPUs, not 2: 87% parallel efficiency"
+    assert rows[0]["choice"] == "87% efficiency"
     assert rows[2]["choice"] == ""                             # slower than the chosen: no remark
-    assert rows[1]["duration"] == "1h 30m"                     # 3600 * 1.5 s
-    assert rows[1]["done by (UTC)"] == "2026-01-01 13:30"
-    assert rows[1]["layout"] == "dp2 · ZeRO-2 · ckpt full · mb 4x4"
-    assert rows[2]["layout"] == "dp4 tp2 · ZeRO-1 · mb 2x4" and rows[2]["pool"] == "rtx3090: no workers online"
-    assert rows[0]["pool"] == "" and rows[0]["memory / GPU"] == "41.50 GiB" and rows[0]["GPUs"] == "4 x A100-80GB"
+    assert rows[1]["duration"] == "1h 30m"                     # 3600 * 1.5 s, the candidate row
+    assert rows[1]["layout"] == "dp2 ZeRO-2 ckpt:full mb 4x4"
+    assert rows[2]["layout"] == "dp4 tp2 ZeRO-1 mb 2x4"
+    assert rows[0]["memory / GPU"] == "41.50 GiB" and rows[0]["GPUs"] == "4 x A100-80GB"
+    desc = artifacts.plans_description(by_type, chosen, steps=3600, now=now,
+                                       pool_notes={"RTX3090": "rtx3090: no workers online"})
+    assert "(row 2), predicted done by 2026-01-01 13:24 UTC" in desc
+    assert "1.75x faster on 4 GPUs, not 2: 87% parallel efficiency" in desc
+    assert desc.endswith("Pools: rtx3090: no workers online.")
 
 
 def test_plan_rows_show_a_chosen_plan_outside_the_candidates():
@@ -120,7 +123,7 @@ def test_artifacts_are_attached_to_the_run_and_progress_reaches_100(monkeypatch)
     table = by_key[artifacts.PLANS_KEY].data
     table = json.loads(table) if isinstance(table, str) else table
     assert [r["choice"] for r in table] == [artifacts.CHOSEN_MARK, "", ""]
-    assert table[2]["pool"] == "rtx3090: no workers online"
+    assert "Pools: rtx3090: no workers online." in by_key[artifacts.PLANS_KEY].description
     assert by_key[artifacts.PLANS_KEY].type == "table"
     assert float(by_key[artifacts.PROGRESS_KEY].data) == 100.0
     assert "loss 4.0000" in by_key[artifacts.PROGRESS_KEY].description
