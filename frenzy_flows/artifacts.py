@@ -200,7 +200,9 @@ def plans_description(plans_by_type: Mapping[str, list[Plan]], chosen: Plan, *, 
     rows = plan_rows(plans_by_type, chosen, steps=steps)
     idx = next(i for i, r in enumerate(rows) if r["choice"] == CHOSEN_MARK)
     done = now + dt.timedelta(seconds=chosen.step_time_s * steps)
-    text = (f"{len(plans)} candidate plans over {len(plans_by_type)} GPU types for {steps} steps, fastest first. "
+    n_types = len(plans_by_type)
+    text = (f"{len(plans)} candidate plans over {n_types} GPU type{'s' if n_types != 1 else ''} for {steps} steps, "
+            "fastest first. "
             f"Chosen: {chosen.short()} (row {idx + 1}), predicted done by {done:%Y-%m-%d %H:%M} UTC.")
     faster = sorted({why_not_chosen(p, chosen) for p in plans
                      if p.step_time_s < chosen.step_time_s and not _same_plan(p, chosen)})
@@ -248,9 +250,9 @@ def memory_markdown(estimate: Any, plan: Plan) -> str:
     cap = _gpu_memory_gib(plan.gpu_type)
     used = est.get("device_used_gib")
     if cap is not None and used is not None:
-        what = "a training process is budgeted" if _is_cpu(plan.gpu_type) else "holds"
-        lines += ["", f"{plan.gpu_type} {what} {format_memory(cap)}: headroom "
-                      f"**{format_memory(cap - float(used))}** ({100 * float(used) / cap:.0f}% used)."]
+        what = (f"The {plan.gpu_type} pool budgets {format_memory(cap)} per training process"
+                if _is_cpu(plan.gpu_type) else f"{plan.gpu_type} holds {format_memory(cap)}")
+        lines += ["", f"{what}: headroom **{format_memory(cap - float(used))}** ({100 * float(used) / cap:.0f}% used)."]
     stages = est.get("stages") or []
     if len(stages) > 1:
         lines += ["", "| pipeline stage | allocated | reserved | device used |", "|---:|---:|---:|---:|"]
@@ -266,8 +268,9 @@ def memory_breakdown(estimate: Any, plan: Plan) -> None:
     """Markdown artifact ``frenzy-memory`` with the estimate's breakdown for the chosen plan."""
     from prefect.artifacts import create_markdown_artifact
 
+    per = "per-process" if _is_cpu(plan.gpu_type) else "per-GPU"
     create_markdown_artifact(markdown=memory_markdown(estimate, plan), key=MEMORY_KEY,
-                             description=f"predicted per-GPU memory of {plan.short()}")
+                             description=f"predicted {per} memory of the chosen plan, {plan.short()}")
 
 
 # ---------------------------------------------------------------- progress

@@ -162,7 +162,7 @@ def dry_run_lines(d: dict[str, Any]) -> list[str]:
 
 def dry_run_markdown(d: dict[str, Any]) -> str:
     lines = dry_run_lines(d)
-    return "# Dry run\n\n" + "\n".join(f"- {x}" for x in lines[1:]) + f"\n\n{lines[0]}.\n"
+    return f"# Dry run\n\n{lines[0]}.\n\n" + "\n".join(f"- {x}" for x in lines[1:]) + "\n"
 
 
 def dry_run_artifact(d: dict[str, Any]) -> None:
