@@ -102,28 +102,29 @@ def handle_estimate(args) -> int:
     for note in est.warnings:
         if note not in with_warnings:
             con.print(f"[dim]{note}[/]")
+    from .units import format_memory
     con.print(f"[bold]{est.model}[/]  {est.params:,} parameters  ({est.method})")
-    t = Table(title="per-GPU memory (GiB)", show_header=True)
+    t = Table(title="per-GPU memory", show_header=True)
     t.add_column("stage")
     t.add_column("layers", justify="right")
     t.add_column("allocated", justify="right")
     t.add_column("reserved", justify="right")
     t.add_column("device used", justify="right")
     for s in est.stages:
-        t.add_row(str(s.stage), str(s.layers), f"{s.allocated_peak_gib:.2f}",
-                  f"{s.reserved_peak_gib:.2f}", f"{s.device_used_gib:.2f}")
+        t.add_row(str(s.stage), str(s.layers), format_memory(s.allocated_peak_gib),
+                  format_memory(s.reserved_peak_gib), format_memory(s.device_used_gib))
     if len(est.stages) > 1:
-        t.add_row("peak", "", f"{est.allocated_peak_gib:.2f}", f"{est.reserved_peak_gib:.2f}",
-                  f"{est.device_used_gib:.2f}", style="bold")
+        t.add_row("peak", "", format_memory(est.allocated_peak_gib), format_memory(est.reserved_peak_gib),
+                  format_memory(est.device_used_gib), style="bold")
     con.print(t)
-    b = Table(title="breakdown at the peak (GiB)")
+    b = Table(title="breakdown at the peak")
     for k in est.breakdown_gib:
         b.add_column(k, justify="right")
-    b.add_row(*(f"{v:.3f}" for v in est.breakdown_gib.values()))
+    b.add_row(*(format_memory(v) for v in est.breakdown_gib.values()))
     con.print(b)
     if est.gpu:
         verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
-        con.print(f"{est.gpu} ({est.gpu_memory_gib:.1f} GiB): {verdict}")
+        con.print(f"{est.gpu} ({format_memory(est.gpu_memory_gib)}): {verdict}")
     return 0
 
 
@@ -162,6 +163,7 @@ def handle_plan(args) -> int:
         print(json.dumps({g: [p.model_dump(mode="json") for p in ps] for g, ps in plans.items()}))
         return 0
     from .console import console
+    from .units import format_memory, format_seconds
     from rich.table import Table
     con = console()
     for g, ps in plans.items():
@@ -169,12 +171,12 @@ def handle_plan(args) -> int:
             con.print(f"[dim]{g}: no feasible plan[/]")
             continue
         t = Table(title=f"{g}: {len(ps)} feasible plans (fastest first)")
-        for col in ("gpus", "dp", "tp", "pp", "zero", "ckpt", "mb x accum", "used GiB", "step s"):
+        for col in ("gpus", "dp", "tp", "pp", "zero", "ckpt", "mb x accum", "memory used", "step"):
             t.add_column(col, justify="right")
         for p in ps[: args.top]:
             t.add_row(str(p.gpus), str(p.dp), str(p.tp), str(p.pp), str(p.zero), p.act_ckpt,
-                      f"{p.micro_batch} x {p.grad_accum}", f"{p.device_used_gib:.2f}",
-                      f"{p.step_time_s:.3f}")
+                      f"{p.micro_batch} x {p.grad_accum}", format_memory(p.device_used_gib),
+                      format_seconds(p.step_time_s))
         con.print(t)
     return 0
 

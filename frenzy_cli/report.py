@@ -6,8 +6,9 @@ from rich.console import Console
 from .console import console as make_console
 from rich.table import Table
 
-from frenzy_flows.artifacts import (CHOSEN_MARK, device_used_label, format_memory, format_seconds,
-                                    why_not_chosen)
+from frenzy_flows.artifacts import CHOSEN_MARK, device_used_label, why_not_chosen
+
+from .units import format_memory, format_seconds
 
 PLANS_PER_TYPE = 5
 

@@ -19,7 +19,8 @@ from estimator.job import TrainingJob
 from estimator.plan import Plan
 from scheduler.cluster import Cluster
 
-from frenzy_flows.artifacts import not_launchable, format_duration, format_memory, format_seconds
+from frenzy_cli.units import format_duration, format_memory, format_seconds
+from frenzy_flows.artifacts import not_launchable
 
 # The largest GPU count the "needs at least" search tries per type: Llama 3 405B, the largest
 # published dense pretraining run, used 16,384 H100s. The search costs ~20 ms per type.

@@ -73,3 +73,12 @@ def test_simulator_says_why_jobs_did_not_finish_and_compares_the_same_jobs(capsy
     print_table([a, b])
     out = capsys.readouterr().out
     assert "avg JCT over the 2 jobs every policy finished: frenzy 1.50 h, sia 2.00 h" in out
+
+
+def test_estimate_and_plan_tables_scale_units_for_tiny_models(capsys):
+    assert main(["estimate", "--model", "gpt2-tiny", "--seq-len", "64", "--micro-batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "MiB" in out and "KiB" in out and "0.00" not in out
+    assert main(["plan", "--model", "gpt2-tiny", "--seq-len", "64", "--global-batch", "8", "--gpu", "CPU"]) == 0
+    out = capsys.readouterr().out
+    assert "memory used" in out and " ms " in out and "0.00" not in out
