@@ -231,6 +231,28 @@ def get_gpu(name: str, extra: dict[str, GPU] | None = None) -> GPU:
         raise FrenzyInputError("gpu", f"unknown GPU type {name!r}; known types: {', '.join(known)}") from None
 
 
+def resolve_gpu_name(name: str, extra: dict[str, GPU] | None = None, *, field: str = "gpu") -> str:
+    """The GPU type a person means by ``name``: the exact name, else the one name equal to it
+    ignoring case ('h100-80gb'), else the one type whose name before the size suffix is it
+    ('H100' -> 'H100-80GB'; 'A100' is ambiguous: A100-40GB or A100-80GB). ``extra``: a
+    cluster's own types, searched with the catalog. Raises FrenzyInputError naming ``field``."""
+    known = {**CATALOG, **(extra or {})}
+    if name in known:
+        return name
+    if not isinstance(name, str) or not name.strip():
+        raise FrenzyInputError(field, f"must be a GPU type name, got {name!r}")
+    key = name.strip().upper()
+    same = [n for n in known if n.upper() == key]
+    if len(same) == 1:
+        return same[0]
+    family = sorted(n for n in known if n.upper().split("-")[0] == key)
+    if len(family) == 1:
+        return family[0]
+    if len(family) > 1:
+        raise FrenzyInputError(field, f"GPU type {name!r} is ambiguous: one of {', '.join(family)}")
+    raise FrenzyInputError(field, f"unknown GPU type {name!r}; known types: {', '.join(sorted(known))}")
+
+
 # NVML product names -> catalog names. Ordered: the first matching rule wins. Patterns run on
 # the upper-cased name with the vendor words removed ("NVIDIA", "TESLA", "GEFORCE").
 _NVML_RULES: list[tuple[str, str | None]] = [
