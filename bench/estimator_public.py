@@ -57,36 +57,38 @@ GPUS = [(r"H200", "H200-141GB"), (r"H100", "H100-80GB"), (r"A100 40GB", "A100-40
 _TT = dict(master_weights="none")            # torchtune: pure bf16 (notes rows 1-10)
 _LIGHT = dict(model_extra={"cross_attn_layers": 32})   # nn.Transformer: 32 decoder layers
 RUN_SETTINGS: dict[int, dict] = {
-    # torchtune 3B, cumulative rows: compile (2+), chunked CE (3+), AC (4+, column),
+    # torchtune 3B, cumulative rows: compile (2+, fused kernels), chunked CE (3+), AC (4+, column),
     # optimizer in backward (5+), activation offloading (6+), 8-bit AdamW (7; config default
     # bitsandbytes PagedAdamW8bit)
     1: dict(_TT),
-    2: dict(_TT, compile=True),
-    3: dict(_TT, compile=True, loss="chunked"),
-    4: dict(_TT, compile=True, loss="chunked"),
-    5: dict(_TT, compile=True, loss="chunked", optimizer_in_backward=True),
-    6: dict(_TT, compile=True, loss="chunked", optimizer_in_backward=True, act_offload=True),
-    7: dict(_TT, compile=True, loss="chunked", optimizer_in_backward=True, act_offload=True,
-            optimizer="adamw8bit-paged"),
+    2: dict(_TT, fused_kernels=True),
+    3: dict(_TT, fused_kernels=True, loss="chunked"),
+    4: dict(_TT, fused_kernels=True, loss="chunked"),
+    5: dict(_TT, fused_kernels=True, loss="chunked", optimizer_in_backward=True),
+    6: dict(_TT, fused_kernels=True, loss="chunked", optimizer_in_backward=True, act_offload=True),
+    # row 7's 17.6 GiB exceeds the ~10 GiB paged states would leave on the allocator, so its
+    # 8-bit states are counted: a non-paged 8-bit AdamW
+    7: dict(_TT, fused_kernels=True, loss="chunked", optimizer_in_backward=True, act_offload=True,
+            optimizer="adamw8bit"),
     # 8B full on a 4090: PagedAdamW8bit, optimizer in backward, AC, chunked CE, compile
-    8: dict(_TT, compile=True, loss="chunked", optimizer_in_backward=True,
+    8: dict(_TT, fused_kernels=True, loss="chunked", optimizer_in_backward=True,
             optimizer="adamw8bit-paged"),
     # 70B: FSDP2 + CPU offload, fused AdamW, AC, chunked CE, compile
-    9: dict(_TT, compile=True, loss="chunked", adamw_impl="fused"),
+    9: dict(_TT, fused_kernels=True, loss="chunked", adamw_impl="fused"),
     # 8B LoRA r8 on q,v; fused AdamW; AC; chunked CE; compile
-    10: dict(_TT, compile=True, loss="chunked", adamw_impl="fused",
+    10: dict(_TT, fused_kernels=True, loss="chunked", adamw_impl="fused",
              finetune="lora", lora_rank=8, lora_targets=("q_proj", "v_proj")),
     # PEFT suite: model loaded in bf16, use_amp False -> pure bf16; torch AdamW (foreach)
     11: dict(master_weights="none"),
     12: dict(master_weights="none", finetune="lora", lora_rank=32,
              lora_targets=("q_proj", "v_proj")),
     # torchao ViT-H: fused AdamW, BF16 AMP over fp32 params, compile
-    13: dict(adamw_impl="fused", compile=True),
-    14: dict(compile=True),
+    13: dict(adamw_impl="fused", fused_kernels=True),
+    14: dict(fused_kernels=True),
     # ViT-g: pure bf16, fused AdamW; DeepSpeed Adam with bf16 states; torchao CPU offload
-    15: dict(master_weights="none", adamw_impl="fused"),
-    16: dict(master_weights="none"),
-    17: dict(master_weights="none", adamw_impl="fused"),
+    15: dict(master_weights="none", adamw_impl="fused", model_extra={"gated_mlp": True}),
+    16: dict(master_weights="none", model_extra={"gated_mlp": True}),
+    17: dict(master_weights="none", adamw_impl="fused", model_extra={"gated_mlp": True}),
     # DeepSpeed-Chat: FusedAdam; the reward model has no LM head
     18: dict(adamw_impl="fused"),
     19: dict(adamw_impl="fused", loss="none"),
@@ -94,15 +96,16 @@ RUN_SETTINGS: dict[int, dict] = {
     20: dict(),
     21: dict(master_weights="none"),
     # HF + DeepSpeed + Liger fused linear cross-entropy (rows 22-24, 26)
-    22: dict(loss="fused-linear"),
-    23: dict(loss="fused-linear"),
-    24: dict(loss="fused-linear"),
+    # Liger: fused RMSNorm / SwiGLU / RoPE kernels and fused linear cross-entropy
+    22: dict(loss="fused-linear", fused_kernels=True),
+    23: dict(loss="fused-linear", fused_kernels=True),
+    24: dict(loss="fused-linear", fused_kernels=True),
     25: dict(),
-    26: dict(loss="fused-linear"),
+    26: dict(loss="fused-linear", fused_kernels=True),
     27: dict(),
     # llm.c: fused AdamW, compile; ZeRO-1 is torch's ZeroRedundancyOptimizer under DDP
-    28: dict(adamw_impl="fused", compile=True),
-    29: dict(adamw_impl="fused", compile=True),
+    28: dict(adamw_impl="fused", fused_kernels=True),
+    29: dict(adamw_impl="fused", fused_kernels=True),
     # LitGPT bf16-true: pure bf16, torch AdamW foreach
     30: dict(master_weights="none"),
     31: dict(_LIGHT), 32: dict(_LIGHT), 33: dict(_LIGHT), 34: dict(_LIGHT), 35: dict(_LIGHT),

@@ -123,7 +123,7 @@ class Knobs:
     act_offload: bool = False
     opt_in_bwd: bool = False
     adamw_impl: str = "foreach"          # resolved from the profile when "auto"
-    compile: bool = False
+    fused: bool = False                 # fused norm/activation kernels (torch.compile, Liger)
 
 
 def _pos_int(name: str, v: Any) -> int:
@@ -164,7 +164,7 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
                    finetune: Any = "full", lora_rank: Any = 16, lora_targets: Any = None,
                    loss: Any = "standard", act_offload: Any = False,
                    optimizer_in_backward: Any = False, adamw_impl: Any = "auto",
-                   compile: Any = False) -> Knobs:
+                   fused_kernels: Any = False) -> Knobs:
     """Check every knob against the model; raise FrenzyInputError naming field and rule."""
     s = _pos_int("seq_len", seq_len)
     mb = _pos_int("micro_batch", micro_batch)
@@ -219,7 +219,7 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
     adamw_impl = _choice("adamw_impl", adamw_impl, ADAMW_IMPLS)
     act_offload = _bool("act_offload", act_offload)
     opt_in_bwd = _bool("optimizer_in_backward", optimizer_in_backward)
-    compile = _bool("compile", compile)
+    fused = _bool("fused_kernels", fused_kernels)
     if master_weights == "auto":
         master = "none" if (precision == "fp32" or (prof.zero0_regime == "pure" and zero == 0)) else "fp32"
     else:
@@ -257,7 +257,7 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
     impl = adamw_impl if adamw_impl != "auto" else prof.adamw_impl
     return Knobs(s, mb, ga, dp, tp, pp, cp, sp, vpp, zero, offload, precision, optimizer,
                  act_ckpt, attention, mp_style, prof.name, master, finetune, rank, targets, loss,
-                 act_offload, opt_in_bwd, impl, compile)
+                 act_offload, opt_in_bwd, impl, fused)
 
 
 def lora_projections(spec: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -544,7 +544,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     largest_tensor = max(V * e / t, h * spec.f / t)
 
     rep, shard = layer_activation_bytes(spec, k.seq_len, c, act_amp, k.attention, k.act_ckpt,
-                                        sem, compiled=k.compile, repeat_kv=prof.repeat_kv)
+                                        sem, compiled=k.fused, repeat_kv=prof.repeat_kv)
     if lora:
         d_rep, d_shard = _lora_activation_delta(spec, k, c)
         rep, shard = rep + d_rep, shard + d_shard
@@ -599,7 +599,10 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         elif k.dp > 1 and k.zero in (1, 2):
             other_fixed += 2 * 2.0 * min(Pt, bucket_elems)   # reduce + all-gather buckets
         if k.zero == 3:
-            other_fixed += ov.zero3_live_units * largest * (c + (g_b if not lora else 0.0))
+            # gathered 16-bit parameters of the current unit (at worst the largest) and the
+            # prefetched ones (blocks), and the current unit's unsharded gradients
+            other_fixed += (c * (largest + (ov.zero3_live_units - 1) * layer_p)
+                            + (0.0 if lora else g_b * largest))
         if k.finetune == "qlora":
             other_fixed += c * h * spec.f / t          # one weight dequantised for its matmul
         # --- activations of the in-flight micro-batches ---
@@ -743,7 +746,7 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
              master_weights: str = "auto", finetune: str = "full", lora_rank: int = 16,
              lora_targets: Any = None, loss: str = "standard", act_offload: bool = False,
              optimizer_in_backward: bool = False, adamw_impl: str = "auto",
-             compile: bool = False) -> Estimate:
+             fused_kernels: bool = False) -> Estimate:
     """Per-GPU training memory of one configuration (see the module docstring).
 
     ``model``: preset name, path to a HF config.json, dict of dimensions or ModelSpec; or the
@@ -754,7 +757,8 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
     megatron, deepspeed, torchtune, lightning). Technique knobs: ``master_weights`` (auto: the
     profile's; fp32; none = pure 16-bit), ``finetune`` (full, lora, qlora; ``lora_rank``,
     ``lora_targets``), ``loss`` (standard, chunked, fused-linear, none), ``act_offload``,
-    ``optimizer_in_backward``, ``adamw_impl`` (auto, foreach, fused, for-loop), ``compile``.
+    ``optimizer_in_backward``, ``adamw_impl`` (auto, foreach, fused, for-loop), ``fused_kernels``
+    (torch.compile / Liger: fused RMSNorm and SwiGLU save fewer tensors).
     """
     spec = model_from_kwargs(model, arch=arch, layers=layers, hidden=hidden, heads=heads,
                              kv_heads=kv_heads, ffn=ffn, vocab=vocab,
@@ -768,7 +772,7 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
                        master_weights=master_weights, finetune=finetune, lora_rank=lora_rank,
                        lora_targets=lora_targets, loss=loss, act_offload=act_offload,
                        optimizer_in_backward=optimizer_in_backward, adamw_impl=adamw_impl,
-                       compile=compile)
+                       fused_kernels=fused_kernels)
     if method not in ("analytic", "traced"):
         raise FrenzyInputError("method", f"must be analytic or traced (got {method!r})")
     g = _resolve_gpu(gpu)
@@ -808,8 +812,8 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
     if k.seq_len > COVERED_SEQ:
         notes.append(f"seq_len {k.seq_len} is beyond any measured source ({COVERED_SEQ} tokens): "
                      "the estimate extrapolates")
-    if k.compile and spec.arch not in ("llama", "gpt"):
-        notes.append(f"compile changes only llama/gpt block inventories; {spec.arch} is modelled eager")
+    if k.fused and spec.arch not in ("llama", "gpt"):
+        notes.append(f"fused_kernels change only llama/gpt block inventories; {spec.arch} is modelled eager")
     return Estimate.model_construct(
         params=spec.params, allocated_peak_gib=a, reserved_peak_gib=r, device_used_gib=u,
         breakdown_gib=bd, stages=stages, method="analytic", model=spec.name,
