@@ -42,8 +42,9 @@ FRAMEWORKS = [
     (r"^deepspeed", "deepspeed"),
     (r"^colossalai", "deepspeed"),          # Gemini: chunk-based ZeRO-3, closest profile
     (r"^litgpt|^lightning", "lightning"),
-    (r"^torchao", "hf"),                    # a plain PyTorch loop (timm model + torchao optimizer)
-    (r"^peft|^pytorch", "hf"),              # plain PyTorch loops over HF / timm / nanoGPT models
+    (r"^torchao", "pytorch"),               # a plain PyTorch loop (timm model + torchao optimizer)
+    (r"^peft", "hf"),                       # a plain PyTorch loop over HF models
+    (r"^pytorch", "pytorch"),               # plain loops over timm / llm.c models
     (r"^megatron", "megatron"),
     (r"^torchtitan", "torchtitan"),
 ]

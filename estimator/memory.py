@@ -209,10 +209,10 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
                                           "offload moves ZeRO's optimizer partition")
     if offload == "optimizer+params" and zero != 3:
         raise FrenzyInputError("offload", "optimizer+params needs zero 3 (parameters must be partitioned)")
-    if mp_style == "amp" and zero >= 1:
-        raise FrenzyInputError("mp_style", "amp (fp32 weights + autocast) is the zero-0 regime; "
-                                           "ZeRO keeps 16-bit weights with fp32 master copies")
     prof = get_profile(framework)
+    if mp_style == "amp" and zero >= 1 and not prof.torch_sharding:
+        raise FrenzyInputError("mp_style", f"amp (fp32 weights + autocast) is the zero-0 regime of "
+                                           f"{framework}; its ZeRO keeps 16-bit weights with fp32 master copies")
     master_weights = _choice("master_weights", master_weights, MASTER_WEIGHTS)
     finetune = _choice("finetune", finetune, FINETUNES)
     loss = _choice("loss", loss, LOSSES)
@@ -331,7 +331,7 @@ def _cpu_sem(c: float) -> _Sem:
 
 def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attention: str,
                            act_ckpt: str, sem: _Sem = CUDA_SEM, *, compiled: bool = False,
-                           repeat_kv: bool = False) -> tuple[float, float]:
+                           repeat_kv: bool = False, hf_models: bool = True) -> tuple[float, float]:
     """Bytes per token one block saves for backward: (replicated under TP, sharded under TP).
 
     ``c``: compute dtype bytes (2 for 16-bit, 4 for fp32); ``amp``: fp32 weights + autocast
@@ -356,7 +356,7 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
         # q, k, v, log-sum-exp, output; implementations that repeat k/v to every head before
         # SDPA (torchtune's attention at the measured versions) save the repeated copies
         attn = c * (q + 2 * (q if repeat_kv else kvd)) + 4.0 * a + c * q
-        if spec.arch == "gpt" and amp and sem.cuda and act_ckpt != "selective":
+        if spec.arch == "gpt" and amp and sem.cuda and act_ckpt != "selective" and hf_models:
             # Measured on H200 (torch 2.11): HF GPT-2 under autocast hands SDPA its fp32 additive
             # mask, so CUDA picks the memory-efficient kernel, which saves the mask expanded to
             # b x heads x s x s in 16 bits per layer (the CPU trace does not show it).
@@ -502,7 +502,8 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     c = 4.0 if k.precision == "fp32" else 2.0
     pure = c < 4 and k.master == "none"
     if k.mp_style == "auto":
-        amp = c < 4 and not pure and k.zero == 0 and prof.zero0_regime == "amp"
+        amp = (c < 4 and not pure and (k.zero == 0 or prof.torch_sharding)
+               and prof.zero0_regime == "amp")
     else:
         amp = c < 4 and k.mp_style == "amp"
     master = c < 4 and not amp and not pure
@@ -544,7 +545,8 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     largest_tensor = max(V * e / t, h * spec.f / t)
 
     rep, shard = layer_activation_bytes(spec, k.seq_len, c, act_amp, k.attention, k.act_ckpt,
-                                        sem, compiled=k.fused, repeat_kv=prof.repeat_kv)
+                                        sem, compiled=k.fused, repeat_kv=prof.repeat_kv,
+                                        hf_models=prof.hf_models)
     if lora:
         d_rep, d_shard = _lora_activation_delta(spec, k, c)
         rep, shard = rep + d_rep, shard + d_shard
@@ -569,7 +571,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         if lora:                                       # embeddings, head, norms stay 16-bit
             frozen_w = L_i * base_b + c * (P - L_i * layer_p)
         cast_P = 0.0
-        if amp and not lora:  # autocast's 16-bit copies of every weight a matmul uses (not the lookup tables)
+        if amp and not lora and k.zero <= 1:  # autocast's 16-bit copies of every weight a matmul uses (not the lookup tables)
             cast_P = P - (emb_p if first and not spec.tied else 0.0)
             if first and spec.tied and not last:
                 cast_P -= emb_p
@@ -596,8 +598,11 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
                 other_fixed += g_b * Pt                # DDP buckets (gradient_as_bucket_view=False)
             elif prof.zero_bucket_elems:
                 other_fixed += c * min(Pt, bucket_elems)   # DeepSpeed's flat all-reduce bucket
-        elif k.dp > 1 and k.zero in (1, 2):
-            other_fixed += 2 * 2.0 * min(Pt, bucket_elems)   # reduce + all-gather buckets
+        elif k.zero in (1, 2) and not prof.torch_sharding:
+            # DeepSpeed's reduce + all-gather buckets (allocated at any world size)
+            other_fixed += 2 * 2.0 * min(Pt, bucket_elems)
+        elif k.dp > 1 and k.zero == 1 and prof.ddp_bucket_copy:
+            other_fixed += g_b * Pt                    # ZeroRedundancyOptimizer runs under DDP
         if k.zero == 3:
             # gathered 16-bit parameters of the current unit (at worst the largest) and the
             # prefetched ones (blocks), and the current unit's unsharded gradients

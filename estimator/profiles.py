@@ -39,6 +39,9 @@ class Profile:
     master_copy_when_pure: bool = False
     lora: bool = True
     qlora: bool = True
+    hf_models: bool = True               # runs the Hugging Face modelling code (its quirks apply)
+    torch_sharding: bool = False         # ZeRO stages are torch's (ZeroRedundancyOptimizer, FSDP):
+    #                                      fp32 parameters stay, as at zero 0 (AMP regime)
     measured: str = ""
 
 
@@ -47,15 +50,22 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
             measured="54 H200 runs of the trainer (bench/estimator_measured_h200*.json)"),
     Profile("hf", "Hugging Face Trainer or a plain PyTorch loop over HF/timm models "
                   "(torch AMP or a model loaded in 16 bits; DDP; torch AdamW)",
-            measured="PEFT method-comparison suite (L40S), torchao optimizer benchmarks, llm.c"),
+            torch_sharding=True, measured="PEFT method-comparison suite (L40S)"),
+    # nanoGPT / llm.c / timm models: F.scaled_dot_product_attention(is_causal=True) (flash),
+    # no HF attention-mask plumbing; torch DDP, ZeroRedundancyOptimizer, FSDP
+    Profile("pytorch", "a plain PyTorch loop over its own model code (nanoGPT/llm.c, timm): "
+                       "SDPA with is_causal, torch DDP / ZeroRedundancyOptimizer / FSDP",
+            hf_models=False, torch_sharding=True,
+            measured="llm.c GPT-2 XL (A100), torchao ViT benchmarks (RTX 4070 Ti SUPER)"),
     Profile("torchtitan", "torchtitan: FSDP2 with fp32 sharded params and bf16 compute, fused "
                           "AdamW, per-op selective checkpointing, loss on fp32 logits",
             adamw_impl="fused", loss="deleted", ddp_bucket_copy=False, lora=False, qlora=False,
+            hf_models=False, torch_sharding=True,
             measured="documented behaviour (no public measured row in the data set)"),
     Profile("megatron", "Megatron-core: fused kernels, vocab-parallel cross-entropy, "
                         "distributed optimizer, fp32 gradient buffer",
             zero0_regime="master", adamw_impl="fused", loss="vocab-parallel",
-            ddp_bucket_copy=False, lora=False,
+            ddp_bucket_copy=False, lora=False, hf_models=False,
             qlora=False, measured="documented formulas (report_theoretical_memory)"),
     # DeepSpeed: reduce_bucket_size and allgather_bucket_size default to 5e8 elements
     # (deepspeed/runtime/zero/config.py); stage 3 copies fp32 gradients per sub-group
@@ -73,10 +83,10 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
     # measures 24.9 GiB, below the 29.9 GiB a foreach step's temporaries would need).
     Profile("torchtune", "torchtune recipes: pure bf16, its own Llama modules, FSDP2",
             zero0_regime="pure", adamw_impl="fused", loss="deleted", repeat_kv=True,
-            ddp_bucket_copy=False,
+            ddp_bucket_copy=False, hf_models=False, torch_sharding=True,
             measured="torchtune README tables (A100, RTX 4090)"),
     Profile("lightning", "Lightning / Fabric (DDP, FSDP strategies; precision 32-true, "
-                         "bf16-mixed or bf16-true)",
+                         "bf16-mixed or bf16-true)", torch_sharding=True,
             measured="Lightning Fabric FSDP guide (A100 40GB), LitGPT config hub (A10G)"),
 ]}
 
