@@ -657,10 +657,16 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             # only the LM head's survives to its backward; recomputation re-creates one block's
             copies = 2.0 * (V * e / t) if last else 0.0
         head_g = 0.0 if persist else head_grad
+        # optimizer in backward: each tensor is stepped by its own (per-tensor, non-foreach)
+        # Adam as its gradient lands: sqrt(v) and its quotient are two state-sized temporaries
+        # of that tensor, at worst the largest, while the head's gradient exists (phase B)
+        inbwd_tmp = 0.0
+        if k.opt_in_bwd and k.optimizer in ("adam", "adamw") and k.adamw_impl != "fused":
+            inbwd_tmp = 2 * (c if pure else 4.0) * min(Pt, largest_tensor)
         # phase A: loss backward (last stage) / phase B: the last block's backward
         a_total = states_fwd + copies + acts + loss_a
         b_extra = one_layer + trans + (layer_copies if full else 0.0)
-        b_total = states_fwd + copies + acts + b_extra + head_g
+        b_total = states_fwd + copies + acts + b_extra + head_g + inbwd_tmp
         # phase B': the first block's backward: the other blocks' gradients exist, their
         # activations are freed; one block's activations (recomputed under full ckpt) remain
         grads_end = grads * max(0.0, P - layer_p) / P if P > 0 else 0.0
@@ -675,7 +681,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         if k.optimizer == "adafactor":
             tmp = 3 * 4.0 * max(V * e / t, spec.hidden * spec.f / t)
         if k.opt_in_bwd:
-            c_total = weights + optim + other_fixed + (g_b + step_tmp_b) * min(Pt, largest_tensor)
+            c_total = weights + optim + other_fixed + g_b * min(Pt, largest_tensor) + inbwd_tmp
         else:
             c_total = weights + grads + optim + grads32 + other_fixed + tmp
         total = max(a_total, b_total, c_total, e_total)
@@ -684,7 +690,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             bd = (weights, persist_grads, optim, acts + loss_a, other_fixed + copies)
         elif total == b_total:
             bd = (weights, persist_grads + head_g, optim, acts + one_layer,
-                  other_fixed + copies + trans + (layer_copies if full else 0.0))
+                  other_fixed + copies + trans + (layer_copies if full else 0.0) + inbwd_tmp)
         elif total == c_total and not k.opt_in_bwd:
             bd = (weights, grads, optim + grads32, 0.0, other_fixed + tmp)
         elif total == c_total:
