@@ -464,8 +464,11 @@ def _loss_terms(spec: ModelSpec, k: Knobs, prof: Profile, c: float, amp: bool) -
         return 0.0, 0.0
     if k.loss == "chunked":
         # 16-bit logits of all chunks stay until their chunk's backward; one chunk at a time is
-        # upcast (fp32 copy, log-softmax, two fp32 gradients) and its 16-bit gradient made
-        return c, c + (3 * 4.0 + c) / LOSS_CHUNKS
+        # upcast (fp32 copy, log-softmax, two fp32 gradients) and its 16-bit gradient made.
+        # Held through the blocks' backward only where the model output keeps them (HF); a
+        # recipe that deletes the output frees each chunk after its backward
+        held = c if prof.loss == "hf" else 0.0
+        return held, c + (3 * 4.0 + c) / LOSS_CHUNKS
     if prof.loss == "deleted":
         # the recipe upcasts in the model and deletes the output before backward: only the
         # fp32 log-softmax survives; backward adds its gradient and the logits' fp32 gradient
@@ -663,8 +666,10 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         inbwd_tmp = 0.0
         if k.opt_in_bwd and k.optimizer in ("adam", "adamw") and k.adamw_impl != "fused":
             inbwd_tmp = 2 * (c if pure else 4.0) * min(Pt, largest_tensor)
-        # phase A: loss backward (last stage) / phase B: the last block's backward
-        a_total = states_fwd + copies + acts + loss_a
+        # phase A: loss backward (last stage) / phase B: the last block's backward. A chunked
+        # loss runs the head's backward chunk by chunk inside it: the head's gradient exists
+        # while later chunks' logits are still held
+        a_total = states_fwd + copies + acts + loss_a + (head_g if k.loss == "chunked" else 0.0)
         b_extra = one_layer + trans + (layer_copies if full else 0.0)
         b_total = states_fwd + copies + acts + b_extra + head_g + inbwd_tmp
         # phase B': the first block's backward: the other blocks' gradients exist, their
@@ -687,7 +692,8 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         total = max(a_total, b_total, c_total, e_total)
         # the breakdown of the phase that peaks (weights, gradients, optimizer, activations, other)
         if total == a_total:
-            bd = (weights, persist_grads, optim, acts + loss_a, other_fixed + copies)
+            bd = (weights, persist_grads + (head_g if k.loss == "chunked" else 0.0), optim,
+                  acts + loss_a, other_fixed + copies)
         elif total == b_total:
             bd = (weights, persist_grads + head_g, optim, acts + one_layer,
                   other_fixed + copies + trans + (layer_copies if full else 0.0) + inbwd_tmp)
