@@ -93,9 +93,9 @@ RUN_SETTINGS: dict[int, dict] = {
     # DeepSpeed-Chat: FusedAdam; the reward model has no LM head
     18: dict(adamw_impl="fused"),
     19: dict(adamw_impl="fused", loss="none"),
-    # bf16_master_weight example: baseline / pure bf16
-    20: dict(),
-    21: dict(master_weights="none"),
+    # bf16_master_weight example: baseline / pure bf16; its ds config sets reduce_bucket_size 5e7
+    20: dict(zero_bucket_elems=5e7),
+    21: dict(master_weights="none", zero_bucket_elems=5e7),
     # HF + DeepSpeed + Liger fused linear cross-entropy (rows 22-24, 26)
     # Liger: fused linear cross-entropy (its fused RMSNorm / SwiGLU kernels are not credited:
     # rows 25 -> 26 show far less activation saving than the compile inventory would give)

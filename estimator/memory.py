@@ -124,6 +124,7 @@ class Knobs:
     opt_in_bwd: bool = False
     adamw_impl: str = "foreach"          # resolved from the profile when "auto"
     fused: bool = False                 # fused norm/activation kernels (torch.compile, Liger)
+    bucket: float = 0.0                 # DeepSpeed reduce_bucket_size (elements); 0: the default
 
 
 def _pos_int(name: str, v: Any) -> int:
@@ -164,7 +165,7 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
                    finetune: Any = "full", lora_rank: Any = 16, lora_targets: Any = None,
                    loss: Any = "standard", act_offload: Any = False,
                    optimizer_in_backward: Any = False, adamw_impl: Any = "auto",
-                   fused_kernels: Any = False) -> Knobs:
+                   fused_kernels: Any = False, zero_bucket_elems: Any = None) -> Knobs:
     """Check every knob against the model; raise FrenzyInputError naming field and rule."""
     s = _pos_int("seq_len", seq_len)
     mb = _pos_int("micro_batch", micro_batch)
@@ -255,9 +256,16 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
     if loss == "fused-linear" and tp > 1:
         raise FrenzyInputError("loss", "fused-linear cross-entropy needs tp 1 (it gathers the head)")
     impl = adamw_impl if adamw_impl != "auto" else prof.adamw_impl
+    bucket = 0.0
+    if zero_bucket_elems is not None:
+        if isinstance(zero_bucket_elems, bool) or not isinstance(zero_bucket_elems, (int, float)) \
+                or not 1 <= zero_bucket_elems <= 1e12:
+            raise FrenzyInputError("zero_bucket_elems", f"must be a number of elements in [1, 1e12] "
+                                                        f"(got {zero_bucket_elems!r})")
+        bucket = float(zero_bucket_elems)
     return Knobs(s, mb, ga, dp, tp, pp, cp, sp, vpp, zero, offload, precision, optimizer,
                  act_ckpt, attention, mp_style, prof.name, master, finetune, rank, targets, loss,
-                 act_offload, opt_in_bwd, impl, fused)
+                 act_offload, opt_in_bwd, impl, fused, bucket)
 
 
 def lora_projections(spec: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -559,7 +567,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     held_b, bwd_loss_b = _loss_terms(spec, k, prof, c, act_amp)
     logits_tok = V / t if k.loss != "none" else 0.0   # vocab-parallel logits per token
     transient_tok = layer_backward_transient(spec, k.seq_len, c, k.attention, t)
-    bucket_elems = prof.zero_bucket_elems or ov.zero_bucket_elems
+    bucket_elems = k.bucket or prof.zero_bucket_elems or ov.zero_bucket_elems
 
     out: list[StagePeak] = []
     layers_per = _stage_layers(spec.layers, p)
@@ -606,6 +614,10 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             other_fixed += 2 * 2.0 * min(Pt, bucket_elems)
         elif k.dp > 1 and k.zero == 1 and prof.ddp_bucket_copy:
             other_fixed += g_b * Pt                    # ZeroRedundancyOptimizer runs under DDP
+        if k.zero == 3 and not prof.torch_sharding:
+            # DeepSpeed stage 3 with contiguous_gradients (default) reduces through one 16-bit
+            # buffer of reduce_bucket_size elements (stage3.py: bucket.buffer = torch.empty(...))
+            other_fixed += c * min(Pt, bucket_elems)
         if k.zero == 3:
             # gathered 16-bit parameters of the current unit (at worst the largest) and the
             # prefetched ones (blocks), and the current unit's unsharded gradients
@@ -763,7 +775,7 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
              master_weights: str = "auto", finetune: str = "full", lora_rank: int = 16,
              lora_targets: Any = None, loss: str = "standard", act_offload: bool = False,
              optimizer_in_backward: bool = False, adamw_impl: str = "auto",
-             fused_kernels: bool = False) -> Estimate:
+             fused_kernels: bool = False, zero_bucket_elems: float | None = None) -> Estimate:
     """Per-GPU training memory of one configuration (see the module docstring).
 
     ``model``: preset name, path to a HF config.json, dict of dimensions or ModelSpec; or the
@@ -775,7 +787,8 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
     profile's; fp32; none = pure 16-bit), ``finetune`` (full, lora, qlora; ``lora_rank``,
     ``lora_targets``), ``loss`` (standard, chunked, fused-linear, none), ``act_offload``,
     ``optimizer_in_backward``, ``adamw_impl`` (auto, foreach, fused, for-loop), ``fused_kernels``
-    (torch.compile / Liger: fused RMSNorm and SwiGLU save fewer tensors).
+    (torch.compile / Liger: fused RMSNorm and SwiGLU save fewer tensors), ``zero_bucket_elems``
+    (DeepSpeed reduce_bucket_size; default: the profile's, else Frenzy's trainer config).
     """
     spec = model_from_kwargs(model, arch=arch, layers=layers, hidden=hidden, heads=heads,
                              kv_heads=kv_heads, ffn=ffn, vocab=vocab,
@@ -789,7 +802,7 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
                        master_weights=master_weights, finetune=finetune, lora_rank=lora_rank,
                        lora_targets=lora_targets, loss=loss, act_offload=act_offload,
                        optimizer_in_backward=optimizer_in_backward, adamw_impl=adamw_impl,
-                       fused_kernels=fused_kernels)
+                       fused_kernels=fused_kernels, zero_bucket_elems=zero_bucket_elems)
     if method not in ("analytic", "traced"):
         raise FrenzyInputError("method", f"must be analytic or traced (got {method!r})")
     g = _resolve_gpu(gpu)

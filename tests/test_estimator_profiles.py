@@ -40,6 +40,13 @@ def test_unexpressible_knob_names_both():
         est(framework="torchtune", master_weights="fp32")
     with pytest.raises(FrenzyInputError, match="grad_accum"):
         est(optimizer_in_backward=True, grad_accum=2)
+    with pytest.raises(FrenzyInputError) as err:
+        est(zero=3, dp=8, zero_bucket_elems=0)
+    assert err.value.field == "zero_bucket_elems"
+    # DeepSpeed's stage-3 reduce buffer: 5e8 16-bit elements by default, as configured
+    big = est(zero=3, dp=8, framework="deepspeed").allocated_peak_gib
+    small = est(zero=3, dp=8, framework="deepspeed", zero_bucket_elems=5e7).allocated_peak_gib
+    assert (big - small) * GIB == pytest.approx(2 * (5e8 - 5e7), rel=0.01)
 
 
 def test_pure_bf16_states_are_half_of_fp32_master():
