@@ -227,7 +227,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     table = _memory_table(spec, seq_len, global_batch, precision, optimizer, attention,
                           max_gpus, gpus_per_node, gpu.is_cpu, tech)
     cap = gpu.memory_gib - margin
-    by_count: dict[int, list[Plan]] = {}
+    by_count: dict[int, list[tuple]] = {}
     for base, n, allocs, alloc_values in table:
         # used GiB grows with allocated bytes, so the largest fitting micro-batch is a bisection
         j = bisect_right(alloc_values, _alloc_limit_b(cap, ov, base))
@@ -242,15 +242,18 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, 1, base.zero, base.offload,
                                          base.act_ckpt, mb, base.grad_accum // mb, precision),
                         gpu, seq_len, nodes)
-        by_count.setdefault(n, []).append(_plan(gpu, n, base, mb, precision, optimizer, attention,
-                                                round(a, 4), round(r, 4), round(u, 4), st))
+        why = _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload)
+        by_count.setdefault(n, []).append((why is not None, st, u, a, r, mb, base))
     plans = []
-    for n, ps in by_count.items():
+    for n, cands in by_count.items():
         # every launchable plan is considered before the best few per count are kept, so
-        # faster plans the trainer cannot launch never crowd out the ones it can
-        ps.sort(key=lambda p: (p.step_time_s, p.device_used_gib))
-        plans.extend([p for p in ps if p.not_launchable is None][:KEEP_PER_COUNT])
-        plans.extend([p for p in ps if p.not_launchable is not None][:KEEP_PER_COUNT])
+        # faster plans the trainer cannot launch never crowd out the ones it can; Plan objects
+        # are built for the kept ones only
+        cands.sort(key=lambda c: (c[0], c[1], c[2]))
+        kept = [c for c in cands if not c[0]][:KEEP_PER_COUNT] + \
+            [c for c in cands if c[0]][:KEEP_PER_COUNT]
+        plans.extend(_plan(gpu, n, base, mb, precision, optimizer, attention, round(a, 4),
+                           round(r, 4), round(u, 4), st) for _, st, u, a, r, mb, base in kept)
     plans.sort(key=lambda p: (p.not_launchable is not None, p.step_time_s, p.gpus,
                               p.device_used_gib))
     closest = None
