@@ -10,6 +10,7 @@ Optimizer = Literal["adamw", "adam", "sgd", "adafactor", "adamw8bit"]
 ActCkpt = Literal["none", "selective", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Attention = Literal["flash", "eager"]
+MatmulPrecision = Literal["default", "tf32", "fp8"]   # fp32 GEMMs on TF32 tensor cores; FP8 GEMMs
 
 
 class Plan(BaseModel):
@@ -36,6 +37,7 @@ class Plan(BaseModel):
     precision: Precision = "bf16"
     optimizer: Optimizer = "adamw"
     attention: Attention = "flash"
+    matmul_precision: MatmulPrecision = "default"
     # predictions
     allocated_peak_gib: float = 0.0
     reserved_peak_gib: float = 0.0
