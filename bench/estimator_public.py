@@ -26,6 +26,7 @@ import warnings
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from estimator import estimate  # noqa: E402
+from estimator.profiles import profile_for_label  # noqa: E402
 
 DEFAULT_CSV = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
                            "estimator-public", "published.csv")
@@ -35,19 +36,6 @@ if not os.path.exists(DEFAULT_CSV):   # a worktree one level deeper than the mai
 
 METRIC = {"allocated": "allocated_peak_gib", "active": "allocated_peak_gib",
           "reserved": "reserved_peak_gib", "device_used": "device_used_gib"}
-
-# The CSV's free-text framework column -> an implementation profile (first match wins).
-FRAMEWORKS = [
-    (r"^torchtune", "torchtune"),
-    (r"^deepspeed", "deepspeed"),
-    (r"^colossalai", "deepspeed"),          # Gemini: chunk-based ZeRO-3, closest profile
-    (r"^litgpt|^lightning", "lightning"),
-    (r"^torchao", "pytorch"),               # a plain PyTorch loop (timm model + torchao optimizer)
-    (r"^peft", "hf"),                       # a plain PyTorch loop over HF models
-    (r"^pytorch", "pytorch"),               # plain loops over timm / llm.c models
-    (r"^megatron", "megatron"),
-    (r"^torchtitan", "torchtitan"),
-]
 
 # GPU column -> catalog type (only needed for reserved / device-used rows and the fit flag).
 GPUS = [(r"H200", "H200-141GB"), (r"H100", "H100-80GB"), (r"A100 40GB", "A100-40GB"),
@@ -161,7 +149,7 @@ def row_kwargs(row: dict[str, str], columns_only: bool = False) -> dict:
     if gpu:
         kw["gpu"] = gpu
     if not columns_only:
-        kw["framework"] = _map(row["framework"], FRAMEWORKS) or "hf"
+        kw["framework"] = profile_for_label(row["framework"])   # estimator.profiles' mapping
         if row.get("finetune") and row["finetune"] != "full":
             kw["finetune"] = row["finetune"]
         extra = dict(RUN_SETTINGS.get(int(row["row"]), {}))

@@ -92,6 +92,29 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
 
 FRAMEWORKS = tuple(PROFILES)
 
+# Free-text framework labels (the public data set's `framework` column, a run's metadata) ->
+# a profile; the first matching pattern wins
+_LABELS = [
+    (r"^torchtune", "torchtune"),
+    (r"^deepspeed", "deepspeed"),
+    (r"^colossalai", "deepspeed"),          # Gemini: chunk-based ZeRO-3, the closest profile
+    (r"^litgpt|^lightning", "lightning"),
+    (r"^torchao|^pytorch|^timm|^nanogpt|^llm\.c", "pytorch"),   # plain loops over own model code
+    (r"^peft|^hf|^hugging ?face|^transformers|^accelerate", "hf"),
+    (r"^megatron|^nemo", "megatron"),
+    (r"^torchtitan", "torchtitan"),
+    (r"^frenzy", "frenzy"),
+]
+
+
+def profile_for_label(label: str, default: str = "hf") -> str:
+    """The profile a free-text framework label maps to (``default`` when none matches)."""
+    import re
+    for pat, name in _LABELS:
+        if re.search(pat, label.strip(), re.IGNORECASE):
+            return name
+    return default
+
 
 def get_profile(name: str) -> Profile:
     try:

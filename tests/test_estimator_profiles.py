@@ -31,6 +31,16 @@ def test_every_profile_is_accepted_and_named():
     assert err.value.field == "framework"
 
 
+def test_framework_labels_map_to_profiles():
+    from estimator.profiles import profile_for_label
+    assert profile_for_label("torchtune") == "torchtune"
+    assert profile_for_label("deepspeed (HF transformers + Liger-Kernel)") == "deepspeed"
+    assert profile_for_label("litgpt (Lightning Fabric)") == "lightning"
+    assert profile_for_label("pytorch DDP (llm.c train_gpt2.py)") == "pytorch"
+    assert profile_for_label("peft-method-comparison (plain PyTorch loop)") == "hf"
+    assert profile_for_label("something else") == "hf"
+
+
 def test_unexpressible_knob_names_both():
     with pytest.raises(FrenzyInputError) as err:
         est(framework="megatron", finetune="lora")
