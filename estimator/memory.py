@@ -609,12 +609,14 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
                 other_fixed += g_b * Pt                # DDP buckets (gradient_as_bucket_view=False)
             elif prof.zero_bucket_elems:
                 other_fixed += c * min(Pt, bucket_elems)   # DeepSpeed's flat all-reduce bucket
-        elif k.zero in (1, 2) and not prof.torch_sharding:
-            # DeepSpeed's reduce + all-gather buckets (allocated at any world size)
+        elif k.zero in (1, 2) and not prof.torch_sharding and (k.dp > 1 or not cpu):
+            # DeepSpeed's reduce + all-gather buckets, allocated at any world size on GPUs (a
+            # 1-GPU ZeRO-Offload run and Frenzy's 1-GPU ZeRO runs measure them); the CPU trace
+            # they are checked against runs one rank without DeepSpeed
             other_fixed += 2 * 2.0 * min(Pt, bucket_elems)
         elif k.dp > 1 and k.zero == 1 and prof.ddp_bucket_copy:
             other_fixed += g_b * Pt                    # ZeroRedundancyOptimizer runs under DDP
-        if k.zero == 3 and not prof.torch_sharding:
+        if k.zero == 3 and not prof.torch_sharding and (k.dp > 1 or not cpu):
             # DeepSpeed stage 3 with contiguous_gradients (default) reduces through one 16-bit
             # buffer of reduce_bucket_size elements (stage3.py: bucket.buffer = torch.empty(...))
             other_fixed += c * min(Pt, bucket_elems)
