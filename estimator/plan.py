@@ -43,6 +43,9 @@ class Plan(BaseModel):
     reserved_peak_gib: float = 0.0
     device_used_gib: float = 0.0
     step_time_s: float = 0.0
+    # why this machine's trainer cannot launch the plan (None: it can); the planner shows such
+    # plans after the launchable ones, marked
+    not_launchable: str | None = None
 
     @property
     def global_batch(self) -> int:
@@ -51,4 +54,5 @@ class Plan(BaseModel):
     def short(self) -> str:
         return (f"{self.gpus}x{self.gpu_type} dp{self.dp} tp{self.tp} pp{self.pp} z{self.zero}"
                 f"{'' if self.offload == 'none' else ' off:' + self.offload} ckpt:{self.act_ckpt}"
-                f" mb{self.micro_batch}x{self.grad_accum}")
+                f" mb{self.micro_batch}x{self.grad_accum}"
+                f"{'' if self.not_launchable is None else ' (not launchable here)'}")

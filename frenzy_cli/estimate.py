@@ -44,6 +44,21 @@ def register(sub) -> None:
     k.add_argument("--attention", default="flash", help="flash | eager")
     k.add_argument("--mp-style", default="auto",
                    help="auto (zero 0: amp, zero>=1: master) | amp | master")
+    from estimator.profiles import FRAMEWORKS
+    t = e.add_argument_group("implementation and techniques")
+    t.add_argument("--framework", default="frenzy",
+                   help="implementation profile: " + " | ".join(FRAMEWORKS))
+    t.add_argument("--master-weights", default="auto", help="auto | fp32 | none (pure 16-bit)")
+    t.add_argument("--finetune", default="full", help="full | lora | qlora")
+    t.add_argument("--lora-rank", type=int, default=16)
+    t.add_argument("--lora-targets", help="comma-separated projections (default: PEFT's)")
+    t.add_argument("--loss", default="standard", help="standard | chunked | fused-linear | none")
+    t.add_argument("--act-offload", type=_bool, nargs="?", const=True, default=False, metavar="BOOL")
+    t.add_argument("--optimizer-in-backward", type=_bool, nargs="?", const=True, default=False,
+                   metavar="BOOL")
+    t.add_argument("--adamw-impl", default="auto", help="auto | foreach | fused | for-loop")
+    t.add_argument("--fused-kernels", type=_bool, nargs="?", const=True, default=False,
+                   metavar="BOOL", help="torch.compile / Liger fused norm and activation kernels")
     e.add_argument("--gpu", help="catalog GPU type, e.g. A100-80GB (adds fits / overheads)")
     e.add_argument("--method", default="analytic", help="analytic | traced")
     e.add_argument("--json", action="store_true", help="print one JSON object")
@@ -57,6 +72,9 @@ def register(sub) -> None:
     p.add_argument("--precision", default="bf16")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--attention", default="flash")
+    p.add_argument("--master-weights", default="fp32", help="fp32 | none (pure 16-bit)")
+    p.add_argument("--finetune", default="full", help="full | lora | qlora")
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--cluster", help="cluster YAML (GPU types and counts); default: 8 of every "
                                      "catalog GPU type")
     p.add_argument("--gpu", action="append", help="only this GPU type (repeatable)")
@@ -75,7 +93,9 @@ def register(sub) -> None:
 _EST_KEYS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
              "tied_embeddings", "seq_len", "micro_batch", "grad_accum", "dp", "tp", "pp", "cp",
              "sp", "vpp", "zero", "offload", "precision", "optimizer", "act_ckpt", "attention",
-             "gpu", "method", "mp_style")
+             "gpu", "method", "mp_style", "framework", "master_weights", "finetune", "lora_rank",
+             "lora_targets", "loss", "act_offload", "optimizer_in_backward", "adamw_impl",
+             "fused_kernels")
 
 
 def handle_estimate(args) -> int:
@@ -101,9 +121,10 @@ def handle_estimate(args) -> int:
         con.print(f"[yellow]warning:[/] {w}")
     for note in est.warnings:
         if note not in with_warnings:
-            con.print(f"[dim]{note}[/]")
+            con.print(f"[yellow]warning:[/] {note}")
     from .units import format_memory
-    con.print(f"[bold]{est.model}[/]  {est.params:,} parameters  ({est.method})")
+    con.print(f"[bold]{est.model}[/]  {est.params:,} parameters  ({est.method}, "
+              f"framework {est.framework})")
     t = Table(title="per-GPU memory", show_header=True)
     t.add_column("stage")
     t.add_column("layers", justify="right")
@@ -153,7 +174,9 @@ def handle_plan(args) -> int:
                                         "--json prints every plan")
 
     job = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
-           "precision": args.precision, "optimizer": args.optimizer, "attention": args.attention}
+           "precision": args.precision, "optimizer": args.optimizer, "attention": args.attention,
+           "master_weights": args.master_weights,
+           "finetune": {"method": args.finetune, "rank": args.lora_rank}}
     inv, gpn, gpus = _inventory(args)
     if args.gpu and args.cluster:
         inv = {g: n for g, n in inv.items() if g in args.gpu}
@@ -170,13 +193,15 @@ def handle_plan(args) -> int:
         if not ps:
             con.print(f"[dim]{g}: no feasible plan[/]")
             continue
-        t = Table(title=f"{g}: {len(ps)} feasible plans (fastest first)")
-        for col in ("gpus", "dp", "tp", "pp", "zero", "ckpt", "mb x accum", "memory used", "step"):
-            t.add_column(col, justify="right")
+        t = Table(title=f"{g}: {len(ps)} feasible plans (launchable first, fastest first)")
+        for col in ("gpus", "dp", "tp", "pp", "zero", "offload", "ckpt", "mb x accum", "memory used",
+                    "step", "launch here"):
+            t.add_column(col, justify="right" if col != "launch here" else "left")
         for p in ps[: args.top]:
-            t.add_row(str(p.gpus), str(p.dp), str(p.tp), str(p.pp), str(p.zero), p.act_ckpt,
-                      f"{p.micro_batch} x {p.grad_accum}", format_memory(p.device_used_gib),
-                      format_seconds(p.step_time_s))
+            t.add_row(str(p.gpus), str(p.dp), str(p.tp), str(p.pp), str(p.zero), p.offload,
+                      p.act_ckpt, f"{p.micro_batch} x {p.grad_accum}", format_memory(p.device_used_gib),
+                      format_seconds(p.step_time_s),
+                      "yes" if p.not_launchable is None else f"no: {p.not_launchable}")
         con.print(t)
     return 0
 
