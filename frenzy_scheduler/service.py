@@ -24,7 +24,7 @@ from scheduler.loop import RoundLoop
 from scheduler.policies import get_policy
 from scheduler.types import Policy
 
-from .source import LedgerSource, queue_table
+from .source import START_LEASE_S, LedgerSource, queue_table
 
 log = logging.getLogger("frenzy.scheduler")
 
@@ -53,14 +53,15 @@ class SchedulerService:
                  holder: str | None = None, ttl_s: float = DEFAULT_TTL_S, tick_s: float = DEFAULT_TICK_S,
                  poll_s: float = DEFAULT_POLL_S, reap_s: float = DEFAULT_REAP_S,
                  publish: Callable[[str, dict[str, Any]], None] | None = None,
-                 on_queue: Callable[[list[dict[str, Any]]], None] | None = None):
+                 on_queue: Callable[[list[dict[str, Any]]], None] | None = None,
+                 lease_s: float = START_LEASE_S):
         self.ledger = ledger if isinstance(ledger, Ledger) else Ledger(ledger)
         self.policy_spec = policy
         if isinstance(policy, str):
             get_policy(policy)                 # an unknown name fails here, in one line
         self.leadership = Leadership(self.ledger, holder or default_holder(), ttl_s)
         self.ttl_s, self.tick_s, self.poll_s, self.reap_s = ttl_s, tick_s, poll_s, reap_s
-        self.source = LedgerSource(self.ledger, fence=self._fence, publish=publish)
+        self.source = LedgerSource(self.ledger, fence=self._fence, publish=publish, lease_s=lease_s)
         self.on_queue = on_queue
         self.loop: RoundLoop | None = None
         self.leading = False
