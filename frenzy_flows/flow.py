@@ -15,8 +15,8 @@ from scheduler.discover import cluster_or_local
 
 from frenzy_flows import artifacts, dispatch, events
 from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, training_fields
-from frenzy_flows.tasks import (assign, estimate_memory, fastest, load_settings, new_job_id,
-                                secret_value, select_resources, with_site_defaults)
+from frenzy_flows.tasks import (enqueue, estimate_memory, fastest, load_settings, new_job_id,
+                                secret_value, select_resources, wait_for_gpus, with_site_defaults)
 from frenzy_flows.train_flow import train_on_pool
 
 
@@ -45,7 +45,8 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
 @flow(name="frenzy-submit", log_prints=False)
 def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | None = None,
                     safety_margin_gib: float | None = None, ledger_url: SecretStr | None = None,
-                    wait_timeout_s: float = 3600.0, settings: str | None = None) -> SubmitResult:
+                    wait_timeout_s: float = 3600.0, settings: str | None = None,
+                    embedded_scheduler: bool = True) -> SubmitResult:
     """Train ``job`` without naming a GPU.
 
     ``cluster``: a cluster YAML path (pools per GPU type); default: the GPUs NVML finds here,
@@ -53,9 +54,16 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     FRENZY_LEDGER_URL, else SQLite under FRENZY_HOME, as `ledger.Ledger` decides).
     ``settings``: a `FrenzySettings` block name; its ledger URL, safety margin, policy and
     out-of-memory fallback order apply where the call leaves them unset, its default
-    precision and optimizer where the job leaves them unset."""
+    precision and optimizer where the job leaves them unset.
+
+    The job goes into the ledger's queue; the cluster's scheduler (``frenzy scheduler``, or
+    with ``embedded_scheduler`` one this process starts, standing by while another leads)
+    places it, and may later re-size or preempt its run. ``wait_timeout_s`` bounds each wait
+    for GPUs."""
     from ledger import Ledger
+    from ledger.queue import JobQueue
     from prefect.utilities.asyncutils import run_coro_as_sync
+    from scheduler.policies import policy_factory
 
     from trainer.pretrained import check_job
     from trainer.tracking import with_tracking_default
@@ -66,6 +74,7 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     check_job(job)              # starting point, LoRA targets, QLoRA support: before any GPU is taken
     ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
     policy = policy or (site.policy if site else "frenzy")
+    policy_factory(policy)      # an unknown policy name: one line, before anything is queued
     if safety_margin_gib is None:
         safety_margin_gib = (site.safety_margin_gib if site and site.safety_margin_gib is not None
                              else DEFAULT_SAFETY_MARGIN_GIB)
@@ -80,23 +89,28 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
 
     registered = run_coro_as_sync(_registered_pools())
     candidates = select_resources(job, plans_by_type, topology, registered)
-    assignment = assign(job, job_id, candidates, ledger_url, policy=policy,
-                        wait_timeout_s=wait_timeout_s)
-    chosen = assignment.plan
-    artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
-                          pool_notes=dispatch.pool_notes(topology))
-    events.placed(job.name, chosen, assignment)
-
+    queue = JobQueue(Ledger(ledger_url))
+    enqueue(job, job_id, candidates, ledger_url, policy=policy, embedded_scheduler=embedded_scheduler)
+    status, error, trained = "failed", "ended before training", {}
     try:
-        trained = train(job, job_id, chosen, assignment, ledger_url, topology.inventory(), settings)
-        # the trainer reports a run that ran out of fallbacks or time; it does not raise
-        ok = trained.get("status") in ("completed", "stopped")
-        status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
-    except FrenzyInputError:
-        raise
-    except Exception as err:  # the run failed for good: report it, GPUs already released
-        log.error("training failed: %s", err)
-        trained, status, error = {}, "failed", str(err)
+        assignment = wait_for_gpus(job, job_id, ledger_url, wait_timeout_s=wait_timeout_s)
+        chosen = assignment.plan
+        artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
+                              pool_notes=dispatch.pool_notes(topology))
+        events.placed(job.name, chosen, assignment)
+        try:
+            trained = train(job, job_id, chosen, assignment, ledger_url, topology.inventory(), settings)
+            # the trainer reports a run that ran out of fallbacks or time; it does not raise
+            ok = trained.get("status") in ("completed", "stopped")
+            status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
+        except FrenzyInputError as err:
+            error = str(err)
+            raise
+        except Exception as err:  # the run failed for good: report it, GPUs already released
+            log.error("training failed: %s", err)
+            trained, status, error = {}, "failed", str(err)
+    finally:
+        queue.finish(job_id, "failed" if status == "failed" else "done", error=error or "")
 
     final = Plan.model_validate(trained["final_plan"]) if trained.get("final_plan") else chosen
     measured = trained.get("measured", {})
