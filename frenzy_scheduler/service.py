@@ -83,7 +83,10 @@ class SchedulerService:
         if t < self._renew_at:
             return
         try:
-            led = self.leadership.acquire()
+            # a standby only reads while another holds a live lease: no write per poll
+            cur = None if self.leading else self.leadership.current()
+            held = cur is not None and cur["holder"] != self.leadership.holder and not cur["expired"]
+            led = False if held else self.leadership.acquire()
         except Exception as err:          # the database is away: act as a standby until it is back
             log.warning("leadership check failed: %s", err)
             led = False

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from sqlalchemy import text
 from sqlmodel import Session, select
@@ -150,14 +151,10 @@ class JobQueue:
     def resized(self, job_id: str, request_id: str, assignment: dict[str, Any], steps_done: int) -> None:
         """The run stopped for a re-size and holds its new allocation (``assignment``: the
         flow's Assignment as JSON)."""
-        with self.ledger._tx() as s:
-            row = self._row(s, job_id)
+        with self._run_ended(job_id, steps_done) as (row, now):
             if row is None:
                 return
-            now = db_now(s)
-            self._account(row, now)
-            row.allocation_id, row.allocation = assignment["allocation_id"], dict(assignment)
-            row.started_at, row.steps_done = now, max(row.steps_done, int(steps_done))
+            row.allocation_id, row.allocation, row.started_at = assignment["allocation_id"], dict(assignment), now
             row.resizes += 1
             if row.request.get("id") == request_id:
                 row.request_state = "done"
@@ -166,14 +163,10 @@ class JobQueue:
     def requeue(self, job_id: str, *, steps_done: int, preempted: bool, reason: str = "") -> None:
         """The run stopped and released its GPUs; the job waits for a new allocation
         (``preempted``: counted as a preemption, else a re-size whose target was taken)."""
-        with self.ledger._tx() as s:
-            row = self._row(s, job_id)
+        with self._run_ended(job_id, steps_done) as (row, now):
             if row is None:
                 return
-            now = db_now(s)
-            self._account(row, now)
             row.state, row.allocation_id, row.allocation, row.started_at = "pending", None, {}, None
-            row.steps_done = max(row.steps_done, int(steps_done))
             row.preemptions += 1 if preempted else 0
             row.restarts += 1
             if row.request:
@@ -300,6 +293,18 @@ class JobQueue:
         if self.ledger.is_postgres:
             stmt = stmt.with_for_update()
         return s.exec(stmt).first()
+
+    @contextmanager
+    def _run_ended(self, job_id: str, steps_done: int) -> Iterator[tuple[QueueJobRow | None, float]]:
+        """A transaction on the row of a job whose run just stopped: its service accounted,
+        its progress recorded; yields (row or None, database time)."""
+        with self.ledger._tx() as s:
+            row = self._row(s, job_id)
+            now = db_now(s)
+            if row is not None:
+                self._account(row, now)
+                row.steps_done = max(row.steps_done, int(steps_done))
+            yield row, now
 
     @staticmethod
     def _account(row: QueueJobRow, now: float) -> None:
