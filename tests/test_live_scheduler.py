@@ -236,3 +236,38 @@ def test_second_scheduler_stands_by_and_takes_over_when_the_first_dies(url, tmp_
     assert by_b and all(r["t"] > died for r in by_b)        # B never acted while A led
     assert any("j1" in r["starts"] for r in rounds if r["who"] == "A")
     assert any("j2" in r["starts"] for r in by_b)
+
+
+def test_frenzy_queue_prints_pending_jobs_with_predicted_start_and_reason(url, capsys):
+    from frenzy_cli.main import main
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    for name in ("a", "b"):
+        q.enqueue(name, name, {"name": name}, plans(), steps=100)
+        time.sleep(0.01)
+    service(led).step()
+    assert main(["queue", "--ledger", url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["job"]: r for r in doc["jobs"]}
+    assert rows["a"]["state"] == "running" and (rows["a"]["gpu_type"], rows["a"]["gpus"]) == ("A100-80GB", 2)
+    b = rows["b"]
+    assert b["state"] == "pending" and b["why"] and b["gpu_type"] == "A100-80GB"
+    assert b["predicted_start_in_s"] is not None and b["predicted_start_in_s"] > 0
+
+
+def test_a_wait_with_no_scheduler_times_out_saying_what_it_waited_for(url):
+    from frenzy_flows.training import wait_for_allocation
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("lonely", "lonely", {"name": "lonely"}, plans(), steps=10)
+    with pytest.raises(TimeoutError, match="none holds the leadership: start `frenzy scheduler`"):
+        wait_for_allocation(q, "lonely", timeout_s=0.3, log=lambda s: None)
+    assert q.get("lonely").state == "failed"                 # given up: no later start for nobody
+
+
+def test_scheduler_flags_are_checked_before_anything_starts(capsys):
+    from frenzy_cli.main import main
+    assert main(["scheduler", "--tick-s", "-1"]) == 2
+    assert "tick-s: must be a finite number > 0" in capsys.readouterr().err
+    assert main(["scheduler", "--policy", "nope"]) == 2
+    assert "unknown policy 'nope'" in capsys.readouterr().err
