@@ -81,14 +81,16 @@ def _spawn_submit(work: Path, job: dict, env: dict, cluster: str, ledger: str, p
     return p, out
 
 
-def workload(n: int, span_s: float, step_s: float, startup_s: float, seed: int) -> list[dict]:
-    """``n`` jobs, 20-90 s each on one device at the calibrated speed, arrivals spread over
-    ``span_s``; the first is a long job (3x the longest) that the policy may grow and later
-    shrink or preempt."""
+def workload(n: int, span_s: float, step_s: float, startup_s: float, seed: int,
+             job_s: tuple[float, float] = (20.0, 90.0)) -> list[dict]:
+    """``n`` jobs of ``job_s`` seconds each (default 20-90) on one device at the calibrated
+    speed, arrivals spread over ``span_s``; the first is a long job (3x the longest) that the
+    policy may grow and later shrink or preempt."""
     rng = random.Random(seed)
     jobs = []
+    lo, hi = job_s
     for i in range(n):
-        target = 3 * 90.0 if i == 0 else rng.uniform(20.0, 90.0)
+        target = 3 * hi if i == 0 else rng.uniform(lo, hi)
         steps = max(10, int(round((target - startup_s) / step_s)))
         at = 0.0 if i == 0 else rng.uniform(0.05, 1.0) * span_s
         jobs.append({**BASE_JOB, "name": f"replay-{i:02d}", "train_steps": steps, "_at": at})
@@ -123,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="frenzy")
     ap.add_argument("--tick-s", type=float, default=10.0, help="the scheduler's tick, live and simulated")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--job-s", type=float, nargs=2, default=(20.0, 90.0), metavar=("LO", "HI"),
+                    help="job lengths in seconds on one device (default 20 90)")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--submit-one", help=argparse.SUPPRESS)
@@ -135,8 +139,8 @@ def main(argv=None) -> int:
     if not 1 <= args.jobs <= 40:
         print("live_replay: error: jobs: must be within 1..40", file=sys.stderr)
         return 2
-    if not args.span_s > 0 or not args.tick_s > 0:
-        print("live_replay: error: span-s and tick-s must be > 0", file=sys.stderr)
+    if not args.span_s > 0 or not args.tick_s > 0 or not 0 < args.job_s[0] <= args.job_s[1]:
+        print("live_replay: error: span-s and tick-s must be > 0, job-s LO HI with 0 < LO <= HI", file=sys.stderr)
         return 2
 
     work = Path(tempfile.mkdtemp(prefix="frenzy-live-replay-"))
@@ -184,14 +188,22 @@ def main(argv=None) -> int:
         row = queue.get(res["job_id"])
         plan = res["plan"]
         measured = float(res["measured"]["step_time_s"])
-        factor = measured / plan["step_time_s"] if plan["step_time_s"] > 0 else 1.0
+        # the simulator's own prediction for the plan the calibration job ran (its throughput
+        # model call), so the factor corrects exactly what the simulator will use
+        from estimator.plan import Plan
+        from scheduler.sim.engine import SimCluster
+        from scheduler.sim.jobs import StepTimes
+
+        sc = SimCluster.from_cluster(load_cluster(cluster))
+        predicted = StepTimes(sc.gpus).at(calib["model"], calib["seq_len"], Plan.model_validate(plan), 1, None)
+        factor = measured / predicted if predicted > 0 else 1.0
         run_s = row.ended_at - row.started_at
         startup = max(0.0, run_s - calib["train_steps"] * measured)
         step_one = measured * plan["gpus"]           # a one-device step, for sizing the jobs
-        say(f"calibration: {plan['gpus']}xCPU step {measured:.3f} s measured vs {plan['step_time_s']:.3f} s "
-            f"predicted (factor {factor:.2f}), start-up {startup:.1f} s")
+        say(f"calibration: {plan['gpus']}xCPU step {measured:.4f} s measured vs {predicted:.4f} s "
+            f"predicted by the simulator (factor {factor:.3f}), start-up {startup:.1f} s")
 
-        jobs = workload(args.jobs, args.span_s, step_one, startup, args.seed)
+        jobs = workload(args.jobs, args.span_s, step_one, startup, args.seed, tuple(args.job_s))
         start = time.time()
         running = []
         for j in jobs:
@@ -235,7 +247,8 @@ def main(argv=None) -> int:
             f"completed, {resizes} re-sizes, {preemptions} preemptions, {lost} lost steps "
             f"(wall {time.time() - t0:.0f} s)")
         say(f"command: PYTHONPATH=. python bench/live_replay.py --jobs {args.jobs} --span-s {args.span_s:g} "
-            f"--tick-s {args.tick_s:g} --seed {args.seed} --policy {args.policy}")
+            f"--tick-s {args.tick_s:g} --seed {args.seed} --job-s {args.job_s[0]:g} {args.job_s[1]:g} "
+            f"--policy {args.policy}")
         if args.json:
             print(json.dumps({"jobs": len(jobs), "completed": len(completed), "live_avg_jct_s": round(live_avg, 2),
                               "sim_avg_jct_s": round(sim_avg, 2), "resizes": resizes,

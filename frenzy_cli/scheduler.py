@@ -58,6 +58,7 @@ def handle(args) -> int:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)      # one line per Prefect API call otherwise
     ledger = Ledger(args.ledger)
     if topology is not None:
         ledger.sync_cluster(topology)

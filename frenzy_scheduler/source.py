@@ -155,13 +155,22 @@ class LedgerSource:
     def _emit(self, kind: str, job_id: str, **payload: Any) -> None:
         row = self.rows.get(job_id)
         name = row.name if row is not None else job_id
-        log.info("%s %s: %s", kind, job_id, {k: v for k, v in payload.items() if k != "from_plan"})
+        plans = " -> ".join(_short(payload[k]) for k in ("from_plan", "to_plan", "plan") if payload.get(k))
+        log.info("%s %s: %s %s %s", kind, job_id, plans, payload.get("placement") or "", payload.get("reason") or "")
         if self.publish is None:
             return
         try:
             self.publish(kind, {"job_id": job_id, "job_name": name, **payload})
         except Exception as err:      # the UI is a view: a Prefect outage never stops scheduling
             log.warning("could not publish %s of %s: %s", kind, job_id, err)
+
+
+def _short(plan: dict[str, Any]) -> str:
+    try:
+        from estimator.plan import Plan
+        return Plan.model_validate(plan).short()
+    except Exception:                    # a malformed plan still gets logged
+        return str(plan)
 
 
 def queue_table(rows: list[QueueJob], now: float) -> list[dict[str, Any]]:
