@@ -188,14 +188,18 @@ def main(argv=None) -> int:
         row = queue.get(res["job_id"])
         plan = res["plan"]
         measured = float(res["measured"]["step_time_s"])
-        # the simulator's own prediction for the plan the calibration job ran (its throughput
-        # model call), so the factor corrects exactly what the simulator will use
-        from estimator.plan import Plan
+        # the simulator's own prediction for the plan the calibration job ran: its plan book's
+        # plan of the same shape (the simulator's jobs train in its default precision, so the
+        # live plan itself is not one it would run), through its throughput model call
         from scheduler.sim.engine import SimCluster
         from scheduler.sim.jobs import StepTimes
 
         sc = SimCluster.from_cluster(load_cluster(cluster))
-        predicted = StepTimes(sc.gpus).at(calib["model"], calib["seq_len"], Plan.model_validate(plan), 1, None)
+        book = sc.plan_book().plans(calib["model"], calib["seq_len"], calib["global_batch"])
+        shape = ("gpus", "zero", "act_ckpt", "micro_batch", "grad_accum")
+        twin = next((p for p in book if all(getattr(p, k) == plan[k] for k in shape)),
+                    min((p for p in book if p.gpus == plan["gpus"]), key=lambda p: p.step_time_s))
+        predicted = StepTimes(sc.gpus).at(calib["model"], calib["seq_len"], twin, 1, None)
         factor = measured / predicted if predicted > 0 else 1.0
         run_s = row.ended_at - row.started_at
         startup = max(0.0, run_s - calib["train_steps"] * measured)
