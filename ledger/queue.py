@@ -37,6 +37,10 @@ log = logging.getLogger("frenzy.queue")
 # reaper gives the job up.
 DEFAULT_ALIVE_S = 60.0
 ACTIVE = ("pending", "running")
+# A run's watcher forwards a request within a second (training.REQUEST_POLL_S); one not taken
+# up in two minutes belongs to a run that stopped watching: the request is withdrawn, so the
+# job is offered to the policy again (and its GPUs are reaped once its lease runs out).
+REQUEST_ACK_S = 120.0
 
 
 def db_now(s: Session) -> float:
@@ -260,9 +264,13 @@ class JobQueue:
                 why = ""
                 if r.alive_until < now:
                     why = "its submitter stopped sending heartbeats"
-                elif (r.state == "running" and status.get(r.allocation_id) == "expired"
-                      and not (r.request and r.request_state in ("pending", "acked"))):
+                elif r.state == "running" and status.get(r.allocation_id) == "expired":
                     why = "its run stopped renewing its GPU lease"
+                elif (r.request_state == "pending" and r.request.get("at") is not None
+                      and now - float(r.request["at"]) > REQUEST_ACK_S):
+                    log.warning("request %s (%s) for job %s not acknowledged within %.0f s: withdrawn",
+                                r.request.get("id"), r.request.get("kind"), r.job_id, REQUEST_ACK_S)
+                    r.request_state, r.updated_at = "ignored", now
                 if why:
                     r.state, r.error, r.ended_at, r.updated_at = "failed", f"reaped: {why}", now, now
                     if r.request and r.request_state in ("pending", "acked"):

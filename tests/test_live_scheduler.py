@@ -271,3 +271,19 @@ def test_scheduler_flags_are_checked_before_anything_starts(capsys):
     assert "tick-s: must be a finite number > 0" in capsys.readouterr().err
     assert main(["scheduler", "--policy", "nope"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
+
+
+def test_a_request_nobody_acknowledges_is_withdrawn(url, monkeypatch):
+    import ledger.queue as lq
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("j", "j", {"name": "j"}, plans(), steps=10)
+    service(led).step()
+    assert q.request("j", "preempt")
+    q.reap()
+    assert q.get("j").request_state == "pending"             # young: left alone
+    monkeypatch.setattr(lq, "REQUEST_ACK_S", 0.0)
+    time.sleep(0.05)
+    q.reap()
+    job = q.get("j")
+    assert (job.state, job.request_state, job.open_request) == ("running", "ignored", False)
