@@ -152,17 +152,17 @@ class LedgerSource:
                        "reason": w.reason} for jid, w in result.waits.items() if jid not in started}
         self.queue.set_waits(waits)
 
-    def _emit(self, kind: str, job_id: str, **payload: Any) -> None:
+    def _emit(self, event: str, job_id: str, **payload: Any) -> None:
         row = self.rows.get(job_id)
         name = row.name if row is not None else job_id
         plans = " -> ".join(_short(payload[k]) for k in ("from_plan", "to_plan", "plan") if payload.get(k))
-        log.info("%s %s: %s %s %s", kind, job_id, plans, payload.get("placement") or "", payload.get("reason") or "")
+        log.info("%s %s: %s %s %s", event, job_id, plans, payload.get("placement") or "", payload.get("reason") or "")
         if self.publish is None:
             return
         try:
-            self.publish(kind, {"job_id": job_id, "job_name": name, **payload})
+            self.publish(event, {"job_id": job_id, "job_name": name, **payload})
         except Exception as err:      # the UI is a view: a Prefect outage never stops scheduling
-            log.warning("could not publish %s of %s: %s", kind, job_id, err)
+            log.warning("could not publish %s of %s: %s", event, job_id, err)
 
 
 def _short(plan: dict[str, Any]) -> str:

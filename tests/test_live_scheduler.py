@@ -287,3 +287,50 @@ def test_a_request_nobody_acknowledges_is_withdrawn(url, monkeypatch):
     q.reap()
     job = q.get("j")
     assert (job.state, job.request_state, job.open_request) == ("running", "ignored", False)
+
+
+def test_round_decisions_become_requests_events_and_reservations(url):
+    from frenzy_scheduler.source import LedgerSource
+    from scheduler.round import check_decisions
+    from scheduler.types import Decision
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("big", "big", {"name": "big"}, plans(), steps=100)
+    events = []
+    src = LedgerSource(led, publish=lambda kind, payload: events.append((kind, payload)))
+    snap = src.snapshot()
+    src.apply(check_decisions("t", [Decision("big", plans()[0], {"a100-0": [0, 1]})], snap.pending, snap.state), 0.0)
+    assert [k for k, _ in events] == ["started"] and events[0][1]["plan"]["gpus"] == 2
+    # a shrink: the policy stops the run and restarts it on one GPU in the same round
+    snap = src.snapshot()
+    assert [r.job_id for r in snap.state.running] == ["big"] and snap.state.running[0].request.steps_left == 100
+    shrink = [Decision("big", None, {}, action="preempt", reason="shrink"),
+              Decision("big", plans()[1], {"a100-0": [1]}, reason="shrink")]
+    src.apply(check_decisions("t", shrink, snap.pending, snap.state), 0.0)
+    kind, payload = events[-1]
+    assert kind == "resized" and payload["kind"] == "shrink"
+    assert (payload["from_plan"]["gpus"], payload["to_plan"]["gpus"], payload["placement"]) == (2, 1, {"a100-0": [1]})
+    row = q.get("big")
+    assert row.request["kind"] == "shrink" and row.request_state == "pending"
+    # while the request is open the run is offered to no policy, its target GPU to no other job
+    q.enqueue("small", "small", {"name": "small"}, plans(), steps=5)
+    led.release(row.allocation_id)                           # the run stopped and let its GPUs go
+    snap = src.snapshot()
+    assert snap.state.running == [] and [r.job_id for r in snap.pending] == ["small"]
+    assert snap.state.nodes[0].free == [0]
+
+
+def test_a_recall_is_a_preempt_request_published_as_recalled(url):
+    from frenzy_scheduler.source import LedgerSource
+    from scheduler.round import check_decisions
+    from scheduler.types import Decision
+    led = ledger_with_cluster(url)
+    JobQueue(led).enqueue("r", "r", {"name": "r"}, plans(), steps=10)
+    events = []
+    src = LedgerSource(led, publish=lambda kind, payload: events.append((kind, payload)))
+    service(led).step()
+    snap = src.snapshot()
+    src.apply(check_decisions("t", [Decision("r", None, {}, action="preempt", reason="recall")],
+                              snap.pending, snap.state), 0.0)
+    assert [k for k, _ in events] == ["recalled"] and events[0][1]["from_plan"]["gpus"] == 2
+    assert JobQueue(led).get("r").request["kind"] == "preempt"
