@@ -18,7 +18,7 @@ TINY = {"name": "live-resize", "model": "gpt2-tiny", "seq_len": 64, "global_batc
         "train_steps": 120, "precision": "fp32", "lr": 0.003, "checkpoint_every": 1000}
 
 
-def _setup(tmp_path, name):
+def _setup(tmp_path, name, steps=None):
     from estimator.job import TrainingJob
     from estimator.plans import plans_for_job
     from ledger import Ledger
@@ -29,7 +29,7 @@ def _setup(tmp_path, name):
     cluster = parse_cluster("pools:\n  - {name: cpu, gpu: CPU, nodes: 1, gpus_per_node: 2}\n")
     led = Ledger(f"sqlite:///{tmp_path / (name + '.db')}")
     led.sync_cluster(cluster)
-    job = TrainingJob.model_validate({**TINY, "name": name})
+    job = TrainingJob.model_validate({**TINY, "name": name, **({"train_steps": steps} if steps else {})})
     plans = [p for p in plans_for_job(job, cluster.inventory(), gpus_per_node=cluster.gpus_per_node(),
                                       gpus=cluster.gpu_catalog())["CPU"] if realisable(p)]
     one = next(p for p in plans if p.gpus == 1 and p.zero == 0 and p.act_ckpt == "none")
@@ -84,3 +84,50 @@ def test_shrink_request_stops_relaunches_and_resumes_exactly(tmp_path, frenzy_ho
     row = q.get("j")
     assert (row.resizes, row.request_state, row.allocation["placement"]) == (1, "done", {"cpu-0": [1]})
     assert not [a for a in led.allocations() if a.status == "active"]
+
+
+def test_a_policy_shrink_decided_in_a_round_reaches_the_live_run(tmp_path, frenzy_home):
+    """The whole chain: scheduler round -> request on the queue row -> the run's watcher -> the
+    control file -> stop, relaunch on the target -> the scheduler sees the re-sized run."""
+    from frenzy_flows.training import run_allocated_training, wait_for_allocation
+    from frenzy_scheduler.service import SchedulerService
+    from scheduler.types import Decision, Policy
+
+    # long enough (about 10 s of steps) for two watcher beats and a round to pass mid-training
+    led, q, job, one, two = _setup(tmp_path, "policy", steps=600)
+
+    class ShrinkOnce(Policy):
+        # round-based (a round every second while jobs run): nothing else would start a round
+        # while the one job runs and no GPU is idle
+        name, restarts_runs, round_s = "shrink-once", True, 1.0
+
+        def __init__(self):
+            self.shrunk = False
+
+        def schedule(self, pending, state, now):
+            out = [Decision(j.job_id, two, {"cpu-0": [0, 1]}) for j in pending if len(state.nodes[0].free) == 2]
+            for r in state.running:
+                if not self.shrunk and r.plan.gpus == 2 and r.request.steps_left < job.steps - 3:
+                    self.shrunk = True
+                    out += [Decision(r.job_id, None, {}, action="preempt", reason="shrink"),
+                            Decision(r.job_id, one, {"cpu-0": [1]}, reason="shrink")]
+            return out
+
+    svc = SchedulerService(led, ShrinkOnce(), ttl_s=10.0, poll_s=0.2)
+    t = threading.Thread(target=svc.run, kwargs={"max_s": 240}, daemon=True)
+    t.start()
+    try:
+        q.enqueue("p", "p", job.model_dump(mode="json"), [two, one], steps=job.steps)
+        got = wait_for_allocation(q, "p", timeout_s=60, log=lambda s: None)
+        assert got.plan.gpus == 2
+        lines: list[str] = []
+        res = run_allocated_training(job, "p", got.plan, got, ledger_url=led.url, log=lines.append)
+    finally:
+        svc.stop()
+        t.join(10)
+    assert res.status == "completed", lines[-20:]
+    assert [a.plan.gpus for a in res.attempts] == [2, 1] and len(res.losses) == job.steps
+    assert any("scheduler asks to shrink" in line for line in lines)
+    row = q.get("p")
+    assert (row.resizes, row.request_state, row.allocation["placement"]) == (1, "done", {"cpu-0": [1]})
+    assert svc.source.counts["resized"] == 1
