@@ -16,6 +16,8 @@ SUBCOMMAND_MODULES = [
     "frenzy_cli.calibrate",  # calibrate
     "frenzy_cli.simulate",   # simulate, workload
     "frenzy_cli.pools",      # pools sync|status
+    "frenzy_cli.scheduler",  # scheduler (the live round loop)
+    "frenzy_cli.queue",      # queue
 ]
 
 

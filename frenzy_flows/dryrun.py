@@ -2,7 +2,7 @@
 
 The same steps as the `frenzy-submit` flow up to the placement: the estimator's feasible plans
 per GPU type, the submit flow's own filter of what the trainer can launch
-(``tasks.select_resources``), the live policy's choice on the cluster (``tasks.live_policy``),
+(``tasks.select_resources``), the scheduler's round on the idle cluster (``scheduler.round.run_round``, as ``frenzy scheduler`` runs it),
 but on an idle cluster (every GPU free), with no Prefect server asked (unless the caller hands
 in a worker count), no ledger read or written, no pool synced, no process started.
 
@@ -101,7 +101,10 @@ def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, pol
     from estimator.plans import plans_for_job
     from scheduler.types import JobRequest
 
-    from frenzy_flows.tasks import live_policy, select_resources
+    from scheduler.policies import get_policy
+    from scheduler.round import run_round
+
+    from frenzy_flows.tasks import select_resources
 
     base: dict[str, Any] = {"dry_run": True, "job": job.name, "model": job.model if isinstance(job.model, str)
                             else "custom", "steps": job.steps, "policy": policy,
@@ -121,8 +124,8 @@ def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, pol
     plans = [p for ps in candidates.values() for p in ps]
     request = JobRequest(job_id=f"{job.name}-dry-run", submit_s=time.time(), plans=plans,
                          steps_left=job.steps, model=base["model"], checkpoint_gb=0.0)
-    decision = next((d for d in live_policy(policy).schedule([request], cluster.initial_state(), time.time())
-                     if d.action == "start" and d.plan is not None), None)
+    decision = next((d for d in run_round(get_policy(policy), [request], cluster.initial_state(), time.time()).starts
+                     if d.plan is not None), None)
     if decision is None:
         return {**base, "launch": False, "needs": [],
                 "reason": f"policy {policy} starts nothing on the idle cluster (it would wait)"}

@@ -19,8 +19,8 @@ from scheduler.discover import cluster_or_local
 from frenzy_flows import artifacts, dispatch, events
 from frenzy_flows.form import RunForm
 from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, training_fields
-from frenzy_flows.tasks import (assign, estimate_memory, load_settings, new_job_id,
-                                secret_value, select_resources, with_site_defaults)
+from frenzy_flows.tasks import (enqueue, estimate_memory, load_settings, new_job_id,
+                                secret_value, select_resources, wait_for_gpus, with_site_defaults)
 from frenzy_flows.train_flow import train_on_pool
 
 
@@ -53,7 +53,7 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
                     safety_margin_gib: Annotated[float | None, RunForm()] = None,
                     ledger_url: Annotated[SecretStr | None, RunForm()] = None,
                     wait_timeout_s: float = 3600.0, settings: Annotated[str | None, RunForm()] = None,
-                    dry_run: bool = False) -> SubmitResult | dict:
+                    dry_run: bool = False, embedded_scheduler: bool = True) -> SubmitResult | dict:
     """Train a job without naming a GPU: estimate its memory, pick GPU type and count, assign
     GPUs on the ledger and train.
 
@@ -76,9 +76,17 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
         dry_run: Only report what would launch (GPU type, count, plan, memory, predicted step
             time and duration, pool and worker) as the `frenzy-dry-run` artifact; no GPU is
             assigned, nothing is written to the ledger, nothing trains.
+        embedded_scheduler: Start a scheduler in this process that stands by while another
+            (`frenzy scheduler`) leads and takes over when none does. Off: the job waits for
+            the site's scheduler.
+
+    The job goes into the ledger's queue; the cluster's scheduler places it, and may later
+    re-size or preempt its run. ``wait_timeout_s`` bounds each wait for GPUs.
     """
     from ledger import Ledger
+    from ledger.queue import JobQueue
     from prefect.utilities.asyncutils import run_coro_as_sync
+    from scheduler.policies import policy_factory
 
     from trainer.pretrained import check_job
     from trainer.tracking import with_tracking_default
@@ -89,6 +97,7 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
     check_job(job)              # starting point, LoRA targets, QLoRA support: before any GPU is taken
     ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
     policy = policy or (site.policy if site else "frenzy")
+    policy_factory(policy)      # an unknown policy name: one line, before anything is queued
     if safety_margin_gib is None:
         safety_margin_gib = (site.safety_margin_gib if site and site.safety_margin_gib is not None
                              else DEFAULT_SAFETY_MARGIN_GIB)
@@ -104,24 +113,29 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
 
     registered = run_coro_as_sync(_registered_pools())
     candidates = select_resources(job, plans_by_type, topology, registered)
-    assignment = assign(job, job_id, candidates, ledger_url, policy=policy,
-                        wait_timeout_s=wait_timeout_s)
-    chosen = assignment.plan
-    artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
-                          pool_notes=dispatch.pool_notes(topology))
-    artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
-    events.placed(job.name, chosen, assignment)
-
+    queue = JobQueue(Ledger(ledger_url))
+    enqueue(job, job_id, candidates, ledger_url, policy=policy, embedded_scheduler=embedded_scheduler)
+    status, error, trained = "failed", "ended before training", {}
     try:
-        trained = train(job, job_id, chosen, assignment, ledger_url, topology.inventory(), settings)
-        # the trainer reports a run that ran out of fallbacks or time; it does not raise
-        ok = trained.get("status") in ("completed", "stopped")
-        status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
-    except FrenzyInputError:
-        raise
-    except Exception as err:  # the run failed for good: report it, GPUs already released
-        log.error("training failed: %s", err)
-        trained, status, error = {}, "failed", str(err)
+        assignment = wait_for_gpus(job, job_id, ledger_url, wait_timeout_s=wait_timeout_s)
+        chosen = assignment.plan
+        artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
+                              pool_notes=dispatch.pool_notes(topology))
+        artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
+        events.placed(job.name, chosen, assignment)
+        try:
+            trained = train(job, job_id, chosen, assignment, ledger_url, topology.inventory(), settings)
+            # the trainer reports a run that ran out of fallbacks or time; it does not raise
+            ok = trained.get("status") in ("completed", "stopped")
+            status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
+        except FrenzyInputError as err:
+            error = str(err)
+            raise
+        except Exception as err:  # the run failed for good: report it, GPUs already released
+            log.error("training failed: %s", err)
+            trained, status, error = {}, "failed", str(err)
+    finally:
+        queue.finish(job_id, "failed" if status == "failed" else "done", error=error or "")
 
     final = Plan.model_validate(trained["final_plan"]) if trained.get("final_plan") else chosen
     measured = trained.get("measured", {})

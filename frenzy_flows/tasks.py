@@ -1,11 +1,10 @@
-"""The four stages of a submission, each a Prefect task:
-estimate_memory -> select_resources -> assign -> train.
+"""The stages of a submission, each a Prefect task:
+estimate_memory -> select_resources -> enqueue -> wait_for_gpus -> train.
 
 The logic lives in the pure core (estimator, scheduler) and the edges (ledger, trainer); these
 tasks only wire it to Prefect: logging, artifacts, events, retries."""
 from __future__ import annotations
 
-import time
 import uuid
 from prefect import get_run_logger, task
 from pydantic import SecretStr
@@ -16,9 +15,7 @@ from estimator.models import resolve_model
 from estimator.plan import Plan
 from estimator.plans import plans_for_job
 from scheduler.cluster import Cluster
-from scheduler.policies import get_policy
 from scheduler.restart import checkpoint_gb
-from scheduler.types import JobRequest
 from trainer.fallback import realisable
 
 from frenzy_flows.results import Assignment
@@ -78,64 +75,48 @@ def select_resources(job: TrainingJob, plans_by_type: dict[str, list[Plan]], clu
     return kept
 
 
-def live_policy(name: str):
-    """The policy for one live submission. It sees running jobs it cannot stop (other flows'
-    runs), so the knobs that restart running jobs (preemption, growth, shrinking) are switched
-    off where a policy has them; the same policy class runs unchanged in the simulator."""
-    import inspect
-
-    from scheduler.policies import POLICIES
-
-    factory = POLICIES.get(name)
-    params = inspect.signature(factory).parameters if factory else {}
-    return get_policy(name, **{k: False for k in ("preemption", "grow", "shrink") if k in params})
-
-
-@task(name="assign")
-def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], ledger_url: str | None,
-           policy: str = "frenzy", wait_timeout_s: float = 3600.0, lease_s: float = 300.0) -> Assignment:
-    """Ask the scheduling policy for a placement on the ledger's current free GPUs and record
-    the allocation atomically. Waits (re-planning as leases expire and GPUs free up) when the
-    policy prefers to wait for a better GPU type than to start now on a worse one."""
+@task(name="enqueue")
+def enqueue(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], ledger_url: str | None,
+            policy: str = "frenzy", embedded_scheduler: bool = True) -> str:
+    """Put the job in the ledger's queue with its candidate plans (fastest first). With
+    ``embedded_scheduler`` this process also runs a scheduler thread, which stands by while
+    another scheduler (a site's ``frenzy scheduler``) leads: a laptop needs nothing else."""
     from ledger import Ledger
+    from ledger.queue import JobQueue
 
     log = get_run_logger()
     ledger = Ledger(ledger_url)
-    pol = live_policy(policy)
-    plans = [p for ps in candidates.values() for p in ps]
-    # With the job's step count on record, its allocation carries a predicted end, so later
-    # submitters' policies can plan their waits around this run.
-    ledger.submit_job(job_id, job.name, {**job.model_dump(mode="json"), "train_steps": job.steps})
-    ledger.record_plans(job_id, sorted(plans, key=lambda p: p.step_time_s))
-    ckpt_gb = checkpoint_gb(resolve_model(job.model).params)
-    submit_s = time.time()
-    deadline = submit_s + wait_timeout_s
-    delay = 1.0
-    while True:
-        ledger.expire_leases()
-        state = ledger.cluster_state()
-        request = JobRequest(job_id=job_id, submit_s=submit_s, plans=plans, steps_left=job.steps,
+    plans = sorted((p for ps in candidates.values() for p in ps), key=lambda p: p.step_time_s)
+    JobQueue(ledger).enqueue(job_id, job.name, job.model_dump(mode="json"), plans, steps=job.steps,
                              model=job.model if isinstance(job.model, str) else "custom",
-                             checkpoint_gb=ckpt_gb)
-        free = {(n.node_id, i) for n in state.nodes for i in n.free}
-        for decision in pol.schedule([request], state, time.time()):
-            if decision.action != "start" or decision.job_id != job_id:
-                continue
-            if any((node, i) not in free for node, ids in decision.placement.items() for i in ids):
-                continue        # would need a running job stopped: wait for it to end instead
-            try:
-                alloc = ledger.allocate(job_id, decision.plan, decision.placement, lease_s=lease_s)
-            except Exception as err:  # another submitter took a GPU between read and write
-                log.info("placement raced with another submitter (%s); re-planning", err)
-                break
-            log.info("assigned %s on %s", decision.plan.short(), decision.placement)
-            return Assignment.from_allocation(alloc, decision.plan)
-        if time.time() > deadline:
-            raise TimeoutError(f"no GPUs for job {job.name} within {wait_timeout_s:.0f} s")
-        log.info("waiting for GPUs (%d running allocations); next look in %.0f s",
-                 len(state.running), delay)
-        time.sleep(delay)
-        delay = min(delay * 2, 30.0)
+                             checkpoint_gb=checkpoint_gb(resolve_model(job.model).params))
+    if embedded_scheduler:
+        from frenzy_scheduler import ensure_embedded_scheduler
+        from frenzy_scheduler.publish import emit_decision, publish_queue
+
+        svc = ensure_embedded_scheduler(ledger_url, policy, publish=emit_decision, on_queue=publish_queue)
+        log.info("queued %s with %d plans; embedded scheduler %s (%s)", job_id, len(plans),
+                 svc.leadership.holder, "leading" if svc.leading else "starting or standing by")
+    else:
+        log.info("queued %s with %d plans; waiting for the site's scheduler", job_id, len(plans))
+    return job_id
+
+
+@task(name="wait_for_gpus")
+def wait_for_gpus(job: TrainingJob, job_id: str, ledger_url: str | None,
+                  wait_timeout_s: float = 3600.0) -> Assignment:
+    """Wait for the allocation the scheduler writes for the job (``wait_timeout_s``: then a
+    TimeoutError that says what it waited for)."""
+    from ledger import Ledger
+    from ledger.queue import JobQueue
+
+    from frenzy_flows.training import wait_for_allocation
+
+    log = get_run_logger()
+    assignment = wait_for_allocation(JobQueue(Ledger(ledger_url)), job_id, timeout_s=wait_timeout_s,
+                                     log=log.info, what=job.name)
+    log.info("assigned %s on %s", assignment.plan.short(), assignment.placement)
+    return assignment
 
 
 def load_settings(name: str | None):

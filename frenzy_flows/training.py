@@ -2,13 +2,23 @@
 runs, a new allocation when an out-of-memory fallback needs other GPUs, the measurement next to
 the prediction at the end, and every GPU released whatever happens.
 
+Live re-sizing: while the training runs, a watcher thread beats the job's queue row every
+``REQUEST_POLL_S`` (progress, liveness) and reads the request the scheduler left there. A
+re-size or preemption is written into the run's control file (``trainer.control``): the
+training stops at the next step boundary on every rank with a checkpoint; the GPUs are released;
+a re-size takes its target GPUs and relaunches on the new plan (same global batch) in the same
+run folder, so it resumes from that checkpoint; a preempted job goes back to the queue and
+relaunches on the allocation the scheduler gives it next.
+
 Called in-process by the submit flow's `train` task (embedded default) and by the
 `train_on_pool` flow that pool workers run: one implementation for both."""
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from estimator.home import frenzy_home
 from estimator.job import TrainingJob
@@ -16,23 +26,140 @@ from estimator.plan import Plan
 
 from frenzy_flows.results import Assignment, predicted_figures
 
+# The watcher's period: a scheduler's request reaches the training within this plus one step.
+REQUEST_POLL_S = 1.0
+# How long a stopped run tries to take its re-size target: GPUs another job gives up in the
+# same round free when that job's own stop lands (one step plus a checkpoint on the tiny model
+# takes a few seconds; 60 s covers checkpoints of a few GB). Then it waits in the queue.
+RESIZE_TAKE_S = 60.0
+# How often a waiting submission looks at its queue row.
+WAIT_POLL_S = 0.5
+
 
 def runs_dir() -> Path:
     return frenzy_home() / "runs"
+
+
+def wait_for_allocation(queue, job_id: str, *, timeout_s: float, log: Callable[[str], None],
+                        what: str | None = None) -> Assignment:
+    """Wait until the scheduler placed ``job_id`` (its queue row turned ``running``), beating
+    the row meanwhile; ``TimeoutError`` naming what it waited for (and the job given up, its
+    allocation released if one came in the meantime)."""
+    from ledger.queue import Leadership
+
+    end = time.monotonic() + timeout_s
+    said = None
+    while True:
+        row = queue.touch(job_id)
+        if row is None:
+            raise RuntimeError(f"job {job_id} is not in the scheduler's queue")
+        if row.state == "running" and row.allocation_id:
+            return Assignment.model_validate(row.allocation)
+        if row.state in ("done", "failed"):
+            raise RuntimeError(f"job {job_id} ended {row.state} while waiting for GPUs: {row.error or 'no reason given'}")
+        if row.wait_reason and row.wait_reason != said:
+            said = row.wait_reason
+            log(f"waiting for GPUs: {said}")
+        if time.monotonic() > end:
+            lead = Leadership(queue.ledger, "observer", 1.0).current()
+            who = (f"the scheduler {lead['holder']}" if lead and not lead["expired"]
+                   else "a scheduler (none holds the leadership: start `frenzy scheduler`)")
+            msg = (f"job {what or job_id} got no GPUs within {timeout_s:.0f} s: waited for {who} to place it; "
+                   f"its last answer: {row.wait_reason or 'none'}")
+            queue.finish(job_id, "failed", error=msg)
+            late = queue.get(job_id)
+            if late is not None and late.allocation_id:
+                queue.ledger.release(late.allocation_id)
+            raise TimeoutError(msg)
+        time.sleep(WAIT_POLL_S)
+
+
+class RequestWatcher:
+    """Beats the job's queue row and forwards the scheduler's re-size / stop requests into the
+    run's control file (module docstring). A run without a queue row (a `frenzy-train` run
+    started by hand) is watched by nobody: the thread ends at once."""
+
+    def __init__(self, queue, job_id: str, run_dir: Path, log: Callable[[str], None]):
+        self.queue, self.job_id, self.run_dir, self.log = queue, job_id, run_dir, log
+        self.step = 0
+        self.forwarded: dict[str, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"frenzy-watch-{job_id[:16]}", daemon=True)
+
+    def __enter__(self) -> "RequestWatcher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=REQUEST_POLL_S * 5)
+
+    def _run(self) -> None:
+        from trainer import control
+
+        while not self._stop.wait(REQUEST_POLL_S):
+            try:
+                row = self.queue.touch(self.job_id, steps_done=self.step)
+            except Exception as err:            # a transient database error: next period
+                self.log(f"frenzy: queue heartbeat failed: {err}")
+                continue
+            if row is None:
+                return
+            req = row.request
+            if not (row.request_state == "pending" and req and req.get("id") not in self.forwarded):
+                continue
+            rid, kind = str(req["id"]), str(req.get("kind"))
+            control.request_stop(self.run_dir, reason="preempt" if kind == "preempt" else "resize", request_id=rid)
+            self.forwarded[rid] = dict(req)
+            self.queue.ack_request(self.job_id, rid)
+            target = Plan.model_validate(req["plan"]).short() if req.get("plan") else "the queue"
+            self.log(f"frenzy: scheduler asks to {kind} ({req.get('reason') or kind}) -> {target}; "
+                     f"stopping at the next step")
+
+
+def _take(ledger, job_id: str, plan: Plan, placement: dict[str, list[int]], log) -> Any:
+    """The re-size target, retried while GPUs another stopping job holds free; None if not."""
+    from ledger.core import LedgerConflict
+
+    end = time.monotonic() + RESIZE_TAKE_S
+    while True:
+        try:
+            return ledger.allocate(job_id, plan, placement)
+        except LedgerConflict as err:
+            if time.monotonic() > end:
+                log(f"frenzy: re-size target still taken after {RESIZE_TAKE_S:.0f} s ({err}); back to the queue")
+                return None
+            time.sleep(WAIT_POLL_S)
+
+
+def _merge(segments: list) -> Any:
+    """One TrainResult for a run that relaunched: losses and attempts of every segment in
+    order (each segment resumes after the last step of the one before), the rest from the
+    last one."""
+    if len(segments) == 1:
+        return segments[0]
+    last = segments[-1]
+    return last.model_copy(update={
+        "losses": [x for s in segments for x in s.losses],
+        "attempts": [a for s in segments for a in s.attempts],
+        "eval_losses": [e for s in segments for e in s.eval_losses]})
 
 
 def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment, *,
                            ledger_url: str | None, log: Callable[[str], None],
                            inventory: dict[str, int] | None = None,
                            on_step: Callable[[int, int, float], None] | None = None,
-                           fallbacks=None):
+                           fallbacks=None, wait_timeout_s: float = 3600.0):
     """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``. ``fallbacks``:
-    the out-of-memory fallback plans to try (default: the trainer's own ladder)."""
+    the out-of-memory fallback plans to try (default: the trainer's own ladder).
+    ``wait_timeout_s``: how long a preempted run waits in the queue for new GPUs."""
     from ledger import Ledger
+    from ledger.queue import JobQueue
     from trainer.resume import prepare_run_dir
     from trainer.runner import run_training
 
     ledger = Ledger(ledger_url)
+    queue = JobQueue(ledger)
     current = {"alloc_id": assignment.allocation_id, "plan": plan, "devices": assignment.devices,
                "first": True}
     leases = contextlib.ExitStack()
@@ -56,11 +183,46 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
             ledger.release(current["alloc_id"])
 
     run_dir = prepare_run_dir(job, job_id, runs_dir())      # a resubmission continues its last checkpoint
-    run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        result = run_training(job, plan, run_dir=run_dir, acquire=acquire, release=release, log=log,
-                              on_step=on_step, inventory=inventory,
-                              deadline_s=job.deadline_s, fallbacks=fallbacks)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with RequestWatcher(queue, job_id, run_dir, log) as watcher:
+            def stepped(step: int, total: int, loss: float) -> None:
+                watcher.step = step
+                if on_step is not None:
+                    on_step(step, total, loss)
+
+            segments = []
+            now_plan = plan
+            while True:
+                result = run_training(job, now_plan, run_dir=run_dir, acquire=acquire, release=release, log=log,
+                                      on_step=stepped, inventory=inventory,
+                                      deadline_s=job.deadline_s, fallbacks=fallbacks)
+                segments.append(result)
+                req = (watcher.forwarded.get(result.stop.request_id)
+                       if result.status == "stopped" and result.stop is not None else None)
+                if req is None:
+                    break
+                done = int(result.stop.step)
+                release()                                       # run_training released it; idempotent
+                if req.get("kind") == "preempt":
+                    queue.requeue(job_id, steps_done=done, preempted=True, reason="preempted")
+                    log(f"frenzy: preempted after step {done}; waiting in the queue")
+                    new = wait_for_allocation(queue, job_id, timeout_s=wait_timeout_s, log=log, what=job.name)
+                else:
+                    target = Plan.model_validate(req["plan"])
+                    placement = {k: [int(d) for d in v] for k, v in req["placement"].items()}
+                    alloc = _take(ledger, job_id, target, placement, log)
+                    if alloc is None:
+                        queue.requeue(job_id, steps_done=done, preempted=False, reason="re-size target was taken")
+                        new = wait_for_allocation(queue, job_id, timeout_s=wait_timeout_s, log=log, what=job.name)
+                    else:
+                        new = Assignment.from_allocation(alloc, target)
+                        queue.resized(job_id, str(req["id"]), new.model_dump(mode="json"), done)
+                        log(f"frenzy: re-sized ({req.get('kind')}) after step {done} to {target.short()} "
+                            f"on {placement}; resuming from the checkpoint")
+                now_plan = new.plan
+                current.update(alloc_id=new.allocation_id, plan=now_plan, devices=list(new.devices), first=True)
+        result = _merge(segments)
         final = result.final_plan
         ledger.record_measurement(job_id, current["alloc_id"], final.gpu_type, final,
                                   predicted=predicted_figures(final),

@@ -108,3 +108,54 @@ class MeasurementRow(SQLModel, table=True):
     measured_step_time_s: Optional[float] = None
     tokens_per_s: Optional[float] = None
     created_at: float = 0.0
+
+
+# --- the live scheduler's queue and leadership (ledger.queue) ------------------------------
+class QueueJobRow(SQLModel, table=True):
+    """A submitted job as the live scheduler sees it: what it asks for, where it runs, why it
+    waits, and the re-size or stop request the scheduler made of its run. Times come from the
+    database's clock (``ledger.queue.db_now``), never a caller's."""
+
+    __tablename__ = "queue_jobs"
+
+    job_id: str = Field(primary_key=True)
+    name: str = ""
+    job: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))      # TrainingJob JSON
+    plans: list[Any] = Field(default_factory=list, sa_column=Column(JSON))         # candidate Plan JSON
+    state: str = Field(default="pending", index=True)   # pending | running | done | failed
+    submitted_at: float = 0.0
+    steps_total: int = 0
+    steps_done: int = 0
+    model: str = ""
+    checkpoint_gb: float = 0.0
+    attained_gpu_s: float = 0.0
+    restarts: int = 0
+    preemptions: int = 0
+    resizes: int = 0
+    allocation_id: Optional[str] = None
+    allocation: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))  # Assignment JSON
+    started_at: Optional[float] = None
+    predicted_start_s: Optional[float] = None
+    wait_gpu_type: Optional[str] = None
+    wait_gpus: Optional[int] = None
+    wait_reason: str = ""
+    # {"id", "kind": grow|shrink|move|preempt, "plan", "placement", "reason", "at"}; {} = none
+    request: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+    request_state: str = ""          # "" | pending | acked (stop written) | done | ignored
+    alive_until: float = 0.0         # the submitter's heartbeat
+    error: str = ""
+    updated_at: float = 0.0
+    ended_at: Optional[float] = None
+
+
+class SchedulerLeaseRow(SQLModel, table=True):
+    """Leadership: the one scheduler allowed to act holds this row's lease. ``epoch`` grows by
+    one at every change of holder (a fencing token)."""
+
+    __tablename__ = "scheduler_lease"
+
+    name: str = Field(primary_key=True)
+    holder: str = ""
+    epoch: int = 0
+    expires_at: float = 0.0
+    acquired_at: float = 0.0

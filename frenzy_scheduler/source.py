@@ -1,0 +1,193 @@
+"""The ledger as the round loop's source of truth (``scheduler.loop.RoundSource``).
+
+Snapshot: pending queue jobs become ``JobRequest``s (plans, steps left, attained service,
+restarts, preemptions); the ledger's active allocations become ``RunningJob``s carrying their
+job's request. A job whose run has an open re-size or stop request is in neither list (its
+GPUs stay held until the run lets them go), and the target GPUs of an open re-size are not
+offered as free: the run takes them when it relaunches.
+
+Apply: a stop becomes a request on the job's queue row (the run's heartbeat acts on it); a
+start of a pending job becomes a ledger allocation and the row turns ``running``. A start whose
+GPUs are still held (a run stopping in this very round) is skipped: the next round places the
+job again.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable
+
+from estimator.errors import FrenzyInputError
+from ledger import Ledger
+from ledger.core import LedgerConflict
+from ledger.queue import JobQueue, QueueJob
+from scheduler.loop import Snapshot
+from scheduler.round import RoundResult
+from scheduler.types import JobRequest
+
+log = logging.getLogger("frenzy.scheduler")
+
+# A placed job's GPUs stay held this long without a heartbeat from its run; its submitter
+# starts the heartbeat within a second (its poll), the ledger's default lease is 300 s.
+START_LEASE_S = 300.0
+
+Publish = Callable[[str, dict[str, Any]], None]          # (event kind, payload)
+
+
+def assignment_json(alloc, plan) -> dict[str, Any]:
+    """A ledger ``Allocation`` as the flows' ``Assignment`` JSON."""
+    return {"allocation_id": str(alloc.id), "plan": plan.model_dump(mode="json"), "pool": alloc.pool,
+            "gpu_type": alloc.gpu_type, "placement": {k: list(v) for k, v in alloc.placement.items()},
+            "devices": list(alloc.devices)}
+
+
+class LedgerSource:
+    def __init__(self, ledger: Ledger | str | None = None, *, fence: Callable[[], bool] | None = None,
+                 publish: Publish | None = None, lease_s: float = START_LEASE_S):
+        self.ledger = ledger if isinstance(ledger, Ledger) else Ledger(ledger)
+        self.queue = JobQueue(self.ledger)
+        self.fence = fence
+        self.publish = publish
+        self.lease_s = lease_s
+        self._plans: dict[str, list] = {}
+        self.rows: dict[str, QueueJob] = {}
+        self.counts = {"started": 0, "resized": 0, "preempted": 0, "skipped": 0, "reaped": 0}
+
+    # --- read -----------------------------------------------------------------------------
+    def request_of(self, j: QueueJob) -> JobRequest:
+        plans = self._plans.get(j.job_id)
+        if plans is None:
+            plans = self._plans[j.job_id] = j.plans
+        spec = j.job
+        return JobRequest(job_id=j.job_id, submit_s=j.submitted_at, plans=plans,
+                          steps_left=max(1, j.steps_total - j.steps_done),
+                          requested_gpu_type=(spec.get("allowed_gpu_types") or [None])[0],
+                          requested_gpus=spec.get("max_gpus"), attained_gpu_s=j.attained_gpu_s,
+                          restarts=j.restarts, model=j.model, checkpoint_gb=j.checkpoint_gb,
+                          preemptions=j.preemptions)
+
+    def snapshot(self) -> Snapshot:
+        state = self.ledger.cluster_state()
+        rows = {j.job_id: j for j in self.queue.jobs()}
+        self.rows = rows
+        for jid in [k for k in self._plans if k not in rows]:
+            del self._plans[jid]
+        reserved: dict[str, set[int]] = {}
+        for j in rows.values():
+            if j.open_request and j.request.get("kind") != "preempt":
+                for node, devs in (j.request.get("placement") or {}).items():
+                    reserved.setdefault(node, set()).update(int(d) for d in devs)
+        for n in state.nodes:
+            if n.node_id in reserved:
+                n.free = [i for i in n.free if i not in reserved[n.node_id]]
+        running = []
+        for rj in state.running:
+            j = rows.get(rj.job_id)
+            if j is None:
+                running.append(rj)             # not submitted through the queue: left as it is
+                continue
+            if j.state != "running" or j.open_request or j.allocation_id is None:
+                continue
+            rj.request = self.request_of(j)
+            rj.resizes = j.resizes
+            if j.started_at is not None and rj.plan.step_time_s > 0:
+                rj.start_s = j.started_at
+                rj.expected_end_s = j.started_at + rj.request.steps_left * rj.plan.step_time_s
+            running.append(rj)
+        state.running = running
+        pending = [self.request_of(j) for j in rows.values() if j.state == "pending"]
+        version = (tuple(sorted((j.job_id, j.state, j.allocation_id or "", j.request_state)
+                                for j in rows.values())),
+                   tuple(sorted((n.node_id, len(n.free)) for n in state.nodes)))
+        return Snapshot(pending=pending, state=state, version=version)
+
+    # --- write ----------------------------------------------------------------------------
+    def reap(self) -> None:
+        gone = self.queue.reap()
+        if gone["leases"] or gone["jobs"]:
+            self.counts["reaped"] += len(gone["jobs"])
+            log.info("reaped %d expired leases, gave up jobs %s", len(gone["leases"]), gone["jobs"] or "none")
+
+    def apply(self, result: RoundResult, now: float) -> None:
+        if self.fence is not None and not self.fence():
+            log.warning("leadership lost before applying the round: nothing applied")
+            return
+        for d in result.stops:
+            rz = result.resizes.get(d.job_id)
+            old = self.rows.get(d.job_id)
+            if rz is not None:
+                rid = self.queue.request(d.job_id, rz.kind, plan=rz.start.plan, placement=rz.start.placement,
+                                         reason=rz.start.reason or d.reason or rz.kind)
+                if rid:
+                    self.counts["resized"] += 1
+                    self._emit("resized", d.job_id, kind=rz.kind, request_id=rid,
+                               from_plan=rz.old_plan.model_dump(mode="json"),
+                               to_plan=rz.start.plan.model_dump(mode="json"),
+                               placement=rz.start.placement, reason=rz.start.reason or d.reason)
+            else:
+                rid = self.queue.request(d.job_id, "preempt", reason=d.reason or "preempt")
+                if rid:
+                    self.counts["preempted"] += 1
+                    kind = "recalled" if "recall" in (d.reason or "") else "preempted"
+                    plan = (old.allocation.get("plan") if old is not None else None)
+                    self._emit(kind, d.job_id, request_id=rid, from_plan=plan, reason=d.reason)
+        for d in result.starts:
+            if d.job_id in result.resizes:
+                continue
+            try:
+                alloc = self.ledger.allocate(d.job_id, d.plan, d.placement, lease_s=self.lease_s)
+            except (LedgerConflict, FrenzyInputError) as err:
+                self.counts["skipped"] += 1
+                log.info("start of %s on %s skipped: %s", d.job_id, d.placement, err)
+                continue
+            assignment = assignment_json(alloc, d.plan)
+            if not self.queue.mark_started(d.job_id, assignment):
+                self.ledger.release(alloc.id)
+                continue
+            self.counts["started"] += 1
+            self._emit("started", d.job_id, plan=assignment["plan"], placement=assignment["placement"],
+                       pool=alloc.pool, reason=d.reason)
+        started = {d.job_id for d in result.starts}
+        waits = {jid: {"predicted_start_s": w.predicted_start_s, "gpu_type": w.gpu_type, "gpus": w.gpus,
+                       "reason": w.reason} for jid, w in result.waits.items() if jid not in started}
+        self.queue.set_waits(waits)
+
+    def _emit(self, event: str, job_id: str, **payload: Any) -> None:
+        row = self.rows.get(job_id)
+        name = row.name if row is not None else job_id
+        plans = " -> ".join(_short(payload[k]) for k in ("from_plan", "to_plan", "plan") if payload.get(k))
+        log.info("%s %s: %s %s %s", event, job_id, plans, payload.get("placement") or "", payload.get("reason") or "")
+        if self.publish is None:
+            return
+        try:
+            self.publish(event, {"job_id": job_id, "job_name": name, **payload})
+        except Exception as err:      # the UI is a view: a Prefect outage never stops scheduling
+            log.warning("could not publish %s of %s: %s", event, job_id, err)
+
+
+def _short(plan: dict[str, Any]) -> str:
+    try:
+        from estimator.plan import Plan
+        return Plan.model_validate(plan).short()
+    except Exception:                    # a malformed plan still gets logged
+        return str(plan)
+
+
+def queue_table(rows: list[QueueJob], now: float) -> list[dict[str, Any]]:
+    """The queue view (``frenzy queue``, the scheduler's artifact): one row per active job."""
+    out = []
+    for j in rows:
+        plan = (j.allocation or {}).get("plan") or {}
+        p = j.predicted_start_s
+        out.append({
+            "job": j.job_id, "name": j.name, "state": j.state,
+            "waited_s": round(max(0.0, now - j.submitted_at), 1) if j.state == "pending" else None,
+            "predicted_start_in_s": (round(p - now, 1) if p is not None and math.isfinite(p) else None),
+            "gpu_type": plan.get("gpu_type") if j.state == "running" else j.wait_gpu_type,
+            "gpus": plan.get("gpus") if j.state == "running" else j.wait_gpus,
+            "steps": f"{j.steps_done}/{j.steps_total}",
+            "why": (f"{j.request.get('kind')} requested" if j.open_request
+                    else j.wait_reason if j.state == "pending" else "running"),
+            "preemptions": j.preemptions, "resizes": j.resizes,
+        })
+    return out

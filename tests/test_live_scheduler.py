@@ -1,0 +1,336 @@
+"""The live scheduler over the ledger: queue order, leadership between two processes, re-size
+requests (SQLite, and PostgreSQL when FRENZY_TEST_POSTGRES_URL is set)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from estimator.plan import Plan
+from ledger import Ledger
+from ledger.queue import JobQueue, Leadership
+from scheduler.cluster import parse_cluster
+from scheduler.loop import RoundLoop, Snapshot
+from scheduler.round import RoundResult
+from scheduler.types import ClusterState, JobRequest, Node
+
+from tests.test_ledger_basic import drop_schema, pg_schema_url
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = parse_cluster("pools:\n  - {name: a100, gpu: A100-80GB, nodes: 1, gpus_per_node: 2}\n")
+
+
+def plans(step_s: float = 1.0) -> list[Plan]:
+    return [Plan(gpu_type="A100-80GB", gpus=g, dp=g, micro_batch=8 // g, device_used_gib=10.0,
+                 step_time_s=step_s / g) for g in (2, 1)]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'ledger.db'}"
+        return
+    base = os.environ.get("FRENZY_TEST_POSTGRES_URL")
+    if not base:
+        pytest.skip("FRENZY_TEST_POSTGRES_URL is not set: PostgreSQL tests need a server")
+    u, schema = pg_schema_url(base)
+    yield u
+    drop_schema(base, schema)
+
+
+def ledger_with_cluster(url: str) -> Ledger:
+    led = Ledger(url)
+    led.sync_cluster(CLUSTER)
+    return led
+
+
+def service(led, policy="frenzy", **kw):
+    from frenzy_scheduler.service import SchedulerService
+    return SchedulerService(led, policy, ttl_s=kw.pop("ttl_s", 5.0), **kw)
+
+
+def test_queue_runs_jobs_in_submission_order_and_says_why_they_wait(url):
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    for name in ("first", "second", "third"):
+        q.enqueue(name, name, {"name": name}, plans(), steps=100)
+        time.sleep(0.01)                       # distinct submission times on the database clock
+    svc = service(led)
+    svc.step()
+    rows = {j.job_id: j for j in q.jobs()}
+    assert rows["first"].state == "running" and rows["first"].allocation["placement"] == {"a100-0": [0, 1]}
+    assert rows["second"].state == rows["third"].state == "pending"
+    assert rows["second"].wait_reason and rows["second"].wait_gpu_type == "A100-80GB"
+    assert rows["second"].predicted_start_s < rows["third"].predicted_start_s
+    # the first run ends: its GPUs free, the second (not the third) starts
+    led.release(rows["first"].allocation_id)
+    q.finish("first", "done")
+    svc.step()
+    rows = {j.job_id: j for j in q.jobs(("pending", "running", "done"))}
+    assert rows["second"].state == "running" and rows["third"].state == "pending"
+    assert sum(1 for a in led.allocations() if a.status == "active") == 1
+
+
+def test_resize_request_for_a_finished_job_is_ignored_and_logged(url, caplog):
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("j", "j", {"name": "j"}, plans(), steps=10)
+    service(led).step()
+    job = q.get("j")
+    assert job.state == "running"
+    rid = q.request("j", "shrink", plan=plans()[1], placement={"a100-0": [0]})
+    assert rid and q.get("j").request_state == "pending"
+    led.release(job.allocation_id)
+    q.finish("j", "done")
+    assert q.get("j").request_state == "ignored"          # the open request dies with the job
+    with caplog.at_level(logging.INFO, logger="frenzy.queue"):
+        assert q.request("j", "grow", plan=plans()[0], placement={"a100-0": [0, 1]}) is None
+    assert "ignored grow request for job j: it is done" in caplog.text
+    assert q.get("j").state == "done" and q.get("j").request["id"] == rid
+
+
+def test_preempt_request_reaches_the_run_and_requeues_it(url):
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("j", "j", {"name": "j"}, plans(), steps=10)
+    service(led).step()
+    job = q.get("j")
+    rid = q.request("j", "preempt", reason="test")
+    seen = q.touch("j", steps_done=4)                       # the run's heartbeat sees it
+    assert seen.open_request and seen.request["id"] == rid and seen.request["kind"] == "preempt"
+    assert q.ack_request("j", rid) and not q.ack_request("j", "another")
+    led.release(job.allocation_id)
+    q.requeue("j", steps_done=4, preempted=True)
+    back = q.get("j")
+    assert (back.state, back.preemptions, back.steps_done, back.request_state) == ("pending", 1, 4, "done")
+    # the scheduler places it again with the steps it has left, and counts the preemption
+    from frenzy_scheduler.source import LedgerSource
+    snap = LedgerSource(led).snapshot()
+    assert [(r.job_id, r.steps_left, r.preemptions) for r in snap.pending] == [("j", 6, 1)]
+
+
+def test_reaper_frees_a_dead_runs_gpus_and_gives_up_its_job(url):
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("j", "j", {"name": "j"}, plans(), steps=10, alive_s=0.2)
+    svc = service(led, lease_s=0.2)
+    svc.step()
+    assert q.get("j").state == "running"
+    time.sleep(0.5)                                         # nobody renews the lease or the row
+    svc.source.reap()
+    assert q.get("j").state == "failed" and "reaped" in q.get("j").error
+    assert not [a for a in led.allocations() if a.status == "active"]
+
+
+class FakeSource:
+    def __init__(self):
+        self.pending = [JobRequest("a", 0.0, plans(), 10)]
+        self.nodes = [Node("n0", "p", "A100-80GB", 2, [0, 1])]
+        self.rounds = 0
+        self.version = 1
+
+    def snapshot(self):
+        return Snapshot(self.pending, ClusterState(nodes=self.nodes), self.version)
+
+    def apply(self, result: RoundResult, now: float):
+        self.rounds += 1
+
+    def reap(self):
+        pass
+
+
+def test_loop_rounds_on_change_and_on_tick_only():
+    from scheduler.policies import get_policy
+    clock = {"t": 0.0}
+    src = FakeSource()
+    src.nodes[0].free = []                                   # nothing can start: the job waits
+    loop = RoundLoop(get_policy("fifo-user"), src, clock=lambda: clock["t"], tick_s=10.0)
+    loop.step()
+    assert src.rounds == 1 and loop.next_due() == 10.0       # a change (the arrival) and a tick queued
+    clock["t"] = 5.0
+    loop.step()
+    assert src.rounds == 1                                  # no change, tick not due
+    src.nodes[0].free = [0, 1]
+    clock["t"] = 10.0
+    loop.step()
+    assert src.rounds == 2                                  # the version did not change: the tick ran it
+
+
+LEADER_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    from frenzy_scheduler.service import SchedulerService
+    url, name, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    svc = SchedulerService(url, "frenzy", holder=name, ttl_s=2.0, poll_s=0.1)
+    apply = svc.source.apply
+    def logged(result, now):
+        with open(out, "a") as fh:
+            fh.write(json.dumps({"who": name, "t": time.time(), "leading": svc._fence(),
+                                 "starts": [d.job_id for d in result.starts]}) + "\\n")
+        apply(result, now)
+    svc.source.apply = logged
+    svc.run(max_s=60)
+""")
+
+
+def test_second_scheduler_stands_by_and_takes_over_when_the_first_dies(url, tmp_path):
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    script = tmp_path / "leader.py"
+    script.write_text(LEADER_SCRIPT)
+    out = tmp_path / "rounds.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    lead = Leadership(led, "observer", ttl_s=1.0)
+
+    def spawn(name):
+        return subprocess.Popen([sys.executable, str(script), url, name, str(out)], env=env, cwd=ROOT)
+
+    def wait_holder(name, within_s):
+        end = time.time() + within_s
+        while time.time() < end:
+            cur = lead.current()
+            if cur and cur["holder"] == name and not cur["expired"]:
+                return time.time()
+            time.sleep(0.05)
+        raise AssertionError(f"{name} did not lead within {within_s} s: {lead.current()}")
+
+    a = spawn("A")
+    b = None
+    try:
+        wait_holder("A", 30)
+        b = spawn("B")
+        time.sleep(1.5)                                     # B is up and standing by
+        q.enqueue("j1", "j1", {"name": "j1"}, plans(), steps=10)
+        end = time.time() + 10
+        while q.get("j1").state != "running" and time.time() < end:
+            time.sleep(0.05)
+        assert q.get("j1").state == "running"
+        assert lead.current()["holder"] == "A"
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+        died = time.time()
+        took = wait_holder("B", 2.0 + 2.0)                  # the TTL, plus B's poll and start-up
+        assert took - died <= 2.0 + 1.0
+        led.release(q.get("j1").allocation_id)
+        q.finish("j1", "done")
+        q.enqueue("j2", "j2", {"name": "j2"}, plans(), steps=10)
+        end = time.time() + 10
+        while q.get("j2").state != "running" and time.time() < end:
+            time.sleep(0.05)
+        assert q.get("j2").state == "running"
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+    rounds = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["leading"] for r in rounds)
+    by_b = [r for r in rounds if r["who"] == "B"]
+    assert by_b and all(r["t"] > died for r in by_b)        # B never acted while A led
+    assert any("j1" in r["starts"] for r in rounds if r["who"] == "A")
+    assert any("j2" in r["starts"] for r in by_b)
+
+
+def test_frenzy_queue_prints_pending_jobs_with_predicted_start_and_reason(url, capsys):
+    from frenzy_cli.main import main
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    for name in ("a", "b"):
+        q.enqueue(name, name, {"name": name}, plans(), steps=100)
+        time.sleep(0.01)
+    service(led).step()
+    assert main(["queue", "--ledger", url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["job"]: r for r in doc["jobs"]}
+    assert rows["a"]["state"] == "running" and (rows["a"]["gpu_type"], rows["a"]["gpus"]) == ("A100-80GB", 2)
+    b = rows["b"]
+    assert b["state"] == "pending" and b["why"] and b["gpu_type"] == "A100-80GB"
+    assert b["predicted_start_in_s"] is not None and b["predicted_start_in_s"] > 0
+
+
+def test_a_wait_with_no_scheduler_times_out_saying_what_it_waited_for(url):
+    from frenzy_flows.training import wait_for_allocation
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("lonely", "lonely", {"name": "lonely"}, plans(), steps=10)
+    with pytest.raises(TimeoutError, match="none holds the leadership: start `frenzy scheduler`"):
+        wait_for_allocation(q, "lonely", timeout_s=0.3, log=lambda s: None)
+    assert q.get("lonely").state == "failed"                 # given up: no later start for nobody
+
+
+def test_scheduler_flags_are_checked_before_anything_starts(capsys):
+    from frenzy_cli.main import main
+    assert main(["scheduler", "--tick-s", "-1"]) == 2
+    assert "tick-s: must be a finite number > 0" in capsys.readouterr().err
+    assert main(["scheduler", "--policy", "nope"]) == 2
+    assert "unknown policy 'nope'" in capsys.readouterr().err
+
+
+def test_a_request_nobody_acknowledges_is_withdrawn(url, monkeypatch):
+    import ledger.queue as lq
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("j", "j", {"name": "j"}, plans(), steps=10)
+    service(led).step()
+    assert q.request("j", "preempt")
+    q.reap()
+    assert q.get("j").request_state == "pending"             # young: left alone
+    monkeypatch.setattr(lq, "REQUEST_ACK_S", 0.0)
+    time.sleep(0.05)
+    q.reap()
+    job = q.get("j")
+    assert (job.state, job.request_state, job.open_request) == ("running", "ignored", False)
+
+
+def test_round_decisions_become_requests_events_and_reservations(url):
+    from frenzy_scheduler.source import LedgerSource
+    from scheduler.round import check_decisions
+    from scheduler.types import Decision
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("big", "big", {"name": "big"}, plans(), steps=100)
+    events = []
+    src = LedgerSource(led, publish=lambda kind, payload: events.append((kind, payload)))
+    snap = src.snapshot()
+    src.apply(check_decisions("t", [Decision("big", plans()[0], {"a100-0": [0, 1]})], snap.pending, snap.state), 0.0)
+    assert [k for k, _ in events] == ["started"] and events[0][1]["plan"]["gpus"] == 2
+    # a shrink: the policy stops the run and restarts it on one GPU in the same round
+    snap = src.snapshot()
+    assert [r.job_id for r in snap.state.running] == ["big"] and snap.state.running[0].request.steps_left == 100
+    shrink = [Decision("big", None, {}, action="preempt", reason="shrink"),
+              Decision("big", plans()[1], {"a100-0": [1]}, reason="shrink")]
+    src.apply(check_decisions("t", shrink, snap.pending, snap.state), 0.0)
+    kind, payload = events[-1]
+    assert kind == "resized" and payload["kind"] == "shrink"
+    assert (payload["from_plan"]["gpus"], payload["to_plan"]["gpus"], payload["placement"]) == (2, 1, {"a100-0": [1]})
+    row = q.get("big")
+    assert row.request["kind"] == "shrink" and row.request_state == "pending"
+    # while the request is open the run is offered to no policy, its target GPU to no other job
+    q.enqueue("small", "small", {"name": "small"}, plans(), steps=5)
+    led.release(row.allocation_id)                           # the run stopped and let its GPUs go
+    snap = src.snapshot()
+    assert snap.state.running == [] and [r.job_id for r in snap.pending] == ["small"]
+    assert snap.state.nodes[0].free == [0]
+
+
+def test_a_recall_is_a_preempt_request_published_as_recalled(url):
+    from frenzy_scheduler.source import LedgerSource
+    from scheduler.round import check_decisions
+    from scheduler.types import Decision
+    led = ledger_with_cluster(url)
+    JobQueue(led).enqueue("r", "r", {"name": "r"}, plans(), steps=10)
+    events = []
+    src = LedgerSource(led, publish=lambda kind, payload: events.append((kind, payload)))
+    service(led).step()
+    snap = src.snapshot()
+    src.apply(check_decisions("t", [Decision("r", None, {}, action="preempt", reason="recall")],
+                              snap.pending, snap.state), 0.0)
+    assert [k for k, _ in events] == ["recalled"] and events[0][1]["from_plan"]["gpus"] == 2
+    assert JobQueue(led).get("r").request["kind"] == "preempt"
