@@ -24,8 +24,8 @@ from typing import Any, Iterator
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import create_engine, event, text, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, OperationalError
-from sqlmodel import Session, SQLModel, select
+from sqlalchemy.exc import OperationalError
+from sqlmodel import Session, select
 
 from estimator.errors import FrenzyInputError
 from estimator.home import frenzy_home
@@ -34,6 +34,7 @@ from estimator.plan import Plan
 from scheduler.placement import FreeIndex
 from scheduler.types import ClusterState, Node, RunningJob
 
+from .migrations import LedgerSchemaError, ensure_schema
 from .tables import AllocationRow, GpuRow, JobRow, MeasurementRow, NodeRow, PlanRow, PoolRow
 
 DEFAULT_LEASE_S = 300.0
@@ -105,7 +106,8 @@ _ENGINES_LOCK = threading.Lock()
 
 
 def _engines(url: str) -> tuple[Engine, Engine]:
-    """(write engine, read engine) for ``url``, one pair per process, tables created once."""
+    """(write engine, read engine) for ``url``, one pair per process; the schema is brought to
+    the newest revision on first use (``ledger.migrations``)."""
     key = (os.getpid(), url)
     with _ENGINES_LOCK:
         hit = _ENGINES.get(key)
@@ -120,7 +122,7 @@ def _engines(url: str) -> tuple[Engine, Engine]:
         else:
             write = create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=60)
             read = write
-        _create_tables(write)
+        ensure_schema(write, read)
         _ENGINES[key] = (write, read)
         return write, read
 
@@ -144,21 +146,6 @@ def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
     return eng
-
-
-def _create_tables(engine: Engine) -> None:
-    for attempt in range(20):          # concurrent first use from several processes
-        try:
-            SQLModel.metadata.create_all(engine)
-            return
-        except (OperationalError, IntegrityError):
-            if attempt == 19:
-                raise
-            time.sleep(0.05 * (attempt + 1))
-        except Exception as e:  # PostgreSQL: a racing CREATE TABLE surfaces as a ProgrammingError
-            if "already exists" not in str(e) or attempt == 19:
-                raise
-            time.sleep(0.05 * (attempt + 1))
 
 
 def _devices(placement: dict[str, list[int]]) -> list[str]:
