@@ -17,6 +17,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -46,6 +47,29 @@ class LedgerConflict(RuntimeError):
 
 class LeaseLost(RuntimeError):
     """The allocation is no longer active (released, or its lease expired and its GPUs were freed)."""
+
+
+class LeaseState(dict):
+    """What ``Ledger.lease`` knows about its lease: ``["beats"]`` renewals so far, ``["error"]``
+    the last error, ``lost`` (cheap, no database access) whether the run must stop."""
+
+    def __init__(self, alloc_id: str):
+        super().__init__(error=None, beats=0)
+        self.alloc_id = alloc_id
+        self._lost = threading.Event()
+
+    @property
+    def lost(self) -> bool:
+        return self._lost.is_set()
+
+    def mark_lost(self, err: LeaseLost) -> None:
+        self["error"] = err
+        self._lost.set()
+
+    def check(self) -> None:
+        """Raise ``LeaseLost`` (with the reason) when the lease is lost."""
+        if self._lost.is_set():
+            raise self["error"] if isinstance(self["error"], LeaseLost) else LeaseLost(self.alloc_id)
 
 
 class Allocation(BaseModel):
@@ -194,6 +218,16 @@ class Ledger:
         with Session(self._read_engine, expire_on_commit=False) as s:
             with s.begin():
                 yield s
+
+    def _db_now(self, s: Session) -> float:
+        """The database server's clock, Unix seconds: every lease time is written and compared
+        in this one clock, so submitters' skewed clocks cannot expire or extend anyone's lease.
+        (SQLite runs in-process: its clock is this host's, shared by every user of the file.)"""
+        if self.is_postgres:
+            q = "SELECT EXTRACT(EPOCH FROM CURRENT_TIMESTAMP)"
+        else:   # julianday('now') has millisecond resolution; 2440587.5 is the Julian day of 1970-01-01
+            q = "SELECT (julianday('now') - 2440587.5) * 86400.0"
+        return float(s.execute(text(q)).scalar_one())
 
     def _locked(self, stmt, *, skip_locked: bool = False):
         return stmt.with_for_update(skip_locked=skip_locked) if self.is_postgres else stmt
@@ -350,7 +384,7 @@ class Ledger:
     def _claim(self, s: Session, job_id: str, plan: Plan, placement: dict[str, list[int]],
                rows: list[GpuRow], lease_s: float) -> Allocation:
         job = self._ensure_job(s, job_id)
-        now = time.time()
+        now = self._db_now(s)
         alloc_id = uuid.uuid4().hex
         ids = [g.id for g in rows]
         counts: dict[str, int] = {}
@@ -373,15 +407,34 @@ class Ledger:
         return _allocation(row)
 
     def heartbeat(self, alloc_id: str, lease_s: float = DEFAULT_LEASE_S) -> float:
-        """Renew the lease; returns the new expiry. ``LeaseLost`` if no longer active."""
+        """Renew the lease by ``lease_s`` from the database's clock; returns the new expiry
+        (Unix seconds, database clock). Raises ``LeaseLost`` when the allocation is no longer
+        active, or when its lease already ran out (then it is expired here and its GPUs freed:
+        a lease past its expiry may already be someone else's, so it is never revived)."""
         with self._tx() as s:
             row = s.exec(self._locked(select(AllocationRow).where(AllocationRow.id == alloc_id))).first()
             if row is None:
                 raise FrenzyInputError("alloc_id", f"unknown allocation {alloc_id!r}")
             if row.status != "active":
                 raise LeaseLost(f"allocation {alloc_id} is {row.status}")
-            row.lease_expires_at = time.time() + lease_s
-            return row.lease_expires_at
+            now = self._db_now(s)
+            if row.lease_expires_at <= now:
+                self._free(s, [row], "expired", now)
+                lost = f"allocation {alloc_id}: lease ran out {now - row.lease_expires_at:.1f} s ago (database clock)"
+            else:
+                row.lease_expires_at = now + lease_s
+                return row.lease_expires_at
+        raise LeaseLost(lost)
+
+    def lease_valid(self, alloc_id: str) -> bool:
+        """True while the allocation is active and its lease has not run out by the database's
+        clock (one indexed read; no lock). A run that gets False must stop: its GPUs may be
+        another job's."""
+        with self._read() as s:
+            row = s.get(AllocationRow, alloc_id)
+            if row is None:
+                raise FrenzyInputError("alloc_id", f"unknown allocation {alloc_id!r}")
+            return row.status == "active" and row.lease_expires_at > self._db_now(s)
 
     def release(self, alloc_id: str) -> bool:
         """Free the allocation's GPUs. Idempotent: True if this call released it, False if it
@@ -396,9 +449,14 @@ class Ledger:
             return True
 
     def expire_leases(self, now: float | None = None) -> list[str]:
-        """Free the GPUs of every allocation whose lease ran out; returns their ids."""
-        now = time.time() if now is None else now
+        """Free the GPUs of every allocation whose lease ran out by the database's clock;
+        returns their ids. ``now`` is ignored (kept for old callers): a caller's clock may be
+        skewed, and one running ahead must not expire healthy leases."""
+        if now is not None:
+            warnings.warn("Ledger.expire_leases(now=...) is ignored: leases expire by the database's clock",
+                          DeprecationWarning, stacklevel=2)
         with self._tx() as s:
+            now = self._db_now(s)
             stmt = select(AllocationRow).where(AllocationRow.status == "active",
                                                AllocationRow.lease_expires_at < now)
             rows = s.exec(self._locked(stmt, skip_locked=True)).all()
@@ -413,9 +471,10 @@ class Ledger:
             s.exec(select(GpuRow.id).where(GpuRow.alloc_id.in_(ids)).order_by(GpuRow.id).with_for_update()).all()
         s.execute(update(GpuRow).where(GpuRow.alloc_id.in_(ids)).values(alloc_id=None)
                   .execution_options(synchronize_session=False))
+        now = self._db_now(s) if now is None else now
         for r in rows:
             r.status = status
-            r.ended_at = time.time() if now is None else now
+            r.ended_at = now
 
     def allocation(self, alloc_id: str) -> Allocation:
         with self._read() as s:
@@ -434,21 +493,31 @@ class Ledger:
     @contextmanager
     def lease(self, alloc_id: str, every_s: float | None = None, lease_s: float = DEFAULT_LEASE_S):
         """Renew the lease from a background thread while the block runs (every ``every_s``,
-        default a third of the lease). Stops on exit; does not release (callers do)."""
+        default a third of the lease). Yields a ``LeaseState``: check ``state.lost`` (or call
+        ``state.check()``, which raises ``LeaseLost``) at every step boundary and stop when set.
+        It is set when the ledger says the lease is gone, and also when no renewal succeeded
+        for ``lease_s`` (database unreachable: the lease has run out by now, its GPUs may be
+        reassigned). Stops on exit; does not release (callers do)."""
         every = every_s if every_s is not None else max(0.05, lease_s / 3.0)
         stop = threading.Event()
-        state: dict[str, Any] = {"error": None, "beats": 0}
+        state = LeaseState(alloc_id)
 
         def beat() -> None:
+            last_ok = time.monotonic()
             while not stop.wait(every):
                 try:
                     self.heartbeat(alloc_id, lease_s)
                     state["beats"] += 1
+                    last_ok = time.monotonic()
                 except LeaseLost as e:
-                    state["error"] = e
+                    state.mark_lost(e)
                     return
                 except Exception as e:  # a transient database error: try again next period
                     state["error"] = e
+                    if time.monotonic() - last_ok >= lease_s:
+                        state.mark_lost(LeaseLost(f"allocation {alloc_id}: lease not renewed for "
+                                                  f"{time.monotonic() - last_ok:.0f} s ({type(e).__name__}: {e})"))
+                        return
 
         self.heartbeat(alloc_id, lease_s)
         t = threading.Thread(target=beat, name=f"frenzy-lease-{alloc_id[:8]}", daemon=True)
