@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import threading
 import time
 import uuid
@@ -39,6 +40,16 @@ from .migrations import LedgerSchemaError, ensure_schema
 from .tables import AllocationRow, GpuRow, JobRow, MeasurementRow, NodeRow, PlanRow, PoolRow
 
 DEFAULT_LEASE_S = 300.0
+
+
+# Each retry follows a claim that another transaction committed on a GPU we had chosen, so
+# every failed attempt is someone else's success; 50 covers 50 racing claims on one GPU type
+# (the concurrency test's load) before the request reports "not free now".
+_BEST_FIT_ATTEMPTS = 50
+
+
+class _Taken(Exception):
+    """A GPU chosen for a best-fit claim was claimed concurrently (roll back and choose again)."""
 
 
 class LedgerConflict(RuntimeError):
@@ -223,8 +234,9 @@ class Ledger:
         """The database server's clock, Unix seconds: every lease time is written and compared
         in this one clock, so submitters' skewed clocks cannot expire or extend anyone's lease.
         (SQLite runs in-process: its clock is this host's, shared by every user of the file.)"""
-        if self.is_postgres:
-            q = "SELECT EXTRACT(EPOCH FROM CURRENT_TIMESTAMP)"
+        if self.is_postgres:   # the time now, not the transaction's start (CURRENT_TIMESTAMP): a claim
+            # that waited on a row lock must read a time after the release it waited for
+            q = "SELECT EXTRACT(EPOCH FROM clock_timestamp())"
         else:   # julianday('now') has millisecond resolution; 2440587.5 is the Julian day of 1970-01-01
             q = "SELECT (julianday('now') - 2440587.5) * 86400.0"
         return float(s.execute(text(q)).scalar_one())
@@ -348,28 +360,52 @@ class Ledger:
 
     def allocate_best_fit(self, job_id: str, plan: Plan, lease_s: float = DEFAULT_LEASE_S) -> Allocation | None:
         """Choose free GPUs of ``plan.gpu_type`` (fewest nodes, best fit: the placement code
-        the policies use) and claim them atomically; None when they are not free now."""
-        with self._tx() as s:
-            stmt = (select(GpuRow).where(GpuRow.gpu_type == plan.gpu_type, GpuRow.active == True,  # noqa: E712
-                                         GpuRow.alloc_id == None)  # noqa: E711
-                    .order_by(GpuRow.id))
-            free_rows = s.exec(self._locked(stmt, skip_locked=True)).all()
-            if len(free_rows) < plan.gpus:
-                return None
-            size = {p.name: p.gpus_per_node for p in s.exec(select(PoolRow)).all()}
-            by_node: dict[str, list[GpuRow]] = {}
-            for g in free_rows:
-                by_node.setdefault(g.node_id, []).append(g)
-            nodes = [Node(node_id=n, pool=rs[0].pool, gpu_type=plan.gpu_type,
-                          gpus=size.get(rs[0].pool, len(rs)), free=sorted(r.device_index for r in rs))
-                     for n, rs in by_node.items()]
-            nodes.sort(key=lambda n: _node_order(n.node_id))
-            placement = FreeIndex(nodes).place_compact(plan.gpu_type, plan.gpus, plan.tp)
-            if placement is None:
-                return None
-            index = {(g.node_id, g.device_index): g for g in free_rows}
-            chosen = [index[(n, d)] for n, ds in placement.items() for d in ds]
+        the policies use) and claim them atomically; None when they are not free now.
+
+        The free GPUs are read without locks; only the chosen rows are locked (PostgreSQL:
+        ``FOR UPDATE`` in id order). If a concurrent claim took one of them first, the
+        transaction rolls back and the choice is made again from the new free set, so
+        simultaneous requests get every free GPU instead of skipping each other's rows."""
+        for attempt in range(_BEST_FIT_ATTEMPTS):
+            try:
+                with self._tx() as s:
+                    return self._best_fit_once(s, job_id, plan, lease_s)
+            except _Taken:
+                # another claim committed on a chosen GPU: it made progress, we re-choose
+                time.sleep(random.uniform(0, 0.002 * (attempt + 1)))
+        return None
+
+    def _best_fit_once(self, s: Session, job_id: str, plan: Plan, lease_s: float) -> Allocation | None:
+        stmt = (select(GpuRow).where(GpuRow.gpu_type == plan.gpu_type, GpuRow.active == True,  # noqa: E712
+                                     GpuRow.alloc_id == None)  # noqa: E711
+                .order_by(GpuRow.id))
+        free_rows = s.exec(stmt).all()
+        if len(free_rows) < plan.gpus:
+            return None
+        size = {p.name: p.gpus_per_node for p in s.exec(select(PoolRow)).all()}
+        by_node: dict[str, list[GpuRow]] = {}
+        for g in free_rows:
+            by_node.setdefault(g.node_id, []).append(g)
+        nodes = [Node(node_id=n, pool=rs[0].pool, gpu_type=plan.gpu_type,
+                      gpus=size.get(rs[0].pool, len(rs)), free=sorted(r.device_index for r in rs))
+                 for n, rs in by_node.items()]
+        nodes.sort(key=lambda n: _node_order(n.node_id))
+        placement = FreeIndex(nodes).place_compact(plan.gpu_type, plan.gpus, plan.tp)
+        if placement is None:
+            return None
+        index = {(g.node_id, g.device_index): g for g in free_rows}
+        chosen = [index[(n, d)] for n, ds in placement.items() for d in ds]
+        if self.is_postgres:
+            # lock just these rows (waiting for a concurrent claim to finish) and re-read them
+            ids = sorted(g.id for g in chosen)
+            latest = s.execute(select(GpuRow.alloc_id, GpuRow.active).where(GpuRow.id.in_(ids))
+                               .order_by(GpuRow.id).with_for_update()).all()
+            if any(alloc is not None or not active for alloc, active in latest):
+                raise _Taken()
+        try:
             return self._claim(s, job_id, plan, placement, chosen, lease_s)
+        except LedgerConflict:
+            raise _Taken() from None
 
     def _check_placement(self, plan: Plan, placement: dict[str, list[int]]) -> list[tuple[str, int]]:
         if not placement or not all(isinstance(v, (list, tuple)) and v for v in placement.values()):
