@@ -245,15 +245,21 @@ class Ledger:
         return stmt.with_for_update(skip_locked=skip_locked) if self.is_postgres else stmt
 
     # --- topology -------------------------------------------------------------------------
-    def sync_cluster(self, cluster) -> None:
-        """Make pools/nodes/GPUs match ``cluster`` (a ``scheduler.cluster.Cluster``). Idempotent;
-        never touches who holds a GPU. Things no longer in the cluster become inactive."""
+    def sync_cluster(self, cluster, *, prune: bool = False) -> list[str]:
+        """Make the ledger's rows for ``cluster``'s pools (a ``scheduler.cluster.Cluster``)
+        match it. Idempotent; never touches who holds a GPU. A shared ledger holds many
+        clusters: pools the cluster does not name are left as they are, unless ``prune``, which
+        deactivates them (``frenzy pools sync --prune``). Nodes and GPUs a named pool no longer
+        has become inactive. Returns the names of the pools this call deactivated."""
         with self._tx() as s:
             if self.is_postgres:    # concurrent syncs insert the same rows: serialise them
                 s.execute(text("SELECT pg_advisory_xact_lock(7346021)"))
             pools = {p.name: p for p in s.exec(select(PoolRow)).all()}
-            nodes = {n.node_id: n for n in s.exec(select(NodeRow)).all()}
-            gpus = {(g.node_id, g.device_index): g for g in s.exec(select(GpuRow)).all()}
+            names = {p.name for p in cluster.pools}
+            # only the rows of the pools this sync owns (all of them when pruning)
+            nodes = {n.node_id: n for n in s.exec(select(NodeRow)).all() if prune or n.pool in names}
+            gpus = {(g.node_id, g.device_index): g for g in s.exec(select(GpuRow)).all()
+                    if prune or g.pool in names or g.node_id in nodes}
             want_pools, want_nodes, want_gpus = set(), set(), set()
             for p in cluster.pools:
                 g = cluster.gpu(p.gpu)
@@ -287,15 +293,37 @@ class Ledger:
                         else:
                             row.pool, row.gpu_type, row.active = p.name, p.gpu, True
                         want_gpus.add((nid, d))
-            for name, row in pools.items():
-                if name not in want_pools:
-                    row.active = False
+            pruned = []
+            if prune:
+                for name, row in pools.items():
+                    if name not in want_pools and row.active:
+                        row.active = False
+                        pruned.append(name)
             for nid, row in nodes.items():
                 if nid not in want_nodes:
                     row.active = False
             for key, row in gpus.items():
                 if key not in want_gpus:
                     row.active = False
+            return sorted(pruned)
+
+    def remove_pools(self, names: list[str]) -> list[str]:
+        """Deactivate the named pools with their nodes and GPUs (GPUs held now stay held until
+        released; nothing new is placed there). Returns the names that were active. A name the
+        ledger does not know is an error (nothing changes)."""
+        with self._tx() as s:
+            rows = {p.name: p for p in s.exec(select(PoolRow).where(PoolRow.name.in_(list(names)))).all()}
+            unknown = sorted(set(names) - set(rows))
+            if unknown:
+                raise FrenzyInputError("pool", f"the ledger has no pool {', '.join(unknown)}")
+            removed = sorted(n for n, r in rows.items() if r.active)
+            for r in rows.values():
+                r.active = False
+            s.execute(update(NodeRow).where(NodeRow.pool.in_(list(names))).values(active=False)
+                      .execution_options(synchronize_session=False))
+            s.execute(update(GpuRow).where(GpuRow.pool.in_(list(names))).values(active=False)
+                      .execution_options(synchronize_session=False))
+            return removed
 
     # --- jobs and plans -------------------------------------------------------------------
     def submit_job(self, job_id: str, name: str, spec: dict[str, Any]) -> None:
@@ -568,7 +596,8 @@ class Ledger:
     def cluster_state(self) -> ClusterState:
         """Free GPUs per node and the running allocations, as the policies see them."""
         with self._read() as s:
-            pools = {p.name: p for p in s.exec(select(PoolRow).where(PoolRow.active == True)).all()}  # noqa: E712
+            pools = {p.name: p for p in s.exec(select(PoolRow).where(PoolRow.active == True)  # noqa: E712
+                                               .order_by(PoolRow.name)).all()}
             node_rows = [n for n in s.exec(select(NodeRow).where(NodeRow.active == True)).all()  # noqa: E712
                          if n.pool in pools]
             gpus = s.exec(select(GpuRow).where(GpuRow.active == True)).all()  # noqa: E712
