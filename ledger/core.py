@@ -83,6 +83,21 @@ class LeaseState(dict):
             raise self["error"] if isinstance(self["error"], LeaseLost) else LeaseLost(self.alloc_id)
 
 
+class LedgerUnavailable(RuntimeError):
+    """The ledger's database could not be reached, even after retrying with backoff."""
+
+
+class LedgerGone(RuntimeError):
+    """The SQLite ledger file was deleted or replaced while this process used it: writing on
+    would start an empty ledger in which every GPU looks free."""
+
+
+# Retry delays for the writes that end a run (release, measurement): 0.5+1+2+4 = 7.5 s covers a
+# PostgreSQL restart or failover (seconds); a longer outage is reported, and the lease then
+# frees the GPUs by itself within one TTL.
+_END_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
+
+
 class Allocation(BaseModel):
     """GPUs held by one job. ``devices`` is the flat list for ``CUDA_VISIBLE_DEVICES`` on a
     single node (``"0"``, ``"1"``...); on several nodes its entries are ``"<node>:<index>"``."""
@@ -137,6 +152,7 @@ def _normalise(url: str) -> str:
 
 
 _ENGINES: dict[tuple[int, str], tuple[Engine, Engine]] = {}
+_FILES: dict[str, tuple[Path, tuple[int, int]]] = {}     # SQLite URL -> (file, (st_dev, st_ino)) at open
 _ENGINES_LOCK = threading.Lock()
 
 
@@ -158,6 +174,9 @@ def _engines(url: str) -> tuple[Engine, Engine]:
             write = create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=60)
             read = write
         ensure_schema(write, read)
+        if url.startswith("sqlite") and path and path != ":memory:":
+            st = os.stat(path)
+            _FILES[url] = (Path(path), (st.st_dev, st.st_ino))
         _ENGINES[key] = (write, read)
         return write, read
 
@@ -217,15 +236,48 @@ class Ledger:
         self.is_postgres = self._write_engine.dialect.name == "postgresql"
 
     # --- sessions -------------------------------------------------------------------------
+    def _check_file(self) -> None:
+        """SQLite: the file opened is still the one at its path (cheap: one stat)."""
+        known = _FILES.get(self.url)
+        if known is None:
+            return
+        path, ident = known
+        try:
+            st = os.stat(path)
+            now = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            now = None
+        if now != ident:
+            raise LedgerGone(f"the ledger file {path} was {'deleted' if now is None else 'replaced'} while in use; "
+                             "refusing to go on (an empty ledger would show every GPU free): restore it "
+                             "and restart")
+
+    def _retrying(self, what: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, retried on a lost database connection with backoff; then
+        ``LedgerUnavailable`` naming ``what``. For the writes that end a run."""
+        for delay in (*_END_RETRY_DELAYS_S, None):
+            try:
+                return fn(*args, **kwargs)
+            except OperationalError as err:
+                if not (self.is_postgres or err.connection_invalidated):
+                    raise       # SQLite: a lock wait already took busy_timeout; retrying only waits longer
+                if delay is None:
+                    raise LedgerUnavailable(f"{what}: the ledger's database is unreachable after "
+                                            f"{sum(_END_RETRY_DELAYS_S):.1f} s of retries "
+                                            f"({str(err.orig or err).splitlines()[0]})") from err
+                time.sleep(delay)
+
     @contextmanager
     def _tx(self) -> Iterator[Session]:
         """A writing transaction (SQLite: BEGIN IMMEDIATE). Commits on success, else rolls back."""
+        self._check_file()
         with Session(self._write_engine, expire_on_commit=False) as s:
             with s.begin():
                 yield s
 
     @contextmanager
     def _read(self) -> Iterator[Session]:
+        self._check_file()
         with Session(self._read_engine, expire_on_commit=False) as s:
             with s.begin():
                 yield s
@@ -502,7 +554,12 @@ class Ledger:
 
     def release(self, alloc_id: str) -> bool:
         """Free the allocation's GPUs. Idempotent: True if this call released it, False if it
-        was already released or expired. An unknown id is an error (nothing changes)."""
+        was already released or expired. An unknown id is an error (nothing changes). A lost
+        database connection is retried with backoff, then ``LedgerUnavailable`` (the caller
+        reports it; the lease, no longer renewed, frees the GPUs within one TTL)."""
+        return self._retrying(f"release of allocation {alloc_id}", self._release, alloc_id)
+
+    def _release(self, alloc_id: str) -> bool:
         with self._tx() as s:
             row = s.exec(self._locked(select(AllocationRow).where(AllocationRow.id == alloc_id))).first()
             if row is None:
@@ -630,7 +687,13 @@ class Ledger:
     # --- measurements ---------------------------------------------------------------------
     def record_measurement(self, job_id: str, alloc_id: str | None, gpu_type: str, plan: Plan | dict,
                            predicted: dict[str, Any], measured: dict[str, Any]) -> int:
-        """Store what a run measured next to what was predicted (for calibration)."""
+        """Store what a run measured next to what was predicted (for calibration). Retried like
+        ``release``; ``LedgerUnavailable`` when the database stays unreachable."""
+        return self._retrying(f"measurement of job {job_id}", self._record_measurement, job_id, alloc_id,
+                              gpu_type, plan, predicted, measured)
+
+    def _record_measurement(self, job_id: str, alloc_id: str | None, gpu_type: str, plan: Plan | dict,
+                            predicted: dict[str, Any], measured: dict[str, Any]) -> int:
         pd = plan.model_dump(mode="json") if isinstance(plan, BaseModel) else dict(plan)
 
         def num(d: dict[str, Any], *keys: str) -> float | None:
