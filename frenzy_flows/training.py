@@ -28,7 +28,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                            fallbacks=None):
     """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``. ``fallbacks``:
     the out-of-memory fallback plans to try (default: the trainer's own ladder)."""
-    from ledger import Ledger
+    from ledger import Ledger, LedgerUnavailable
     from trainer.resume import prepare_run_dir
     from trainer.runner import run_training
 
@@ -57,14 +57,24 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
 
     run_dir = prepare_run_dir(job, job_id, runs_dir())      # a resubmission continues its last checkpoint
     run_dir.mkdir(parents=True, exist_ok=True)
+    ledger_errors: list[str] = []       # the ledger unreachable at the end: the training still counts
     try:
         result = run_training(job, plan, run_dir=run_dir, acquire=acquire, release=release, log=log,
                               on_step=on_step, inventory=inventory,
                               deadline_s=job.deadline_s, fallbacks=fallbacks)
         final = result.final_plan
-        ledger.record_measurement(job_id, current["alloc_id"], final.gpu_type, final,
-                                  predicted=predicted_figures(final),
-                                  measured=result.measured.model_dump())
-        return result
+        try:
+            ledger.record_measurement(job_id, current["alloc_id"], final.gpu_type, final,
+                                      predicted=predicted_figures(final),
+                                      measured=result.measured.model_dump())
+        except LedgerUnavailable as err:
+            ledger_errors.append(str(err))
     finally:
-        release()
+        try:
+            release()
+        except LedgerUnavailable as err:   # the lease, no longer renewed, frees the GPUs within its TTL
+            ledger_errors.append(f"{err}; its lease frees the GPUs when it runs out")
+    if ledger_errors:
+        log("ledger: " + "; ".join(ledger_errors))
+        result = result.model_copy(update={"ledger_error": "; ".join(ledger_errors)})
+    return result

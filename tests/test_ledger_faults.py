@@ -127,3 +127,41 @@ def test_a_deleted_or_replaced_ledger_file_fails_the_next_write(tmp_path, how):
     with pytest.raises(LedgerGone):
         Ledger(f"sqlite:///{path}").cluster_state()            # a new handle in this process too
     assert how == "replaced" or not path.exists()              # nothing recreated it
+
+
+def test_a_completed_training_stays_completed_when_the_ledger_is_down_at_the_end(tmp_path, frenzy_home, monkeypatch):
+    """The end-of-run writes fail (as after the retries): the result keeps its status and losses,
+    says ``ledger_error``, and the allocation is left to its lease."""
+    import trainer.runner
+    from estimator.job import TrainingJob
+    from frenzy_flows.results import Assignment
+    from frenzy_flows.training import run_allocated_training
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    led = Ledger(url)
+    led.sync_cluster(CLUSTER)
+    plan = A(1)
+    alloc = led.allocate("j", plan, {"a100-0": [0]})
+
+    def trained(job, plan, *, acquire, release, **_):      # the trainer, after its last step
+        acquire(plan)
+        return trainer.runner.TrainResult(status="completed", losses=[2.0, 1.5], attempts=[],
+                                          measured=trainer.runner.Measured(step_time_s=0.1),
+                                          checkpoint_dir=None, final_plan=plan)
+
+    def down(self, *a, **k):
+        raise LedgerUnavailable("release of allocation x: the ledger's database is unreachable")
+
+    monkeypatch.setattr(trainer.runner, "run_training", trained)
+    monkeypatch.setattr(Ledger, "record_measurement", down)
+    monkeypatch.setattr(Ledger, "release", down)
+    job = TrainingJob.model_validate({"name": "j", "model": "gpt2-tiny", "seq_len": 16, "global_batch": 2,
+                                      "train_steps": 2})
+    logs: list[str] = []
+    result = run_allocated_training(job, "j", plan, Assignment.from_allocation(alloc, plan), ledger_url=url,
+                                    log=logs.append)
+    assert result.status == "completed" and result.losses == [2.0, 1.5]
+    assert "unreachable" in result.ledger_error and "lease frees the GPUs" in result.ledger_error
+    assert any(line.startswith("ledger: ") for line in logs)
+    monkeypatch.undo()
+    assert Ledger(url).allocation(alloc.id).status == "active"   # its lease, no longer renewed, frees it
