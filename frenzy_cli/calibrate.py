@@ -18,8 +18,9 @@ def register(sub) -> None:
 
 def handle(args) -> int:
     from estimator.overheads import DEFAULT, calibration_path, fit_calibration, write_calibration
-    from ledger.core import Ledger
+    from ledger.core import Ledger, check_url_arg
 
+    check_url_arg("--ledger", args.ledger)      # a password on the command line shows in `ps`
     rows = Ledger(args.ledger).measurements()
     fits = fit_calibration(rows)
     path = None

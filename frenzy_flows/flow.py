@@ -15,7 +15,7 @@ from scheduler.discover import cluster_or_local
 
 from frenzy_flows import artifacts, dispatch, events
 from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, training_fields
-from frenzy_flows.tasks import (assign, estimate_memory, fastest, load_settings, new_job_id,
+from frenzy_flows.tasks import (as_secret, assign, estimate_memory, fastest, load_settings, new_job_id,
                                 secret_value, select_resources, with_site_defaults)
 from frenzy_flows.train_flow import train_on_pool
 
@@ -29,7 +29,7 @@ async def _registered_pools() -> list[str]:
 
 @task(name="train")
 def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
-          ledger_url: str | None, inventory: dict[str, int], settings: str | None = None) -> dict:
+          ledger_url: SecretStr | None, inventory: dict[str, int], settings: str | None = None) -> dict:
     """Train on the assignment: on the pool's workers when any are online, else in-process as
     the same `frenzy-train` flow (a subflow). Either way the run holds the pool's `gpu:<pool>`
     slots, so Prefect's count of busy GPUs agrees with the ledger."""
@@ -64,13 +64,15 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     site = load_settings(settings)
     job = with_tracking_default(with_site_defaults(job, site), site)
     check_job(job)              # starting point, LoRA targets, QLoRA support: before any GPU is taken
-    ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
+    # the URL may hold a password: it stays a SecretStr in every task and subflow parameter
+    # (Prefect stores those masked) and is unwrapped only where the ledger connects
+    ledger_secret = as_secret(ledger_url) or (site.ledger_url if site else None)
     policy = policy or (site.policy if site else "frenzy")
     if safety_margin_gib is None:
         safety_margin_gib = (site.safety_margin_gib if site and site.safety_margin_gib is not None
                              else DEFAULT_SAFETY_MARGIN_GIB)
     topology = cluster_or_local(cluster)
-    Ledger(ledger_url).sync_cluster(topology)
+    Ledger(secret_value(ledger_secret)).sync_cluster(topology)
     job_id = new_job_id(job)
 
     plans_by_type = estimate_memory(job, topology, safety_margin_gib)
@@ -80,7 +82,7 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
 
     registered = run_coro_as_sync(_registered_pools())
     candidates = select_resources(job, plans_by_type, topology, registered)
-    assignment = assign(job, job_id, candidates, ledger_url, policy=policy,
+    assignment = assign(job, job_id, candidates, ledger_secret, policy=policy,
                         wait_timeout_s=wait_timeout_s)
     chosen = assignment.plan
     artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
@@ -88,7 +90,7 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     events.placed(job.name, chosen, assignment)
 
     try:
-        trained = train(job, job_id, chosen, assignment, ledger_url, topology.inventory(), settings)
+        trained = train(job, job_id, chosen, assignment, ledger_secret, topology.inventory(), settings)
         # the trainer reports a run that ran out of fallbacks or time; it does not raise
         ok = trained.get("status") in ("completed", "stopped")
         status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))

@@ -92,7 +92,7 @@ def live_policy(name: str):
 
 
 @task(name="assign")
-def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], ledger_url: str | None,
+def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], ledger_url: SecretStr | str | None,
            policy: str = "frenzy", wait_timeout_s: float = 3600.0, lease_s: float = 300.0) -> Assignment:
     """Ask the scheduling policy for a placement on the ledger's current free GPUs and record
     the allocation atomically. Waits (re-planning as leases expire and GPUs free up) when the
@@ -100,7 +100,7 @@ def assign(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], led
     from ledger import Ledger
 
     log = get_run_logger()
-    ledger = Ledger(ledger_url)
+    ledger = Ledger(secret_value(ledger_url))
     pol = live_policy(policy)
     plans = [p for ps in candidates.values() for p in ps]
     # With the job's step count on record, its allocation carries a predicted end, so later
@@ -161,6 +161,13 @@ def with_site_defaults(job: TrainingJob, site) -> TrainingJob:
 def secret_value(value: SecretStr | str | None) -> str | None:
     """Ledger URLs may hold a password: flows take them as SecretStr and unwrap them only here."""
     return value.get_secret_value() if isinstance(value, SecretStr) else value
+
+
+def as_secret(value: SecretStr | str | None) -> SecretStr | None:
+    """A ledger URL as a SecretStr (what flow and task parameters carry), None when empty."""
+    if isinstance(value, SecretStr):
+        return value if value.get_secret_value() else None
+    return SecretStr(value) if value else None
 
 
 def new_job_id(job: TrainingJob) -> str:

@@ -144,6 +144,24 @@ def default_url() -> str:
     return f"sqlite:///{(frenzy_home() / 'ledger.db').resolve()}"
 
 
+def check_url_arg(field: str, url: str | None) -> None:
+    """A ledger URL given as a command-line argument must hold no password: arguments show in
+    ``ps`` and shell history. Passwords go in FRENZY_LEDGER_URL or a FrenzySettings block."""
+    if not url:
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        password = make_url(_normalise(url)).password
+    except ArgumentError:
+        raise FrenzyInputError(field, "is not an SQLAlchemy URL (e.g. postgresql+psycopg://host/db)") from None
+    if password:
+        raise FrenzyInputError(field, "holds a password, which would show in `ps` and shell history: "
+                                      "set FRENZY_LEDGER_URL or the ledger_url of a FrenzySettings block "
+                                      "(--settings) instead")
+
+
 def _normalise(url: str) -> str:
     # plain postgresql:// means psycopg2 to SQLAlchemy; the project ships psycopg (3)
     if url.startswith("postgresql://") or url.startswith("postgres://"):
