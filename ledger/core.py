@@ -162,6 +162,19 @@ def check_url_arg(field: str, url: str | None) -> None:
                                       "(--settings) instead")
 
 
+def db_now(s: Session) -> float:
+    """The database server's clock, Unix seconds: every lease time is written and compared in
+    this one clock, so submitters' skewed clocks cannot expire or extend anyone's lease.
+    (SQLite runs in-process: its clock is this host's, shared by every user of the file.)"""
+    if s.get_bind().dialect.name == "postgresql":
+        # the time now, not the transaction's start (now()/CURRENT_TIMESTAMP): a claim that
+        # waited on a row lock must read a time after the release it waited for
+        q = "SELECT EXTRACT(EPOCH FROM clock_timestamp())"
+    else:   # julianday('now') has millisecond resolution; 2440587.5 is the Julian day of 1970-01-01
+        q = "SELECT (julianday('now') - 2440587.5) * 86400.0"
+    return float(s.execute(text(q)).scalar_one())
+
+
 def _normalise(url: str) -> str:
     # plain postgresql:// means psycopg2 to SQLAlchemy; the project ships psycopg (3)
     if url.startswith("postgresql://") or url.startswith("postgres://"):
@@ -301,15 +314,7 @@ class Ledger:
                 yield s
 
     def _db_now(self, s: Session) -> float:
-        """The database server's clock, Unix seconds: every lease time is written and compared
-        in this one clock, so submitters' skewed clocks cannot expire or extend anyone's lease.
-        (SQLite runs in-process: its clock is this host's, shared by every user of the file.)"""
-        if self.is_postgres:   # the time now, not the transaction's start (CURRENT_TIMESTAMP): a claim
-            # that waited on a row lock must read a time after the release it waited for
-            q = "SELECT EXTRACT(EPOCH FROM clock_timestamp())"
-        else:   # julianday('now') has millisecond resolution; 2440587.5 is the Julian day of 1970-01-01
-            q = "SELECT (julianday('now') - 2440587.5) * 86400.0"
-        return float(s.execute(text(q)).scalar_one())
+        return db_now(s)
 
     def _locked(self, stmt, *, skip_locked: bool = False):
         return stmt.with_for_update(skip_locked=skip_locked) if self.is_postgres else stmt
