@@ -4,7 +4,9 @@ deployment ``frenzy-train-<pool>``; plus a small control pool for the submit flo
 
 ``sync_pools`` is idempotent and all-or-nothing on bad input: it validates the whole cluster
 and reads the server's current pools before it writes anything, so duplicate names, unknown
-GPU types or a pool of the wrong type change nothing.
+GPU types or a pool of the wrong type change nothing. One Prefect server can serve several
+clusters: a sync touches only the pools its cluster names; Frenzy pools of other clusters are
+removed only with ``prune=True`` (``frenzy pools sync --prune``).
 """
 from __future__ import annotations
 
@@ -131,11 +133,14 @@ def _train_flow_schema(entrypoint: str, project_dir: Path) -> tuple[str, dict]:
 
 def sync_pools(cluster: Any, *, pool_type: PoolType = "process", entrypoint: str = TRAIN_ENTRYPOINT,
                project_dir: Path | str = PROJECT_DIR, control_pool: bool = True,
-               log: Callable[[str], None] | None = None) -> SyncReport:
+               log: Callable[[str], None] | None = None, prune: bool = False) -> SyncReport:
     """Create or update, for every pool of ``cluster``: the work pool (GPU template variables),
     the ``gpu:<pool>`` limit sized to its GPU count, and its ``frenzy-train-<pool>`` deployment.
     Idempotent. Bad input raises ``FrenzyInputError`` before anything changes. One line per
-    pool goes to ``log`` (default: the ``frenzy.pools`` logger, never stdout)."""
+    pool goes to ``log`` (default: the ``frenzy.pools`` logger, never stdout). Pools the
+    cluster does not name are left alone; with ``prune``, every other Frenzy GPU pool (a work
+    pool whose description ``pool_description`` wrote) is deleted with its ``gpu:<pool>`` limit
+    and training deployment (reported as ``removed``)."""
     from prefect import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
@@ -202,7 +207,31 @@ def sync_pools(cluster: Any, *, pool_type: PoolType = "process", entrypoint: str
             report.deployments[train_deployment_name(spec.name)] = str(dep_id)
             log(f"pool {spec.name}: {report.pools[spec.name]} ({pool_type}, {spec.gpus} x {spec.gpu_type}); "
                 f"limit {gpu_limit_name(spec.name)}={spec.gpus}; deployment {flow_name}/{train_deployment_name(spec.name)}")
+        if prune:
+            keep = {spec.name for spec in specs} | {CONTROL_POOL}
+            for wp in client.read_work_pools():
+                if wp.name in keep or parse_pool_description(wp.description) is None:
+                    continue          # this cluster's, the control pool, or not Frenzy's
+                _remove_pool(client, wp.name, flow_name)
+                report.pools[wp.name] = "removed"
+                log(f"pool {wp.name}: removed (not in this cluster; --prune)")
     return report
+
+
+def _remove_pool(client, name: str, flow_name: str) -> None:
+    """Delete a Frenzy pool's training deployment, ``gpu:<pool>`` limit and work pool."""
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        dep = client.read_deployment_by_name(f"{flow_name}/{train_deployment_name(name)}")
+        client.delete_deployment(dep.id)
+    except ObjectNotFound:
+        pass
+    try:
+        client.delete_global_concurrency_limit_by_name(gpu_limit_name(name))
+    except ObjectNotFound:
+        pass
+    client.delete_work_pool(name)
 
 
 def _check_gpu_types(cluster: Any, specs: Iterable[PoolSpec]) -> None:

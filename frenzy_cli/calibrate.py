@@ -78,8 +78,9 @@ def fit_throughput(measured) -> dict[str, dict]:
 def handle(args) -> int:
     from estimator.overheads import DEFAULT, calibration_path, fit_calibration, write_calibration
     from estimator.throughput import calibration_file, write_calibration as write_throughput
-    from ledger.core import Ledger
+    from ledger.core import Ledger, check_url_arg
 
+    check_url_arg("--ledger", args.ledger)      # a password on the command line shows in `ps`
     led = Ledger(args.ledger)
     rows = led.measurements()
     fits = fit_calibration(rows)

@@ -22,6 +22,13 @@ def register(sub) -> None:
     s.add_argument("--type", dest="pool_type", default="process", choices=["process", "kubernetes"],
                    help="work pool type (default: process); kubernetes requests nvidia.com/gpu and "
                         "selects nodes by GPU product")
+    s.add_argument("--prune", action="store_true",
+                   help="also remove the Frenzy pools this cluster does not name (work pool, gpu:<pool> "
+                        "limit, deployment, and the pool in the GPU ledger); without it a sync leaves "
+                        "other clusters' pools alone")
+    s.add_argument("--settings", metavar="BLOCK",
+                   help="FrenzySettings block whose ledger URL to sync (default: FRENZY_LEDGER_URL, else "
+                        "SQLite under FRENZY_HOME)")
     s.add_argument("--json", action="store_true", help="print the sync report as JSON")
     s.set_defaults(handler=handle_sync)
 
@@ -69,13 +76,19 @@ def handle_sync(args) -> int:
     url = _prefect_env()
     if cluster is None:
         cluster = load_cluster_arg(args.cluster)
-    from deployments.pools import sync_pools
+    from deployments.pools import pool_specs, sync_pools
+    from ledger import Ledger
 
+    pool_specs(cluster)                       # bad pool names: one line before anything is written
+    ledger_pruned = Ledger(_ledger_url(args.settings)).sync_cluster(cluster, prune=args.prune)
     lines: list[str] = []
-    report = sync_pools(cluster, pool_type=args.pool_type, log=lines.append)
+    report = sync_pools(cluster, pool_type=args.pool_type, log=lines.append, prune=args.prune)
+    lines.append(f"ledger: {len(cluster.pools)} pool(s) synced"
+                 + (f"; deactivated {', '.join(ledger_pruned)}" if ledger_pruned else ""))
     if args.json:
         print(json.dumps({"api_url": url, "pool_type": report.pool_type, "pools": report.pools,
-                          "limits": report.limits, "deployments": report.deployments}))
+                          "limits": report.limits, "deployments": report.deployments,
+                          "ledger_pruned": ledger_pruned}))
         return 0
     for line in lines:
         print(line)
@@ -84,6 +97,15 @@ def handle_sync(args) -> int:
               "which `frenzy run` uses; workers need a running server: `prefect server start`)",
               file=sys.stderr)
     return 0
+
+
+def _ledger_url(settings: str | None) -> str | None:
+    """The ledger URL from a FrenzySettings block (a secret: never taken on the command line)."""
+    if not settings:
+        return None
+    from blocks import FrenzySettings
+
+    return FrenzySettings.load(settings).ledger_url_value()
 
 
 def handle_status(args) -> int:

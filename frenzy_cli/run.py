@@ -69,6 +69,9 @@ def embedded_prefect_env(json_mode: bool) -> None:
 
 
 def handle(args) -> int:
+    from ledger.core import check_url_arg
+
+    check_url_arg("--ledger", args.ledger)      # a password on the command line shows in `ps`
     job = load_job(args.job)
     # Bad input fails here, in a line, before the slow Prefect start-up: the cluster file, and
     # a job that no GPU of the cluster can hold (the flow's first task asks the same question).

@@ -19,7 +19,7 @@ from scheduler.discover import cluster_or_local
 from frenzy_flows import artifacts, dispatch, events
 from frenzy_flows.form import RunForm
 from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, training_fields
-from frenzy_flows.tasks import (enqueue, estimate_memory, load_settings, new_job_id,
+from frenzy_flows.tasks import (as_secret, enqueue, estimate_memory, load_settings, new_job_id,
                                 secret_value, select_resources, wait_for_gpus, with_site_defaults)
 from frenzy_flows.train_flow import train_on_pool
 
@@ -33,7 +33,7 @@ async def _registered_pools() -> list[str]:
 
 @task(name="train")
 def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
-          ledger_url: str | None, inventory: dict[str, int], settings: str | None = None) -> dict:
+          ledger_url: SecretStr | None, inventory: dict[str, int], settings: str | None = None) -> dict:
     """Train on the assignment: on the pool's workers when any are online, else in-process as
     the same `frenzy-train` flow (a subflow). Either way the run holds the pool's `gpu:<pool>`
     slots, so Prefect's count of busy GPUs agrees with the ledger."""
@@ -95,7 +95,9 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
     site = load_settings(settings)
     job = with_tracking_default(with_site_defaults(job, site), site)
     check_job(job)              # starting point, LoRA targets, QLoRA support: before any GPU is taken
-    ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
+    # the URL may hold a password: it stays a SecretStr in every task and subflow parameter
+    # (Prefect stores those masked) and is unwrapped only where the ledger connects
+    ledger_secret = as_secret(ledger_url) or (site.ledger_url if site else None)
     policy = policy or (site.policy if site else "frenzy")
     policy_factory(policy)      # an unknown policy name: one line, before anything is queued
     if safety_margin_gib is None:
@@ -105,7 +107,7 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
     if dry_run:              # before the ledger: a dry run writes nothing
         from frenzy_flows.dryrun import dry_run_in_flow
         return dry_run_in_flow(job, topology, safety_margin_gib=safety_margin_gib, policy=policy)
-    Ledger(ledger_url).sync_cluster(topology)
+    Ledger(secret_value(ledger_secret)).sync_cluster(topology)
     job_id = new_job_id(job)
 
     plans_by_type = estimate_memory(job, topology, safety_margin_gib)
@@ -113,18 +115,18 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
 
     registered = run_coro_as_sync(_registered_pools())
     candidates = select_resources(job, plans_by_type, topology, registered)
-    queue = JobQueue(Ledger(ledger_url))
-    enqueue(job, job_id, candidates, ledger_url, policy=policy, embedded_scheduler=embedded_scheduler)
+    queue = JobQueue(Ledger(secret_value(ledger_secret)))
+    enqueue(job, job_id, candidates, ledger_secret, policy=policy, embedded_scheduler=embedded_scheduler)
     status, error, trained = "failed", "ended before training", {}
     try:
-        assignment = wait_for_gpus(job, job_id, ledger_url, wait_timeout_s=wait_timeout_s)
+        assignment = wait_for_gpus(job, job_id, ledger_secret, wait_timeout_s=wait_timeout_s)
         chosen = assignment.plan
         artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
                               pool_notes=dispatch.pool_notes(topology))
         artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
         events.placed(job.name, chosen, assignment)
         try:
-            trained = train(job, job_id, chosen, assignment, ledger_url, topology.inventory(), settings)
+            trained = train(job, job_id, chosen, assignment, ledger_secret, topology.inventory(), settings)
             # the trainer reports a run that ran out of fallbacks or time; it does not raise
             ok = trained.get("status") in ("completed", "stopped")
             status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))

@@ -58,10 +58,11 @@ class SubmitResult(BaseModel):
     mlflow_tracking_uri: str | None = None
     mlflow_url: str | None = None
     run_dir: str | None = None
+    ledger_error: str | None = None              # the ledger was unreachable at the end (lease left to expire)
 
 
 TRAINING_FIELDS = ("export_dir", "eval_losses", "trainable_params", "params", "optimizer_impl", "stop", "mlflow_run_id",
-                   "mlflow_tracking_uri", "mlflow_url", "run_dir")
+                   "mlflow_tracking_uri", "mlflow_url", "run_dir", "ledger_error")
 
 
 def training_fields(trained: dict[str, Any]) -> dict[str, Any]:

@@ -76,7 +76,7 @@ def select_resources(job: TrainingJob, plans_by_type: dict[str, list[Plan]], clu
 
 
 @task(name="enqueue")
-def enqueue(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], ledger_url: str | None,
+def enqueue(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], ledger_url: SecretStr | str | None,
             policy: str = "frenzy", embedded_scheduler: bool = True) -> str:
     """Put the job in the ledger's queue with its candidate plans (fastest first). With
     ``embedded_scheduler`` this process also runs a scheduler thread, which stands by while
@@ -85,7 +85,7 @@ def enqueue(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], le
     from ledger.queue import JobQueue
 
     log = get_run_logger()
-    ledger = Ledger(ledger_url)
+    ledger = Ledger(secret_value(ledger_url))
     plans = sorted((p for ps in candidates.values() for p in ps), key=lambda p: p.step_time_s)
     JobQueue(ledger).enqueue(job_id, job.name, job.model_dump(mode="json"), plans, steps=job.steps,
                              model=job.model if isinstance(job.model, str) else "custom",
@@ -94,7 +94,7 @@ def enqueue(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], le
         from frenzy_scheduler import ensure_embedded_scheduler
         from frenzy_scheduler.publish import emit_decision, publish_queue
 
-        svc = ensure_embedded_scheduler(ledger_url, policy, publish=emit_decision, on_queue=publish_queue)
+        svc = ensure_embedded_scheduler(secret_value(ledger_url), policy, publish=emit_decision, on_queue=publish_queue)
         log.info("queued %s with %d plans; embedded scheduler %s (%s)", job_id, len(plans),
                  svc.leadership.holder, "leading" if svc.leading else "starting or standing by")
     else:
@@ -103,7 +103,7 @@ def enqueue(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], le
 
 
 @task(name="wait_for_gpus")
-def wait_for_gpus(job: TrainingJob, job_id: str, ledger_url: str | None,
+def wait_for_gpus(job: TrainingJob, job_id: str, ledger_url: SecretStr | str | None,
                   wait_timeout_s: float = 3600.0) -> Assignment:
     """Wait for the allocation the scheduler writes for the job (``wait_timeout_s``: then a
     TimeoutError that says what it waited for)."""
@@ -113,7 +113,7 @@ def wait_for_gpus(job: TrainingJob, job_id: str, ledger_url: str | None,
     from frenzy_flows.training import wait_for_allocation
 
     log = get_run_logger()
-    assignment = wait_for_allocation(JobQueue(Ledger(ledger_url)), job_id, timeout_s=wait_timeout_s,
+    assignment = wait_for_allocation(JobQueue(Ledger(secret_value(ledger_url))), job_id, timeout_s=wait_timeout_s,
                                      log=log.info, what=job.name)
     log.info("assigned %s on %s", assignment.plan.short(), assignment.placement)
     return assignment
@@ -142,6 +142,13 @@ def with_site_defaults(job: TrainingJob, site) -> TrainingJob:
 def secret_value(value: SecretStr | str | None) -> str | None:
     """Ledger URLs may hold a password: flows take them as SecretStr and unwrap them only here."""
     return value.get_secret_value() if isinstance(value, SecretStr) else value
+
+
+def as_secret(value: SecretStr | str | None) -> SecretStr | None:
+    """A ledger URL as a SecretStr (what flow and task parameters carry), None when empty."""
+    if isinstance(value, SecretStr):
+        return value if value.get_secret_value() else None
+    return SecretStr(value) if value else None
 
 
 def new_job_id(job: TrainingJob) -> str:

@@ -153,7 +153,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``. ``fallbacks``:
     the out-of-memory fallback plans to try (default: the trainer's own ladder).
     ``wait_timeout_s``: how long a preempted run waits in the queue for new GPUs."""
-    from ledger import Ledger
+    from ledger import Ledger, LedgerUnavailable
     from ledger.queue import JobQueue
     from trainer.resume import prepare_run_dir
     from trainer.runner import run_training
@@ -183,6 +183,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
             ledger.release(current["alloc_id"])
 
     run_dir = prepare_run_dir(job, job_id, runs_dir())      # a resubmission continues its last checkpoint
+    ledger_errors: list[str] = []       # the ledger unreachable at the end: the training still counts
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         with RequestWatcher(queue, job_id, run_dir, log) as watcher:
@@ -224,9 +225,18 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                 current.update(alloc_id=new.allocation_id, plan=now_plan, devices=list(new.devices), first=True)
         result = _merge(segments)
         final = result.final_plan
-        ledger.record_measurement(job_id, current["alloc_id"], final.gpu_type, final,
-                                  predicted=predicted_figures(final),
-                                  measured=result.measured.model_dump())
-        return result
+        try:
+            ledger.record_measurement(job_id, current["alloc_id"], final.gpu_type, final,
+                                      predicted=predicted_figures(final),
+                                      measured=result.measured.model_dump())
+        except LedgerUnavailable as err:
+            ledger_errors.append(str(err))
     finally:
-        release()
+        try:
+            release()
+        except LedgerUnavailable as err:   # the lease, no longer renewed, frees the GPUs within its TTL
+            ledger_errors.append(f"{err}; its lease frees the GPUs when it runs out")
+    if ledger_errors:
+        log("ledger: " + "; ".join(ledger_errors))
+        result = result.model_copy(update={"ledger_error": "; ".join(ledger_errors)})
+    return result

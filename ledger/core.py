@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import threading
 import time
 import uuid
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,8 +26,8 @@ from typing import Any, Iterator
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import create_engine, event, text, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, OperationalError
-from sqlmodel import Session, SQLModel, select
+from sqlalchemy.exc import OperationalError
+from sqlmodel import Session, select
 
 from estimator.errors import FrenzyInputError
 from estimator.home import frenzy_home
@@ -34,9 +36,20 @@ from estimator.plan import Plan
 from scheduler.placement import FreeIndex
 from scheduler.types import ClusterState, Node, RunningJob
 
+from .migrations import LedgerSchemaError, ensure_schema
 from .tables import AllocationRow, GpuRow, JobRow, MeasurementRow, NodeRow, PlanRow, PoolRow
 
 DEFAULT_LEASE_S = 300.0
+
+
+# Each retry follows a claim that another transaction committed on a GPU we had chosen, so
+# every failed attempt is someone else's success; 50 covers 50 racing claims on one GPU type
+# (the concurrency test's load) before the request reports "not free now".
+_BEST_FIT_ATTEMPTS = 50
+
+
+class _Taken(Exception):
+    """A GPU chosen for a best-fit claim was claimed concurrently (roll back and choose again)."""
 
 
 class LedgerConflict(RuntimeError):
@@ -45,6 +58,44 @@ class LedgerConflict(RuntimeError):
 
 class LeaseLost(RuntimeError):
     """The allocation is no longer active (released, or its lease expired and its GPUs were freed)."""
+
+
+class LeaseState(dict):
+    """What ``Ledger.lease`` knows about its lease: ``["beats"]`` renewals so far, ``["error"]``
+    the last error, ``lost`` (cheap, no database access) whether the run must stop."""
+
+    def __init__(self, alloc_id: str):
+        super().__init__(error=None, beats=0)
+        self.alloc_id = alloc_id
+        self._lost = threading.Event()
+
+    @property
+    def lost(self) -> bool:
+        return self._lost.is_set()
+
+    def mark_lost(self, err: LeaseLost) -> None:
+        self["error"] = err
+        self._lost.set()
+
+    def check(self) -> None:
+        """Raise ``LeaseLost`` (with the reason) when the lease is lost."""
+        if self._lost.is_set():
+            raise self["error"] if isinstance(self["error"], LeaseLost) else LeaseLost(self.alloc_id)
+
+
+class LedgerUnavailable(RuntimeError):
+    """The ledger's database could not be reached, even after retrying with backoff."""
+
+
+class LedgerGone(RuntimeError):
+    """The SQLite ledger file was deleted or replaced while this process used it: writing on
+    would start an empty ledger in which every GPU looks free."""
+
+
+# Retry delays for the writes that end a run (release, measurement): 0.5+1+2+4 = 7.5 s covers a
+# PostgreSQL restart or failover (seconds); a longer outage is reported, and the lease then
+# frees the GPUs by itself within one TTL.
+_END_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
 
 
 class Allocation(BaseModel):
@@ -93,6 +144,37 @@ def default_url() -> str:
     return f"sqlite:///{(frenzy_home() / 'ledger.db').resolve()}"
 
 
+def check_url_arg(field: str, url: str | None) -> None:
+    """A ledger URL given as a command-line argument must hold no password: arguments show in
+    ``ps`` and shell history. Passwords go in FRENZY_LEDGER_URL or a FrenzySettings block."""
+    if not url:
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        password = make_url(_normalise(url)).password
+    except ArgumentError:
+        raise FrenzyInputError(field, "is not an SQLAlchemy URL (e.g. postgresql+psycopg://host/db)") from None
+    if password:
+        raise FrenzyInputError(field, "holds a password, which would show in `ps` and shell history: "
+                                      "set FRENZY_LEDGER_URL or the ledger_url of a FrenzySettings block "
+                                      "(--settings) instead")
+
+
+def db_now(s: Session) -> float:
+    """The database server's clock, Unix seconds: every lease time is written and compared in
+    this one clock, so submitters' skewed clocks cannot expire or extend anyone's lease.
+    (SQLite runs in-process: its clock is this host's, shared by every user of the file.)"""
+    if s.get_bind().dialect.name == "postgresql":
+        # the time now, not the transaction's start (now()/CURRENT_TIMESTAMP): a claim that
+        # waited on a row lock must read a time after the release it waited for
+        q = "SELECT EXTRACT(EPOCH FROM clock_timestamp())"
+    else:   # julianday('now') has millisecond resolution; 2440587.5 is the Julian day of 1970-01-01
+        q = "SELECT (julianday('now') - 2440587.5) * 86400.0"
+    return float(s.execute(text(q)).scalar_one())
+
+
 def _normalise(url: str) -> str:
     # plain postgresql:// means psycopg2 to SQLAlchemy; the project ships psycopg (3)
     if url.startswith("postgresql://") or url.startswith("postgres://"):
@@ -101,11 +183,13 @@ def _normalise(url: str) -> str:
 
 
 _ENGINES: dict[tuple[int, str], tuple[Engine, Engine]] = {}
+_FILES: dict[str, tuple[Path, tuple[int, int]]] = {}     # SQLite URL -> (file, (st_dev, st_ino)) at open
 _ENGINES_LOCK = threading.Lock()
 
 
 def _engines(url: str) -> tuple[Engine, Engine]:
-    """(write engine, read engine) for ``url``, one pair per process, tables created once."""
+    """(write engine, read engine) for ``url``, one pair per process; the schema is brought to
+    the newest revision on first use (``ledger.migrations``)."""
     key = (os.getpid(), url)
     with _ENGINES_LOCK:
         hit = _ENGINES.get(key)
@@ -120,7 +204,10 @@ def _engines(url: str) -> tuple[Engine, Engine]:
         else:
             write = create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=60)
             read = write
-        _create_tables(write)
+        ensure_schema(write, read)
+        if url.startswith("sqlite") and path and path != ":memory:":
+            st = os.stat(path)
+            _FILES[url] = (Path(path), (st.st_dev, st.st_ino))
         _ENGINES[key] = (write, read)
         return write, read
 
@@ -144,21 +231,6 @@ def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
     return eng
-
-
-def _create_tables(engine: Engine) -> None:
-    for attempt in range(20):          # concurrent first use from several processes
-        try:
-            SQLModel.metadata.create_all(engine)
-            return
-        except (OperationalError, IntegrityError):
-            if attempt == 19:
-                raise
-            time.sleep(0.05 * (attempt + 1))
-        except Exception as e:  # PostgreSQL: a racing CREATE TABLE surfaces as a ProgrammingError
-            if "already exists" not in str(e) or attempt == 19:
-                raise
-            time.sleep(0.05 * (attempt + 1))
 
 
 def _devices(placement: dict[str, list[int]]) -> list[str]:
@@ -195,32 +267,74 @@ class Ledger:
         self.is_postgres = self._write_engine.dialect.name == "postgresql"
 
     # --- sessions -------------------------------------------------------------------------
+    def _check_file(self) -> None:
+        """SQLite: the file opened is still the one at its path (cheap: one stat)."""
+        known = _FILES.get(self.url)
+        if known is None:
+            return
+        path, ident = known
+        try:
+            st = os.stat(path)
+            now = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            now = None
+        if now != ident:
+            raise LedgerGone(f"the ledger file {path} was {'deleted' if now is None else 'replaced'} while in use; "
+                             "refusing to go on (an empty ledger would show every GPU free): restore it "
+                             "and restart")
+
+    def _retrying(self, what: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, retried on a lost database connection with backoff; then
+        ``LedgerUnavailable`` naming ``what``. For the writes that end a run."""
+        for delay in (*_END_RETRY_DELAYS_S, None):
+            try:
+                return fn(*args, **kwargs)
+            except OperationalError as err:
+                if not (self.is_postgres or err.connection_invalidated):
+                    raise       # SQLite: a lock wait already took busy_timeout; retrying only waits longer
+                if delay is None:
+                    raise LedgerUnavailable(f"{what}: the ledger's database is unreachable after "
+                                            f"{sum(_END_RETRY_DELAYS_S):.1f} s of retries "
+                                            f"({str(err.orig or err).splitlines()[0]})") from err
+                time.sleep(delay)
+
     @contextmanager
     def _tx(self) -> Iterator[Session]:
         """A writing transaction (SQLite: BEGIN IMMEDIATE). Commits on success, else rolls back."""
+        self._check_file()
         with Session(self._write_engine, expire_on_commit=False) as s:
             with s.begin():
                 yield s
 
     @contextmanager
     def _read(self) -> Iterator[Session]:
+        self._check_file()
         with Session(self._read_engine, expire_on_commit=False) as s:
             with s.begin():
                 yield s
+
+    def _db_now(self, s: Session) -> float:
+        return db_now(s)
 
     def _locked(self, stmt, *, skip_locked: bool = False):
         return stmt.with_for_update(skip_locked=skip_locked) if self.is_postgres else stmt
 
     # --- topology -------------------------------------------------------------------------
-    def sync_cluster(self, cluster) -> None:
-        """Make pools/nodes/GPUs match ``cluster`` (a ``scheduler.cluster.Cluster``). Idempotent;
-        never touches who holds a GPU. Things no longer in the cluster become inactive."""
+    def sync_cluster(self, cluster, *, prune: bool = False) -> list[str]:
+        """Make the ledger's rows for ``cluster``'s pools (a ``scheduler.cluster.Cluster``)
+        match it. Idempotent; never touches who holds a GPU. A shared ledger holds many
+        clusters: pools the cluster does not name are left as they are, unless ``prune``, which
+        deactivates them (``frenzy pools sync --prune``). Nodes and GPUs a named pool no longer
+        has become inactive. Returns the names of the pools this call deactivated."""
         with self._tx() as s:
             if self.is_postgres:    # concurrent syncs insert the same rows: serialise them
                 s.execute(text("SELECT pg_advisory_xact_lock(7346021)"))
             pools = {p.name: p for p in s.exec(select(PoolRow)).all()}
-            nodes = {n.node_id: n for n in s.exec(select(NodeRow)).all()}
-            gpus = {(g.node_id, g.device_index): g for g in s.exec(select(GpuRow)).all()}
+            names = {p.name for p in cluster.pools}
+            # only the rows of the pools this sync owns (all of them when pruning)
+            nodes = {n.node_id: n for n in s.exec(select(NodeRow)).all() if prune or n.pool in names}
+            gpus = {(g.node_id, g.device_index): g for g in s.exec(select(GpuRow)).all()
+                    if prune or g.pool in names or g.node_id in nodes}
             want_pools, want_nodes, want_gpus = set(), set(), set()
             for p in cluster.pools:
                 g = cluster.gpu(p.gpu)
@@ -254,15 +368,37 @@ class Ledger:
                         else:
                             row.pool, row.gpu_type, row.active = p.name, p.gpu, True
                         want_gpus.add((nid, d))
-            for name, row in pools.items():
-                if name not in want_pools:
-                    row.active = False
+            pruned = []
+            if prune:
+                for name, row in pools.items():
+                    if name not in want_pools and row.active:
+                        row.active = False
+                        pruned.append(name)
             for nid, row in nodes.items():
                 if nid not in want_nodes:
                     row.active = False
             for key, row in gpus.items():
                 if key not in want_gpus:
                     row.active = False
+            return sorted(pruned)
+
+    def remove_pools(self, names: list[str]) -> list[str]:
+        """Deactivate the named pools with their nodes and GPUs (GPUs held now stay held until
+        released; nothing new is placed there). Returns the names that were active. A name the
+        ledger does not know is an error (nothing changes)."""
+        with self._tx() as s:
+            rows = {p.name: p for p in s.exec(select(PoolRow).where(PoolRow.name.in_(list(names)))).all()}
+            unknown = sorted(set(names) - set(rows))
+            if unknown:
+                raise FrenzyInputError("pool", f"the ledger has no pool {', '.join(unknown)}")
+            removed = sorted(n for n, r in rows.items() if r.active)
+            for r in rows.values():
+                r.active = False
+            s.execute(update(NodeRow).where(NodeRow.pool.in_(list(names))).values(active=False)
+                      .execution_options(synchronize_session=False))
+            s.execute(update(GpuRow).where(GpuRow.pool.in_(list(names))).values(active=False)
+                      .execution_options(synchronize_session=False))
+            return removed
 
     # --- jobs and plans -------------------------------------------------------------------
     def submit_job(self, job_id: str, name: str, spec: dict[str, Any]) -> None:
@@ -327,28 +463,52 @@ class Ledger:
 
     def allocate_best_fit(self, job_id: str, plan: Plan, lease_s: float = DEFAULT_LEASE_S) -> Allocation | None:
         """Choose free GPUs of ``plan.gpu_type`` (fewest nodes, best fit: the placement code
-        the policies use) and claim them atomically; None when they are not free now."""
-        with self._tx() as s:
-            stmt = (select(GpuRow).where(GpuRow.gpu_type == plan.gpu_type, GpuRow.active == True,  # noqa: E712
-                                         GpuRow.alloc_id == None)  # noqa: E711
-                    .order_by(GpuRow.id))
-            free_rows = s.exec(self._locked(stmt, skip_locked=True)).all()
-            if len(free_rows) < plan.gpus:
-                return None
-            size = {p.name: p.gpus_per_node for p in s.exec(select(PoolRow)).all()}
-            by_node: dict[str, list[GpuRow]] = {}
-            for g in free_rows:
-                by_node.setdefault(g.node_id, []).append(g)
-            nodes = [Node(node_id=n, pool=rs[0].pool, gpu_type=plan.gpu_type,
-                          gpus=size.get(rs[0].pool, len(rs)), free=sorted(r.device_index for r in rs))
-                     for n, rs in by_node.items()]
-            nodes.sort(key=lambda n: _node_order(n.node_id))
-            placement = FreeIndex(nodes).place_compact(plan.gpu_type, plan.gpus, plan.tp)
-            if placement is None:
-                return None
-            index = {(g.node_id, g.device_index): g for g in free_rows}
-            chosen = [index[(n, d)] for n, ds in placement.items() for d in ds]
+        the policies use) and claim them atomically; None when they are not free now.
+
+        The free GPUs are read without locks; only the chosen rows are locked (PostgreSQL:
+        ``FOR UPDATE`` in id order). If a concurrent claim took one of them first, the
+        transaction rolls back and the choice is made again from the new free set, so
+        simultaneous requests get every free GPU instead of skipping each other's rows."""
+        for attempt in range(_BEST_FIT_ATTEMPTS):
+            try:
+                with self._tx() as s:
+                    return self._best_fit_once(s, job_id, plan, lease_s)
+            except _Taken:
+                # another claim committed on a chosen GPU: it made progress, we re-choose
+                time.sleep(random.uniform(0, 0.002 * (attempt + 1)))
+        return None
+
+    def _best_fit_once(self, s: Session, job_id: str, plan: Plan, lease_s: float) -> Allocation | None:
+        stmt = (select(GpuRow).where(GpuRow.gpu_type == plan.gpu_type, GpuRow.active == True,  # noqa: E712
+                                     GpuRow.alloc_id == None)  # noqa: E711
+                .order_by(GpuRow.id))
+        free_rows = s.exec(stmt).all()
+        if len(free_rows) < plan.gpus:
+            return None
+        size = {p.name: p.gpus_per_node for p in s.exec(select(PoolRow)).all()}
+        by_node: dict[str, list[GpuRow]] = {}
+        for g in free_rows:
+            by_node.setdefault(g.node_id, []).append(g)
+        nodes = [Node(node_id=n, pool=rs[0].pool, gpu_type=plan.gpu_type,
+                      gpus=size.get(rs[0].pool, len(rs)), free=sorted(r.device_index for r in rs))
+                 for n, rs in by_node.items()]
+        nodes.sort(key=lambda n: _node_order(n.node_id))
+        placement = FreeIndex(nodes).place_compact(plan.gpu_type, plan.gpus, plan.tp)
+        if placement is None:
+            return None
+        index = {(g.node_id, g.device_index): g for g in free_rows}
+        chosen = [index[(n, d)] for n, ds in placement.items() for d in ds]
+        if self.is_postgres:
+            # lock just these rows (waiting for a concurrent claim to finish) and re-read them
+            ids = sorted(g.id for g in chosen)
+            latest = s.execute(select(GpuRow.alloc_id, GpuRow.active).where(GpuRow.id.in_(ids))
+                               .order_by(GpuRow.id).with_for_update()).all()
+            if any(alloc is not None or not active for alloc, active in latest):
+                raise _Taken()
+        try:
             return self._claim(s, job_id, plan, placement, chosen, lease_s)
+        except LedgerConflict:
+            raise _Taken() from None
 
     def _check_placement(self, plan: Plan, placement: dict[str, list[int]]) -> list[tuple[str, int]]:
         if not placement or not all(isinstance(v, (list, tuple)) and v for v in placement.values()):
@@ -363,7 +523,7 @@ class Ledger:
     def _claim(self, s: Session, job_id: str, plan: Plan, placement: dict[str, list[int]],
                rows: list[GpuRow], lease_s: float) -> Allocation:
         job = self._ensure_job(s, job_id)
-        now = time.time()
+        now = self._db_now(s)
         alloc_id = uuid.uuid4().hex
         ids = [g.id for g in rows]
         counts: dict[str, int] = {}
@@ -386,19 +546,43 @@ class Ledger:
         return _allocation(row)
 
     def heartbeat(self, alloc_id: str, lease_s: float = DEFAULT_LEASE_S) -> float:
-        """Renew the lease; returns the new expiry. ``LeaseLost`` if no longer active."""
+        """Renew the lease by ``lease_s`` from the database's clock; returns the new expiry
+        (Unix seconds, database clock). Raises ``LeaseLost`` when the allocation is no longer
+        active, or when its lease already ran out (then it is expired here and its GPUs freed:
+        a lease past its expiry may already be someone else's, so it is never revived)."""
         with self._tx() as s:
             row = s.exec(self._locked(select(AllocationRow).where(AllocationRow.id == alloc_id))).first()
             if row is None:
                 raise FrenzyInputError("alloc_id", f"unknown allocation {alloc_id!r}")
             if row.status != "active":
                 raise LeaseLost(f"allocation {alloc_id} is {row.status}")
-            row.lease_expires_at = time.time() + lease_s
-            return row.lease_expires_at
+            now = self._db_now(s)
+            if row.lease_expires_at <= now:
+                self._free(s, [row], "expired", now)
+                lost = f"allocation {alloc_id}: lease ran out {now - row.lease_expires_at:.1f} s ago (database clock)"
+            else:
+                row.lease_expires_at = now + lease_s
+                return row.lease_expires_at
+        raise LeaseLost(lost)
+
+    def lease_valid(self, alloc_id: str) -> bool:
+        """True while the allocation is active and its lease has not run out by the database's
+        clock (one indexed read; no lock). A run that gets False must stop: its GPUs may be
+        another job's."""
+        with self._read() as s:
+            row = s.get(AllocationRow, alloc_id)
+            if row is None:
+                raise FrenzyInputError("alloc_id", f"unknown allocation {alloc_id!r}")
+            return row.status == "active" and row.lease_expires_at > self._db_now(s)
 
     def release(self, alloc_id: str) -> bool:
         """Free the allocation's GPUs. Idempotent: True if this call released it, False if it
-        was already released or expired. An unknown id is an error (nothing changes)."""
+        was already released or expired. An unknown id is an error (nothing changes). A lost
+        database connection is retried with backoff, then ``LedgerUnavailable`` (the caller
+        reports it; the lease, no longer renewed, frees the GPUs within one TTL)."""
+        return self._retrying(f"release of allocation {alloc_id}", self._release, alloc_id)
+
+    def _release(self, alloc_id: str) -> bool:
         with self._tx() as s:
             row = s.exec(self._locked(select(AllocationRow).where(AllocationRow.id == alloc_id))).first()
             if row is None:
@@ -409,9 +593,14 @@ class Ledger:
             return True
 
     def expire_leases(self, now: float | None = None) -> list[str]:
-        """Free the GPUs of every allocation whose lease ran out; returns their ids."""
-        now = time.time() if now is None else now
+        """Free the GPUs of every allocation whose lease ran out by the database's clock;
+        returns their ids. ``now`` is ignored (kept for old callers): a caller's clock may be
+        skewed, and one running ahead must not expire healthy leases."""
+        if now is not None:
+            warnings.warn("Ledger.expire_leases(now=...) is ignored: leases expire by the database's clock",
+                          DeprecationWarning, stacklevel=2)
         with self._tx() as s:
+            now = self._db_now(s)
             stmt = select(AllocationRow).where(AllocationRow.status == "active",
                                                AllocationRow.lease_expires_at < now)
             rows = s.exec(self._locked(stmt, skip_locked=True)).all()
@@ -426,9 +615,10 @@ class Ledger:
             s.exec(select(GpuRow.id).where(GpuRow.alloc_id.in_(ids)).order_by(GpuRow.id).with_for_update()).all()
         s.execute(update(GpuRow).where(GpuRow.alloc_id.in_(ids)).values(alloc_id=None)
                   .execution_options(synchronize_session=False))
+        now = self._db_now(s) if now is None else now
         for r in rows:
             r.status = status
-            r.ended_at = time.time() if now is None else now
+            r.ended_at = now
 
     def allocation(self, alloc_id: str) -> Allocation:
         with self._read() as s:
@@ -447,21 +637,31 @@ class Ledger:
     @contextmanager
     def lease(self, alloc_id: str, every_s: float | None = None, lease_s: float = DEFAULT_LEASE_S):
         """Renew the lease from a background thread while the block runs (every ``every_s``,
-        default a third of the lease). Stops on exit; does not release (callers do)."""
+        default a third of the lease). Yields a ``LeaseState``: check ``state.lost`` (or call
+        ``state.check()``, which raises ``LeaseLost``) at every step boundary and stop when set.
+        It is set when the ledger says the lease is gone, and also when no renewal succeeded
+        for ``lease_s`` (database unreachable: the lease has run out by now, its GPUs may be
+        reassigned). Stops on exit; does not release (callers do)."""
         every = every_s if every_s is not None else max(0.05, lease_s / 3.0)
         stop = threading.Event()
-        state: dict[str, Any] = {"error": None, "beats": 0}
+        state = LeaseState(alloc_id)
 
         def beat() -> None:
+            last_ok = time.monotonic()
             while not stop.wait(every):
                 try:
                     self.heartbeat(alloc_id, lease_s)
                     state["beats"] += 1
+                    last_ok = time.monotonic()
                 except LeaseLost as e:
-                    state["error"] = e
+                    state.mark_lost(e)
                     return
                 except Exception as e:  # a transient database error: try again next period
                     state["error"] = e
+                    if time.monotonic() - last_ok >= lease_s:
+                        state.mark_lost(LeaseLost(f"allocation {alloc_id}: lease not renewed for "
+                                                  f"{time.monotonic() - last_ok:.0f} s ({type(e).__name__}: {e})"))
+                        return
 
         self.heartbeat(alloc_id, lease_s)
         t = threading.Thread(target=beat, name=f"frenzy-lease-{alloc_id[:8]}", daemon=True)
@@ -476,7 +676,8 @@ class Ledger:
     def cluster_state(self) -> ClusterState:
         """Free GPUs per node and the running allocations, as the policies see them."""
         with self._read() as s:
-            pools = {p.name: p for p in s.exec(select(PoolRow).where(PoolRow.active == True)).all()}  # noqa: E712
+            pools = {p.name: p for p in s.exec(select(PoolRow).where(PoolRow.active == True)  # noqa: E712
+                                               .order_by(PoolRow.name)).all()}
             node_rows = [n for n in s.exec(select(NodeRow).where(NodeRow.active == True)).all()  # noqa: E712
                          if n.pool in pools]
             gpus = s.exec(select(GpuRow).where(GpuRow.active == True)).all()  # noqa: E712
@@ -509,7 +710,13 @@ class Ledger:
     # --- measurements ---------------------------------------------------------------------
     def record_measurement(self, job_id: str, alloc_id: str | None, gpu_type: str, plan: Plan | dict,
                            predicted: dict[str, Any], measured: dict[str, Any]) -> int:
-        """Store what a run measured next to what was predicted (for calibration)."""
+        """Store what a run measured next to what was predicted (for calibration). Retried like
+        ``release``; ``LedgerUnavailable`` when the database stays unreachable."""
+        return self._retrying(f"measurement of job {job_id}", self._record_measurement, job_id, alloc_id,
+                              gpu_type, plan, predicted, measured)
+
+    def _record_measurement(self, job_id: str, alloc_id: str | None, gpu_type: str, plan: Plan | dict,
+                            predicted: dict[str, Any], measured: dict[str, Any]) -> int:
         pd = plan.model_dump(mode="json") if isinstance(plan, BaseModel) else dict(plan)
 
         def num(d: dict[str, Any], *keys: str) -> float | None:

@@ -27,7 +27,7 @@ from sqlmodel import Session, select
 
 from estimator.plan import Plan
 
-from .core import Ledger
+from .core import Ledger, db_now
 from .tables import AllocationRow, QueueJobRow, SchedulerLeaseRow
 
 log = logging.getLogger("frenzy.queue")
@@ -41,14 +41,6 @@ ACTIVE = ("pending", "running")
 # up in two minutes belongs to a run that stopped watching: the request is withdrawn, so the
 # job is offered to the policy again (and its GPUs are reaped once its lease runs out).
 REQUEST_ACK_S = 120.0
-
-
-def db_now(s: Session) -> float:
-    """The database's clock, in Unix seconds (PostgreSQL ``now()``; SQLite ``julianday('now')``,
-    millisecond resolution)."""
-    if s.get_bind().dialect.name == "postgresql":
-        return float(s.execute(text("SELECT EXTRACT(EPOCH FROM now())")).scalar())
-    return float(s.execute(text("SELECT (julianday('now') - 2440587.5) * 86400.0")).scalar())
 
 
 @dataclass(slots=True)

@@ -139,7 +139,7 @@ def test_expired_lease_frees_gpus_and_heartbeat_keeps_them(ledger):
 def test_cluster_change_deactivates_but_keeps_holders(ledger):
     a = ledger.allocate("j", Plan(gpu_type="RTX3090-24GB", gpus=1), {"rtx-0": [1]})
     smaller = parse_cluster("pools:\n  - {name: a100, gpu: A100-80GB, nodes: 1, gpus_per_node: 4}\n")
-    ledger.sync_cluster(smaller)
+    assert ledger.sync_cluster(smaller, prune=True) == ["rtx"]
     st = ledger.cluster_state()
     assert [n.node_id for n in st.nodes] == ["a100-0"]
     with pytest.raises(FrenzyInputError):
@@ -181,3 +181,25 @@ def test_corrupt_cluster_changes_nothing(ledger, tmp_path):
         ledger.sync_cluster(sneaky)
     after = ledger.cluster_state()
     assert [(n.node_id, n.free) for n in after.nodes] == [(n.node_id, n.free) for n in before.nodes]
+
+
+def test_a_shared_ledger_keeps_every_clusters_pools(ledger):
+    """Syncing one cluster changes only its own pools; others go only by prune or remove_pools."""
+    other = parse_cluster("pools:\n  - {name: h100, gpu: H100-80GB, nodes: 1, gpus_per_node: 8}\n")
+    assert ledger.sync_cluster(other) == []
+    assert [n.node_id for n in ledger.cluster_state().nodes] == ["a100-0", "a100-1", "h100-0", "rtx-0"]
+    shrunk = parse_cluster("pools:\n  - {name: a100, gpu: A100-80GB, nodes: 1, gpus_per_node: 4}\n")
+    ledger.sync_cluster(shrunk)                     # a100 loses a node; rtx and h100 untouched
+    assert [n.node_id for n in ledger.cluster_state().nodes] == ["a100-0", "h100-0", "rtx-0"]
+    h = ledger.allocate_best_fit("h", Plan(gpu_type="H100-80GB", gpus=8, dp=8))
+    assert h is not None and h.placement == {"h100-0": list(range(8))}
+    with pytest.raises(FrenzyInputError, match="no pool nope"):
+        ledger.remove_pools(["h100", "nope"])
+    assert ledger.remove_pools(["h100"]) == ["h100"]
+    assert [n.node_id for n in ledger.cluster_state().nodes] == ["a100-0", "rtx-0"]
+    assert ledger.holders()[("h100-0", 0)] == h.id   # a running job keeps its GPUs until released
+    assert ledger.release(h.id) is True
+    assert ledger.allocate_best_fit("h2", Plan(gpu_type="H100-80GB", gpus=1)) is None
+    assert ledger.sync_cluster(CLUSTER, prune=True) == []          # h100 already inactive
+    ledger.sync_cluster(other)                                     # a sync brings it back
+    assert ledger.allocate_best_fit("h3", Plan(gpu_type="H100-80GB", gpus=1)) is not None

@@ -221,3 +221,42 @@ def test_cli_sync_and_status_with_the_real_training_flow(tmp_path, capsys):
     out = capsys.readouterr().out
     assert p in out and "no workers online" in out
     assert main(["pools", "status", "no-such-pool-xyz"]) == 2
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_one_clusters_sync_leaves_other_clusters_pools_until_prune(tmp_path, capsys, frenzy_home, monkeypatch):
+    """Two clusters share one server and one ledger; only --prune removes the other's pools."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+
+    from frenzy_cli.main import main
+    from ledger import Ledger
+
+    monkeypatch.delenv("FRENZY_LEDGER_URL", raising=False)
+    a, b, foreign = (f"{x}-{uuid.uuid4().hex[:6]}" for x in ("pa", "pb", "foreign"))
+    fa, fb = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    fa.write_text(f"pools:\n  - {{name: {a}, gpu: CPU, nodes: 1, gpus_per_node: 2}}\n")
+    fb.write_text(f"pools:\n  - {{name: {b}, gpu: CPU, nodes: 1, gpus_per_node: 3}}\n")
+    with _client() as client:
+        client.create_work_pool(WorkPoolCreate(name=foreign, type="process"))   # not Frenzy's
+    assert main(["pools", "sync", "--cluster", str(fa), "--json"]) == 0
+    assert main(["pools", "sync", "--cluster", str(fb), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert a not in report["pools"] and report["ledger_pruned"] == []
+    with _client() as client:
+        assert client.read_global_concurrency_limit_by_name(f"gpu:{a}").limit == 2   # a is still there
+    assert {n.pool for n in Ledger().cluster_state().nodes} >= {a, b}
+
+    assert main(["pools", "sync", "--cluster", str(fb), "--prune", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pools"][a] == "removed" and report["pools"][b] == "unchanged"
+    assert a in report["ledger_pruned"]
+    with _client() as client:
+        for gone in (lambda: client.read_work_pool(a),
+                     lambda: client.read_global_concurrency_limit_by_name(f"gpu:{a}")):
+            with pytest.raises(ObjectNotFound):
+                gone()
+        assert client.read_work_pool(foreign).name == foreign
+        assert client.read_work_pool(CONTROL_POOL).name == CONTROL_POOL
+    assert {n.pool for n in Ledger().cluster_state().nodes} == {b}

@@ -32,6 +32,9 @@ OOM_MARKERS = ("FRENZY_OOM", "CUDA out of memory", "OutOfMemoryError", "CUDA err
 TAIL_LINES = 200
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Secrets the orchestrating process holds that the ranks (which run the job's code) never get:
+# the ledger URL carries the database password.
+RANK_ENV_WITHHELD = ("FRENZY_LEDGER_URL",)
 
 
 def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed: bool = False,
@@ -43,6 +46,8 @@ def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed
     it is (``FRENZY_INJECT_OOM_AT_STEP`` fires on the first only).
     """
     env = dict(os.environ if base is None else base)
+    for name in RANK_ENV_WITHHELD:
+        env.pop(name, None)
     env["CUDA_VISIBLE_DEVICES"] = "" if cpu else ",".join(str(d) for d in devices)
     env["FRENZY_ATTEMPT"] = str(attempt)
     env["FRENZY_PARENT_PID"] = str(os.getpid())   # ranks stop if this process dies hard

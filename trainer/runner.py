@@ -123,6 +123,7 @@ class TrainResult(BaseModel):
     mlflow_experiment_id: str | None = None
     mlflow_tracking_uri: str | None = None
     mlflow_url: str | None = None
+    ledger_error: str | None = None              # the ledger could not record the end (run still counts)
 
     @property
     def ok(self) -> bool:
