@@ -431,33 +431,30 @@ def test_order_alone_shortest_work_first_and_aging():
     assert [q.job_id for q in order_queue(pairs, NOW, Ordering(aging_s=600))] == ["old", "new"]
 
 
-def test_choose_alone_waits_for_a_faster_type_only_when_it_finishes_sooner():
-    from scheduler.policies.frenzy.choose import choose
-    from scheduler.policies.frenzy.config import Choice
+def fast_busy_slow_free():
+    """Two 8-GPU plans: A100s 2x faster, all busy for 10 more min; the RTX cards free now."""
     from scheduler.policies.frenzy.profile import Profile
     from scheduler.policies.frenzy.records import Cand
     fast, slow = plan("A100-80GB", 8, 20, 1.0), plan("RTX3090-24GB", 8, 20, 2.0)
     menu = [Cand(1.0, 8, "A100-80GB", fast), Cand(2.0, 8, "RTX3090-24GB", slow)]
     a, r = Profile(), Profile()
     a.total, r.total = 8, 8
-    a.add_release(NOW + 600, 8)                                # the A100s free in 10 min
-    free = {"A100-80GB": 0, "RTX3090-24GB": 8}
-    assert choose(menu, 1000, {"A100-80GB": a, "RTX3090-24GB": r}, free, NOW, Choice()).cand.plan is fast
-    assert choose(menu, 300, {"A100-80GB": a, "RTX3090-24GB": r}, free, NOW, Choice()).cand.plan is slow
+    a.add_release(NOW + 600, 8)
+    return fast, slow, menu, {"A100-80GB": a, "RTX3090-24GB": r}, {"A100-80GB": 0, "RTX3090-24GB": 8}
+
+
+def test_choose_alone_waits_for_a_faster_type_only_when_it_finishes_sooner():
+    from scheduler.policies.frenzy.choose import choose
+    from scheduler.policies.frenzy.config import Choice
+    fast, slow, menu, profiles, free = fast_busy_slow_free()
+    assert choose(menu, 1000, profiles, free, NOW, Choice()).cand.plan is fast
+    assert choose(menu, 300, profiles, free, NOW, Choice()).cand.plan is slow
 
 
 def test_a_job_that_can_finish_soon_on_free_gpus_distrusts_its_predicted_wait():
     from scheduler.policies.frenzy.choose import choose, wait_weight
     from scheduler.policies.frenzy.config import Choice
-    from scheduler.policies.frenzy.profile import Profile
-    from scheduler.policies.frenzy.records import Cand
-    fast, slow = plan("A100-80GB", 8, 20, 1.0), plan("RTX3090-24GB", 8, 20, 2.0)
-    menu = [Cand(1.0, 8, "A100-80GB", fast), Cand(2.0, 8, "RTX3090-24GB", slow)]
-    a, r = Profile(), Profile()
-    a.total, r.total = 8, 8
-    a.add_release(NOW + 600, 8)                                # the A100s free in 10 min
-    profiles = {"A100-80GB": a, "RTX3090-24GB": r}
-    free = {"A100-80GB": 0, "RTX3090-24GB": 8}
+    fast, slow, menu, profiles, free = fast_busy_slow_free()
     cfg = Choice()
     # 800 steps: waiting finishes at +1400 s, the RTX cards now at +1600 s (within short_s)
     w = wait_weight(menu, 800, free, cfg)
