@@ -42,9 +42,10 @@ class Choice:
     short_s: float = 1800.0          # ``short_s`` on GPUs free now counts a predicted wait 1 + this
                                      # times: realised waits ran 1.3-1.9x the predicted ones, and a
                                      # short run started now frees its GPUs before the next burst.
-                                     # Training blocks, seeds 0-1, vs Sia: 1.0 -> mean -11.9%, 4.0 ->
-                                     # -12.5% (worst block +1.9%); never waiting at all (1000) no
-                                     # better; short_s 3600 the same as 1800; 0 turns the step off
+                                     # Chosen on training seeds 0-1 (docs/benchmarks.md, ablation): 1 and
+                                     # 4 within a point of each other, never waiting (1000) no better,
+                                     # short_s 3600 as 1800; ungated, itp01 went -18% -> +34% vs Sia.
+                                     # 0 turns the step off
     min_efficiency: float = 0.9      # a bigger GPU count must keep >= 90% parallel efficiency vs the
                                      # fewest GPUs of that type (wasting more never pays in a queue)
     simpler_within: float = 0.01     # per GPU count, a simpler plan within 1% of the fastest is preferred
