@@ -431,19 +431,46 @@ def test_order_alone_shortest_work_first_and_aging():
     assert [q.job_id for q in order_queue(pairs, NOW, Ordering(aging_s=600))] == ["old", "new"]
 
 
-def test_choose_alone_waits_for_a_faster_type_only_when_it_finishes_sooner():
-    from scheduler.policies.frenzy.choose import choose
-    from scheduler.policies.frenzy.config import Choice
+def fast_busy_slow_free():
+    """Two 8-GPU plans: A100s 2x faster, all busy for 10 more min; the RTX cards free now."""
     from scheduler.policies.frenzy.profile import Profile
     from scheduler.policies.frenzy.records import Cand
     fast, slow = plan("A100-80GB", 8, 20, 1.0), plan("RTX3090-24GB", 8, 20, 2.0)
     menu = [Cand(1.0, 8, "A100-80GB", fast), Cand(2.0, 8, "RTX3090-24GB", slow)]
     a, r = Profile(), Profile()
     a.total, r.total = 8, 8
-    a.add_release(NOW + 600, 8)                                # the A100s free in 10 min
-    free = {"A100-80GB": 0, "RTX3090-24GB": 8}
-    assert choose(menu, 1000, {"A100-80GB": a, "RTX3090-24GB": r}, free, NOW, Choice()).cand.plan is fast
-    assert choose(menu, 300, {"A100-80GB": a, "RTX3090-24GB": r}, free, NOW, Choice()).cand.plan is slow
+    a.add_release(NOW + 600, 8)
+    return fast, slow, menu, {"A100-80GB": a, "RTX3090-24GB": r}, {"A100-80GB": 0, "RTX3090-24GB": 8}
+
+
+def test_choose_alone_waits_for_a_faster_type_only_when_it_finishes_sooner():
+    from scheduler.policies.frenzy.choose import choose
+    from scheduler.policies.frenzy.config import Choice
+    fast, slow, menu, profiles, free = fast_busy_slow_free()
+    assert choose(menu, 1000, profiles, free, NOW, Choice()).cand.plan is fast
+    assert choose(menu, 300, profiles, free, NOW, Choice()).cand.plan is slow
+
+
+def test_a_job_that_can_finish_soon_on_free_gpus_distrusts_its_predicted_wait():
+    from scheduler.policies.frenzy.choose import choose, wait_weight
+    from scheduler.policies.frenzy.config import Choice
+    fast, slow, menu, profiles, free = fast_busy_slow_free()
+    cfg = Choice()
+    # 800 steps: waiting finishes at +1400 s, the RTX cards now at +1600 s (within short_s)
+    w = wait_weight(menu, 800, free, cfg)
+    assert w == 1.0 + cfg.wait_inflation
+    assert choose(menu, 800, profiles, free, NOW, cfg).cand.plan is fast         # trusting the wait
+    assert choose(menu, 800, profiles, free, NOW, cfg, wait_w=w).cand.plan is slow
+    # switched off, or a long job (its RTX run would take 2000 s > short_s): it waits
+    assert wait_weight(menu, 800, free, Choice(wait_inflation=0.0)) == 1.0
+    assert wait_weight(menu, 1000, free, cfg) == 1.0
+    assert wait_weight(menu, 800, {"A100-80GB": 0, "RTX3090-24GB": 4}, cfg) == 1.0   # nothing free fits
+    # through the policy: the short job starts now on the RTX cards, the default off-switch name works
+    st = cluster(MIXED)
+    occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 600)
+    j = job("j", [plan("A100-80GB", 8, 10, 1.0), plan("RTX3090-24GB", 8, 10, 2.0)], steps=800)
+    assert FrenzyPolicy().schedule([j], st, NOW)[0].plan.gpu_type == "RTX3090-24GB"
+    assert FrenzyPolicy(wait_inflation=0.0).schedule([j], st, NOW) == []
 
 
 def test_stopgap_rule_alone_weighs_the_wait_against_the_later_move():
@@ -504,5 +531,7 @@ def test_waits_say_why_each_job_waits():
     occupy(st, "rtx-1", list(range(4)), plan("RTX3090-24GB", 4, 10, 1), end=NOW + 600)
     wide = job("wide", [plan("RTX3090-24GB", 16, 10.0, 1.0)], steps=10)        # reserved at +10 min
     long4 = job("long4", [plan("RTX3090-24GB", 4, 10.0, 1.0)], steps=100_000)  # 4 free, runs past it
-    res = run_round(FrenzyPolicy(), [wide, long4], st, NOW)
+    # (by default wide, waiting 10 min for a 100 s run, preempts the RTX runs instead)
+    assert run_round(FrenzyPolicy(), [wide, long4], st, NOW).preempted == ["run-rtx-0-0", "run-rtx-1-0"]
+    res = run_round(FrenzyPolicy(preemption=False), [wide, long4], st, NOW)
     assert "would delay a reservation" in res.waits["long4"].reason

@@ -162,3 +162,36 @@ def test_sia_profiling_delays_a_new_jobs_first_round():
         sim = Simulator([job("a", 0, 100)], clu, Sia(profile_s=profile_s), SimConfig(noise=0.0, startup_s=10.0),
                         Book([plan(A100, 1, 1.0, 10)]), TableSteps())
         assert sim.run().per_job[0]["first_start_s"] == pytest.approx(first)
+
+
+def test_sia_starts_every_job_within_a_round_when_gpus_exist():
+    """Sia's paper: a job never queues while GPUs exist for it; it gets some configuration at
+    the first round after it arrives (rounds every 60 s)."""
+    clu = cluster({A100: (2, 4), R3090: (2, 4)})
+    plans = [plan(A100, n, 1.0 / n, 10) for n in (1, 2, 4)] + [plan(R3090, n, 2.5 / n, 10) for n in (1, 2, 4)]
+    jobs = [job(f"j{i}", 37.0 * i, 400 + 50 * i) for i in range(10)]      # 10 jobs, 16 GPUs
+    sim = Simulator(jobs, clu, Sia(), SimConfig(noise=0.0, startup_s=30.0), Book(plans), TableSteps())
+    res = sim.run()
+    assert res.completed == 10
+    for r in res.per_job:
+        assert r["first_start_s"] - r["submit_s"] <= 60.0 + 1e-6, r
+
+
+def test_sia_reallocates_at_a_round_and_the_move_pays_the_restart():
+    """A lone job takes the whole node; when a second arrives Sia re-allocates at the next round:
+    the first restarts on fewer GPUs (a checkpoint restart, paying start-up again) and the
+    second starts within the round."""
+    clu = cluster({A100: (1, 4)})
+    plans = [plan(A100, n, 1.0 / n, 10) for n in (1, 2, 4)]
+    jobs = [job("a", 0.0, 2000), job("b", 100.0, 2000)]
+    startup = 30.0
+    sim = Simulator(jobs, clu, Sia(), SimConfig(noise=0.0, startup_s=startup), Book(plans), TableSteps())
+    res = sim.run()
+    by = {r["job_id"]: r for r in res.per_job}
+    assert res.completed == 2
+    assert by["a"]["preemptions"] >= 1                      # re-sized, not left alone
+    assert by["b"]["first_start_s"] - by["b"]["submit_s"] <= 60.0 + 1e-6
+    # without the restart a would finish no later than alone on 4 GPUs the whole time plus
+    # the time it ran on fewer; the re-size costs it at least one more start-up
+    alone = Simulator([jobs[0]], clu, Sia(), SimConfig(noise=0.0, startup_s=startup), Book(plans), TableSteps()).run()
+    assert by["a"]["end_s"] >= alone.per_job[0]["end_s"] + startup - 1e-6

@@ -18,13 +18,17 @@ its configuration in one dataclass of ``config.FrenzyConfig``:
    (``choose.lightly_loaded``) jobs take their fastest plan that starts now, down to
    ``idle_min_efficiency`` (70%), on at most one node or ``idle_share`` of a type's free GPUs
    beyond their 90% plan (``choose.idle_menu``).
+   3a. Distrust of predicted waits (``choose.wait_weight``, ``Choice.wait_inflation`` and
+   ``short_s``). A job that could finish within 30 min on GPUs free now counts a predicted
+   wait 5x: predicted starts are optimistic (later, shorter jobs overtake), and GPUs a
+   short run takes now are free again before the next burst. Longer jobs trust the wait.
 4. Backfill (``Backfill``). Jobs that must wait get a reservation (the first
    ``max_reservations``, in priority order); later jobs start now only where they delay no
    reservation: conservative backfilling over the profile.
 5. Queued load. Beyond the reservations, a waiting job adds its GPU-seconds to its GPU type's
    queue, and later jobs see that type's wait grow: a burst spreads over the slower types.
 6. Preemption and shrinking, sparingly (``preempt.preempt_for``, ``preempt.shrink_for``,
-   ``Preemption``, ``Shrink``). A job near the head of the queue that would wait over 5 min may
+   ``Preemption``, ``Shrink``). A job near the head of the queue that would wait over 1 min may
    checkpoint-preempt runs with over 4x its remaining work (never in their first 5 min, at
    most twice per job); failing that, shrink one run onto fewer GPUs of its type when the time
    it saves is 1.5x what that run loses.

@@ -38,6 +38,14 @@ class Choice:
     """Plan choice: step 3 (``choose.choose``), including the lightly loaded cluster."""
 
     tolerance: float = 0.10          # plans within 10% of the earliest completion count as equally fast
+    wait_inflation: float = 4.0      # step 3a (``choose.wait_weight``): a job that can finish within
+    short_s: float = 1800.0          # ``short_s`` on GPUs free now counts a predicted wait 1 + this
+                                     # times: realised waits ran 1.3-1.9x the predicted ones, and a
+                                     # short run started now frees its GPUs before the next burst.
+                                     # Chosen on training seeds 0-1 (docs/benchmarks.md, ablation): 1 and
+                                     # 4 within a point of each other, never waiting (1000) no better,
+                                     # short_s 3600 as 1800; ungated, itp01 went -18% -> +34% vs Sia.
+                                     # 0 turns the step off
     min_efficiency: float = 0.9      # a bigger GPU count must keep >= 90% parallel efficiency vs the
                                      # fewest GPUs of that type (wasting more never pays in a queue)
     simpler_within: float = 0.01     # per GPU count, a simpler plan within 1% of the fastest is preferred
@@ -83,8 +91,11 @@ class Preemption:
     """Whole-run preemption for a head-of-queue job: step 6 (``preempt.preempt_for``)."""
 
     enabled: bool = True
-    min_wait_s: float = 300.0        # only for a head job that would otherwise wait > 5 min
-    ratio: float = 4.0               # ... for GPUs held by runs with > 4x its (duration + 5 min) left
+    min_wait_s: float = 60.0         # only for a head job that would otherwise wait longer than a
+                                     # restart's launch (RestartCost.launch_s); at 5 min a burst of
+                                     # short jobs queued behind one long run on the fast type (Sia-like
+                                     # cluster07, round world: +24% -> +2% vs Sia with step 3a, seed 0)
+    ratio: float = 4.0               # ... for GPUs held by runs with > 4x its (duration + min_wait_s) left
     grace_s: float = 300.0           # never a run in its first 5 min (restart costs, thrashing)
     max_per_job: int = 2             # (JobRequest.preemptions)
     heads: int = 4                   # jobs at the head of the queue that may preempt, per round
@@ -95,7 +106,7 @@ class Shrink:
     """Shrinking one run for a head-of-queue job: step 6 (``preempt.shrink_for``)."""
 
     enabled: bool = True
-    min_wait_s: float = 300.0        # for a head job that would wait > 5 min ...
+    min_wait_s: float = 60.0         # for a head job that would wait > a launch (as Preemption) ...
     grace_s: float = 300.0           # ... never a run in its first 5 min ...
     gain: float = 1.5                # ... and only when the waiter gains 1.5x what the run loses
 

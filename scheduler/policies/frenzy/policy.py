@@ -7,7 +7,7 @@ from estimator.plan import Plan
 from scheduler.placement import FreeIndex, gpu_memory_gib
 from scheduler.types import ClusterState, Decision, JobRequest, Policy, Wait
 
-from .choose import choose, idle_menu, lightly_loaded, order_queue, start_now, stopgap_pays
+from .choose import choose, idle_menu, lightly_loaded, order_queue, start_now, stopgap_pays, wait_weight
 from .config import FrenzyConfig
 from .gate import build_menu, memory_gate
 from .grow import grow_runs
@@ -173,7 +173,9 @@ class FrenzyPolicy(Policy):
                     continue              # deep in the queue and nothing it could start now
             deep = depth > bf.lookahead and reservations >= bf.max_reservations
             cands = idle_menu(menu, total, per_node, cfg.choice) if fastest else menu.queue
-            pick = choose(cands, max(job.steps_left, 1), profiles, total, now, cfg.choice, deep, fastest)
+            steps = max(job.steps_left, 1)
+            pick = choose(cands, steps, profiles, total, now, cfg.choice, deep, fastest,
+                          wait_weight(cands, steps, total, cfg.choice))
             if pick is None:
                 notes.append(WaitNote(job.job_id, INF, None, 0, "no_free" if deep else "no_type"))
                 continue
