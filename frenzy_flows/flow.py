@@ -10,6 +10,7 @@ from pydantic import SecretStr
 from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
+from estimator.plan_filter import filter_plans, parse_plan_filter
 from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan
 from scheduler.discover import cluster_or_local
 
@@ -45,7 +46,8 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
 @flow(name="frenzy-submit", log_prints=False)
 def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | None = None,
                     safety_margin_gib: float | None = None, ledger_url: SecretStr | None = None,
-                    wait_timeout_s: float = 3600.0, settings: str | None = None) -> SubmitResult:
+                    wait_timeout_s: float = 3600.0, settings: str | None = None,
+                    plan_filter: str | None = None) -> SubmitResult:
     """Train ``job`` without naming a GPU.
 
     ``cluster``: a cluster YAML path (pools per GPU type); default: the GPUs NVML finds here,
@@ -53,7 +55,8 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     FRENZY_LEDGER_URL, else SQLite under FRENZY_HOME, as `ledger.Ledger` decides).
     ``settings``: a `FrenzySettings` block name; its ledger URL, safety margin, policy and
     out-of-memory fallback order apply where the call leaves them unset, its default
-    precision and optimizer where the job leaves them unset."""
+    precision and optimizer where the job leaves them unset. ``plan_filter``: knobs the plan
+    must have (``"tp=2,zero=3"``, `estimator.plan_filter`)."""
     from ledger import Ledger
     from prefect.utilities.asyncutils import run_coro_as_sync
 
@@ -74,6 +77,8 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     job_id = new_job_id(job)
 
     plans_by_type = estimate_memory(job, topology, safety_margin_gib)
+    if plan_filter:
+        plans_by_type = filter_plans(plans_by_type, parse_plan_filter(plan_filter), topology.gpus_per_node())
     best = fastest(plans_by_type)
     gpus = topology.gpu_catalog()
     artifacts.memory_breakdown(estimate_plan(job, best, gpus=gpus), best)
