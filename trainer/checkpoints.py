@@ -50,10 +50,10 @@ def latest_checkpoint(run_dir: str | Path) -> Checkpoint | None:
     return cks[-1] if cks else None
 
 
-def state_format(*, zero: int, world: int, offload: str, tp: int = 1,
+def state_format(*, zero: int, world: int, offload: str, tp: int = 1, cp: int = 1,
                  deepspeed: bool | None = None) -> dict[str, Any]:
     return {"deepspeed": zero > 0 if deepspeed is None else deepspeed, "zero": zero, "world": world,
-            "offload": offload, "tp": tp}
+            "offload": offload, "tp": tp, "cp": cp}
 
 
 def full_resume_possible(saved: dict[str, Any], now: dict[str, Any]) -> bool:
@@ -65,7 +65,7 @@ def full_resume_possible(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     if not saved.get("deepspeed") and not now.get("deepspeed"):
         return True
     return (all(saved.get(k) == now.get(k) for k in ("deepspeed", "zero", "world", "offload"))
-            and saved.get("tp", 1) == now.get("tp", 1))
+            and all(saved.get(k, 1) == now.get(k, 1) for k in ("tp", "cp")))
 
 
 def prune(run_dir: str | Path, keep: int = 2) -> None:

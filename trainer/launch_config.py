@@ -6,8 +6,9 @@ the files are saved in the run folder so a person can rerun exactly what Frenzy 
 
 The trainer realises data parallelism (+ ZeRO 1-3 and offload through DeepSpeed) and tensor
 parallelism through DeepSpeed's AutoTP (``tensor_parallel.autotp_size``, ZeRO 0-3 beside it;
-``trainer.parallel``). Plans with pipeline or context parallelism are refused here with an
-error naming the setting, before anything starts.
+``trainer.parallel``) and sequence parallelism (``cp``) through DeepSpeed Ulysses
+(``trainer.parallel.ulysses``). Plans with pipeline parallelism, or cp beside tp, are refused
+here with an error naming the setting, before anything starts.
 """
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ def is_cpu_plan(plan: Plan) -> bool:
 
 def check_realisable(plan: Plan) -> None:
     """Refuse what the trainer cannot run, naming the setting."""
-    for knob in ("pp", "cp"):
-        if getattr(plan, knob) != 1:
-            raise FrenzyInputError(
-                f"plan.{knob}", f"must be 1: the trainer runs data and tensor parallel (+ ZeRO) only (got {getattr(plan, knob)})")
+    if plan.pp != 1:
+        raise FrenzyInputError(
+            "plan.pp", f"must be 1: the trainer runs data, tensor and sequence parallel (+ ZeRO) only (got {plan.pp})")
+    if plan.cp > 1 and plan.tp > 1:
+        raise FrenzyInputError("plan.cp", f"sequence parallel (Ulysses) runs beside data parallel, not beside "
+                                          f"tensor parallel (got cp={plan.cp}, tp={plan.tp})")
     if plan.gpus != plan_world(plan):
         raise FrenzyInputError("plan.gpus", f"must equal dp x tp x pp x cp (gpus={plan.gpus}, dp={plan.dp}, "
                                             f"tp={plan.tp}, pp={plan.pp}, cp={plan.cp})")

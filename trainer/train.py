@@ -204,7 +204,10 @@ def train(run_dir: Path) -> None:
 
     torch.manual_seed(spec["seed"])
     # created first: under ZeRO-3 it makes from_pretrained/from_config build partitioned (zero.Init)
-    accelerator = Accelerator() if deepspeed else Accelerator(gradient_accumulation_steps=ga)
+    from trainer.parallel import ulysses
+
+    accelerator = (Accelerator(**ulysses.accelerator_kwargs(lay.cp, seq_len)) if deepspeed
+                   else Accelerator(gradient_accumulation_steps=ga))
     device = accelerator.device
     vocab = int(spec["hf_config"].get("vocab_size", 256))
     # an eval fraction holds the last sequences of the training data out of training
@@ -221,7 +224,7 @@ def train(run_dir: Path) -> None:
     adapters = uses_adapters(spec)
     params, trainable = count_params(model)
     fmt = {**ck.state_format(zero=plan["zero"], world=world, offload=plan.get("offload", "none"),
-                             tp=lay.tp, deepspeed=deepspeed),
+                             tp=lay.tp, deepspeed=deepspeed, cp=lay.cp),
            "adapters_only": adapters}
     latest = ck.latest_checkpoint(run_dir)
     if latest is None and spec.get("resume_from"):
@@ -233,6 +236,8 @@ def train(run_dir: Path) -> None:
     optimizer, optimizer_impl = make_optimizer(plan.get("optimizer", "adamw"), model, lr=spec["lr"], optim=optim,
                                                device_type=device.type, zero=plan["zero"],
                                                offload=plan.get("offload", "none"))
+    if lay.cp > 1:
+        ulysses.prepare_model(model)
     model, optimizer = accelerator.prepare(model, optimizer)
     # LoRA checkpoints hold the adapters and their optimizer state, not a copy of the frozen base
     save_kw: dict[str, Any] = {}
@@ -252,7 +257,7 @@ def train(run_dir: Path) -> None:
         accelerator.step = latest.step * ga
     start = latest.step if latest is not None else 0
     if main:
-        print(f"frenzy: rank 0/{world} device={device} plan={plan['gpu_type']} dp={dp} tp={lay.tp} zero={plan['zero']} "
+        print(f"frenzy: rank 0/{world} device={device} plan={plan['gpu_type']} dp={dp} tp={lay.tp} cp={lay.cp} zero={plan['zero']} "
               f"act_ckpt={applied} micro_batch={mb} grad_accum={ga} attempt={attempt} "
               f"finetune={spec.get('finetune', {}).get('method', 'full')} optimizer={optimizer_impl}", flush=True)
         emit("FRENZY_MODEL", {"params": params, "trainable_params": trainable, "optimizer_impl": optimizer_impl,
@@ -293,8 +298,11 @@ def train(run_dir: Path) -> None:
             first = (step - 1) * G + (j * dp + dp_rank) * mb
             x = source.batch(first, mb).to(device)
             with accelerator.accumulate(model):
-                out = model(input_ids=x, labels=x)
-                loss = out.loss if hasattr(out, "loss") else out
+                if lay.cp > 1:
+                    loss = ulysses.loss(model, x, vocab=vocab)
+                else:
+                    out = model(input_ids=x, labels=x)
+                    loss = out.loss if hasattr(out, "loss") else out
                 accelerator.backward(loss)
                 if not deepspeed and clip and accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), clip)

@@ -21,28 +21,32 @@ def _get(plan: Any, key: str, default: int = 1) -> Any:
 
 def uses_deepspeed(plan: Any) -> bool:
     """Whether the plan runs under DeepSpeed's engine: ZeRO 1-3, or tensor parallel through
-    AutoTP (which is DeepSpeed's, with ZeRO 0-3 beside it)."""
-    return int(_get(plan, "zero", 0)) > 0 or int(_get(plan, "tp")) > 1
+    AutoTP (which is DeepSpeed's, with ZeRO 0-3 beside it), or sequence parallel through
+    DeepSpeed Ulysses (``trainer.parallel.ulysses``)."""
+    return int(_get(plan, "zero", 0)) > 0 or int(_get(plan, "tp")) > 1 or int(_get(plan, "cp")) > 1
 
 
 class Layout(NamedTuple):
-    """One rank's coordinates in a dp x tp plan."""
+    """One rank's coordinates in a dp x tp (or dp x cp) plan: the ranks of a tensor- or
+    sequence-parallel group are consecutive and share a batch."""
 
     dp: int
     tp: int
     dp_rank: int
     tp_rank: int
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.tp * self.cp
 
 
 def layout_of(plan: Any, rank: int) -> Layout:
-    dp, tp = int(_get(plan, "dp")), int(_get(plan, "tp"))
-    if not 0 <= rank < dp * tp:
-        raise ValueError(f"rank {rank} outside a dp {dp} x tp {tp} layout")
-    return Layout(dp, tp, rank // tp, rank % tp)
+    dp, tp, cp = int(_get(plan, "dp")), int(_get(plan, "tp")), int(_get(plan, "cp"))
+    inner = tp * cp
+    if not 0 <= rank < dp * inner:
+        raise ValueError(f"rank {rank} outside a dp {dp} x tp {tp} x cp {cp} layout")
+    return Layout(dp, tp, rank // inner, rank % tp, cp)
 
 
 def plan_world(plan: Any) -> int:
