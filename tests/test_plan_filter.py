@@ -72,3 +72,16 @@ def test_cli_refuses_an_unknown_knob_and_a_filter_nothing_matches(tmp_path):
     proc = frenzy("run", str(ROOT / "examples/tiny-job.yaml"), "--plan", "gpus=64", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and "no feasible plan matches 'gpus=64'" in proc.stderr, proc.stderr
     assert not (tmp_path / ".frenzy" / "prefect").exists()          # refused before Prefect started
+
+
+@pytest.mark.slow
+def test_cli_runs_the_plan_the_filter_names(tmp_path):
+    from tests.test_cli_run import ROOT, frenzy
+    import json
+
+    proc = frenzy("run", str(ROOT / "examples/tiny-job.yaml"), "--plan", "dp=1,zero=0", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["status"] == "completed"
+    assert doc["plan"]["dp"] == 1 and doc["plan"]["zero"] == 0 and doc["plan"]["gpus"] == 1
+    assert all(p["dp"] == 1 and p["zero"] == 0 for ps in doc["plans"].values() for p in ps)
