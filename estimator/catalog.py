@@ -18,11 +18,13 @@ Units
   use (NVLink: links x per-link rate; PCIe: an achievable bus bandwidth, below the x16 peak,
   lower still where consumer cards lack peer-to-peer). ``inter_node_gbps`` is the typical
   aggregate network bandwidth of one node of that class (e.g. DGX A100: 8 x 200 Gb/s HDR).
-* ``util``: the achievable fraction of peak (model-FLOPs utilisation) for dense transformer
-  training on that GPU class. A named, recalibratable factor: measured runs refine it
-  (``frenzy calibrate``); the defaults come from published MFU figures (A100 ~50% with
-  Megatron-style kernels, H100 bf16 ~40%) and from the flatter-than-peak measured ratios in
-  Lambda's benchmark (H100 SXM / V100 ~5x measured vs ~8x peak).
+* ``util``: the sustained fraction of the dense peak that large training GEMMs reach on that
+  GPU class (clocks under the power limit x kernel efficiency; see the ``UTIL_*`` constants).
+  Everything else a step does (memory-bound kernels, attention, communication, launches) is
+  a separate term of ``estimator.throughput``. A named, recalibratable factor: measured runs
+  refine it per GPU type (``frenzy calibrate``).
+* ``tf32_tflops`` / ``fp8_tflops``: dense TF32 / FP8 tensor rates (None where the GPU has none).
+* ``l2_mib``, ``tdp_w`` (board power), ``gpu_class`` (datacenter | workstation | consumer).
 
 Sources: NVIDIA datasheets (V100, A100, H100, H200, A10, L4, L40S, T4, RTX A6000 and the
 Ampere/Ada GA102/AD102 architecture whitepapers for RTX 3090 / 4090); NVML memory totals as
@@ -55,14 +57,39 @@ class GPU(BaseModel):
     intra_link_gbps: float = Field(128.0, gt=0)
     inter_node_gbps: float = Field(100.0, gt=0)
     util: float = Field(0.4, gt=0, le=1)
+    tf32_tflops: float | None = Field(None, gt=0)   # dense TF32 tensor rate; None = no TF32 (pre-Ampere)
+    fp8_tflops: float | None = Field(None, gt=0)    # dense FP8 tensor rate; None = no FP8 (pre-Ada/Hopper)
+    l2_mib: float = Field(6.0, gt=0)
+    tdp_w: float = Field(300.0, gt=0)
+    gpu_class: str = "datacenter"              # datacenter | workstation | consumer | cpu
+    flash_attn_eff: float = Field(0.7, gt=0, le=1)  # fused attention's share of the GEMM rate
     is_cpu: bool = False
 
     @property
     def supports_bf16(self) -> bool:
         return self.bf16_tflops > 0
 
-    def peak_tflops(self, precision: str) -> float:
-        """Peak dense TFLOP/s for ``precision`` (fp32 | fp16 | bf16)."""
+    def peak_tflops(self, precision: str, matmul_precision: str = "default") -> float:
+        """Peak dense TFLOP/s of matmuls in ``precision`` (fp32 | fp16 | bf16).
+
+        ``matmul_precision``: ``default`` (fp32 matmuls on FP32 units, 16-bit on tensor cores),
+        ``tf32`` (fp32 matmuls on TF32 tensor cores) or ``fp8`` (16-bit training whose GEMMs run
+        in FP8, Transformer-Engine style). A rate the GPU lacks is an input error naming the field.
+        """
+        if matmul_precision == "tf32":
+            if precision != "fp32":
+                raise FrenzyInputError("matmul_precision", f"tf32 applies to fp32 training (precision {precision!r})")
+            if not self.tf32_tflops:
+                raise FrenzyInputError("matmul_precision", f"{self.name} has no TF32 tensor cores")
+            return self.tf32_tflops
+        if matmul_precision == "fp8":
+            if precision == "fp32":
+                raise FrenzyInputError("matmul_precision", "fp8 applies to 16-bit training (precision 'fp32')")
+            if not self.fp8_tflops:
+                raise FrenzyInputError("matmul_precision", f"{self.name} has no FP8 tensor cores")
+            return self.fp8_tflops
+        if matmul_precision != "default":
+            raise FrenzyInputError("matmul_precision", f"must be one of default, tf32, fp8 (got {matmul_precision!r})")
         if precision == "bf16":
             # No native bf16 (V100, T4): matmuls fall back to non-tensor-core kernels.
             return self.bf16_tflops if self.bf16_tflops > 0 else self.fp32_tflops
@@ -89,37 +116,81 @@ CPU_MEMORY_GIB = 8.0
 
 _G = GPU  # brevity in the table below
 
+# ``util``: the sustained fraction of the datasheet dense peak that large training GEMMs reach =
+# (clock the card holds under dense tensor-core load / the boost clock the peak figure uses) x
+# cuBLAS kernel efficiency at that clock (~0.8-0.85 for large bf16/fp16 GEMMs on Volta..Hopper).
+# Whether a card holds its boost clock depends on its board power per unit of tensor throughput:
+UTIL_HBM_DC = 0.80        # A100 (400 W) / V100 SXM2 (300 W) hold ~0.95-1.0 of boost in GEMMs
+                          # (public cuBLAS: ~250-270 of 312, ~100-105 of 125 TF/s)
+UTIL_HOPPER = 0.64        # H100 / H200 SXM: ~1.7 of 1.98 GHz under the 700 W cap in dense GEMMs
+                          # (0.86) x 0.75 (Hopper needs wgmma-pipelined kernels to approach peak)
+UTIL_GEFORCE = 0.95       # RTX 3090 / 4090: the FP32-accumulate tensor rate is capped at half the
+                          # silicon's rate, so the card stays below its power limit and holds
+                          # (often exceeds) the rated boost clock the peak figure uses
+UTIL_PRO_300W = 0.70      # RTX A6000 (300 W, full-rate FP32 accumulate): ~1.6 of 1.8 GHz x 0.8
+UTIL_LOW_TDP = 0.55       # A10 (150 W) / T4 (70 W) / L4 (72 W): full tensor rate on a small power
+                          # budget; ~0.7 of boost under GEMM load x 0.8
+UTIL_ADA_DC = 0.60        # L40S (350 W for 362 TF/s dense): power-limited, ~0.75 of boost x 0.8
+UTIL_A10G = 0.80          # A10G: a lower rated peak (~70 TF/s) on a 300 W budget holds its clock
+
+# ``flash_attn_eff``: fused attention (fwd + bwd) runs at this share of the GEMM rate. FlashAttention-2
+# reaches 50-73% of A100 peak (Dao 2023) against ~80% for GEMMs -> ~0.7 (the default); on Hopper it
+# reaches only ~35% of H100 peak (Shah et al. 2024, FlashAttention-3) against ~64% -> 0.55
+FLASH_ATTN_EFF_HOPPER = 0.55
+
+# Datasheet figures (dense, no sparsity): tensor bf16/fp16 (FP32 accumulate), TF32, FP8, FP32,
+# memory bandwidth, L2, TDP (board power). V100 SXM2, A100 SXM4, H100 SXM5, H200 SXM, A10, L4,
+# L40S, T4, RTX A6000 product datasheets; RTX 3090 / 4090 from NVIDIA's Ampere GA102 and Ada
+# AD102 architecture whitepapers (GeForce, FP32 accumulate); A10G from AWS g5 documentation and
+# nvidia-smi on g5 (300 W cap).
 CATALOG: dict[str, GPU] = {g.name: g for g in [
     _G(name="V100-16GB", memory_gib=15.78, bf16_tflops=0, fp16_tflops=125, fp32_tflops=15.7,
-       mem_bw_gbs=900, intra_link="nvlink2", intra_link_gbps=NVLINK2_GBPS, inter_node_gbps=400, util=0.45),
+       mem_bw_gbs=900, intra_link="nvlink2", intra_link_gbps=NVLINK2_GBPS, inter_node_gbps=400,
+       util=UTIL_HBM_DC, l2_mib=6, tdp_w=300),
     _G(name="V100-32GB", memory_gib=31.75, bf16_tflops=0, fp16_tflops=125, fp32_tflops=15.7,
-       mem_bw_gbs=900, intra_link="nvlink2", intra_link_gbps=NVLINK2_GBPS, inter_node_gbps=400, util=0.45),
-    _G(name="A100-40GB", memory_gib=39.59, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
-       mem_bw_gbs=1555, intra_link="nvlink3", intra_link_gbps=NVLINK3_GBPS, inter_node_gbps=1600, util=0.50),
-    _G(name="A100-80GB", memory_gib=80.0, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
-       mem_bw_gbs=2039, intra_link="nvlink3", intra_link_gbps=NVLINK3_GBPS, inter_node_gbps=1600, util=0.52),
-    _G(name="H100-80GB", memory_gib=79.65, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
-       mem_bw_gbs=3350, intra_link="nvlink4", intra_link_gbps=NVLINK4_GBPS, inter_node_gbps=3200, util=0.40),
-    _G(name="H200-141GB", memory_gib=140.4, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
-       mem_bw_gbs=4800, intra_link="nvlink4", intra_link_gbps=NVLINK4_GBPS, inter_node_gbps=3200, util=0.40),
-    _G(name="A10-24GB", memory_gib=22.49, bf16_tflops=125, fp16_tflops=125, fp32_tflops=31.2,
-       mem_bw_gbs=600, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100, util=0.42),
-    _G(name="A10G-24GB", memory_gib=22.49, bf16_tflops=70, fp16_tflops=70, fp32_tflops=31.2,
-       mem_bw_gbs=600, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100, util=0.45),
-    _G(name="L4-24GB", memory_gib=22.49, bf16_tflops=121, fp16_tflops=121, fp32_tflops=30.3,
-       mem_bw_gbs=300, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100, util=0.35),
-    _G(name="L40S-48GB", memory_gib=44.99, bf16_tflops=362, fp16_tflops=362, fp32_tflops=91.6,
-       mem_bw_gbs=864, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=400, util=0.38),
+       mem_bw_gbs=900, intra_link="nvlink2", intra_link_gbps=NVLINK2_GBPS, inter_node_gbps=400,
+       util=UTIL_HBM_DC, l2_mib=6, tdp_w=300),
+    _G(name="A100-40GB", memory_gib=39.59, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5, tf32_tflops=156,
+       mem_bw_gbs=1555, intra_link="nvlink3", intra_link_gbps=NVLINK3_GBPS, inter_node_gbps=1600,
+       util=UTIL_HBM_DC, l2_mib=40, tdp_w=400),
+    _G(name="A100-80GB", memory_gib=80.0, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5, tf32_tflops=156,
+       mem_bw_gbs=2039, intra_link="nvlink3", intra_link_gbps=NVLINK3_GBPS, inter_node_gbps=1600,
+       util=UTIL_HBM_DC, l2_mib=40, tdp_w=400),
+    _G(name="H100-80GB", memory_gib=79.65, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67, tf32_tflops=495,
+       fp8_tflops=1979, mem_bw_gbs=3350, intra_link="nvlink4", intra_link_gbps=NVLINK4_GBPS,
+       inter_node_gbps=3200, util=UTIL_HOPPER, l2_mib=50, tdp_w=700,
+       flash_attn_eff=FLASH_ATTN_EFF_HOPPER),
+    _G(name="H200-141GB", memory_gib=140.4, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67, tf32_tflops=495,
+       fp8_tflops=1979, mem_bw_gbs=4800, intra_link="nvlink4", intra_link_gbps=NVLINK4_GBPS,
+       inter_node_gbps=3200, util=UTIL_HOPPER, l2_mib=50, tdp_w=700,
+       flash_attn_eff=FLASH_ATTN_EFF_HOPPER),
+    _G(name="A10-24GB", memory_gib=22.49, bf16_tflops=125, fp16_tflops=125, fp32_tflops=31.2, tf32_tflops=62.5,
+       mem_bw_gbs=600, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100,
+       util=UTIL_LOW_TDP, l2_mib=6, tdp_w=150),
+    _G(name="A10G-24GB", memory_gib=22.49, bf16_tflops=70, fp16_tflops=70, fp32_tflops=31.2, tf32_tflops=35,
+       mem_bw_gbs=600, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100,
+       util=UTIL_A10G, l2_mib=6, tdp_w=300),
+    _G(name="L4-24GB", memory_gib=22.49, bf16_tflops=121, fp16_tflops=121, fp32_tflops=30.3, tf32_tflops=60,
+       fp8_tflops=242, mem_bw_gbs=300, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100,
+       util=UTIL_LOW_TDP, l2_mib=48, tdp_w=72),
+    _G(name="L40S-48GB", memory_gib=44.99, bf16_tflops=362, fp16_tflops=362, fp32_tflops=91.6, tf32_tflops=183,
+       fp8_tflops=733, mem_bw_gbs=864, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=400,
+       util=UTIL_ADA_DC, l2_mib=96, tdp_w=350),
     _G(name="T4-16GB", memory_gib=15.0, bf16_tflops=0, fp16_tflops=65, fp32_tflops=8.1,
-       mem_bw_gbs=320, intra_link="pcie3", intra_link_gbps=PCIE3_GBPS, inter_node_gbps=50, util=0.40),
-    _G(name="RTX3090-24GB", memory_gib=24.0, bf16_tflops=71, fp16_tflops=71, fp32_tflops=35.6,
-       mem_bw_gbs=936, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=25, util=0.50),
-    _G(name="RTX4090-24GB", memory_gib=23.99, bf16_tflops=165, fp16_tflops=165, fp32_tflops=82.6,
-       mem_bw_gbs=1008, intra_link="pcie4", intra_link_gbps=PCIE4_NOP2P_GBPS, inter_node_gbps=25, util=0.45),
-    _G(name="RTXA6000-48GB", memory_gib=47.99, bf16_tflops=155, fp16_tflops=155, fp32_tflops=38.7,
-       mem_bw_gbs=768, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100, util=0.45),
+       mem_bw_gbs=320, intra_link="pcie3", intra_link_gbps=PCIE3_GBPS, inter_node_gbps=50,
+       util=UTIL_LOW_TDP, l2_mib=4, tdp_w=70),
+    _G(name="RTX3090-24GB", memory_gib=24.0, bf16_tflops=71, fp16_tflops=71, fp32_tflops=35.6, tf32_tflops=35.6,
+       mem_bw_gbs=936, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=25,
+       util=UTIL_GEFORCE, l2_mib=6, tdp_w=350, gpu_class="consumer"),
+    _G(name="RTX4090-24GB", memory_gib=23.99, bf16_tflops=165, fp16_tflops=165, fp32_tflops=82.6, tf32_tflops=82.6,
+       fp8_tflops=330, mem_bw_gbs=1008, intra_link="pcie4", intra_link_gbps=PCIE4_NOP2P_GBPS, inter_node_gbps=25,
+       util=UTIL_GEFORCE, l2_mib=72, tdp_w=450, gpu_class="consumer"),
+    _G(name="RTXA6000-48GB", memory_gib=47.99, bf16_tflops=155, fp16_tflops=155, fp32_tflops=38.7, tf32_tflops=77.4,
+       mem_bw_gbs=768, intra_link="pcie4", intra_link_gbps=PCIE4_GBPS, inter_node_gbps=100,
+       util=UTIL_PRO_300W, l2_mib=6, tdp_w=300, gpu_class="workstation"),
     _G(name="CPU", memory_gib=CPU_MEMORY_GIB, bf16_tflops=0.05, fp16_tflops=0.02, fp32_tflops=0.1,
-       mem_bw_gbs=20, intra_link="shm", intra_link_gbps=40, inter_node_gbps=10, util=0.3, is_cpu=True),
+       mem_bw_gbs=20, intra_link="shm", intra_link_gbps=40, inter_node_gbps=10, util=0.3, is_cpu=True,
+       gpu_class="cpu"),
 ]}
 
 GPU_NAMES: tuple[str, ...] = tuple(n for n in CATALOG if n != "CPU")
@@ -158,6 +229,28 @@ def get_gpu(name: str, extra: dict[str, GPU] | None = None) -> GPU:
     except KeyError:
         known = sorted(set(CATALOG) | set(extra or ()))
         raise FrenzyInputError("gpu", f"unknown GPU type {name!r}; known types: {', '.join(known)}") from None
+
+
+def resolve_gpu_name(name: str, extra: dict[str, GPU] | None = None, *, field: str = "gpu") -> str:
+    """The GPU type a person means by ``name``: the exact name, else the one name equal to it
+    ignoring case ('h100-80gb'), else the one type whose name before the size suffix is it
+    ('H100' -> 'H100-80GB'; 'A100' is ambiguous: A100-40GB or A100-80GB). ``extra``: a
+    cluster's own types, searched with the catalog. Raises FrenzyInputError naming ``field``."""
+    known = {**CATALOG, **(extra or {})}
+    if name in known:
+        return name
+    if not isinstance(name, str) or not name.strip():
+        raise FrenzyInputError(field, f"must be a GPU type name, got {name!r}")
+    key = name.strip().upper()
+    same = [n for n in known if n.upper() == key]
+    if len(same) == 1:
+        return same[0]
+    family = sorted(n for n in known if n.upper().split("-")[0] == key)
+    if len(family) == 1:
+        return family[0]
+    if len(family) > 1:
+        raise FrenzyInputError(field, f"GPU type {name!r} is ambiguous: one of {', '.join(family)}")
+    raise FrenzyInputError(field, f"unknown GPU type {name!r}; known types: {', '.join(sorted(known))}")
 
 
 # NVML product names -> catalog names. Ordered: the first matching rule wins. Patterns run on

@@ -35,17 +35,34 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from .errors import FrenzyInputError
-from .models import ModelSpec, model_from_kwargs
+from .models import ModelSpec, model_from_kwargs, with_positions
 from .overheads import Overheads, overheads_for
+from .profiles import FRAMEWORKS, Profile, check_knobs, get_profile
 
 GIB = float(2 ** 30)
 
 PRECISIONS = ("fp32", "fp16", "bf16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adamw8bit")
+# adamw8bit-paged: bitsandbytes PagedAdamW8bit, whose large state tensors live in CUDA unified
+# memory (cudaMallocManaged): device memory the caching allocator does not see
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adamw8bit", "adamw8bit-paged")
 ACT_CKPTS = ("none", "selective", "full")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 ATTENTIONS = ("flash", "eager")
 MP_STYLES = ("auto", "amp", "master")
+MASTER_WEIGHTS = ("auto", "fp32", "none")
+FINETUNES = ("full", "lora", "qlora")
+LOSSES = ("standard", "chunked", "fused-linear", "none")
+ADAMW_IMPLS = ("auto", "foreach", "fused", "for-loop")
+# torchtune's CEWithChunkedOutputLoss splits the logits into 8 chunks (num_output_chunks = 8)
+LOSS_CHUNKS = 8
+# bitsandbytes NF4 with double quantisation: 4 bits + an 8-bit absmax per 64 values + an fp32
+# absmax per 256 of those = 4.127 bits per weight (QLoRA paper, section 2)
+NF4_BYTES = 4.127 / 8
+# Sequences beyond the longest public measurement the profiles were checked on (128K tokens)
+COVERED_SEQ = 131072
+# Module names PEFT targets by default, and every projection's (in, out) per architecture
+LORA_DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "opt": ("q_proj", "v_proj"),
+                        "gpt": ("c_attn",), "bert": ("query", "value")}
 
 
 # ---------------------------------------------------------------------------- result models
@@ -73,6 +90,7 @@ class Estimate(BaseModel):
     fits: bool | None = Field(None, description="device_used_gib <= the GPU's memory (when gpu given)")
     overheads: dict[str, float] = Field(default_factory=dict)
     warnings: list[str] = Field(default_factory=list)
+    framework: str = Field("frenzy", description="the implementation profile of the estimate")
 
 
 # ---------------------------------------------------------------------------- validation
@@ -96,6 +114,17 @@ class Knobs:
     act_ckpt: str
     attention: str
     mp_style: str
+    framework: str = "frenzy"
+    master: str = "fp32"                 # fp32 | none (resolved from master_weights)
+    finetune: str = "full"
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = ()
+    loss: str = "standard"
+    act_offload: bool = False
+    opt_in_bwd: bool = False
+    adamw_impl: str = "foreach"          # resolved from the profile when "auto"
+    fused: bool = False                 # fused norm/activation kernels (torch.compile, Liger)
+    bucket: float = 0.0                 # DeepSpeed reduce_bucket_size (elements); 0: the default
 
 
 def _pos_int(name: str, v: Any) -> int:
@@ -132,7 +161,11 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
                    dp: Any = 1, tp: Any = 1, pp: Any = 1, cp: Any = 1, sp: Any = False,
                    vpp: Any = 1, zero: Any = 0, offload: Any = "none", precision: Any = "bf16",
                    optimizer: Any = "adamw", act_ckpt: Any = "none", attention: Any = "flash",
-                   mp_style: Any = "auto") -> Knobs:
+                   mp_style: Any = "auto", framework: Any = "frenzy", master_weights: Any = "auto",
+                   finetune: Any = "full", lora_rank: Any = 16, lora_targets: Any = None,
+                   loss: Any = "standard", act_offload: Any = False,
+                   optimizer_in_backward: Any = False, adamw_impl: Any = "auto",
+                   fused_kernels: Any = False, zero_bucket_elems: Any = None) -> Knobs:
     """Check every knob against the model; raise FrenzyInputError naming field and rule."""
     s = _pos_int("seq_len", seq_len)
     mb = _pos_int("micro_batch", micro_batch)
@@ -165,21 +198,96 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
         raise FrenzyInputError("cp", f"must divide seq_len ({s} % {cp} != 0)")
     if sp and s % tp:
         raise FrenzyInputError("sp", f"tp must divide seq_len with sequence parallelism ({s} % {tp} != 0)")
-    if spec.arch in ("gpt", "opt", "bert") and s > spec.max_positions:
+    if (spec.arch in ("gpt", "opt", "bert") and spec.max_positions is not None
+            and s > spec.max_positions):
         raise FrenzyInputError("seq_len", f"exceeds the learned position table of {spec.name} "
                                           f"({s} > {spec.max_positions})")
-    if optimizer in ("adafactor", "adamw8bit") and zero >= 1:
+    if optimizer in ("adafactor", "adamw8bit", "adamw8bit-paged") and zero >= 1:
         raise FrenzyInputError("zero", f"{optimizer} cannot be sharded by ZeRO (its states are "
                                        "per-tensor: factored rows/columns or blockwise 8-bit); use zero 0")
-    if offload != "none" and zero == 0:
-        raise FrenzyInputError("offload", "needs ZeRO (zero >= 1): offload moves ZeRO's optimizer partition")
+    if offload != "none" and zero == 0 and framework in ("frenzy", "deepspeed", "megatron"):
+        raise FrenzyInputError("offload", f"needs ZeRO (zero >= 1) with framework {framework}: "
+                                          "offload moves ZeRO's optimizer partition")
     if offload == "optimizer+params" and zero != 3:
         raise FrenzyInputError("offload", "optimizer+params needs zero 3 (parameters must be partitioned)")
-    if mp_style == "amp" and zero >= 1:
-        raise FrenzyInputError("mp_style", "amp (fp32 weights + autocast) is the zero-0 regime; "
-                                           "ZeRO keeps 16-bit weights with fp32 master copies")
+    prof = get_profile(framework)
+    if mp_style == "amp" and zero >= 1 and not prof.torch_sharding:
+        raise FrenzyInputError("mp_style", f"amp (fp32 weights + autocast) is the zero-0 regime of "
+                                           f"{framework}; its ZeRO keeps 16-bit weights with fp32 master copies")
+    master_weights = _choice("master_weights", master_weights, MASTER_WEIGHTS)
+    finetune = _choice("finetune", finetune, FINETUNES)
+    loss = _choice("loss", loss, LOSSES)
+    adamw_impl = _choice("adamw_impl", adamw_impl, ADAMW_IMPLS)
+    act_offload = _bool("act_offload", act_offload)
+    opt_in_bwd = _bool("optimizer_in_backward", optimizer_in_backward)
+    fused = _bool("fused_kernels", fused_kernels)
+    if master_weights == "auto":
+        master = "none" if (precision == "fp32" or (prof.zero0_regime == "pure" and zero == 0)) else "fp32"
+    else:
+        master = "none" if precision == "fp32" else master_weights
+    if master == "none" and mp_style == "amp" and precision != "fp32":
+        raise FrenzyInputError("mp_style", "amp keeps fp32 weights; master_weights none trains "
+                                           "the 16-bit weights themselves")
+    check_knobs(prof, finetune=finetune, zero=zero, master=master_weights, precision=precision,
+                opt_in_bwd=opt_in_bwd, optimizer=optimizer, offload=offload)
+    rank, targets = 16, ()
+    if finetune != "full":
+        rank = _pos_int("lora_rank", lora_rank)
+        names = lora_projections(spec)
+        if lora_targets is None or lora_targets == ():
+            targets = LORA_DEFAULT_TARGETS[spec.arch]
+        else:
+            if isinstance(lora_targets, str):
+                lora_targets = [t.strip() for t in lora_targets.split(",") if t.strip()]
+            targets = tuple(sorted(set(lora_targets)))
+            bad = [t for t in targets if t not in names]
+            if bad or not targets:
+                raise FrenzyInputError("lora_targets", f"{spec.arch} has projections "
+                                       f"{', '.join(names)} (got {', '.join(bad) or 'none'})")
+        if finetune == "qlora" and precision == "fp32":
+            raise FrenzyInputError("finetune", "qlora computes in 16 bits (precision bf16 or fp16)")
+    if opt_in_bwd and ga > 1:
+        raise FrenzyInputError("optimizer_in_backward", "needs grad_accum 1 (each gradient is "
+                                                        "applied and freed as it is produced)")
+    if opt_in_bwd and pp > 1:
+        raise FrenzyInputError("optimizer_in_backward", "needs pp 1")
+    if spec.vocab_padded == 0:
+        loss = "none"                          # an encoder without vocabulary has no LM loss
+    if loss == "fused-linear" and tp > 1:
+        raise FrenzyInputError("loss", "fused-linear cross-entropy needs tp 1 (it gathers the head)")
+    impl = adamw_impl if adamw_impl != "auto" else prof.adamw_impl
+    bucket = 0.0
+    if zero_bucket_elems is not None:
+        if isinstance(zero_bucket_elems, bool) or not isinstance(zero_bucket_elems, (int, float)) \
+                or not 1 <= zero_bucket_elems <= 1e12:
+            raise FrenzyInputError("zero_bucket_elems", f"must be a number of elements in [1, 1e12] "
+                                                        f"(got {zero_bucket_elems!r})")
+        bucket = float(zero_bucket_elems)
     return Knobs(s, mb, ga, dp, tp, pp, cp, sp, vpp, zero, offload, precision, optimizer,
-                 act_ckpt, attention, mp_style)
+                 act_ckpt, attention, mp_style, prof.name, master, finetune, rank, targets, loss,
+                 act_offload, opt_in_bwd, impl, fused, bucket)
+
+
+def lora_projections(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """Each block's projections LoRA can target: name -> (in features, out features)."""
+    h, f = spec.hidden, spec.f
+    q, kv = spec.heads * spec.d_head, spec.n_kv * spec.d_head
+    if spec.arch == "llama":
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+    if spec.arch == "opt":
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "out_proj": (q, h),
+                "fc1": (h, f), "fc2": (f, h)}
+    if spec.arch == "gpt":
+        return {"c_attn": (h, q + 2 * kv), "c_proj": (q, h), "c_fc": (h, f), "mlp.c_proj": (f, h)}
+    return {"query": (h, q), "key": (h, kv), "value": (h, kv), "attention.output.dense": (q, h),
+            "intermediate.dense": (h, f), "output.dense": (f, h)}
+
+
+def lora_layer_params(spec: ModelSpec, k: Knobs) -> int:
+    """Trainable adapter parameters of one block: r x (in + out) per targeted projection."""
+    names = lora_projections(spec)
+    return sum(k.lora_rank * sum(names[t]) for t in k.lora_targets)
 
 
 # ---------------------------------------------------------------------------- model facts
@@ -197,6 +305,8 @@ def _state_bytes_per_param(spec: ModelSpec, optimizer: str) -> float:
         n += numel
         if optimizer == "adafactor":              # HF Adafactor, beta1=None: factored 2nd moment
             total += 4.0 * (shape[0] + shape[1]) if len(shape) == 2 else 4.0 * numel
+        elif optimizer == "adamw8bit-paged":      # large states paged (outside the allocator)
+            total += 8.0 * numel if numel < 4096 else 0.0
         else:                                     # bitsandbytes AdamW8bit: 2 x 1 B + fp32 absmax/2048
             total += 8.0 * numel if numel < 4096 else numel * (2.0 + 8.0 / 2048)
     return total / n
@@ -228,7 +338,8 @@ def _cpu_sem(c: float) -> _Sem:
 
 
 def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attention: str,
-                           act_ckpt: str, sem: _Sem = CUDA_SEM) -> tuple[float, float]:
+                           act_ckpt: str, sem: _Sem = CUDA_SEM, *, compiled: bool = False,
+                           repeat_kv: bool = False, hf_models: bool = True) -> tuple[float, float]:
     """Bytes per token one block saves for backward: (replicated under TP, sharded under TP).
 
     ``c``: compute dtype bytes (2 for 16-bit, 4 for fp32); ``amp``: fp32 weights + autocast
@@ -250,8 +361,10 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
         # kernel with k/v repeated and the fp32 probabilities saved, like eager attention.
         attn = c * 3 * q + score * a * s * c + c * h
     elif flash:
-        attn = c * (q + 2 * kvd) + 4.0 * a + c * q           # q, k, v, log-sum-exp, output
-        if spec.arch == "gpt" and amp and sem.cuda and act_ckpt != "selective":
+        # q, k, v, log-sum-exp, output; implementations that repeat k/v to every head before
+        # SDPA (torchtune's attention at the measured versions) save the repeated copies
+        attn = c * (q + 2 * (q if repeat_kv else kvd)) + 4.0 * a + c * q
+        if spec.arch == "gpt" and amp and sem.cuda and act_ckpt != "selective" and hf_models:
             # Measured on H200 (torch 2.11): HF GPT-2 under autocast hands SDPA its fp32 additive
             # mask, so CUDA picks the memory-efficient kernel, which saves the mask expanded to
             # b x heads x s x s in 16 bits per layer (the CPU trace does not show it).
@@ -263,15 +376,22 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
     m = sem.mask_bytes
     if spec.arch == "gpt":
         rep = 2 * r * h + 2 * st + 2 * c * h                 # ln_1, ln_2: input, stats, output
-        shard = attn + 5 * c * f                              # gelu_new saves 4 f-tensors + output
+        # gelu_new saves 4 f-tensors + output; compiled (Inductor recomputes the pointwise
+        # chain in backward) only its input and the c_proj input remain
+        shard = attn + (2 if compiled else 5) * c * f
         if drop_res:
             rep += 2 * m * h
     elif spec.arch == "llama":
         if amp:   # RMSNorm: fp32 input, fp32 normalized, a cast per consuming projection
             rep = (8 * h + 3 * c * h + 4) + (8 * h + 2 * c * h + 4)
+        elif compiled:
+            # Inductor fuses RMSNorm: it saves the 16-bit input, rstd and the output the
+            # projections read, not the fp32 upcast or the normalised copy (recomputed)
+            rep = 2 * (2 * c * h + 4)
         else:
             rep = 2 * (4 * h + 2 * c * h + 4)
-        shard = attn + 4 * c * f                              # gate, up, silu(gate), product
+        # gate, up, silu(gate), product; compiled: silu(gate) is recomputed from gate
+        shard = attn + (3 if compiled and not amp else 4) * c * f
     elif spec.arch == "opt":
         rep = 2 * r * h + 2 * st + ((4 * c * h) if amp else (2 * c * h))
         shard = attn + c * f                                  # relu output (= fc2 input)
@@ -279,7 +399,8 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             rep += 2 * m * h
     else:  # bert, post-LN
         rep = 2 * r * h + 2 * st + ((4 * c * h) if amp else (2 * c * h))
-        shard = attn + 2 * c * f                              # gelu input, gelu output
+        # gelu input, gelu output; gated (SwiGLU, ViT-g): gate, up, silu(gate), product
+        shard = attn + (4 if spec.gated else 2) * c * f
         if drop_res:
             rep += 2 * m * h
     if drop_attn:
@@ -342,35 +463,111 @@ def _stage_layers(layers: int, pp: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(pp)]
 
 
+def _loss_terms(spec: ModelSpec, k: Knobs, prof: Profile, c: float, amp: bool) -> tuple[float, float]:
+    """(bytes per logit held through the whole backward, bytes per logit at the loss backward's
+    peak, held included) for the loss kernel and the profile's loss path."""
+    if k.loss == "none":
+        return 0.0, 0.0
+    if k.loss == "fused-linear":               # Liger-style: logits only per chunk (fixed terms)
+        return 0.0, 0.0
+    if k.loss == "chunked":
+        # 16-bit logits of all chunks stay until their chunk's backward; one chunk at a time is
+        # upcast (fp32 copy, log-softmax, two fp32 gradients) and its 16-bit gradient made.
+        # Held through the blocks' backward only where the model output keeps them (HF); a
+        # recipe that deletes the output frees each chunk after its backward
+        held = c if prof.loss == "hf" else 0.0
+        return held, c + (3 * 4.0 + c) / LOSS_CHUNKS
+    if prof.loss == "deleted":
+        # the recipe upcasts in the model and deletes the output before backward: only the
+        # fp32 log-softmax survives; backward adds its gradient and the logits' fp32 gradient
+        return 0.0, 3 * 4.0
+    if prof.loss == "vocab-parallel":
+        # Megatron: 16-bit logits held, fused fp32 softmax, gradient computed in place, cast
+        return c, c + 4.0 + c
+    held, _fwd, bwd = _loss_bytes_per_logit(spec, c, amp)
+    return held, bwd
+
+
+def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float) -> tuple[float, float]:
+    """Per token and block: (replicated, sharded) bytes LoRA changes. Frozen projections keep
+    no input for a weight gradient, frozen norm weights no normalised copy; each adapter saves
+    its A output (and its input, the same tensor the norm produced, when dropout is off)."""
+    h, f, r = spec.hidden, spec.f, k.lora_rank
+    t = set(k.lora_targets)
+    adapters = c * r * len(t)
+    if spec.arch == "llama":
+        rep = -2 * c * h                                        # normalised copies (frozen weights)
+        if not t & {"q_proj", "k_proj", "v_proj"}:
+            rep -= c * h                                        # attention-norm output unused
+        if not t & {"gate_proj", "up_proj"}:
+            rep -= c * h                                        # mlp-norm output unused
+        shard = adapters - (0.0 if "down_proj" in t else c * f)  # down_proj input
+        return rep, shard
+    down = {"gpt": "mlp.c_proj", "opt": "fc2", "bert": "output.dense"}[spec.arch]
+    return 0.0, adapters - (0.0 if down in t else c * f)
+
+
 def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> list[StagePeak]:
     """Peak allocated bytes per pipeline stage, with the breakdown at each stage's peak."""
+    prof = get_profile(k.framework)
     c = 4.0 if k.precision == "fp32" else 2.0
-    amp = c < 4 and (k.mp_style == "amp" or (k.mp_style == "auto" and k.zero == 0))
-    master = c < 4 and not amp
+    pure = c < 4 and k.master == "none"
+    if k.mp_style == "auto":
+        amp = (c < 4 and not pure and (k.zero == 0 or prof.torch_sharding)
+               and prof.zero0_regime == "amp")
+    else:
+        amp = c < 4 and k.mp_style == "amp"
+    master = c < 4 and not amp and not pure
+    lora = k.finetune != "full"
+    act_amp = amp and not lora                 # a LoRA base is loaded in 16 bits
     sem = _cpu_sem(c) if cpu else CUDA_SEM
     N = k.dp * k.cp                                   # ZeRO sharding degree
     t, p = k.tp, k.pp
     T = k.micro_batch * k.seq_len / k.cp              # tokens per micro-batch on this rank
     h, V, e = spec.hidden, spec.vocab_padded, spec.e
 
-    # bytes per parameter by regime
+    # bytes per trainable parameter by regime
     if master:
         w_b, g_b, opt_b, g32_b = 2.0, 2.0, 4.0, 4.0   # opt_b: fp32 master copy; g32: fp32 grads
+    elif pure:
+        # 16-bit weights, gradients and states; DeepSpeed still keeps a 16-bit master partition
+        # and master gradients (bf16_master_weights_and_grads)
+        dup = c if prof.master_copy_when_pure and k.zero >= 1 else 0.0
+        w_b, g_b, opt_b, g32_b = c, c, dup, dup
     else:
         w_b, g_b, opt_b, g32_b = 4.0, 4.0, 0.0, 0.0
     st_b = _state_bytes_per_param(spec, k.optimizer)
-    # torch's foreach Adam/AdamW (the CUDA default) materialises sqrt(v): one fp32 state copy
-    step_tmp_b = 4.0 if k.optimizer in ("adam", "adamw") else 0.0
+    if pure and k.optimizer in ("adam", "adamw", "sgd"):
+        st_b *= c / 4.0                                # states in the parameters' dtype
+    # torch's foreach Adam/AdamW materialises sqrt(v): one state-sized copy; fused kernels none
+    step_tmp_b = 0.0
+    if k.optimizer in ("adam", "adamw") and k.adamw_impl == "foreach":
+        step_tmp_b = 4.0 if not pure else c
 
     layer_p, emb_p, head_p, largest = _param_split(spec, t)
+    if spec.cross_attn_layers:                         # decoder cross-attention, spread per block
+        layer_p += spec.cross_attn_params() / spec.layers / t
+    lora_p = lora_layer_params(spec, k) / t if lora else 0.0
+    base_b = 0.0
+    if lora:                                           # the frozen base, in 16 bits (or NF4)
+        mat_b = NF4_BYTES if k.finetune == "qlora" else c
+        vec_l = _layer_vector_params(spec)
+        base_b = mat_b * (layer_p - vec_l) + c * vec_l   # per block
+    largest_tensor = max(V * e / t, h * spec.f / t)
 
-    rep, shard = layer_activation_bytes(spec, k.seq_len, c, amp, k.attention, k.act_ckpt, sem)
+    rep, shard = layer_activation_bytes(spec, k.seq_len, c, act_amp, k.attention, k.act_ckpt,
+                                        sem, compiled=k.fused, repeat_kv=prof.repeat_kv,
+                                        hf_models=prof.hf_models)
+    if lora:
+        d_rep, d_shard = _lora_activation_delta(spec, k, c)
+        rep, shard = rep + d_rep, shard + d_shard
     per_layer_tok = (rep / t if k.sp else rep) + shard / t
-    r = 4.0 if amp else c
+    r = 4.0 if act_amp else c
     ckpt_keep_tok = r * h / (t if k.sp else 1)        # full ckpt keeps the block input
-    held_b, _fwd_loss_b, bwd_loss_b = _loss_bytes_per_logit(spec, c, amp)
-    logits_tok = V / t                                 # vocab-parallel logits per token
+    held_b, bwd_loss_b = _loss_terms(spec, k, prof, c, act_amp)
+    logits_tok = V / t if k.loss != "none" else 0.0   # vocab-parallel logits per token
     transient_tok = layer_backward_transient(spec, k.seq_len, c, k.attention, t)
+    bucket_elems = k.bucket or prof.zero_bucket_elems or ov.zero_bucket_elems
 
     out: list[StagePeak] = []
     layers_per = _stage_layers(spec.layers, p)
@@ -380,47 +577,76 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         P = L_i * layer_p + (emb_p if first else 0.0) + (head_p if last else 0.0)
         if last and p > 1 and spec.tied:
             P += V * e / t                             # last stage keeps its copy of the tied head
+        Pt = L_i * lora_p if lora else P               # trainable parameters
+        frozen_w = 0.0
+        if lora:                                       # embeddings, head, norms stay 16-bit
+            frozen_w = L_i * base_b + c * (P - L_i * layer_p)
         cast_P = 0.0
-        if amp:   # autocast's 16-bit copies of every weight a matmul uses (not the lookup tables)
+        if amp and not lora and k.zero <= 1:  # autocast's 16-bit copies of every weight a matmul uses (not the lookup tables)
             cast_P = P - (emb_p if first and not spec.tied else 0.0)
             if first and spec.tied and not last:
                 cast_P -= emb_p
             if first and spec.arch in ("gpt", "opt", "bert"):
-                cast_P -= spec.max_positions * h
+                cast_P -= spec.positions * h
         # --- model states (persistent) ---
-        weights = w_b * P / (N if k.zero >= 3 else 1)
+        weights = (frozen_w + w_b * Pt) / (N if k.zero >= 3 else 1)
         if k.offload == "optimizer+params":
             weights = 0.0
-        grads = g_b * P / (N if k.zero >= 2 else 1)
-        optim = (opt_b + st_b) * P / (N if k.zero >= 1 else 1)
+        grads = g_b * Pt / (N if k.zero >= 2 else 1)
+        optim = (opt_b + st_b) * Pt / (N if k.zero >= 1 else 1)
         if k.offload != "none":
             optim = 0.0
-        grads32 = g32_b * P / (N if k.zero >= 1 else 1) if k.offload == "none" else 0.0
+            if k.offload == "optimizer+params":
+                grads = 0.0                            # gradients stream to the CPU too
+        g32_elems = Pt / (N if k.zero >= 1 else 1)
+        if k.zero == 3 and prof.zero3_subgroup_elems:
+            g32_elems = min(g32_elems, prof.zero3_subgroup_elems)   # one sub-group at a time
+        grads32 = g32_b * g32_elems if k.offload == "none" else 0.0
         # --- persistent buffers ---
         other_fixed = 0.0
         if k.dp > 1 and k.zero == 0:
-            other_fixed += g_b * P                     # DDP buckets (gradient_as_bucket_view=False)
-        elif k.dp > 1 and k.zero in (1, 2):
-            other_fixed += 2 * 2.0 * min(P, ov.zero_bucket_elems)   # reduce + all-gather buckets
+            if prof.ddp_bucket_copy:
+                other_fixed += g_b * Pt                # DDP buckets (gradient_as_bucket_view=False)
+            elif prof.zero_bucket_elems:
+                other_fixed += c * min(Pt, bucket_elems)   # DeepSpeed's flat all-reduce bucket
+        elif k.zero in (1, 2) and not prof.torch_sharding and (k.dp > 1 or not cpu):
+            # DeepSpeed's reduce + all-gather buckets, allocated at any world size on GPUs (a
+            # 1-GPU ZeRO-Offload run and Frenzy's 1-GPU ZeRO runs measure them); the CPU trace
+            # they are checked against runs one rank without DeepSpeed
+            other_fixed += 2 * 2.0 * min(Pt, bucket_elems)
+        elif k.dp > 1 and k.zero == 1 and prof.ddp_bucket_copy:
+            other_fixed += g_b * Pt                    # ZeroRedundancyOptimizer runs under DDP
+        if k.zero == 3 and not prof.torch_sharding and (k.dp > 1 or not cpu):
+            # DeepSpeed stage 3 with contiguous_gradients (default) reduces through one 16-bit
+            # buffer of reduce_bucket_size elements (stage3.py: bucket.buffer = torch.empty(...))
+            other_fixed += c * min(Pt, bucket_elems)
         if k.zero == 3:
-            other_fixed += ov.zero3_live_units * largest * (c + g_b)  # gathered params + their grads
+            # gathered 16-bit parameters of the current unit (at worst the largest) and the
+            # prefetched ones (blocks), and the current unit's unsharded gradients
+            other_fixed += (c * (largest + (ov.zero3_live_units - 1) * layer_p)
+                            + (0.0 if lora else g_b * largest))
+        if k.finetune == "qlora":
+            other_fixed += c * h * spec.f / t          # one weight dequantised for its matmul
         # --- activations of the in-flight micro-batches ---
         inflight = min(m, p - i) if p > 1 else 1
         if k.vpp > 1:
             inflight = inflight * (1 + (p - 1) / (p * k.vpp))
         keep_tok = ckpt_keep_tok if k.act_ckpt == "full" else per_layer_tok
-        acts = inflight * L_i * keep_tok * T
+        # activation offloading copies each block's saved tensors to the CPU as the forward
+        # moves on: the GPU holds the block in flight
+        kept_layers = min(L_i, 1) if k.act_offload else L_i
+        acts = inflight * kept_layers * keep_tok * T
         if first:
             acts += inflight * T * 16.0                # input ids + labels (int64)
             if spec.dropout > 0:
                 acts += inflight * T * sem.mask_bytes * h / (t if k.sp else 1)
             if spec.arch == "bert":
-                acts += inflight * T * (r * h + 2 * sem.stat_bytes + (4 if amp else 1) * c * h)
+                acts += inflight * T * (r * h + 2 * sem.stat_bytes + (4 if act_amp else 1) * c * h)
         loss_a = 0.0
         head_grad = 0.0
         if last:
             if spec.arch == "llama":
-                fin = (4 * h + (4 if amp else c) * h + c * h + 4)
+                fin = (4 * h + (4 if act_amp else c) * h + c * h + 4)
             elif spec.arch == "bert":
                 fin = 3 * c * h + 2 * sem.stat_bytes + r * h
             else:
@@ -428,51 +654,81 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             acts += T * fin / (t if k.sp else 1)
             acts += T * held_b * logits_tok            # logits held by the model output
             loss_a = T * (bwd_loss_b - held_b) * logits_tok
-            head_grad = (g_b if k.zero < 2 else g_b / N) * V * e / t
+            if k.loss == "fused-linear":
+                # Liger: the head's gradient and the hidden states' gradient are made in the
+                # forward, and one chunk of ~T*h/V rows of logits (power of 2: up to 2x)
+                loss_a += c * V * e + c * T * h + 2 * c * T * h
+            if k.loss != "none" and not lora:
+                head_grad = (g_b if k.zero < 2 else g_b / N) * V * e / t
         # recomputation buffer and backward temporaries for one block
         full = k.act_ckpt == "full"
         one_layer = per_layer_tok * T if full else 0.0
         trans = transient_tok * T
-        persist = m > 1 or p > 1
+        persist = (m > 1 or p > 1) and not k.opt_in_bwd
         persist_grads = grads if persist else 0.0
         states_fwd = weights + optim + persist_grads + other_fixed
-        copies = 2.0 * cast_P if amp else 0.0
-        layer_copies = 2.0 * layer_p if amp else 0.0
-        if full and amp:
+        copies = 2.0 * cast_P if amp and not lora else 0.0
+        layer_copies = 2.0 * layer_p if amp and not lora else 0.0
+        if full and amp and not lora:
             # checkpointed blocks run their forward without keeping autocast's weight copies;
             # only the LM head's survives to its backward; recomputation re-creates one block's
             copies = 2.0 * (V * e / t) if last else 0.0
         head_g = 0.0 if persist else head_grad
-        # phase A: loss backward (last stage) / phase B: the last block's backward
-        a_total = states_fwd + copies + acts + loss_a
+        # optimizer in backward: each tensor is stepped by its own (per-tensor, non-foreach)
+        # Adam as its gradient lands: sqrt(v) and its quotient are two state-sized temporaries
+        # of that tensor, at worst the largest, while the head's gradient exists (phase B)
+        inbwd_tmp = 0.0
+        if k.opt_in_bwd and k.optimizer in ("adam", "adamw") and k.adamw_impl != "fused":
+            inbwd_tmp = 2 * (c if pure else 4.0) * min(Pt, largest_tensor)
+        # phase A: loss backward (last stage) / phase B: the last block's backward. A chunked
+        # loss runs the head's backward chunk by chunk inside it: the head's gradient exists
+        # while later chunks' logits are still held
+        a_total = states_fwd + copies + acts + loss_a + (head_g if k.loss == "chunked" else 0.0)
         b_extra = one_layer + trans + (layer_copies if full else 0.0)
-        b_total = states_fwd + copies + acts + b_extra + head_g
+        b_total = states_fwd + copies + acts + b_extra + head_g + inbwd_tmp
         # phase B': the first block's backward: the other blocks' gradients exist, their
         # activations are freed; one block's activations (recomputed under full ckpt) remain
         grads_end = grads * max(0.0, P - layer_p) / P if P > 0 else 0.0
+        if k.opt_in_bwd:                               # each gradient is applied, then freed
+            grads_end = g_b * min(Pt, largest_tensor)
         first_acts = (ckpt_keep_tok * T + one_layer) if full else per_layer_tok * T
         fixed_acts = (T * 16.0 if first else 0.0) + (T * held_b * logits_tok if last else 0.0)
         e_extra = first_acts + fixed_acts + trans + layer_copies
         e_total = weights + optim + other_fixed + max(grads_end, persist_grads) + e_extra
-        # phase C: optimizer step
-        tmp = step_tmp_b * P / (N if k.zero >= 1 else 1) if k.offload == "none" else 0.0
+        # phase C: optimizer step (inside backward, one tensor at a time, with opt_in_bwd)
+        tmp = step_tmp_b * Pt / (N if k.zero >= 1 else 1) if k.offload == "none" else 0.0
         if k.optimizer == "adafactor":
             tmp = 3 * 4.0 * max(V * e / t, spec.hidden * spec.f / t)
-        c_total = weights + grads + optim + grads32 + other_fixed + tmp
+        if k.opt_in_bwd:
+            c_total = weights + optim + other_fixed + g_b * min(Pt, largest_tensor) + inbwd_tmp
+        else:
+            c_total = weights + grads + optim + grads32 + other_fixed + tmp
         total = max(a_total, b_total, c_total, e_total)
         # the breakdown of the phase that peaks (weights, gradients, optimizer, activations, other)
         if total == a_total:
-            bd = (weights, persist_grads, optim, acts + loss_a, other_fixed + copies)
+            bd = (weights, persist_grads + (head_g if k.loss == "chunked" else 0.0), optim,
+                  acts + loss_a, other_fixed + copies)
         elif total == b_total:
             bd = (weights, persist_grads + head_g, optim, acts + one_layer,
-                  other_fixed + copies + trans + (layer_copies if full else 0.0))
-        elif total == c_total:
+                  other_fixed + copies + trans + (layer_copies if full else 0.0) + inbwd_tmp)
+        elif total == c_total and not k.opt_in_bwd:
             bd = (weights, grads, optim + grads32, 0.0, other_fixed + tmp)
+        elif total == c_total:
+            bd = (weights, 0.0, optim, 0.0, c_total - weights - optim)
         else:
             bd = (weights, max(grads_end, persist_grads), optim, first_acts + fixed_acts,
                   other_fixed + trans + layer_copies)
         out.append(StagePeak(i, L_i, total, *bd))
     return out
+
+
+def paged_state_bytes(spec: ModelSpec, k: Knobs) -> float:
+    """Bytes of optimizer state in CUDA unified memory (bitsandbytes paged optimizers: every
+    state tensor of 4096+ elements), per GPU: device memory the caching allocator never sees."""
+    if k.optimizer != "adamw8bit-paged" or k.offload != "none":
+        return 0.0
+    P = spec.train_params if k.finetune == "full" else spec.layers * lora_layer_params(spec, k)
+    return P * (2.0 + 8.0 / 2048) / (k.tp * k.pp)
 
 
 def _comms(k: Knobs) -> int:
@@ -517,21 +773,38 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
              sp: bool = False, vpp: int = 1, zero: int = 0, offload: str = "none",
              precision: str = "bf16", optimizer: str = "adamw", act_ckpt: str = "none",
              attention: str = "flash", gpu: Any = None, method: str = "analytic",
-             mp_style: str = "auto", model_factory: Any = None) -> Estimate:
+             mp_style: str = "auto", model_factory: Any = None, framework: str = "frenzy",
+             master_weights: str = "auto", finetune: str = "full", lora_rank: int = 16,
+             lora_targets: Any = None, loss: str = "standard", act_offload: bool = False,
+             optimizer_in_backward: bool = False, adamw_impl: str = "auto",
+             fused_kernels: bool = False, zero_bucket_elems: float | None = None) -> Estimate:
     """Per-GPU training memory of one configuration (see the module docstring).
 
     ``model``: preset name, path to a HF config.json, dict of dimensions or ModelSpec; or the
     dimension keywords. ``method``: "analytic" (microseconds) or "traced" (runs one real step
     of the model under FakeTensorMode on the CPU; falls back to analytic with a warning).
     ``gpu``: a catalog name, or a ``catalog.GPU`` (a cluster's own type).
+    ``framework``: the implementation profile (estimator.profiles: frenzy, hf, torchtitan,
+    megatron, deepspeed, torchtune, lightning). Technique knobs: ``master_weights`` (auto: the
+    profile's; fp32; none = pure 16-bit), ``finetune`` (full, lora, qlora; ``lora_rank``,
+    ``lora_targets``), ``loss`` (standard, chunked, fused-linear, none), ``act_offload``,
+    ``optimizer_in_backward``, ``adamw_impl`` (auto, foreach, fused, for-loop), ``fused_kernels``
+    (torch.compile / Liger: fused RMSNorm and SwiGLU save fewer tensors), ``zero_bucket_elems``
+    (DeepSpeed reduce_bucket_size; default: the profile's, else Frenzy's trainer config).
     """
     spec = model_from_kwargs(model, arch=arch, layers=layers, hidden=hidden, heads=heads,
                              kv_heads=kv_heads, ffn=ffn, vocab=vocab,
                              tied_embeddings=tied_embeddings)
+    if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0:
+        spec = with_positions(spec, seq_len)
     k = validate_knobs(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                        dp=dp, tp=tp, pp=pp, cp=cp, sp=sp, vpp=vpp, zero=zero, offload=offload,
                        precision=precision, optimizer=optimizer, act_ckpt=act_ckpt,
-                       attention=attention, mp_style=mp_style)
+                       attention=attention, mp_style=mp_style, framework=framework,
+                       master_weights=master_weights, finetune=finetune, lora_rank=lora_rank,
+                       lora_targets=lora_targets, loss=loss, act_offload=act_offload,
+                       optimizer_in_backward=optimizer_in_backward, adamw_impl=adamw_impl,
+                       fused_kernels=fused_kernels, zero_bucket_elems=zero_bucket_elems)
     if method not in ("analytic", "traced"):
         raise FrenzyInputError("method", f"must be analytic or traced (got {method!r})")
     g = _resolve_gpu(gpu)
@@ -557,8 +830,25 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
           "optimizer": top.optimizer / GIB, "activations": top.activations / GIB,
           "other": top.other / GIB}
     mem = getattr(g, "memory_gib", None)
+    notes: list[str] = []
+    ovd = ov.as_dict()
+    paged = paged_state_bytes(spec, k) / GIB
+    if paged:
+        # unified-memory pages occupy the device when touched, outside the caching allocator
+        u += paged
+        for st in stages:
+            st.device_used_gib += paged
+        ovd["paged_optimizer_gib"] = paged
+        notes.append(f"{paged:.2f} GiB of paged 8-bit optimizer state is in CUDA unified memory: "
+                     "counted in device_used, not in allocated/reserved")
+    if k.seq_len > COVERED_SEQ:
+        notes.append(f"seq_len {k.seq_len} is beyond any measured source ({COVERED_SEQ} tokens): "
+                     "the estimate extrapolates")
+    if k.fused and spec.arch not in ("llama", "gpt"):
+        notes.append(f"fused_kernels change only llama/gpt block inventories; {spec.arch} is modelled eager")
     return Estimate.model_construct(
         params=spec.params, allocated_peak_gib=a, reserved_peak_gib=r, device_used_gib=u,
         breakdown_gib=bd, stages=stages, method="analytic", model=spec.name,
         gpu=getattr(g, "name", None), gpu_memory_gib=mem,
-        fits=(u <= mem) if mem is not None else None, overheads=ov.as_dict(), warnings=[])
+        fits=(u <= mem) if mem is not None else None, overheads=ovd, warnings=notes,
+        framework=k.framework)

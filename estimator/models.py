@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -40,9 +40,16 @@ class ModelSpec(BaseModel):
     kv_heads: int | None = Field(None, description="key/value heads (GQA); default = heads")
     ffn: int | None = Field(None, description="MLP inner size; default 4*hidden (gpt/bert/opt), "
                                              "the LLaMA rule (2/3 * 4h rounded to 256) for llama")
-    vocab: int
+    vocab: int = Field(..., description="token vocabulary; 0: an encoder without one (ViT: patch "
+                                        "embedding, no LM head, no logits)")
     tied_embeddings: bool | None = Field(None, description="LM head shares the input embedding")
-    max_positions: int = Field(2048, description="learned position table rows / rope context")
+    max_positions: int | None = Field(None, description="learned position table rows / rope context; "
+                                                        "None: not capped (a learned table is sized "
+                                                        "to the sequence, see with_positions)")
+    gated_mlp: bool | None = Field(None, description="gated (SwiGLU) MLP: 3 h x ffn matrices; "
+                                                     "default: llama yes, others no")
+    cross_attn_layers: int = Field(0, ge=0, description="encoder-decoder: decoder blocks that add "
+                                                        "cross-attention and a norm (nn.Transformer)")
     head_dim: int | None = Field(None, description="default hidden // heads")
     qkv_bias: bool | None = Field(None, description="bias on q/k/v projections (qwen2: yes)")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="residual/MLP/embedding dropout")
@@ -77,7 +84,7 @@ class ModelSpec(BaseModel):
                         raise FrenzyInputError(key, f"must be a positive integer, got {v!r}")
                     data = {**data, key: iv}
                     v = iv
-                if v <= 0:
+                if v < 0 or (v == 0 and key != "vocab"):
                     raise FrenzyInputError(key, f"must be a positive integer, got {v}")
         return data
 
@@ -116,6 +123,15 @@ class ModelSpec(BaseModel):
         return self.arch != "llama"       # gpt2/opt/bert tie; llama-family default untied
 
     @property
+    def gated(self) -> bool:
+        return self.gated_mlp if self.gated_mlp is not None else self.arch == "llama"
+
+    @property
+    def positions(self) -> int:
+        """Rows of the position table (2048 when the model does not say: see with_positions)."""
+        return self.max_positions if self.max_positions is not None else 2048
+
+    @property
     def has_qkv_bias(self) -> bool:
         if self.qkv_bias is not None:
             return self.qkv_bias
@@ -149,22 +165,29 @@ class ModelSpec(BaseModel):
             norms = 2 * h
         else:  # gpt2 / opt / bert: biases everywhere, LayerNorm weight + bias
             attn = h * q + 2 * h * kv + q * h + q + 2 * kv + h
-            mlp = 2 * h * f + f + h
+            mlp = (3 * h * f + 2 * f + h) if self.gated else (2 * h * f + f + h)
             norms = 4 * h
         return attn + mlp + norms
+
+    def cross_attn_params(self) -> int:
+        """All decoder blocks' cross-attention (q, k, v, out with biases) and its LayerNorm."""
+        h = self.hidden
+        return self.cross_attn_layers * (4 * h * h + 4 * h + 2 * h)
 
     def embedding_params(self) -> int:
         """Input side: token (+ position, token-type) embeddings and their norms/projections."""
         h, V = self.hidden, self.vocab_padded
         if self.arch == "gpt":
-            return V * h + self.max_positions * h
+            return V * h + self.positions * h
         if self.arch == "opt":
-            n = V * self.e + (self.max_positions + 2) * h   # OPT offsets positions by 2
+            n = V * self.e + (self.positions + 2) * h   # OPT offsets positions by 2
             if self.e != h:
                 n += self.e * h                               # project_in (no bias)
             return n
         if self.arch == "bert":
-            return V * h + self.max_positions * h + self.type_vocab * h + 2 * h
+            if V == 0:                                        # ViT-style: positions, final norm
+                return self.positions * h
+            return V * h + self.positions * h + self.type_vocab * h + 2 * h
         return V * h
 
     def head_params(self) -> int:
@@ -175,6 +198,8 @@ class ModelSpec(BaseModel):
         elif self.arch == "opt":
             final = (2 * h if self.pre_norm else 0) + (h * self.e if self.e != h else 0)
         elif self.arch == "bert":
+            if V == 0:
+                return 2 * h                                  # encoder without vocabulary: final norm
             return h * h + h                                  # pooler (BertModel)
         else:
             final = h
@@ -183,20 +208,22 @@ class ModelSpec(BaseModel):
     @cached_property
     def params(self) -> int:
         """Exact parameter count of the published model (BertModel for bert)."""
-        return self.embedding_params() + self.layers * self.layer_params() + self.head_params()
+        return (self.embedding_params() + self.layers * self.layer_params() + self.head_params()
+                + self.cross_attn_params())
 
     @cached_property
     def train_params(self) -> int:
         """Parameters of the model that trains: the causal LM; for bert the masked-LM model
         (BertForMaskedLM: no pooler, plus the MLM transform, its LayerNorm and decoder bias)."""
-        if self.arch == "bert":
+        if self.arch == "bert" and self.vocab_padded:
             h = self.hidden
             return self.params - (h * h + h) + (h * h + h) + 2 * h + self.vocab_padded
         return self.params
 
     def largest_layer_params(self) -> int:
         """Largest single parameter tensor group ZeRO-3 gathers at once (embedding or a block)."""
-        return max(self.vocab_padded * self.e, self.layer_params())
+        return max(self.vocab_padded * self.e, self.layer_params() + (
+            self.cross_attn_params() // self.layers if self.layers else 0))
 
     def weight_shapes(self) -> list[tuple[int, ...]]:
         """Shapes of every trainable tensor (for per-tensor optimizer states: Adafactor, 8-bit)."""
@@ -210,22 +237,28 @@ class ModelSpec(BaseModel):
         else:
             per_layer += [(q, h), (kv, h), (kv, h), (h, q), (q,), (kv,), (kv,), (h,),
                           (f, h), (f,), (h, f), (h,), (h,), (h,), (h,), (h,)]
+            if self.gated:
+                per_layer += [(f, h), (f,)]
         shapes = per_layer * self.layers
-        shapes.append((V, self.e))
+        shapes += [(h, h), (h, h), (h, h), (h, h), (h,), (h,), (h,), (h,), (h,), (h,)] * self.cross_attn_layers
+        if V:
+            shapes.append((V, self.e))
         if self.arch == "gpt":
-            shapes += [(self.max_positions, h), (h,), (h,)]
+            shapes += [(self.positions, h), (h,), (h,)]
         elif self.arch == "opt":
-            shapes.append((self.max_positions + 2, h))
+            shapes.append((self.positions + 2, h))
             if self.e != h:
                 shapes += [(h, self.e), (self.e, h)]
             if self.pre_norm:
                 shapes += [(h,), (h,)]
+        elif self.arch == "bert" and not V:
+            shapes += [(self.positions, h), (h,), (h,)]
         elif self.arch == "bert":
-            shapes += [(self.max_positions, h), (self.type_vocab, h), (h,), (h,),
+            shapes += [(self.positions, h), (self.type_vocab, h), (h,), (h,),
                        (h, h), (h,), (h,), (h,), (V,)]     # MLM transform, LN, decoder bias
         else:
             shapes.append((h,))
-        if not self.tied:
+        if not self.tied and V:
             shapes.append((V, self.e))
         return shapes
 
@@ -237,7 +270,7 @@ class ModelSpec(BaseModel):
         h, V = self.hidden, self.vocab_padded
         if t == "gpt2":
             return dict(model_type="gpt2", n_embd=h, n_layer=self.layers, n_head=self.heads,
-                        n_inner=self.f, n_positions=self.max_positions, vocab_size=V,
+                        n_inner=self.f, n_positions=self.positions, vocab_size=V,
                         resid_pdrop=self.dropout, embd_pdrop=self.dropout,
                         attn_pdrop=self.attn_dropout, tie_word_embeddings=self.tied,
                         activation_function="gelu_new", layer_norm_epsilon=self.norm_eps or 1e-5,
@@ -245,7 +278,7 @@ class ModelSpec(BaseModel):
         if t == "opt":
             return dict(model_type="opt", hidden_size=h, num_hidden_layers=self.layers,
                         num_attention_heads=self.heads, ffn_dim=self.f, vocab_size=V,
-                        max_position_embeddings=self.max_positions, word_embed_proj_dim=self.e,
+                        max_position_embeddings=self.positions, word_embed_proj_dim=self.e,
                         do_layer_norm_before=self.pre_norm, dropout=self.dropout,
                         attention_dropout=self.attn_dropout, activation_function="relu",
                         tie_word_embeddings=self.tied, enable_bias=True,
@@ -253,7 +286,7 @@ class ModelSpec(BaseModel):
         if t == "bert":
             return dict(model_type="bert", hidden_size=h, num_hidden_layers=self.layers,
                         num_attention_heads=self.heads, intermediate_size=self.f, vocab_size=V,
-                        max_position_embeddings=self.max_positions,
+                        max_position_embeddings=self.positions,
                         type_vocab_size=self.type_vocab, hidden_dropout_prob=self.dropout,
                         attention_probs_dropout_prob=self.attn_dropout,
                         tie_word_embeddings=self.tied)
@@ -261,7 +294,7 @@ class ModelSpec(BaseModel):
         d: dict[str, Any] = dict(model_type=t, hidden_size=h, num_hidden_layers=self.layers,
                                  num_attention_heads=self.heads, num_key_value_heads=self.n_kv,
                                  intermediate_size=self.f, vocab_size=V,
-                                 max_position_embeddings=self.max_positions,
+                                 max_position_embeddings=self.positions,
                                  tie_word_embeddings=self.tied, attention_dropout=self.attn_dropout,
                                  rms_norm_eps=self.norm_eps or 1e-5, hidden_act="silu")
         if self.rope_theta is not None:
@@ -504,3 +537,17 @@ def model_from_kwargs(model: Any = None, **dims: Any) -> ModelSpec:
         raise FrenzyInputError("model", "give a preset name, a config.json path, or the dimensions "
                                         "(arch, layers, hidden, heads, vocab)")
     return resolve_model(given)
+
+
+@lru_cache(maxsize=1024)
+def _sized(spec: ModelSpec, seq_len: int) -> ModelSpec:
+    return ModelSpec(**{**spec.model_dump(exclude_none=True), "max_positions": seq_len})
+
+
+def with_positions(spec: ModelSpec, seq_len: int) -> ModelSpec:
+    """Positions are not capped unless the model says so: a model given by its dimensions
+    without ``max_positions`` gets a learned table (gpt, opt, bert) of ``seq_len`` rows;
+    rotary models (llama) have no table to size."""
+    if spec.max_positions is not None or spec.arch == "llama":
+        return spec
+    return _sized(spec, seq_len)

@@ -10,6 +10,7 @@ Optimizer = Literal["adamw", "adam", "sgd", "adafactor", "adamw8bit"]
 ActCkpt = Literal["none", "selective", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Attention = Literal["flash", "eager"]
+MatmulPrecision = Literal["default", "tf32", "fp8"]   # fp32 GEMMs on TF32 tensor cores; FP8 GEMMs
 
 
 class Plan(BaseModel):
@@ -36,11 +37,15 @@ class Plan(BaseModel):
     precision: Precision = "bf16"
     optimizer: Optimizer = "adamw"
     attention: Attention = "flash"
+    matmul_precision: MatmulPrecision = "default"
     # predictions
     allocated_peak_gib: float = 0.0
     reserved_peak_gib: float = 0.0
     device_used_gib: float = 0.0
     step_time_s: float = 0.0
+    # why this machine's trainer cannot launch the plan (None: it can); the planner shows such
+    # plans after the launchable ones, marked
+    not_launchable: str | None = None
 
     @property
     def global_batch(self) -> int:
@@ -49,4 +54,5 @@ class Plan(BaseModel):
     def short(self) -> str:
         return (f"{self.gpus}x{self.gpu_type} dp{self.dp} tp{self.tp} pp{self.pp} z{self.zero}"
                 f"{'' if self.offload == 'none' else ' off:' + self.offload} ckpt:{self.act_ckpt}"
-                f" mb{self.micro_batch}x{self.grad_accum}")
+                f" mb{self.micro_batch}x{self.grad_accum}"
+                f"{'' if self.not_launchable is None else ' (not launchable here)'}")

@@ -19,13 +19,14 @@ from .errors import DoesNotFitError, FrenzyInputError
 from .job import TrainingJob
 from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, estimate, stage_peaks,
                      validate_knobs)
-from .models import ModelSpec, resolve_model
+from .models import ModelSpec, resolve_model, with_positions
 from .overheads import Overheads, overheads_for
 from .plan import Plan
 from .throughput import step_time
 
 DEFAULT_SAFETY_MARGIN_GIB = 1.0     # GPU memory kept free beyond the prediction
-KEEP_PER_COUNT = 3                  # fastest plans kept per GPU count
+KEEP_PER_COUNT = 3                  # fastest launchable plans kept per GPU count (and as many
+#                                     marked not-launchable ones, for the simulator and display)
 MAX_PP = 16                         # deeper pipelines only add bubble for the models we plan
 
 
@@ -80,11 +81,35 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
+@dataclass(frozen=True, slots=True)
+class _Technique:
+    """How Frenzy's trainer runs the job (the estimate's profile and technique knobs)."""
+
+    framework: str = "frenzy"
+    master_weights: str = "fp32"
+    finetune: str = "full"
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] | None = None
+
+
+def _technique(job: TrainingJob) -> _Technique:
+    ft = job.finetune
+    targets = tuple(ft.target_modules) if ft.target_modules else None
+    return _Technique("frenzy", job.master_weights, ft.method, ft.rank, targets)
+
+
+def _offloads(zero: int) -> tuple[str, ...]:
+    """DeepSpeed ZeRO-Offload: the optimizer (ZeRO 1-3) and the parameters too (ZeRO 3)."""
+    if zero == 3:
+        return ("none", "optimizer", "optimizer+params")
+    return ("none", "optimizer") if zero >= 1 else ("none",)
+
+
 @lru_cache(maxsize=256)
 def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, max_gpus: int, gpus_per_node: int,
-                  cpu: bool) -> tuple[tuple[Knobs, int, tuple[tuple[int, float], ...],
-                                         tuple[float, ...]], ...]:
+                  cpu: bool, tech: _Technique = _Technique()) -> tuple[
+                      tuple[Knobs, int, tuple[tuple[int, float], ...], tuple[float, ...]], ...]:
     """Every structure (gpu count, dp/tp/pp, zero, checkpointing) of a job shape with the
     allocated bytes of each candidate micro-batch (ascending: allocation grows with it).
 
@@ -94,7 +119,7 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     counts = sorted(set(_pow2_upto(max_gpus)) | {g for g in range(gpus_per_node, max_gpus + 1,
                                                                    gpus_per_node)})
     ckpts = ("none", "selective", "full") if attention == "eager" else ("none", "full")
-    shard_ok = optimizer not in ("adafactor", "adamw8bit")
+    shard_ok = optimizer not in ("adafactor", "adamw8bit", "adamw8bit-paged")
     ov = overheads_for(None, is_cpu=cpu)      # allocated bytes need only the ZeRO bucket terms
     from .catalog import CATALOG
     ceiling_b = max(g.memory_gib for g in CATALOG.values()) * 4 * GIB   # room for custom types
@@ -119,14 +144,19 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                     zeros = (0, 1, 2, 3)
                 per_rank = global_batch // dp
                 mbs = _divisors(per_rank)
-                for zero in zeros:
-                    for ck in ckpts:
+                for zero, off, ck in ((z, o, ck) for z in zeros
+                                      for o in (("none",) if cpu else _offloads(z))
+                                      for ck in ckpts):
                         try:
                             base = validate_knobs(spec, seq_len=seq_len, micro_batch=1,
                                                   grad_accum=per_rank, dp=dp, tp=tp, pp=pp,
-                                                  zero=zero, precision=precision,
+                                                  zero=zero, offload=off, precision=precision,
                                                   optimizer=optimizer, act_ckpt=ck,
-                                                  attention=attention)
+                                                  attention=attention, framework=tech.framework,
+                                                  master_weights=tech.master_weights,
+                                                  finetune=tech.finetune,
+                                                  lora_rank=tech.lora_rank,
+                                                  lora_targets=tech.lora_targets)
                         except FrenzyInputError:
                             continue
                         allocs = []
@@ -143,11 +173,36 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
 def _plan(gpu: GPU, n: int, base: Knobs, mb: int, precision: str, optimizer: str, attention: str,
           a: float, r: float, u: float, step_time_s: float) -> Plan:
     """The Plan of a structure (``base``, at micro-batch 1) run at micro-batch ``mb``."""
-    return Plan.model_construct(
+    p = Plan.model_construct(
         gpu_type=gpu.name, gpus=n, dp=base.dp, tp=base.tp, pp=base.pp, cp=1, zero=base.zero,
-        offload="none", act_ckpt=base.act_ckpt, micro_batch=mb, grad_accum=base.grad_accum // mb,
-        precision=precision, optimizer=optimizer, attention=attention, allocated_peak_gib=a,
-        reserved_peak_gib=r, device_used_gib=u, step_time_s=step_time_s)
+        offload=base.offload, act_ckpt=base.act_ckpt, micro_batch=mb,
+        grad_accum=base.grad_accum // mb, precision=precision, optimizer=optimizer,
+        attention=attention, allocated_peak_gib=a, reserved_peak_gib=r, device_used_gib=u,
+        step_time_s=step_time_s, not_launchable=None)
+    why = not_launchable_reason(p)
+    if why is not None:
+        p = p.model_copy(update={"not_launchable": why})
+    return p
+
+
+@lru_cache(maxsize=4096)
+def _launch_rule(tp: int, pp: int, cp: int, gpus: int, dp: int, zero: int, offload: str) -> str | None:
+    from trainer.launch_config import check_realisable   # the trainer's own rules (no torch)
+    probe = Plan.model_construct(gpu_type="probe", gpus=gpus, dp=dp, tp=tp, pp=pp, cp=cp,
+                                 zero=zero, offload=offload)
+    try:
+        check_realisable(probe)
+    except FrenzyInputError as err:
+        return f"{err.field}: {err.rule}"
+    except ImportError:          # an estimator installed without the trainer: nothing to check
+        return None
+    return None
+
+
+def not_launchable_reason(plan: Plan) -> str | None:
+    """Why this installation's trainer cannot launch ``plan`` (the trainer's realisability
+    rules, in one line), or None when it can."""
+    return _launch_rule(plan.tp, plan.pp, plan.cp, plan.gpus, plan.dp, plan.zero, plan.offload)
 
 
 def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
@@ -155,7 +210,7 @@ def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
     ov = overheads_for(gpu.name, is_cpu=gpu.is_cpu)
     plans, closest = _plans_cached(spec, job.seq_len, job.global_batch, job.precision,
                                    job.optimizer, job.attention, gpu, max_gpus, gpus_per_node,
-                                   float(margin), ov)
+                                   float(margin), ov, _technique(job))
     if keep_closest is not None and closest is not None:
         keep_closest.append(closest)
     return list(plans)
@@ -164,14 +219,15 @@ def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
 @lru_cache(maxsize=4096)
 def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, gpu: GPU, max_gpus: int, gpus_per_node: int,
-                  margin: float, ov: Overheads) -> tuple[tuple[Plan, ...], tuple[float, Plan] | None]:
+                  margin: float, ov: Overheads, tech: _Technique = _Technique()
+                  ) -> tuple[tuple[Plan, ...], tuple[float, Plan] | None]:
     """The plans of one job shape on one GPU type (and, when none fits, the closest miss as
     (shortfall GiB, plan))."""
     keep_closest: list = []
     table = _memory_table(spec, seq_len, global_batch, precision, optimizer, attention,
-                          max_gpus, gpus_per_node, gpu.is_cpu)
+                          max_gpus, gpus_per_node, gpu.is_cpu, tech)
     cap = gpu.memory_gib - margin
-    by_count: dict[int, list[Plan]] = {}
+    by_count: dict[int, list[tuple]] = {}
     for base, n, allocs, alloc_values in table:
         # used GiB grows with allocated bytes, so the largest fitting micro-batch is a bisection
         j = bisect_right(alloc_values, _alloc_limit_b(cap, ov, base))
@@ -183,16 +239,23 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         mb, a_b = allocs[j - 1]
         a, r, u = _finish(a_b, ov, base)
         nodes = max(1, math.ceil(n / gpus_per_node))
-        st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, 1, base.zero, "none",
+        st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, 1, base.zero, base.offload,
                                          base.act_ckpt, mb, base.grad_accum // mb, precision),
                         gpu, seq_len, nodes)
-        by_count.setdefault(n, []).append(_plan(gpu, n, base, mb, precision, optimizer, attention,
-                                                round(a, 4), round(r, 4), round(u, 4), st))
+        why = _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload)
+        by_count.setdefault(n, []).append((why is not None, st, u, a, r, mb, base))
     plans = []
-    for n, ps in by_count.items():
-        ps.sort(key=lambda p: (p.step_time_s, p.device_used_gib))
-        plans.extend(ps[:KEEP_PER_COUNT])
-    plans.sort(key=lambda p: (p.step_time_s, p.gpus, p.device_used_gib))
+    for n, cands in by_count.items():
+        # every launchable plan is considered before the best few per count are kept, so
+        # faster plans the trainer cannot launch never crowd out the ones it can; Plan objects
+        # are built for the kept ones only
+        cands.sort(key=lambda c: (c[0], c[1], c[2]))
+        kept = [c for c in cands if not c[0]][:KEEP_PER_COUNT] + \
+            [c for c in cands if c[0]][:KEEP_PER_COUNT]
+        plans.extend(_plan(gpu, n, base, mb, precision, optimizer, attention, round(a, 4),
+                           round(r, 4), round(u, 4), st) for _, st, u, a, r, mb, base in kept)
+    plans.sort(key=lambda p: (p.not_launchable is not None, p.step_time_s, p.gpus,
+                              p.device_used_gib))
     closest = None
     if keep_closest and not plans:
         short, n, base, mb, a, r, u = min(keep_closest, key=lambda x: x[0])
@@ -204,10 +267,11 @@ def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
                     gpus_per_node: int = 8, safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB,
                     gpus: dict[str, GPU] | None = None) -> list[Plan]:
     """Feasible plans of ``job`` on ``gpu_type`` using at most ``max_gpus`` GPUs, each with
-    ``device_used_gib <= memory - safety_margin_gib``, fastest first (predicted step time).
+    ``device_used_gib <= memory - safety_margin_gib``: the launchable ones first, fastest first
+    (predicted step time), then those this trainer cannot launch (``not_launchable`` says why).
     ``gpus``: a cluster's own GPU types (``Cluster.gpu_catalog()``), looked up before the catalog."""
     j = _as_job(job)
-    spec = resolve_model(j.model)
+    spec = with_positions(resolve_model(j.model), j.seq_len)
     gpu = get_gpu(gpu_type, gpus)
     if isinstance(max_gpus, bool) or not isinstance(max_gpus, int) or max_gpus < 1:
         raise FrenzyInputError("max_gpus", f"must be a positive integer, got {max_gpus!r}")
@@ -229,7 +293,7 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
     fastest first; ``gpus`` as in ``enumerate_plans``. GPU types the job does not allow or that hold no plan map to []. Raises
     DoesNotFitError (closest plan, shortfall in GiB) when nothing fits anywhere."""
     j = _as_job(job)
-    spec = resolve_model(j.model)
+    spec = with_positions(resolve_model(j.model), j.seq_len)
     if safety_margin_gib is None:
         safety_margin_gib = DEFAULT_SAFETY_MARGIN_GIB
     if safety_margin_gib < 0:
@@ -259,8 +323,11 @@ def estimate_plan(job: TrainingJob | dict, plan: Plan, *, gpus: dict[str, GPU] |
     """The full estimate (breakdown, per-stage peaks) of ``job`` run on ``plan``: the one place
     that turns a plan back into `estimate` keywords. ``gpus``: as in ``enumerate_plans``."""
     j = _as_job(job)
+    t = _technique(j)
     return estimate(j.model, seq_len=j.seq_len, micro_batch=plan.micro_batch,
                     grad_accum=plan.grad_accum, dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp,
                     zero=plan.zero, offload=plan.offload, precision=plan.precision,
                     optimizer=plan.optimizer, act_ckpt=plan.act_ckpt, attention=plan.attention,
-                    gpu=get_gpu(plan.gpu_type, gpus))
+                    gpu=get_gpu(plan.gpu_type, gpus), framework=t.framework,
+                    master_weights=t.master_weights, finetune=t.finetune, lora_rank=t.lora_rank,
+                    lora_targets=t.lora_targets)

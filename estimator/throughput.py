@@ -1,16 +1,22 @@
 """Throughput model: predicted seconds per optimizer step of a plan on a GPU type. Pure.
 
-step = compute / (peak x util x micro-batch efficiency)
+step = matmuls at the GPU's sustained tensor rate, plus the operand traffic they cannot hide
+       (a serial roofline per GEMM shape: narrow or split layers are bandwidth-bound, not
+       "inefficient" by a fixed width curve)
+     + attention: fused (flash) kernels at a share of the GEMM rate, causal masks skip half;
+       eager kernels as batched GEMMs plus the s x s score traffic (scale, mask, softmax,
+       dropout) at memory bandwidth
+     + memory-bound work: norms, residual adds, MLP activation, the loss over the vocabulary
      + pipeline bubble
      + exposed data-parallel communication (all-reduce, or ZeRO reduce-scatter / all-gather),
-       over the slowest link the data-parallel group crosses
+       over the slowest link the data-parallel group crosses, minus what overlaps compute
      + tensor-parallel all-reduces (on the critical path) + pipeline point-to-point
      + optimizer step (memory-bound) + CPU-offload traffic + a fixed per-micro-batch overhead
 
-Compute counts training FLOPs per token (PaLM / Megatron accounting, forward = 1/3):
-``6 x matmul params + 12 x layers x hidden x seq`` (attention scores and values); full
-activation recomputation adds a forward: ``8 x P + 16 x l h s``; selective recomputation only
-re-runs attention: ``6 x P + 16 x l h s``.
+FLOPs follow the PaLM / Megatron accounting (forward = 1/3): ``6 x matmul params + 12 x
+layers x hidden x seq`` (attention scores and values); full activation recomputation adds a
+forward: ``8 x P + 16 x l h s``; selective recomputation only re-runs attention. Every other
+term is bytes over the GPU's own memory bandwidth or bits over a link.
 
 Every factor is a field of ``Factors`` (defaults = the module constants below) so measured runs
 can recalibrate them without touching code; per-GPU utilisation lives in the catalog.
@@ -19,26 +25,48 @@ of the buffer per rank, a reduce-scatter or all-gather ``(n-1)/n``.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from .catalog import GPU
+from .home import DEFAULT_HOME
 
 # --- named constants (defaults of Factors) -----------------------------------------------
 ATTN_FLOPS_PER_LHS = 12.0          # training FLOPs per token per (layer x hidden x seq), no recompute
 RECOMPUTE_FULL_EXTRA = 1.0 / 3.0   # full recompute: one more forward = +1/3 of training FLOPs
-MB_HALF_SAT_TOKENS = 512.0         # tokens per micro-batch per GPU where kernels reach ~half their
-MB_FULL_TOKENS = 8192.0            # ... asymptotic efficiency; at MB_FULL_TOKENS the factor is 1
-WIDTH_HALF_SAT = 1024.0           # GEMM width (hidden / tp) where matmuls reach ~half their
-WIDTH_FULL = 4096.0                # ... asymptotic efficiency; from WIDTH_FULL up the factor is 1
-EAGER_ATTN_FACTOR = 10.0           # eager attention (scores materialised: memory-bound masking,
-                                   # softmax, dropout over s x s) costs ~10x the FLOP time of fused
-                                   # (flash/SDPA) attention (fitted on H200 runs, see bench)
+MEM_BW_EFF = 0.85                  # share of datasheet DRAM bandwidth streaming kernels reach
+                                   # (STREAM-like copies: ~85-92% on HBM2e/HBM3 and GDDR6X)
+CAUSAL_ATTN_SHARE = 0.5            # a causal mask lets fused kernels skip half the score tiles
+# Memory-bound bytes per token per layer, for 2-byte activations (fp32 doubles them). Forward
+# writes and backward reads each saved tensor; each backward kernel reads input + grad, writes grad:
+NORM_RESIDUAL_BYTES_PER_H = 126.0  # two norms + two residual adds, unfused PyTorch under autocast:
+                                   # a norm reads 2 B, writes fp32 4 B, the next GEMM's cast reads 4
+                                   # writes 2 (12 B/h each); a residual add reads 2+2 writes 2; fwd
+                                   # 2 x 12 + 2 x 6 = 36 B/h, bwd ~2.5x (reads x, dy, writes dx, casts)
+MLP_ACT_BYTES_PER_FFN = 10.0       # GeLU on the ffn width: fwd read+write 4 B, bwd read x, dy, write dx 6 B
+GATED_ACT_BYTES_PER_FFN = 16.0     # SwiGLU: fwd reads two halves, writes one (6 B), bwd ~10 B
+FLASH_IO_BYTES_PER_H = 26.0        # fused attention: fwd reads q,k,v writes o; bwd reads q,k,v,o,do,
+                                   # writes dq,dk,dv: ~13 h-wide tensors x 2 B
+EAGER_BYTES_PER_SCORE = 72.0       # eager attention per (head, query, key): fwd scale 4 + mask 4 +
+                                   # softmax (autocast fp32) 6 + dropout 9 + cast 6 B, bwd ~31 B, plus
+                                   # the score GEMMs' own writes/reads of the s x s matrices ~12 B
+LOSS_BYTES_PER_VOCAB = 28.0        # cross entropy per logit: cast to fp32 (2+4), log-softmax (4+4),
+                                   # backward softmax grad (4+4), cast back (4+2) bytes
 FP32_UTIL = 0.6                    # plain fp32 (no tensor cores) reaches a higher share of its
                                    # much lower peak: 76% in a large GEMM on H200
-DP_OVERLAP = 0.7                   # fraction of the backward pass DP comms can hide under
+DP_OVERLAP = 0.7                   # fraction of the overlap window DP comms hide under
 DP_MIN_EXPOSED = 0.15              # ... but at least this share of them stays exposed (bucket tail)
+OVERLAP_COST = 0.15                # an overlapped collective still slows compute by this share of
+                                   # its time: NCCL runs a CTA per channel (16-32 channels on NVLink
+                                   # systems hold ~12-25% of the SMs) and its copies draw HBM bandwidth
+NVLINK_EFF = 0.8                   # NCCL bus bandwidth over NVLink: nccl-tests reach ~230-240 of 300
+                                   # GB/s (A100) and ~360-380 of 450 GB/s (H100) per GPU
+NETWORK_EFF = 0.9                  # ... and ~90% of InfiniBand / RoCE line rate between nodes
 TP_OVERLAP = 0.0                   # Megatron TP all-reduces sit on the critical path
 PP_P2P_EXPOSED_FACTOR = 2.0        # fill + drain: activation sends on the critical path per stage boundary
 OPTIMIZER_BYTES_PER_PARAM = 32.0   # Adam step: read/write fp32 master, m, v + grads + 16-bit params
@@ -55,15 +83,21 @@ class Factors:
 
     attn_flops_per_lhs: float = ATTN_FLOPS_PER_LHS
     recompute_full_extra: float = RECOMPUTE_FULL_EXTRA
-    mb_half_sat_tokens: float = MB_HALF_SAT_TOKENS
-    mb_full_tokens: float = MB_FULL_TOKENS
-    width_half_sat: float = WIDTH_HALF_SAT
-    width_full: float = WIDTH_FULL
-    eager_attn_factor: float = EAGER_ATTN_FACTOR
+    mem_bw_eff: float = MEM_BW_EFF
+    causal_attn_share: float = CAUSAL_ATTN_SHARE
+    norm_residual_bytes_per_h: float = NORM_RESIDUAL_BYTES_PER_H
+    mlp_act_bytes_per_ffn: float = MLP_ACT_BYTES_PER_FFN
+    gated_act_bytes_per_ffn: float = GATED_ACT_BYTES_PER_FFN
+    flash_io_bytes_per_h: float = FLASH_IO_BYTES_PER_H
+    eager_bytes_per_score: float = EAGER_BYTES_PER_SCORE
+    loss_bytes_per_vocab: float = LOSS_BYTES_PER_VOCAB
     fp32_util: float = FP32_UTIL
     dp_overlap: float = DP_OVERLAP
     dp_min_exposed: float = DP_MIN_EXPOSED
     tp_overlap: float = TP_OVERLAP
+    overlap_cost: float = OVERLAP_COST
+    nvlink_eff: float = NVLINK_EFF
+    network_eff: float = NETWORK_EFF
     pp_p2p_exposed_factor: float = PP_P2P_EXPOSED_FACTOR
     optimizer_bytes_per_param: float = OPTIMIZER_BYTES_PER_PARAM
     offload_pcie_gbs: float = OFFLOAD_PCIE_GBS
@@ -71,7 +105,8 @@ class Factors:
     microbatch_overhead_s: float = MICROBATCH_OVERHEAD_S
     step_overhead_s: float = STEP_OVERHEAD_S
     cpu_microbatch_overhead_s: float = CPU_MICROBATCH_OVERHEAD_S
-    util: dict[str, float] = field(default_factory=dict)  # gpu_type -> calibrated utilisation
+    util: dict[str, float] = field(default_factory=dict)        # gpu_type -> calibrated utilisation
+    mem_eff: dict[str, float] = field(default_factory=dict)     # gpu_type -> calibrated bandwidth share
 
     def with_(self, **kw: Any) -> "Factors":
         return replace(self, **kw)
@@ -84,7 +119,11 @@ _BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 @dataclass(slots=True)
 class StepTime:
-    """Seconds per optimizer step, by part (``total`` is what the scheduler uses)."""
+    """Seconds per optimizer step, by part (``total`` is what the scheduler uses).
+
+    ``compute``: matmuls and attention (tensor math plus the operand traffic GEMMs cannot hide);
+    ``memory``: memory-bound kernels (norms, activations, eager score traffic, loss).
+    """
 
     compute: float
     bubble: float
@@ -94,10 +133,11 @@ class StepTime:
     optimizer: float
     offload: float
     overhead: float
+    memory: float = 0.0
 
     @property
     def total(self) -> float:
-        return (self.compute + self.bubble + self.dp_comm + self.tp_comm + self.pp_comm
+        return (self.compute + self.memory + self.bubble + self.dp_comm + self.tp_comm + self.pp_comm
                 + self.optimizer + self.offload + self.overhead)
 
     def as_dict(self) -> dict[str, float]:
@@ -106,7 +146,12 @@ class StepTime:
         return d
 
 
-def _spec_dims(spec: Any) -> tuple[float, int, int, int, bool]:
+def _spec_dims(spec: Any) -> tuple[float, int, int, int, float]:
+    """params, layers, hidden, the LM head's vocabulary (0 without a head) and matmul params.
+
+    The input embedding is a lookup, not a matmul; a tied head still multiplies by it. A model
+    without an LM head (``lm_head=False``: e.g. a span or classification head) only looks it up.
+    """
     params = float(spec.params)
     layers = int(spec.layers)
     hidden = int(spec.hidden)
@@ -115,7 +160,35 @@ def _spec_dims(spec: Any) -> tuple[float, int, int, int, bool]:
     if tied is None:
         tied = getattr(spec, "tied_embeddings", None)
     tied = True if tied is None else bool(tied)
-    return params, layers, hidden, vocab, tied
+    head = bool(getattr(spec, "lm_head", True))
+    matmul_params = params - (0 if tied and head else vocab * hidden)
+    return params, layers, hidden, vocab if head else 0, matmul_params
+
+
+def _shape_dims(spec: Any, hidden: int) -> tuple[int, int, int, bool, bool]:
+    """heads, kv heads, ffn width, gated MLP, causal: from a ModelSpec or any object with them."""
+    heads = int(getattr(spec, "heads", 0) or 0) or max(1, hidden // 64)
+    kv = int(getattr(spec, "n_kv", 0) or getattr(spec, "kv_heads", 0) or heads)
+    ffn = int(getattr(spec, "f", 0) or getattr(spec, "ffn", 0) or 4 * hidden)
+    arch = getattr(spec, "arch", "gpt")
+    return heads, kv, ffn, arch == "llama", arch != "bert"
+
+
+_dims_cache: dict[int, tuple[Any, tuple]] = {}
+
+
+def _dims(spec: Any) -> tuple:
+    """``_spec_dims`` + ``_shape_dims`` of ``spec``, memoised by identity (the planner asks for
+    the same spec thousands of times; the spec object is kept so a reused id cannot alias)."""
+    hit = _dims_cache.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    base = _spec_dims(spec)
+    dims = base + _shape_dims(spec, base[2])
+    if len(_dims_cache) > 4096:
+        _dims_cache.clear()
+    _dims_cache[id(spec)] = (spec, dims)
+    return dims
 
 
 def _attn_flops(layers: int, hidden: int, seq_len: int, f: Factors) -> float:
@@ -126,9 +199,7 @@ def _attn_flops(layers: int, hidden: int, seq_len: int, f: Factors) -> float:
 def flops_per_token(spec: Any, seq_len: int, act_ckpt: str = "none",
                     factors: Factors = DEFAULT_FACTORS) -> float:
     """Training FLOPs per token (forward + backward, plus recomputation)."""
-    params, layers, hidden, vocab, tied = _spec_dims(spec)
-    # The input embedding is a lookup, not a matmul; a tied head still multiplies by it.
-    matmul_params = params - (0 if tied else vocab * hidden)
+    _, layers, hidden, _, matmul_params = _spec_dims(spec)
     attn = _attn_flops(layers, hidden, seq_len, factors)
     base = 6.0 * matmul_params + attn
     if act_ckpt == "full":
@@ -138,18 +209,76 @@ def flops_per_token(spec: Any, seq_len: int, act_ckpt: str = "none",
     return base
 
 
-def _mb_efficiency(tokens: float, f: Factors) -> float:
-    """Kernel efficiency for small micro-batches, 1.0 from ``mb_full_tokens`` tokens up."""
-    k = f.mb_half_sat_tokens
-    ref = f.mb_full_tokens / (f.mb_full_tokens + k)
-    return min(1.0, (tokens / (tokens + k)) / ref)
+@dataclass(frozen=True, slots=True)
+class _Ctx:
+    """What a step time needs of (spec, GPU, sequence, precision, kernels, factors), per token
+    and per layer, before the plan's shape divides it (memoised: the planner asks thousands of
+    shapes of one context)."""
+
+    params: float
+    layers: int
+    hidden: int
+    nbytes: int
+    rate: float          # sustained matmul FLOP/s
+    attn_rate: float     # FLOP/s the attention core runs at (fused: a share of the GEMM rate)
+    bw: float            # achieved bytes/s of memory-bound kernels
+    mm_flops: float      # 6 x matmul params (training FLOPs per token, no recompute)
+    attn_flops: float    # attention core FLOPs per token (per layer x layers), causal skip applied
+    g0: float            # per-layer GEMM operand elements per token: g0 + g1/tp + g2/(tp m)
+    g1: float
+    g2: float
+    gv0: float           # LM head: gv0/pp + gv1/(tp pp) + gv2/(tp pp m)
+    gv1: float
+    gv2: float
+    attn_io: float       # per layer per token (before / tp): fused q,k,v,o traffic or eager scores
+    elem_h: float        # norms + residuals, per layer per token
+    elem_ffn: float      # MLP activation, per layer per token (before / tp)
+    loss: float          # cross entropy over the vocabulary, per token (before / (tp pp))
 
 
-def _width_efficiency(width: float, f: Factors) -> float:
-    """GEMM efficiency for narrow layers (small hidden size, or hidden split by TP)."""
-    k = f.width_half_sat
-    ref = f.width_full / (f.width_full + k)
-    return min(1.0, (width / (width + k)) / ref)
+_ctx_cache: dict[tuple, tuple[Any, Any, Any, _Ctx]] = {}
+
+
+def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision: str, eager: bool,
+             cp: int, f: Factors) -> _Ctx:
+    key = (id(spec), id(gpu), seq_len, precision, matmul_precision, eager, cp, id(f))
+    hit = _ctx_cache.get(key)
+    if hit is not None and hit[0] is spec and hit[1] is gpu and hit[2] is f:
+        return hit[3]
+    params, layers, hidden, vocab, mm_params, heads, kv, ffn, gated, causal = _dims(spec)
+    nbytes = _BYTES.get(precision, 2)
+    util = f.util.get(gpu.name, gpu.util)
+    if precision == "fp32" and matmul_precision != "tf32" and not gpu.is_cpu:
+        util = f.fp32_util
+    rate = gpu.peak_tflops(precision, matmul_precision) * 1e12 * util
+    bw = gpu.mem_bw_gbs * 1e9 * f.mem_eff.get(gpu.name, f.mem_bw_eff)
+    s = seq_len / cp
+    h = float(hidden)
+    q_kv = h + 2 * kv * (hidden // heads)
+    up = ffn * (2 if gated else 1)
+    # Operand elements one token moves through an (m x k) @ (k x n) GEMM in one pass: its input
+    # row k, its output row n and its share k n / m of the weights (read once per micro-batch).
+    # A block's four GEMMs per TP rank: qkv (h, q_kv/tp), out (h/tp, h), up (h, up/tp),
+    # down (ffn/tp, h); summed: g0 + g1 / tp + g2 / (tp m). The LM head (h, V/tp) likewise.
+    g0, g1, g2 = 4 * h, q_kv + h + up + ffn, h * q_kv + h * h + h * up + ffn * h
+    gv = (h, vocab, h * vocab) if vocab else (0.0, 0.0, 0.0)
+    half = nbytes / 2.0
+    if eager:   # full s x s scores (a causal mask is applied, not skipped)
+        attn_rate = rate
+        attn_io = heads * s * f.eager_bytes_per_score * half
+    else:
+        attn_rate = rate * gpu.flash_attn_eff / (f.causal_attn_share if causal else 1.0)
+        attn_io = f.flash_io_bytes_per_h * h * half
+    act = f.gated_act_bytes_per_ffn if gated else f.mlp_act_bytes_per_ffn
+    c = _Ctx(params=params, layers=layers, hidden=hidden, nbytes=nbytes, rate=rate, attn_rate=attn_rate, bw=bw,
+             mm_flops=6.0 * mm_params,
+             attn_flops=_attn_flops(layers, hidden, s, f), g0=g0, g1=g1, g2=g2, gv0=gv[0], gv1=gv[1], gv2=gv[2],
+             attn_io=attn_io, elem_h=f.norm_residual_bytes_per_h * h * half, elem_ffn=act * ffn * half,
+             loss=vocab * f.loss_bytes_per_vocab)
+    if len(_ctx_cache) > 8192:
+        _ctx_cache.clear()
+    _ctx_cache[key] = (spec, gpu, f, c)
+    return c
 
 
 def _ring(n: int) -> float:
@@ -162,45 +291,53 @@ def _xfer_s(nbytes: float, gbps: float) -> float:
 
 def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
                         inter_node_gbps: float | None = None,
-                        factors: Factors = DEFAULT_FACTORS) -> StepTime:
+                        factors: Factors | None = None) -> StepTime:
     """Predicted seconds per optimizer step of ``plan`` on ``gpu``, by part.
 
-    ``spec``: a model with ``params``, ``layers``, ``hidden`` (``vocab``, ``tied_embeddings``
-    optional), e.g. ``estimator.models.ModelSpec``. ``plan``: ``estimator.plan.Plan`` (or any
-    object with its fields). ``nodes``: how many nodes the placement spans; the data-parallel
-    group then crosses the inter-node network (``inter_node_gbps``, node aggregate, defaults to
-    the GPU class's typical figure). Tensor-parallel groups stay inside a node when they fit.
+    ``spec``: a model with ``params``, ``layers``, ``hidden`` (``vocab``, ``tied_embeddings``,
+    ``heads``, ``kv_heads``, ``ffn``, ``arch`` optional), e.g. ``estimator.models.ModelSpec``.
+    ``plan``: ``estimator.plan.Plan`` (or any object with its fields). ``nodes``: how many nodes
+    the placement spans; the data-parallel group then crosses the inter-node network
+    (``inter_node_gbps``, node aggregate, defaults to the GPU class's typical figure).
+    Tensor-parallel groups stay inside a node when they fit. ``factors``: None = the defaults
+    with the per-GPU factors ``frenzy calibrate`` fitted (``calibrated_factors``).
     """
-    f = factors
-    params, layers, hidden, _, _ = _spec_dims(spec)
+    f = factors if factors is not None else calibrated_factors()
     dp, tp, pp = int(plan.dp), int(plan.tp), int(plan.pp)
     cp = int(getattr(plan, "cp", 1) or 1)
     mb, ga = int(plan.micro_batch), int(plan.grad_accum)
     precision = getattr(plan, "precision", "bf16")
+    matmul_precision = getattr(plan, "matmul_precision", "default") or "default"
     act_ckpt = getattr(plan, "act_ckpt", "none")
     zero = int(getattr(plan, "zero", 0))
     offload = getattr(plan, "offload", "none")
-    nbytes = _BYTES.get(precision, 2)
+    eager = getattr(plan, "attention", "flash") == "eager"
+    c = _context(spec, gpu, seq_len, precision, matmul_precision, eager, cp, f)
+    params, layers, hidden, nbytes, bw = c.params, c.layers, c.hidden, c.nbytes, c.bw
     gpus = max(1, dp * tp * pp * cp)
     nodes = max(1, int(nodes))
     per_node = math.ceil(gpus / nodes)
-    inter = inter_node_gbps if inter_node_gbps else gpu.inter_node_gbps
-    intra = gpu.intra_link_gbps
+    inter = (inter_node_gbps if inter_node_gbps else gpu.inter_node_gbps) * f.network_eff
+    intra = gpu.intra_link_gbps * (f.nvlink_eff if gpu.intra_link.startswith("nvlink") else 1.0)
 
-    # --- compute --------------------------------------------------------------------------
-    tokens_step = mb * ga * dp * seq_len
-    per_token = flops_per_token(spec, seq_len, act_ckpt, f)
-    if getattr(plan, "attention", "flash") == "eager":
-        attn = _attn_flops(layers, hidden, seq_len, f)
-        attn *= (1.0 + f.recompute_full_extra) if act_ckpt in ("full", "selective") else 1.0
-        per_token += attn * (f.eager_attn_factor - 1.0)
-    flops_gpu = tokens_step * per_token / (dp * tp * pp * cp)
-    util = f.fp32_util if precision == "fp32" and not gpu.is_cpu else f.util.get(gpu.name, gpu.util)
-    eff = _mb_efficiency(mb * seq_len / cp, f)
-    if precision != "fp32":              # narrow GEMMs starve tensor cores; plain fp32 FMA less so
-        eff *= _width_efficiency(hidden / tp, f)
-    compute = flops_gpu / (gpu.peak_tflops(precision) * 1e12 * util * eff)
-    t_mb = compute / ga                  # one micro-batch through one stage (fwd + bwd)
+    # --- compute: matmuls (serial roofline) and attention ------------------------------------
+    tokens_gpu = mb * ga * seq_len / cp             # tokens one rank's stages see per step
+    m = mb * seq_len / cp                           # GEMM rows per micro-batch
+    # fwd, dgrad, wgrad = 3 passes; full recomputation adds a forward to everything, selective
+    # only to the attention core
+    passes = 3.0 + (3.0 * f.recompute_full_extra if act_ckpt == "full" else 0.0)
+    attn_passes = 3.0 + (3.0 * f.recompute_full_extra if act_ckpt in ("full", "selective") else 0.0)
+    mp = tp * pp
+    lay = layers / pp
+    gemm_elems = lay * (c.g0 + c.g1 / tp + c.g2 / (tp * m)) + c.gv0 / pp + c.gv1 / (mp + 0.0) \
+        + c.gv2 / (mp * m)
+    compute = (tokens_gpu * c.mm_flops / mp * (passes / 3.0) / c.rate
+               + tokens_gpu * gemm_elems * passes * nbytes / bw
+               + tokens_gpu * c.attn_flops / mp * (attn_passes / 3.0) / c.attn_rate)
+    attn_io = lay * c.attn_io / tp * (attn_passes / 3.0)
+    elem = lay * (c.elem_h + c.elem_ffn / tp) * (passes / 3.0)
+    memory = tokens_gpu * (attn_io + elem + c.loss / mp) / bw
+    t_mb = (compute + memory) / ga      # one micro-batch through one stage (fwd + bwd)
     bubble = t_mb * (pp - 1)             # 1F1B: (pp - 1) micro-batch slots idle per step
 
     # --- data parallel (gradients / ZeRO shards of this rank's model-parallel slice) --------
@@ -222,8 +359,12 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
                    + _xfer_s(shard_bytes * mult * _ring(dp_nodes) * groups_on_node, inter))
         else:
             raw = _xfer_s(shard_bytes * mult * _ring(dp), intra)
-        window = (2.0 / 3.0) * (compute if zero >= 2 else t_mb)  # backward the comms hide under
-        dp_comm = max(raw - f.dp_overlap * window, f.dp_min_exposed * raw)
+        # ZeRO-3 prefetches the next layer's gather during the current one's compute, forward and
+        # backward; gradient reduction (DDP buckets, ZeRO-1/2) overlaps the backward only
+        busy = compute + memory
+        window = busy if zero >= 3 else (2.0 / 3.0) * (busy if zero == 2 else t_mb)
+        exposed = max(raw - f.dp_overlap * window, f.dp_min_exposed * raw)
+        dp_comm = exposed + f.overlap_cost * (raw - exposed)   # hidden comms still slow compute
     else:
         dp_comm = 0.0
 
@@ -248,7 +389,7 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
     # --- optimizer step, offload, overhead -------------------------------------------------
     opt_params = params / (tp * pp) / (dp if zero >= 1 else 1)
     if offload == "none":
-        optimizer = opt_params * f.optimizer_bytes_per_param / (gpu.mem_bw_gbs * 1e9)
+        optimizer = opt_params * f.optimizer_bytes_per_param / bw
         off = 0.0
     else:
         optimizer = opt_params / f.cpu_adam_params_per_s
@@ -259,26 +400,151 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
     mb_over = f.cpu_microbatch_overhead_s if gpu.is_cpu else f.microbatch_overhead_s
     overhead = f.step_overhead_s + ga * mb_over
 
-    return StepTime(compute=compute, bubble=bubble, dp_comm=dp_comm, tp_comm=tp_comm,
+    return StepTime(compute=compute, memory=memory, bubble=bubble, dp_comm=dp_comm, tp_comm=tp_comm,
                     pp_comm=pp_comm, optimizer=optimizer, offload=off, overhead=overhead)
 
 
 def step_time(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
-              inter_node_gbps: float | None = None, factors: Factors = DEFAULT_FACTORS) -> float:
+              inter_node_gbps: float | None = None, factors: Factors | None = None) -> float:
     """Predicted seconds per optimizer step (see ``step_time_breakdown``)."""
     return step_time_breakdown(spec, plan, gpu, seq_len=seq_len, nodes=nodes,
                                inter_node_gbps=inter_node_gbps, factors=factors).total
 
 
 def tokens_per_s(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
-                 inter_node_gbps: float | None = None, factors: Factors = DEFAULT_FACTORS) -> float:
+                 inter_node_gbps: float | None = None, factors: Factors | None = None) -> float:
     tokens = plan.micro_batch * plan.grad_accum * plan.dp * seq_len
     return tokens / step_time(spec, plan, gpu, seq_len=seq_len, nodes=nodes,
                               inter_node_gbps=inter_node_gbps, factors=factors)
 
 
 def job_duration_s(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, steps: int, nodes: int = 1,
-                   inter_node_gbps: float | None = None, factors: Factors = DEFAULT_FACTORS) -> float:
+                   inter_node_gbps: float | None = None, factors: Factors | None = None) -> float:
     """Predicted seconds to run ``steps`` optimizer steps."""
     return steps * step_time(spec, plan, gpu, seq_len=seq_len, nodes=nodes,
                              inter_node_gbps=inter_node_gbps, factors=factors)
+
+
+# --- calibration from measured runs ----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One measured run: what ran (spec, plan, GPU, sequence length, nodes) and its step time."""
+
+    spec: Any
+    plan: Any
+    gpu: GPU
+    seq_len: int
+    step_s: float
+    nodes: int = 1
+
+
+FIT_UTIL_GRID = tuple(round(0.10 + 0.02 * i, 2) for i in range(46))      # 0.10 .. 1.00
+FIT_MEM_EFF_GRID = tuple(round(0.20 + 0.05 * i, 2) for i in range(17))   # 0.20 .. 1.00
+
+
+FIT_PRIOR_RUNS = 2.0   # the datasheet-derived default weighs as much as two runs: one or two runs
+                       # (a single benchmark, another software stack) move a factor only part way
+
+
+def _log_err(ms: list[Measurement], f: Factors) -> float:
+    return sum(math.log(step_time(m.spec, m.plan, m.gpu, seq_len=m.seq_len, nodes=m.nodes, factors=f)
+                        / m.step_s) ** 2 for m in ms)
+
+
+def fit_factors(measured: list[Measurement], base: Factors = DEFAULT_FACTORS) -> Factors:
+    """Refit the per-GPU-type named factors from measured runs: the sustained tensor-core
+    utilisation (``Factors.util``) and, where the runs separate it, the share of memory bandwidth
+    the memory-bound kernels reach (``Factors.mem_eff``).
+
+    Per GPU type, the pair minimising the squared log error of predicted / measured step time
+    over that type's runs plus a pull towards the defaults (``FIT_PRIOR_RUNS`` pseudo-runs at
+    the default values, in log space), on a grid of physical values (utilisation 0.10-1.00,
+    bandwidth share 0.20-1.00). With fewer than 3 runs only the utilisation is refit (one run
+    cannot separate the two). Types without runs keep their defaults. Pure; returns new Factors.
+    """
+    by_gpu: dict[str, list[Measurement]] = {}
+    for m in measured:
+        if m.step_s > 0 and math.isfinite(m.step_s):
+            by_gpu.setdefault(m.gpu.name, []).append(m)
+    util, mem = dict(base.util), dict(base.mem_eff)
+    for name, ms in by_gpu.items():
+        u0, me0 = util.get(name, ms[0].gpu.util), mem.get(name, base.mem_bw_eff)
+        mem_grid = FIT_MEM_EFF_GRID if len(ms) >= 3 else (me0,)
+        best = (math.inf, u0, me0)
+        for me in mem_grid:
+            for u in FIT_UTIL_GRID:
+                err = _log_err(ms, base.with_(util={**util, name: u}, mem_eff={**mem, name: me})) \
+                    + FIT_PRIOR_RUNS * (math.log(u / u0) ** 2 + math.log(me / me0) ** 2)
+                if err < best[0]:
+                    best = (err, u, me)
+        util[name], mem[name] = best[1], best[2]
+    return base.with_(util=util, mem_eff=mem)
+
+
+# --- the calibration file: per-GPU factors fitted from the ledger's measurements -----------------
+CALIBRATED_KEYS = ("util", "mem_eff")
+CAL_RECHECK_S = 1.0    # look at the file's mtime at most once a second (a stat costs ~3 us a call)
+_cal_cache: dict[str, tuple[int, Factors]] = {}
+_cal_checked: dict[str, tuple[float, Factors]] = {}
+
+
+def calibration_file() -> str:
+    """``$FRENZY_HOME/throughput_calibration.json``: {gpu_type: {"util": u, "mem_eff": m}}."""
+    return os.path.join(os.environ.get("FRENZY_HOME") or DEFAULT_HOME, "throughput_calibration.json")
+
+
+def calibrated_factors(path: str | os.PathLike | None = None) -> Factors:
+    """The default factors with the fitted per-GPU ones from the calibration file (the defaults
+    alone when there is none). The file is looked at at most once a second per location and
+    re-read only when it changed (mtime): every step time calls this."""
+    home = os.fspath(path) if path else os.environ.get("FRENZY_HOME") or DEFAULT_HOME
+    now = time.monotonic()
+    seen = _cal_checked.get(home)
+    if seen is not None and now - seen[0] < CAL_RECHECK_S:
+        return seen[1]
+    f = _load_calibrated(os.fspath(path) if path else calibration_file())
+    _cal_checked[home] = (now, f)
+    return f
+
+
+def _load_calibrated(key: str) -> Factors:
+    try:
+        mtime = os.stat(key).st_mtime_ns
+    except OSError:
+        return DEFAULT_FACTORS
+    hit = _cal_cache.get(key)
+    if hit and hit[0] == mtime:
+        return hit[1]
+    try:
+        with open(key, encoding="utf-8") as fh:
+            data = json.load(fh)
+        per = {k: {str(g): float(t[k]) for g, t in data.items() if isinstance(t, dict) and k in t}
+               for k in CALIBRATED_KEYS}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return DEFAULT_FACTORS
+    per = {k: {g: v for g, v in d.items() if math.isfinite(v) and 0 < v <= 1} for k, d in per.items()}
+    f = DEFAULT_FACTORS.with_(util=per["util"], mem_eff=per["mem_eff"])
+    _cal_cache[key] = (mtime, f)
+    return f
+
+
+def write_calibration(fitted: Factors, gpu_types: list[str], path: str | os.PathLike | None = None) -> Path:
+    """Merge the fitted per-GPU factors of ``gpu_types`` into the calibration file (other types
+    kept) and return its path."""
+    p = Path(path) if path else Path(calibration_file())
+    p.parent.mkdir(parents=True, exist_ok=True)
+    current: dict[str, Any] = {}
+    if p.exists():
+        try:
+            current = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            current = {}
+    for g in gpu_types:
+        terms = {k: getattr(fitted, k)[g] for k in CALIBRATED_KEYS if g in getattr(fitted, k)}
+        current.setdefault(g, {}).update(terms)
+    tmp = p.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(current, indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, p)
+    _cal_cache.clear()
+    _cal_checked.clear()
+    return p

@@ -59,11 +59,22 @@ def trace_step(spec: ModelSpec, k: Knobs, model_factory: Callable[[], Any] | Non
     if k.dp * k.tp * k.pp * k.cp != 1:
         raise ValueError("trace_step traces one rank: dp = tp = pp = cp = 1")
     c16 = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(k.precision)
-    amp = c16 is not None and (k.mp_style == "amp" or (k.mp_style == "auto" and k.zero == 0))
-    master = c16 is not None and not amp
-    build_dtype = c16 if master else torch.float32
+    pure = c16 is not None and k.master == "none"
+    lora = k.finetune == "lora"
+    amp = c16 is not None and not pure and not lora and (
+        k.mp_style == "amp" or (k.mp_style == "auto" and k.zero == 0))
+    master = c16 is not None and not amp and not pure and not lora
+    build_dtype = c16 if (master or pure or lora) else torch.float32
     if k.optimizer not in ("adamw", "adam", "sgd", "adafactor"):
         raise NotImplementedError(f"optimizer {k.optimizer} has no fake-tensor kernels (bitsandbytes)")
+    if k.framework not in ("frenzy", "hf"):
+        raise NotImplementedError(f"the trace runs the HF modelling code, not {k.framework}'s")
+    # MemTracker registers a gradient hook on every parameter a module runs with, which frozen
+    # (adapter-base) parameters refuse: LoRA stays analytic (its terms are documented there)
+    for knob, on in (("finetune " + k.finetune, k.finetune != "full"), ("loss " + k.loss, k.loss != "standard"),
+                     ("act_offload", k.act_offload), ("fused_kernels", k.fused)):
+        if on:
+            raise NotImplementedError(f"{knob} is not traced (no CPU fake-tensor equivalent)")
     if k.act_ckpt == "selective" and k.attention == "eager":
         raise NotImplementedError("selective recomputation of eager attention is not a HF switch")
 
@@ -97,7 +108,10 @@ def trace_step(spec: ModelSpec, k: Knobs, model_factory: Callable[[], Any] | Non
             opt_params = params
         if k.optimizer in ("adamw", "adam"):
             cls = torch.optim.AdamW if k.optimizer == "adamw" else torch.optim.Adam
-            opt = cls(opt_params, lr=1e-4, foreach=True)
+            if k.adamw_impl == "fused":
+                opt = cls(opt_params, lr=1e-4, fused=True)
+            else:
+                opt = cls(opt_params, lr=1e-4, foreach=k.adamw_impl == "foreach")
         elif k.optimizer == "sgd":
             opt = torch.optim.SGD(opt_params, lr=1e-3, momentum=0.9, foreach=True)
         else:
@@ -112,6 +126,16 @@ def trace_step(spec: ModelSpec, k: Knobs, model_factory: Callable[[], Any] | Non
         opt.step()
         for q in opt_params:
             q.grad = None
+        if k.opt_in_bwd:
+            # one optimizer per parameter, stepped as its gradient is accumulated, then freed
+            per = {q: cls(opt.param_groups[0]["params"][:0] + [q], lr=1e-4,
+                          foreach=False) for q in opt_params}
+            for q, o in per.items():
+                o.state[q] = opt.state[q]
+                def hook(t, o=o):
+                    o.step()
+                    t.grad = None
+                q.register_post_accumulate_grad_hook(hook)
         vocab = spec.vocab_padded
         ids = torch.randint(0, vocab, (k.micro_batch, k.seq_len))
         mt = MemTracker()

@@ -44,6 +44,21 @@ def register(sub) -> None:
     k.add_argument("--attention", default="flash", help="flash | eager")
     k.add_argument("--mp-style", default="auto",
                    help="auto (zero 0: amp, zero>=1: master) | amp | master")
+    from estimator.profiles import FRAMEWORKS
+    t = e.add_argument_group("implementation and techniques")
+    t.add_argument("--framework", default="frenzy",
+                   help="implementation profile: " + " | ".join(FRAMEWORKS))
+    t.add_argument("--master-weights", default="auto", help="auto | fp32 | none (pure 16-bit)")
+    t.add_argument("--finetune", default="full", help="full | lora | qlora")
+    t.add_argument("--lora-rank", type=int, default=16)
+    t.add_argument("--lora-targets", help="comma-separated projections (default: PEFT's)")
+    t.add_argument("--loss", default="standard", help="standard | chunked | fused-linear | none")
+    t.add_argument("--act-offload", type=_bool, nargs="?", const=True, default=False, metavar="BOOL")
+    t.add_argument("--optimizer-in-backward", type=_bool, nargs="?", const=True, default=False,
+                   metavar="BOOL")
+    t.add_argument("--adamw-impl", default="auto", help="auto | foreach | fused | for-loop")
+    t.add_argument("--fused-kernels", type=_bool, nargs="?", const=True, default=False,
+                   metavar="BOOL", help="torch.compile / Liger fused norm and activation kernels")
     e.add_argument("--gpu", help="catalog GPU type, e.g. A100-80GB (adds fits / overheads)")
     e.add_argument("--method", default="analytic", help="analytic | traced")
     e.add_argument("--json", action="store_true", help="print one JSON object")
@@ -57,6 +72,9 @@ def register(sub) -> None:
     p.add_argument("--precision", default="bf16")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--attention", default="flash")
+    p.add_argument("--master-weights", default="fp32", help="fp32 | none (pure 16-bit)")
+    p.add_argument("--finetune", default="full", help="full | lora | qlora")
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--cluster", help="cluster YAML (GPU types and counts); default: 8 of every "
                                      "catalog GPU type")
     p.add_argument("--gpu", action="append", help="only this GPU type (repeatable)")
@@ -75,11 +93,17 @@ def register(sub) -> None:
 _EST_KEYS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
              "tied_embeddings", "seq_len", "micro_batch", "grad_accum", "dp", "tp", "pp", "cp",
              "sp", "vpp", "zero", "offload", "precision", "optimizer", "act_ckpt", "attention",
-             "gpu", "method", "mp_style")
+             "gpu", "method", "mp_style", "framework", "master_weights", "finetune", "lora_rank",
+             "lora_targets", "loss", "act_offload", "optimizer_in_backward", "adamw_impl",
+             "fused_kernels")
 
 
 def handle_estimate(args) -> int:
     from estimator import estimate
+    from estimator.catalog import resolve_gpu_name
+
+    if args.gpu is not None:
+        args.gpu = resolve_gpu_name(args.gpu, field="--gpu")
 
     kw = {k: getattr(args, k) for k in _EST_KEYS if getattr(args, k) is not None}
     import warnings
@@ -97,42 +121,46 @@ def handle_estimate(args) -> int:
         con.print(f"[yellow]warning:[/] {w}")
     for note in est.warnings:
         if note not in with_warnings:
-            con.print(f"[dim]{note}[/]")
-    con.print(f"[bold]{est.model}[/]  {est.params:,} parameters  ({est.method})")
-    t = Table(title="per-GPU memory (GiB)", show_header=True)
+            con.print(f"[yellow]warning:[/] {note}")
+    from .units import format_memory
+    con.print(f"[bold]{est.model}[/]  {est.params:,} parameters  ({est.method}, "
+              f"framework {est.framework})")
+    t = Table(title="per-GPU memory", show_header=True)
     t.add_column("stage")
     t.add_column("layers", justify="right")
     t.add_column("allocated", justify="right")
     t.add_column("reserved", justify="right")
     t.add_column("device used", justify="right")
     for s in est.stages:
-        t.add_row(str(s.stage), str(s.layers), f"{s.allocated_peak_gib:.2f}",
-                  f"{s.reserved_peak_gib:.2f}", f"{s.device_used_gib:.2f}")
+        t.add_row(str(s.stage), str(s.layers), format_memory(s.allocated_peak_gib),
+                  format_memory(s.reserved_peak_gib), format_memory(s.device_used_gib))
     if len(est.stages) > 1:
-        t.add_row("peak", "", f"{est.allocated_peak_gib:.2f}", f"{est.reserved_peak_gib:.2f}",
-                  f"{est.device_used_gib:.2f}", style="bold")
+        t.add_row("peak", "", format_memory(est.allocated_peak_gib), format_memory(est.reserved_peak_gib),
+                  format_memory(est.device_used_gib), style="bold")
     con.print(t)
-    b = Table(title="breakdown at the peak (GiB)")
+    b = Table(title="breakdown at the peak")
     for k in est.breakdown_gib:
         b.add_column(k, justify="right")
-    b.add_row(*(f"{v:.3f}" for v in est.breakdown_gib.values()))
+    b.add_row(*(format_memory(v) for v in est.breakdown_gib.values()))
     con.print(b)
     if est.gpu:
         verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
-        con.print(f"{est.gpu} ({est.gpu_memory_gib:.1f} GiB): {verdict}")
+        con.print(f"{est.gpu} ({format_memory(est.gpu_memory_gib)}): {verdict}")
     return 0
 
 
 def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int, dict | None]:
     """(GPU type -> count, GPUs per node, the cluster's own GPU types or None)."""
-    from estimator.catalog import GPU_NAMES, get_gpu
+    from estimator.catalog import GPU_NAMES, resolve_gpu_name
     if args.cluster:
         from scheduler.cluster import load_cluster
         cl = load_cluster(args.cluster)
+        if args.gpu:
+            args.gpu = [resolve_gpu_name(g, cl.gpu_types, field="--gpu") for g in args.gpu]
         return cl.inventory(), cl.gpus_per_node(), cl.gpu_catalog()
+    if args.gpu:
+        args.gpu = [resolve_gpu_name(g, field="--gpu") for g in args.gpu]
     types = args.gpu or list(GPU_NAMES)
-    for g in types:
-        get_gpu(g)
     if args.max_gpus < 1:
         raise FrenzyInputError("max_gpus", f"must be a positive integer, got {args.max_gpus}")
     return {g: args.max_gpus for g in types}, 8, None
@@ -141,8 +169,14 @@ def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int, dict | None]
 def handle_plan(args) -> int:
     from estimator.plans import plans_for_job
 
+    if args.top < 1:
+        raise FrenzyInputError("--top", f"must be at least 1 (plans shown per GPU type), got {args.top}; "
+                                        "--json prints every plan")
+
     job = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
-           "precision": args.precision, "optimizer": args.optimizer, "attention": args.attention}
+           "precision": args.precision, "optimizer": args.optimizer, "attention": args.attention,
+           "master_weights": args.master_weights,
+           "finetune": {"method": args.finetune, "rank": args.lora_rank}}
     inv, gpn, gpus = _inventory(args)
     if args.gpu and args.cluster:
         inv = {g: n for g, n in inv.items() if g in args.gpu}
@@ -152,19 +186,22 @@ def handle_plan(args) -> int:
         print(json.dumps({g: [p.model_dump(mode="json") for p in ps] for g, ps in plans.items()}))
         return 0
     from .console import console
+    from .units import format_memory, format_seconds
     from rich.table import Table
     con = console()
     for g, ps in plans.items():
         if not ps:
             con.print(f"[dim]{g}: no feasible plan[/]")
             continue
-        t = Table(title=f"{g}: {len(ps)} feasible plans (fastest first)")
-        for col in ("gpus", "dp", "tp", "pp", "zero", "ckpt", "mb x accum", "used GiB", "step s"):
-            t.add_column(col, justify="right")
+        t = Table(title=f"{g}: {len(ps)} feasible plans (launchable first, fastest first)")
+        for col in ("gpus", "dp", "tp", "pp", "zero", "offload", "ckpt", "mb x accum", "memory used",
+                    "step", "launch here"):
+            t.add_column(col, justify="right" if col != "launch here" else "left")
         for p in ps[: args.top]:
-            t.add_row(str(p.gpus), str(p.dp), str(p.tp), str(p.pp), str(p.zero), p.act_ckpt,
-                      f"{p.micro_batch} x {p.grad_accum}", f"{p.device_used_gib:.2f}",
-                      f"{p.step_time_s:.3f}")
+            t.add_row(str(p.gpus), str(p.dp), str(p.tp), str(p.pp), str(p.zero), p.offload,
+                      p.act_ckpt, f"{p.micro_batch} x {p.grad_accum}", format_memory(p.device_used_gib),
+                      format_seconds(p.step_time_s),
+                      "yes" if p.not_launchable is None else f"no: {p.not_launchable}")
         con.print(t)
     return 0
 

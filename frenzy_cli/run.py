@@ -25,6 +25,9 @@ def register(sub) -> None:
     p.add_argument("--plan", help='only plans with these knobs, e.g. "tp=2", "offload=optimizer,zero=3", '
                                   '"nodes=2" (knobs: dp tp pp cp gpus nodes zero offload act_ckpt '
                                   'micro_batch grad_accum gpu)')
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what would launch (GPU type, count, plan, memory, predicted step time "
+                        "and duration, pool, worker) and start nothing: no Prefect server, no ledger")
     p.set_defaults(handler=handle)
 
 
@@ -83,6 +86,12 @@ def handle(args) -> int:
     check_job(job)          # starting point, config/weights, LoRA targets, QLoRA support
 
     topology = cluster_or_local(args.cluster)
+    if args.dry_run:    # writes nothing: Prefect is imported (never contacted) with a throwaway home
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="frenzy-dry-run-") as tmp:
+            os.environ.setdefault("PREFECT_HOME", tmp)
+            from frenzy_flows.dryrun import print_dry_run
+            return print_dry_run(job, topology, args)
     # With a settings block its margin is only known once Prefect is up: check against none.
     margin = (args.safety_margin_gib if args.safety_margin_gib is not None
               else 0.0 if args.settings else DEFAULT_SAFETY_MARGIN_GIB)

@@ -133,7 +133,41 @@ def print_table(results, title: str = "") -> None:
                   f"{r.avg_queue_s / 3600:.2f}", f"{r.gpu_util:.2f}", str(r.oom_events),
                   f"{r.sched_ms_p50:.2f}", f"{r.sched_ms_p99:.2f}", f"{r.lower_bound_avg_jct_s / 3600:.2f}",
                   str(r.preemptions), f"{r.sim_wall_s:.1f}")
-    console().print(t)
+    con = console()
+    con.print(t)
+    for r in results:
+        note = unfinished_note(r)
+        if note:
+            con.print(note)
+    common = common_jct(results)
+    if common:
+        n, avgs = common
+        con.print(f"avg JCT over the {n} jobs every policy finished: "
+                  + ", ".join(f"{p} {v / 3600:.2f} h" for p, v in avgs.items()))
+
+
+def unfinished_note(r) -> str | None:
+    """Why a run's jobs did not all finish, or None when they did."""
+    if r.completed >= r.jobs:
+        return None
+    parts = [(r.rejected, "rejected: no plan fits the cluster"),
+             (r.failed, "failed: gave up after repeated out-of-memory runs"),
+             (r.stranded, "stranded: still queued or running when the simulation stopped")]
+    why = "; ".join(f"{n} {text}" for n, text in parts if n)
+    return f"{r.policy}: {r.completed}/{r.jobs} done, {r.jobs - r.completed} not ({why or 'reason not recorded'})"
+
+
+def common_jct(results) -> tuple[int, dict[str, float]] | None:
+    """(jobs every policy finished, policy -> their mean JCT in s) when the policies finished
+    different sets of jobs (their own averages then compare different jobs); else None."""
+    done = [{j["job_id"]: j["end_s"] - j["submit_s"] for j in r.per_job if j["state"] == "done"}
+            for r in results]
+    if len(results) < 2 or all(set(d) == set(done[0]) for d in done):
+        return None
+    ids = set.intersection(*(set(d) for d in done))
+    if not ids:
+        return 0, {}
+    return len(ids), {r.policy: sum(d[i] for i in ids) / len(ids) for r, d in zip(results, done)}
 
 
 def handle_workload(args) -> int:

@@ -3,10 +3,13 @@ it estimates, selects GPU types among the registered pools, assigns GPUs on the 
 trains."""
 from __future__ import annotations
 
+from typing import Annotated
+
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 from pydantic import SecretStr
 
+from blocks.cluster import GPUCluster
 from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
@@ -15,8 +18,9 @@ from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan
 from scheduler.discover import cluster_or_local
 
 from frenzy_flows import artifacts, dispatch, events
+from frenzy_flows.form import RunForm
 from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, training_fields
-from frenzy_flows.tasks import (assign, estimate_memory, fastest, load_settings, new_job_id,
+from frenzy_flows.tasks import (assign, estimate_memory, load_settings, new_job_id,
                                 secret_value, select_resources, with_site_defaults)
 from frenzy_flows.train_flow import train_on_pool
 
@@ -44,19 +48,39 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
 
 
 @flow(name="frenzy-submit", log_prints=False)
-def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | None = None,
-                    safety_margin_gib: float | None = None, ledger_url: SecretStr | None = None,
-                    wait_timeout_s: float = 3600.0, settings: str | None = None,
-                    plan_filter: str | None = None) -> SubmitResult:
-    """Train ``job`` without naming a GPU.
+def submit_training(job: Annotated[TrainingJob, RunForm()],
+                    cluster: Annotated[GPUCluster | str | None, RunForm()] = None,
+                    policy: Annotated[str | None, RunForm()] = None,
+                    safety_margin_gib: Annotated[float | None, RunForm()] = None,
+                    ledger_url: Annotated[SecretStr | None, RunForm()] = None,
+                    wait_timeout_s: float = 3600.0, settings: Annotated[str | None, RunForm()] = None,
+                    dry_run: bool = False,
+                    plan_filter: Annotated[str | None, RunForm()] = None) -> SubmitResult | dict:
+    """Train a job without naming a GPU: estimate its memory, pick GPU type and count, assign
+    GPUs on the ledger and train.
 
-    ``cluster``: a cluster YAML path (pools per GPU type); default: the GPUs NVML finds here,
-    or a local CPU pool. ``ledger_url``: SQLAlchemy URL of the GPU ledger (default: env
-    FRENZY_LEDGER_URL, else SQLite under FRENZY_HOME, as `ledger.Ledger` decides).
-    ``settings``: a `FrenzySettings` block name; its ledger URL, safety margin, policy and
-    out-of-memory fallback order apply where the call leaves them unset, its default
-    precision and optimizer where the job leaves them unset. ``plan_filter``: knobs the plan
-    must have (``"tp=2,zero=3"``, `estimator.plan_filter`)."""
+    Args:
+        job: The training job: model, data, sequence length, global batch and steps (the
+            fields of a job YAML such as examples/tiny-job.yaml).
+        cluster: The GPUs to schedule on: a `GPUCluster` block, or the path of a cluster YAML
+            on the control worker's disk. Empty: the GPUs NVML finds on the control worker,
+            else a local CPU pool.
+        policy: Scheduling policy (frenzy, sia, gavel, tiresias, ...). Empty: the settings
+            block's, else frenzy.
+        safety_margin_gib: GPU memory (GiB) kept free beyond the predicted peak. Empty: the
+            settings block's, else 1 GiB.
+        ledger_url: SQLAlchemy URL of the GPU ledger (kept secret). Empty: the settings
+            block's, else env FRENZY_LEDGER_URL, else SQLite under FRENZY_HOME.
+        wait_timeout_s: Seconds to wait for free GPUs before the run fails.
+        settings: Name of a `FrenzySettings` block: its ledger URL, safety margin, policy and
+            out-of-memory fallback order apply where this form leaves them empty, its default
+            precision and optimizer where the job leaves them unset.
+        dry_run: Only report what would launch (GPU type, count, plan, memory, predicted step
+            time and duration, pool and worker) as the `frenzy-dry-run` artifact; no GPU is
+            assigned, nothing is written to the ledger, nothing trains.
+        plan_filter: Knobs the plan must have, comma-separated (``tp=2``, ``offload=optimizer,zero=2``,
+            ``nodes=2``; `estimator.plan_filter`). Empty: every feasible plan is a candidate.
+    """
     from ledger import Ledger
     from prefect.utilities.asyncutils import run_coro_as_sync
 
@@ -72,16 +96,17 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     if safety_margin_gib is None:
         safety_margin_gib = (site.safety_margin_gib if site and site.safety_margin_gib is not None
                              else DEFAULT_SAFETY_MARGIN_GIB)
-    topology = cluster_or_local(cluster)
+    topology = cluster.to_cluster() if isinstance(cluster, GPUCluster) else cluster_or_local(cluster)
+    if dry_run:              # before the ledger: a dry run writes nothing
+        from frenzy_flows.dryrun import dry_run_in_flow
+        return dry_run_in_flow(job, topology, safety_margin_gib=safety_margin_gib, policy=policy)
     Ledger(ledger_url).sync_cluster(topology)
     job_id = new_job_id(job)
 
     plans_by_type = estimate_memory(job, topology, safety_margin_gib)
     if plan_filter:
         plans_by_type = filter_plans(plans_by_type, parse_plan_filter(plan_filter), topology.gpus_per_node())
-    best = fastest(plans_by_type)
     gpus = topology.gpu_catalog()
-    artifacts.memory_breakdown(estimate_plan(job, best, gpus=gpus), best)
 
     registered = run_coro_as_sync(_registered_pools())
     candidates = select_resources(job, plans_by_type, topology, registered)
@@ -90,6 +115,7 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     chosen = assignment.plan
     artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
                           pool_notes=dispatch.pool_notes(topology))
+    artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
     events.placed(job.name, chosen, assignment)
 
     try:
@@ -105,7 +131,7 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
 
     final = Plan.model_validate(trained["final_plan"]) if trained.get("final_plan") else chosen
     measured = trained.get("measured", {})
-    artifacts.summary(final, predicted_figures(final), measured)
+    artifacts.summary(final, predicted_figures(final), measured, trained)
     artifacts.training_record(trained)          # MLflow link and loss curve
     result = SubmitResult(
         status=status, job_id=job_id, job_name=job.name, plan=final, initial_plan=chosen,

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from estimator.catalog import CATALOG, GPU, get_gpu, make_gpu
+from estimator.catalog import CATALOG, GPU, get_gpu, make_gpu, resolve_gpu_name
 from estimator.errors import FrenzyInputError
 from estimator.yamlfile import CLUSTER_FILE, line_of, parse_yaml, read_text
 
@@ -240,10 +240,10 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
             raise err(raw, "name", f"{where}.name", f"duplicate pool name {name!r} (also pools[{seen[name]}])")
         seen[name] = i
         gpu = raw["gpu"]
-        if not isinstance(gpu, str) or (gpu not in CATALOG and gpu not in extra):
-            known = ", ".join(sorted(set(CATALOG) | set(extra)))
-            raise err(raw, "gpu", f"{where}.gpu", f"unknown GPU type {gpu!r}; known types: {known} "
-                                                  "(or define it under gpu_types)")
+        try:                # 'h100-80gb' and 'H100' mean H100-80GB, as presets ignore case
+            gpu = resolve_gpu_name(gpu, extra)
+        except FrenzyInputError as bad:
+            raise err(raw, "gpu", f"{where}.gpu", f"{bad.rule} (or define it under gpu_types)") from None
         for k, most, why in (("nodes", MAX_NODES_PER_POOL, "a bound above the largest published training "
                                                            "clusters, 3,072 nodes"),
                              ("gpus_per_node", MAX_GPUS_PER_NODE, "the largest NVLink domain, a GB200 NVL72 rack")):

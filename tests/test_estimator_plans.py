@@ -21,8 +21,12 @@ def test_plans_fit_keep_batch_and_are_ranked():
         assert 0 < p.device_used_gib <= cap
         assert p.step_time_s > 0
         assert p.precision == "bf16" and p.optimizer == "adamw" and p.attention == "flash"
-    times = [p.step_time_s for p in plans]
-    assert times == sorted(times)
+    # launchable plans first, each group fastest first
+    flags = [p.not_launchable is not None for p in plans]
+    assert flags == sorted(flags)
+    for group in (False, True):
+        times = [p.step_time_s for p in plans if (p.not_launchable is not None) == group]
+        assert times == sorted(times)
 
 
 def test_plan_predictions_match_estimate():

@@ -1,4 +1,5 @@
 """Throughput model: behaviour of each term (directions and ratios, not pinned numbers)."""
+import math
 from types import SimpleNamespace as NS
 
 import pytest
@@ -62,8 +63,8 @@ def test_zero3_communicates_more_than_zero1_and_pcie_more_than_nvlink():
 def test_pipeline_bubble_shrinks_with_more_microbatches():
     few = st(plan(pp=4, mb=1, ga=4), spec=L8, seq=2048)
     many = st(plan(pp=4, mb=1, ga=32), spec=L8, seq=2048)
-    assert few.bubble / few.compute == pytest.approx(3 / 4)
-    assert many.bubble / many.compute == pytest.approx(3 / 32)
+    assert few.bubble / (few.compute + few.memory) == pytest.approx(3 / 4)
+    assert many.bubble / (many.compute + many.memory) == pytest.approx(3 / 32)
     assert few.pp_comm > 0
 
 
@@ -80,7 +81,11 @@ def test_factors_recalibrate_utilisation():
     slow = DEFAULT_FACTORS.with_(util={"A100-80GB": g.util / 2})
     a = step_time_breakdown(G2, p, g, seq_len=1024)
     b = step_time_breakdown(G2, p, g, seq_len=1024, factors=slow)
-    assert b.compute == pytest.approx(2 * a.compute)
+    # the tensor-math part doubles; operand traffic and memory-bound kernels do not change
+    assert 1.3 * a.compute < b.compute < 2 * a.compute
+    assert b.memory == pytest.approx(a.memory)
+    starved = step_time_breakdown(G2, p, g, seq_len=1024, factors=DEFAULT_FACTORS.with_(mem_eff={g.name: 0.2}))
+    assert starved.memory > 3 * a.memory and starved.compute > a.compute
 
 
 def test_duration_and_tokens_per_s_are_consistent():
@@ -105,31 +110,50 @@ def test_eager_attention_and_narrow_layers_cost_time():
     eager = step_time(G2, plan("H200-141GB", mb=8, attention="eager"), g, seq_len=1024)
     assert eager > 1.2 * flash
     # the same FLOPs in wider layers run at a higher share of peak (bf16 tensor cores)
-    narrow = NS(params=1e9, layers=48, hidden=1024, vocab=0)
-    wide = NS(params=1e9, layers=12, hidden=4096, vocab=0)
+    narrow = NS(params=12 * 48 * 1024**2, layers=48, hidden=1024, vocab=0)   # same parameters
+    wide = NS(params=12 * 3 * 4096**2, layers=3, hidden=4096, vocab=0)
     t_n = step_time_breakdown(narrow, plan("H200-141GB", mb=4), g, seq_len=512)
     t_w = step_time_breakdown(wide, plan("H200-141GB", mb=4), g, seq_len=512)
-    assert t_n.compute > 1.3 * t_w.compute
+    assert t_n.compute > 1.15 * t_w.compute
 
 
-def test_model_tracks_real_h200_step_times():
-    """30 single-GPU training runs measured on an H200 (bench/estimator_measured_h200.json):
-    the median prediction is within 20% and most runs within a factor of 1.5."""
+def _h200_runs(name):
     import json
-    import statistics
     from pathlib import Path
 
     from estimator.models import resolve_model
+    from estimator.throughput import Measurement
 
-    data = json.loads((Path(__file__).resolve().parents[1] / "bench/estimator_measured_h200.json").read_text())
+    data = json.loads((Path(__file__).resolve().parents[1] / "bench" / name).read_text())
     g = get_gpu("H200-141GB")
-    ratios = []
+    out = []
     for r in data["results"]:
         c = r["config"]
         p = Plan(gpu_type=g.name, gpus=1, micro_batch=c["micro_batch"], grad_accum=c.get("grad_accum", 1),
                  act_ckpt=c["act_ckpt"], attention=c["attention"],
                  precision={"amp": "bf16", "master": "bf16", "fp32": "fp32"}[c["regime"]], optimizer=c["optimizer"])
-        ratios.append(step_time(resolve_model(c["model"]), p, g, seq_len=c["seq_len"]) / r["step_s"])
-    assert len(ratios) >= 20
-    assert 0.8 <= statistics.median(ratios) <= 1.2
-    assert sum(0.67 <= x <= 1.5 for x in ratios) >= 0.8 * len(ratios)
+        out.append(Measurement(resolve_model(c["model"]), p, g, c["seq_len"], r["step_s"]))
+    return out
+
+
+def test_calibrated_model_tracks_held_out_h200_step_times():
+    """Single-GPU Hugging Face training runs measured on an H200: the per-GPU factors refit on
+    one file (30 runs) predict the other (24 held-out runs): median within 20%, most within 1.5x,
+    and closer than the uncalibrated defaults."""
+    import statistics
+
+    from estimator.throughput import fit_factors
+
+    fit, held = _h200_runs("estimator_measured_h200.json"), _h200_runs("estimator_measured_h200_heldout.json")
+    assert len(fit) >= 20 and len(held) >= 20
+    f = fit_factors(fit)
+    assert set(f.util) == {"H200-141GB"} and 0.1 <= f.util["H200-141GB"] <= 1.0
+
+    def ratios(fac):
+        return [step_time(m.spec, m.plan, m.gpu, seq_len=m.seq_len, factors=fac) / m.step_s for m in held]
+
+    before, after = ratios(DEFAULT_FACTORS), ratios(f)
+    assert 0.8 <= statistics.median(after) <= 1.2
+    assert sum(0.67 <= x <= 1.5 for x in after) >= 0.75 * len(after)
+    med_abs_log = lambda rs: statistics.median(abs(math.log(x)) for x in rs)  # noqa: E731
+    assert med_abs_log(after) < med_abs_log(before)

@@ -1,0 +1,97 @@
+"""Throughput-model speed against the issue's targets:
+
+* predicted step time of one plan < 20 microseconds (varied plans, no cache)
+* all plans of one job over 8 GPU types < 5 ms: every step time the planner asks for one job
+  (captured from ``estimator.plans``), recomputed uncached; the planner's own total, cold and
+  warm, is printed beside it
+
+    python bench/throughput_speed.py [--reps N]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from estimator import plans as plans_mod  # noqa: E402
+from estimator.catalog import GPU_NAMES, get_gpu  # noqa: E402
+from estimator.models import resolve_model  # noqa: E402
+from estimator.plan import Plan  # noqa: E402
+from estimator.throughput import DEFAULT_FACTORS, step_time  # noqa: E402
+
+JOB = dict(model="llama-3.1-8b", seq_len=4096, global_batch=256)
+
+
+def bench_one(reps: int, clock=time.perf_counter) -> float:
+    spec = resolve_model("llama-3.1-8b")
+    cases = [(Plan(gpu_type=g, gpus=dp * tp, dp=dp, tp=tp, zero=z, micro_batch=mb, grad_accum=ga,
+                   act_ckpt=ck, attention=at), get_gpu(g), n)
+             for g, dp, tp, z, mb, ga, ck, at, n in [
+                 ("H100-80GB", 8, 1, 3, 2, 4, "none", "flash", 1), ("A100-80GB", 4, 2, 1, 1, 8, "full", "flash", 1),
+                 ("RTX3090-24GB", 16, 1, 3, 1, 16, "full", "eager", 2), ("L4-24GB", 8, 4, 0, 1, 32, "selective", "flash", 4)]]
+    per = []
+    for plan, gpu, nodes in cases:
+        t = clock()
+        for i in range(reps):
+            step_time(spec, plan, gpu, seq_len=2048 + (i & 7), nodes=nodes)   # varied seq: no cache
+        per.append((clock() - t) / reps * 1e6)
+    return statistics.mean(per)
+
+
+def captured_calls() -> list[tuple]:
+    calls: list[tuple] = []
+    inner = plans_mod._step_time.__wrapped__
+
+    def spy(spec, shape, gpu, seq_len, nodes):
+        calls.append((spec, shape, gpu, seq_len, nodes))
+        return inner(spec, shape, gpu, seq_len, nodes)
+    saved = plans_mod._step_time
+    plans_mod._memory_table.cache_clear()
+    plans_mod._plans_cached.cache_clear()
+    plans_mod._step_time = spy
+    try:
+        plans_mod.plans_for_job(JOB, {g: 64 for g in list(GPU_NAMES)[:8]})
+    finally:
+        plans_mod._step_time = saved
+    return calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5000)
+    args = ap.parse_args()
+    one, one_cpu = bench_one(args.reps), bench_one(args.reps, time.process_time)
+    calls = captured_calls()
+
+    def job(clock) -> float:
+        times = []
+        for _ in range(20):
+            t = clock()
+            for spec, shape, gpu, seq_len, nodes in calls:
+                step_time(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=DEFAULT_FACTORS)
+            times.append((clock() - t) * 1e3)
+        return statistics.median(times)
+    job_ms, job_cpu = job(time.perf_counter), job(time.process_time)
+    inv = {g: 64 for g in list(GPU_NAMES)[:8]}
+    plans_mod._memory_table.cache_clear()
+    plans_mod._plans_cached.cache_clear()
+    plans_mod._step_time.cache_clear()
+    t = time.perf_counter()
+    plans_mod.plans_for_job(JOB, inv)
+    cold = (time.perf_counter() - t) * 1e3
+    t = time.perf_counter()
+    plans_mod.plans_for_job(JOB, inv)
+    warm = (time.perf_counter() - t) * 1e3
+    print(f"one plan's step time: {one_cpu:.1f} us CPU, {one:.1f} us wall (target < 20 us)")
+    print(f"all {len(calls)} step times of one job ({JOB['model']}) over 8 GPU types: {job_cpu:.2f} ms CPU, "
+          f"{job_ms:.2f} ms wall (target < 5 ms)")
+    print(f"planner total for that job (memory model included): cold {cold:.1f} ms, warm {warm:.2f} ms")
+    print(f"reproduce: PYTHONPATH=$PWD python bench/throughput_speed.py --reps {args.reps}")
+
+
+if __name__ == "__main__":
+    main()

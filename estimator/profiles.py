@@ -1,0 +1,149 @@
+"""Implementation profiles: memory depends on what runs, not only on the maths.
+
+An estimate names the framework that will run the job (``estimate(..., framework=NAME)``).
+Each profile fixes the terms where implementations differ; every term says what the code does
+and where it was measured. The knobs a profile cannot express raise a one-line error naming
+both (``check_knobs``).
+
+| term | what differs |
+|---|---|
+| ``zero0_regime`` | zero 0 with bf16/fp16: fp32 weights + autocast ("amp"), or 16-bit weights with no master ("pure") |
+| ``adamw_impl`` | torch AdamW foreach (one state-sized temporary at the step), fused (none) |
+| ``loss`` | how the LM loss holds logits: "hf" keeps the 16-bit logits in the model output and upcasts inside the loss; "deleted" frees them (the recipe upcasts in the model and deletes the output before backward) |
+| ``repeat_kv`` | grouped-query attention materialises k/v repeated to every head before SDPA |
+| ``ddp_bucket_copy`` | DDP's flat buckets duplicate the gradients (gradient_as_bucket_view=False) |
+| ``zero_bucket_elems`` | ZeRO-1/2 reduce + all-gather bucket elements |
+| ``zero3_subgroup_elems`` | ZeRO-3 fp32 gradient copy made per optimizer sub-group, not for the whole partition |
+| ``master_copy_when_pure`` | a 16-bit run without fp32 master still keeps a separate 16-bit master partition |
+| ``lora`` / ``qlora`` | the profile runs adapters (PEFT / its own LoRA) |
+Pure: no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import FrenzyInputError
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    what: str
+    zero0_regime: str = "amp"            # zero 0, 16-bit: amp (fp32 weights + autocast) | master | pure
+    adamw_impl: str = "foreach"          # foreach | fused
+    loss: str = "hf"                     # hf | deleted | vocab-parallel
+    repeat_kv: bool = False
+    ddp_bucket_copy: bool = True
+    zero_bucket_elems: float | None = None   # None: the GPU type's overhead term (Frenzy's config)
+    zero3_subgroup_elems: float | None = None
+    master_copy_when_pure: bool = False
+    lora: bool = True
+    qlora: bool = True
+    hf_models: bool = True               # runs the Hugging Face modelling code (its quirks apply)
+    torch_sharding: bool = False         # ZeRO stages are torch's (ZeroRedundancyOptimizer, FSDP):
+    #                                      fp32 parameters stay, as at zero 0 (AMP regime)
+    measured: str = ""
+
+
+PROFILES: dict[str, Profile] = {p.name: p for p in [
+    Profile("frenzy", "Frenzy's own trainer (Accelerate + HF models; DeepSpeed for ZeRO)",
+            measured="54 H200 runs of the trainer (bench/estimator_measured_h200*.json)"),
+    Profile("hf", "Hugging Face Trainer or a plain PyTorch loop over HF/timm models "
+                  "(torch AMP or a model loaded in 16 bits; DDP; torch AdamW)",
+            torch_sharding=True, measured="PEFT method-comparison suite (L40S)"),
+    # nanoGPT / llm.c / timm models: F.scaled_dot_product_attention(is_causal=True) (flash),
+    # no HF attention-mask plumbing; torch DDP, ZeroRedundancyOptimizer, FSDP
+    Profile("pytorch", "a plain PyTorch loop over its own model code (nanoGPT/llm.c, timm): "
+                       "SDPA with is_causal, torch DDP / ZeroRedundancyOptimizer / FSDP",
+            hf_models=False, torch_sharding=True,
+            measured="llm.c GPT-2 XL (A100), torchao ViT benchmarks (RTX 4070 Ti SUPER)"),
+    Profile("torchtitan", "torchtitan: FSDP2 with fp32 sharded params and bf16 compute, fused "
+                          "AdamW, per-op selective checkpointing, loss on fp32 logits",
+            adamw_impl="fused", loss="deleted", ddp_bucket_copy=False, lora=False, qlora=False,
+            hf_models=False, torch_sharding=True,
+            measured="documented behaviour (no public measured row in the data set)"),
+    Profile("megatron", "Megatron-core: fused kernels, vocab-parallel cross-entropy, "
+                        "distributed optimizer, fp32 gradient buffer",
+            zero0_regime="master", adamw_impl="fused", loss="vocab-parallel",
+            ddp_bucket_copy=False, lora=False, hf_models=False,
+            qlora=False, measured="documented formulas (report_theoretical_memory)"),
+    # DeepSpeed: reduce_bucket_size and allgather_bucket_size default to 5e8 elements
+    # (deepspeed/runtime/zero/config.py); stage 3 copies fp32 gradients per sub-group
+    # (sub_group_size default 1e9 elements) during the step; FusedAdam / CPUAdam (no foreach
+    # temporaries); bf16_master_weights_and_grads still keeps a (16-bit) master partition.
+    Profile("deepspeed", "DeepSpeed engine (ZeRO 0-3, FusedAdam / CPUAdam) over HF or plain "
+                         "PyTorch models",
+            zero0_regime="master", adamw_impl="fused", ddp_bucket_copy=False, zero_bucket_elems=5e8,
+            zero3_subgroup_elems=1e9, master_copy_when_pure=True, qlora=False,
+            measured="DeepSpeed-Chat logs (V100), DeepSpeedExamples bf16_master_weight (H100), "
+                     "ml-engineering Llama-3.1-8B runs (H200)"),
+    # torchtune recipes train in the model dtype (pure bf16), upcast logits in the model and
+    # delete them before backward, and (at the measured versions) repeat k/v to all heads;
+    # their configs build torch.optim.AdamW with fused=True (the 3B row with checkpointing
+    # measures 24.9 GiB, below the 29.9 GiB a foreach step's temporaries would need).
+    Profile("torchtune", "torchtune recipes: pure bf16, its own Llama modules, FSDP2",
+            zero0_regime="pure", adamw_impl="fused", loss="deleted", repeat_kv=True,
+            ddp_bucket_copy=False, hf_models=False, torch_sharding=True,
+            measured="torchtune README tables (A100, RTX 4090)"),
+    Profile("lightning", "Lightning / Fabric (DDP, FSDP strategies; precision 32-true, "
+                         "bf16-mixed or bf16-true)", torch_sharding=True,
+            measured="Lightning Fabric FSDP guide (A100 40GB), LitGPT config hub (A10G)"),
+]}
+
+FRAMEWORKS = tuple(PROFILES)
+
+# Free-text framework labels (the public data set's `framework` column, a run's metadata) ->
+# a profile; the first matching pattern wins
+_LABELS = [
+    (r"^torchtune", "torchtune"),
+    (r"^deepspeed", "deepspeed"),
+    (r"^colossalai", "deepspeed"),          # Gemini: chunk-based ZeRO-3, the closest profile
+    (r"^litgpt|^lightning", "lightning"),
+    (r"^torchao|^pytorch|^timm|^nanogpt|^llm\.c", "pytorch"),   # plain loops over own model code
+    (r"^peft|^hf|^hugging ?face|^transformers|^accelerate", "hf"),
+    (r"^megatron|^nemo", "megatron"),
+    (r"^torchtitan", "torchtitan"),
+    (r"^frenzy", "frenzy"),
+]
+
+
+def profile_for_label(label: str, default: str = "hf") -> str:
+    """The profile a free-text framework label maps to (``default`` when none matches)."""
+    import re
+    for pat, name in _LABELS:
+        if re.search(pat, label.strip(), re.IGNORECASE):
+            return name
+    return default
+
+
+def get_profile(name: str) -> Profile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise FrenzyInputError("framework", f"must be one of {', '.join(FRAMEWORKS)} (got {name!r})") from None
+
+
+def check_knobs(p: Profile, *, finetune: str, zero: int, master: str, precision: str,
+                opt_in_bwd: bool, optimizer: str, offload: str = "none") -> None:
+    """One-line errors for knobs profile ``p`` cannot express (naming both)."""
+    if finetune == "lora" and not p.lora:
+        raise FrenzyInputError("finetune", f"lora is not expressible with framework {p.name} "
+                                           "(it has no adapter support)")
+    if finetune == "qlora" and not p.qlora:
+        raise FrenzyInputError("finetune", f"qlora is not expressible with framework {p.name} "
+                                           "(no 4-bit base weights)")
+    if p.name == "torchtune" and master == "fp32" and precision != "fp32":
+        raise FrenzyInputError("master_weights", "fp32 master weights are not expressible with "
+                                                 "framework torchtune (its recipes train in the model dtype)")
+    if opt_in_bwd and p.name in ("megatron", "deepspeed"):
+        raise FrenzyInputError("optimizer_in_backward", f"is not expressible with framework {p.name}")
+    if opt_in_bwd and zero >= 1 and p.name != "torchtune":
+        raise FrenzyInputError("optimizer_in_backward", "needs zero 0 (one optimizer per parameter)")
+    if offload == "optimizer+params" and p.name in ("hf", "pytorch", "lightning"):
+        # FSDP1's parameter CPU offload keeps a GPU working set (padded flat parameters and
+        # gradients per unit) that no validated term models: the one public row measures
+        # 2.76 GiB where gathered units alone would give 0.5 GiB
+        raise FrenzyInputError("offload", f"optimizer+params is not expressible with framework "
+                                          f"{p.name} (FSDP CPU offload's GPU working set is not modelled)")
+    if optimizer.startswith("adamw8bit") and p.name in ("megatron", "torchtitan"):
+        raise FrenzyInputError("optimizer", f"{optimizer} is not expressible with framework {p.name}")

@@ -1,0 +1,104 @@
+"""`frenzy run JOB --dry-run` and the submit flow's ``dry_run``: what would launch, with nothing
+started or written; "needs at least N x TYPE" when nothing fits."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BIG = "name: big\nmodel: llama-3.1-8b\nseq_len: 8192\nglobal_batch: 64\ntrain_steps: 1000\nprecision: bf16\n"
+SMALL_CLUSTER = ("pools:\n  - {name: a10, gpu: A10-24GB, nodes: 1, gpus_per_node: 1}\n"
+                 "  - {name: l4, gpu: L4-24GB, nodes: 1, gpus_per_node: 2, addresses: [node-l4]}\n")
+
+
+def frenzy(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "FRENZY_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    # a server that is not there: a dry run that asked one would fail or hang
+    env["PREFECT_API_URL"] = "http://127.0.0.1:9/api"
+    env["HOME"] = str(cwd / "home")                      # where Prefect would make ~/.prefect
+    return subprocess.run([sys.executable, "-m", "frenzy_cli.main", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_dry_run_json_says_what_would_launch_and_writes_nothing(tmp_path):
+    proc = frenzy("run", str(ROOT / "examples/tiny-job.yaml"), "--dry-run", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [line] = proc.stdout.strip().splitlines()            # one object
+    d = json.loads(line)
+    assert d["dry_run"] is True and d["launch"] is True
+    assert d["gpu_type"] == "CPU" and d["gpus"] >= 1 and d["pool"] == "cpu"
+    assert d["plan"].startswith(f"{d['gpus']}xCPU") and d["memory_per_gpu"].endswith("MiB")
+    assert d["step_time_s"] > 0 and d["duration_s"] == pytest.approx(d["step_time_s"] * 12)
+    assert "prefect worker start --pool cpu" in d["worker"]
+    assert not (tmp_path / ".frenzy").exists()           # no ledger, no run folder, no Prefect home
+    assert not (tmp_path / "home").exists()
+
+
+def test_dry_run_text_names_the_nearest_gpu_counts_when_nothing_fits(tmp_path):
+    (tmp_path / "big.yaml").write_text(BIG)
+    (tmp_path / "cluster.yaml").write_text(SMALL_CLUSTER)
+    proc = frenzy("run", "big.yaml", "--cluster", "cluster.yaml", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "would not launch" in out
+    # offload plans put a 7B model on 2 x L4; an 8B model at 8K tokens (logits, activations) needs more
+    assert "A10-24GB: no count up to" in out              # 1-GPU nodes: no tensor parallel to split it
+    assert "needs at least 4 x L4-24GB (the cluster has 2" in out
+    assert "x A100-40GB (not in the cluster)" in out      # the nearest catalog type with more memory
+    assert not (tmp_path / ".frenzy").exists()
+
+
+def test_dry_run_places_on_the_cluster_and_names_the_node(tmp_path):
+    from estimator.job import TrainingJob
+    from frenzy_flows.dryrun import dry_run, dry_run_lines
+    from scheduler.cluster import parse_cluster
+
+    job = TrainingJob(name="mid", model="gpt2", seq_len=512, global_batch=8, train_steps=100, precision="bf16")
+    cluster = parse_cluster(SMALL_CLUSTER)
+    d = dry_run(job, cluster, safety_margin_gib=1.0, policy="frenzy", workers=lambda pool: 0)
+    assert d["launch"] and d["pool"] in ("a10", "l4")
+    assert d["gpus"] == sum(len(v) for v in d["placement"].values())
+    text = "\n".join(dry_run_lines(d))
+    assert f"would launch: {d['gpus']} x {d['gpu_type']}" in text
+    assert f"no worker online in pool {d['pool']}" in text
+    if d["pool"] == "l4":
+        assert "node-l4" in d["worker"]
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_flow_dry_run_returns_the_report_and_leaves_the_ledger_alone(frenzy_home, tmp_path):
+    from frenzy_flows import submit_training
+    from frenzy_flows.dryrun import DRY_RUN_KEY
+
+    (tmp_path / "cluster.yaml").write_text("pools:\n  - {name: cpu-dry, gpu: CPU, nodes: 1, gpus_per_node: 2}\n")
+    job = {"name": "dry", "model": "gpt2-tiny", "seq_len": 64, "global_batch": 8, "train_steps": 5, "precision": "fp32"}
+    d = submit_training(job=job, cluster=str(tmp_path / "cluster.yaml"), dry_run=True)
+    assert d["launch"] and d["pool"] == "cpu-dry"
+    assert "no worker online in pool cpu-dry" in d["worker"]
+    assert not frenzy_home.exists()                       # no ledger database, no run folder
+    from prefect import get_client
+    with get_client(sync_client=True) as client:
+        art = client.read_latest_artifacts()
+    assert any(a.key == DRY_RUN_KEY and "would launch" in (a.data or "") for a in art)
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_flow_takes_the_cluster_as_a_gpu_cluster_block(frenzy_home):
+    from blocks.cluster import GPUCluster
+    from frenzy_flows import submit_training
+    from scheduler.cluster import parse_cluster
+
+    block = GPUCluster.from_cluster(parse_cluster("pools:\n  - {name: cpu-block, gpu: cpu, nodes: 1, gpus_per_node: 1}\n"))
+    job = {"name": "dry-block", "model": "gpt2-tiny", "seq_len": 64, "global_batch": 8, "train_steps": 5,
+           "precision": "fp32"}
+    d = submit_training(job=job, cluster=block, dry_run=True)
+    assert d["launch"] and d["pool"] == "cpu-block" and d["gpu_type"] == "CPU"     # 'cpu' resolved too

@@ -1,0 +1,218 @@
+"""Implementation profiles and technique knobs of the estimator, the public-set score, and the
+planner's use of them (offload plans, launchability, LoRA / pure-bf16 plans)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from estimator import estimate
+from estimator.errors import FrenzyInputError
+from estimator.memory import GIB, lora_layer_params, validate_knobs
+from estimator.models import PRESETS, ModelSpec
+from estimator.plans import enumerate_plans
+from estimator.profiles import FRAMEWORKS
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def est(**kw):
+    kw.setdefault("model", "llama-3.2-3b")
+    kw.setdefault("seq_len", 2048)
+    return estimate(**kw)
+
+
+def test_every_profile_is_accepted_and_named():
+    for name in FRAMEWORKS:
+        e = est(framework=name)
+        assert e.framework == name and e.allocated_peak_gib > 0
+    with pytest.raises(FrenzyInputError) as err:
+        est(framework="nemo")
+    assert err.value.field == "framework"
+
+
+def test_framework_labels_map_to_profiles():
+    from estimator.profiles import profile_for_label
+    assert profile_for_label("torchtune") == "torchtune"
+    assert profile_for_label("deepspeed (HF transformers + Liger-Kernel)") == "deepspeed"
+    assert profile_for_label("litgpt (Lightning Fabric)") == "lightning"
+    assert profile_for_label("pytorch DDP (llm.c train_gpt2.py)") == "pytorch"
+    assert profile_for_label("peft-method-comparison (plain PyTorch loop)") == "hf"
+    assert profile_for_label("something else") == "hf"
+
+
+def test_unexpressible_knob_names_both():
+    with pytest.raises(FrenzyInputError) as err:
+        est(framework="megatron", finetune="lora")
+    msg = str(err.value)
+    assert "lora" in msg and "megatron" in msg and "\n" not in msg
+    with pytest.raises(FrenzyInputError, match="torchtune"):
+        est(framework="torchtune", master_weights="fp32")
+    with pytest.raises(FrenzyInputError, match="grad_accum"):
+        est(optimizer_in_backward=True, grad_accum=2)
+    with pytest.raises(FrenzyInputError) as err:
+        est(zero=3, dp=8, zero_bucket_elems=0)
+    assert err.value.field == "zero_bucket_elems"
+    # DeepSpeed's stage-3 reduce buffer: 5e8 16-bit elements by default, as configured
+    big = est(zero=3, dp=8, framework="deepspeed").allocated_peak_gib
+    small = est(zero=3, dp=8, framework="deepspeed", zero_bucket_elems=5e7).allocated_peak_gib
+    assert (big - small) * GIB == pytest.approx(2 * (5e8 - 5e7), rel=0.01)
+
+
+def test_pure_bf16_states_are_half_of_fp32_master():
+    P = PRESETS["llama-3.2-3b"].params
+    # short sequence: the optimizer step is the peak and its breakdown is the model states
+    pure = est(seq_len=8, master_weights="none", adamw_impl="fused")
+    assert pure.breakdown_gib["weights"] * GIB == pytest.approx(2 * P)
+    assert pure.breakdown_gib["gradients"] * GIB == pytest.approx(2 * P)
+    assert pure.breakdown_gib["optimizer"] * GIB == pytest.approx(4 * P)   # bf16 m and v
+    amp = est(seq_len=8, adamw_impl="fused")
+    assert amp.allocated_peak_gib > 1.9 * pure.allocated_peak_gib
+
+
+def test_lora_trains_only_adapters():
+    spec = PRESETS["llama-3.1-8b"]
+    k = validate_knobs(spec, seq_len=8, finetune="lora", lora_rank=8, lora_targets=["q_proj", "v_proj"])
+    # r x (in + out) per target: q 4096 -> 4096, v 4096 -> 1024
+    assert lora_layer_params(spec, k) == 8 * (4096 + 4096) + 8 * (4096 + 1024)
+    full = est(model="llama-3.1-8b", seq_len=512)
+    lora = est(model="llama-3.1-8b", seq_len=512, finetune="lora", lora_rank=8)
+    qlora = est(model="llama-3.1-8b", seq_len=512, finetune="qlora", lora_rank=8)
+    assert lora.breakdown_gib["optimizer"] < 0.1 and lora.allocated_peak_gib < full.allocated_peak_gib / 4
+    assert qlora.allocated_peak_gib < lora.allocated_peak_gib - 8      # 4-bit base saves ~10 GiB
+    with pytest.raises(FrenzyInputError) as err:
+        est(finetune="lora", lora_targets=["wq"])
+    assert err.value.field == "lora_targets"
+
+
+def test_loss_kernels_order():
+    kw = dict(model="llama-3.1-8b", seq_len=8192, master_weights="none", framework="torchtune")
+    std, chunked, fused = (est(**kw, loss=x).allocated_peak_gib
+                           for x in ("standard", "chunked", "fused-linear"))
+    assert std > chunked > fused
+    # 8192 x 128256 logits: chunking keeps ~3.75 instead of 12 bytes per logit, and the
+    # head's 16-bit gradient (128256 x 4096) already exists during the chunked loss backward
+    assert std - chunked == pytest.approx(
+        (8192 * 128256 * (12 - 2 - 14 / 8) - 2 * 128256 * 4096) / GIB, rel=0.02)
+
+
+def test_activation_offload_and_optimizer_in_backward():
+    kw = dict(seq_len=4096, micro_batch=2, framework="torchtune", act_ckpt="full", loss="chunked")
+    base = est(**kw)
+    inbwd = est(**kw, optimizer_in_backward=True)
+    assert inbwd.allocated_peak_gib < base.allocated_peak_gib
+    # the checkpointed block inputs (28 x 8192 tokens x 3072 x 2 B) leave the GPU
+    off = est(**kw, optimizer_in_backward=True, act_offload=True)
+    assert inbwd.allocated_peak_gib - off.allocated_peak_gib == pytest.approx(
+        27 * 8192 * 3072 * 2 / GIB, rel=0.05)
+
+
+def test_adamw_fused_drops_the_foreach_temporary():
+    P = PRESETS["gpt2"].params
+    foreach = estimate(model="gpt2", seq_len=8, adamw_impl="foreach")
+    fused = estimate(model="gpt2", seq_len=8, adamw_impl="fused")
+    assert (foreach.allocated_peak_gib - fused.allocated_peak_gib) * GIB == pytest.approx(4 * P, rel=1e-6)
+
+
+def test_paged_8bit_states_are_outside_the_allocator():
+    kw = dict(model="llama-3.1-8b", seq_len=512, master_weights="none", framework="torchtune")
+    plain = est(**kw, optimizer="adamw8bit", gpu="H100-80GB")
+    paged = est(**kw, optimizer="adamw8bit-paged", gpu="H100-80GB")
+    gap = paged.overheads["paged_optimizer_gib"]
+    assert gap > 10 and any("unified memory" in w for w in paged.warnings)
+    assert paged.allocated_peak_gib < plain.allocated_peak_gib - 10
+    assert paged.device_used_gib - paged.reserved_peak_gib > gap
+
+
+def test_encoder_without_vocabulary_and_uncapped_positions():
+    vit = estimate(arch="bert", layers=32, hidden=1280, heads=16, ffn=5120, vocab=0, seq_len=257,
+                   micro_batch=8)
+    assert vit.params == pytest.approx(32 * (12 * 1280 ** 2 + 13 * 1280) + 257 * 1280 + 2 * 1280)
+    # a model given by its dimensions does not cap positions; a preset's table does
+    long = estimate(arch="gpt", layers=4, hidden=256, heads=4, vocab=1000, seq_len=8192)
+    assert long.params > estimate(arch="gpt", layers=4, hidden=256, heads=4, vocab=1000,
+                                  seq_len=1024).params
+    with pytest.raises(FrenzyInputError, match="position table"):
+        estimate(model="gpt2", seq_len=2048)
+
+
+def test_out_of_coverage_warns():
+    e = est(model="llama-3.1-8b", seq_len=1_000_000, act_ckpt="full", dp=8, zero=3)
+    assert any("beyond any measured source" in w for w in e.warnings)
+    assert not est().warnings
+
+
+def test_cross_attention_counts_nn_transformer_exactly():
+    spec = ModelSpec(arch="bert", layers=64, hidden=1024, heads=64, ffn=4096, vocab=33278,
+                     tied_embeddings=False, cross_attn_layers=32, max_positions=35)
+    assert spec.cross_attn_params() == 32 * (4 * 1024 ** 2 + 6 * 1024)
+
+
+def test_public_set_score():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import estimator_public as ep
+    if not os.path.isfile(ep.DEFAULT_CSV):
+        pytest.skip("public data set not present")
+    rows, summary = ep.score(ep.DEFAULT_CSV)
+    assert set(summary) == {"rows", "expressible", "median_abs_err", "p90_abs_err", "worst_under"}
+    assert summary["rows"] == 35 and summary["expressible"] >= 33
+    assert summary["median_abs_err"] <= 0.05                  # regression guard (reached: 3.0%)
+    _, before = ep.score(ep.DEFAULT_CSV, columns_only=True)
+    assert before["median_abs_err"] > 5 * summary["median_abs_err"]
+
+
+def test_cli_framework_flag_and_bad_knob():
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    ok = subprocess.run([sys.executable, "-m", "frenzy_cli.main", "estimate", "--model", "llama-3.2-3b",
+                         "--seq-len", "2048", "--framework", "torchtune", "--loss", "chunked", "--json"],
+                        capture_output=True, text=True, env=env, cwd=ROOT)
+    assert ok.returncode == 0 and '"framework": "torchtune"' in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "frenzy_cli.main", "estimate", "--model", "llama-3.2-3b",
+                          "--framework", "megatron", "--finetune", "lora"],
+                         capture_output=True, text=True, env=env, cwd=ROOT)
+    assert bad.returncode == 2
+    lines = [x for x in bad.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and "megatron" in lines[0] and "lora" in lines[0]
+
+
+def test_planner_offload_launchability_and_own_plans():
+    job = dict(model="llama-2-7b", seq_len=2048, global_batch=32)
+    plans = enumerate_plans(job, "RTX3090-24GB", max_gpus=8)
+    assert any(p.offload != "none" and p.not_launchable is None for p in plans)
+    marked = [p for p in plans if p.tp > 1 or p.pp > 1]
+    assert all(p.not_launchable for p in marked)
+    first_marked = next((i for i, p in enumerate(plans) if p.not_launchable), len(plans))
+    assert all(p.not_launchable for p in plans[first_marked:])     # launchable ranked first
+    # LoRA and pure-bf16 jobs get their own, smaller plans
+    base = dict(model="llama-3.2-3b", seq_len=2048, global_batch=8)
+    full = enumerate_plans(base, "A100-80GB", max_gpus=1)
+    lora = enumerate_plans({**base, "finetune": {"method": "lora", "rank": 8}}, "A100-80GB", max_gpus=1)
+    pure = enumerate_plans({**base, "master_weights": "none"}, "A100-80GB", max_gpus=1)
+    from estimator.plans import estimate_plan
+    assert full and lora and pure
+    for other in (lora, pure):
+        p = other[0]
+        assert estimate_plan(base, p).device_used_gib > p.device_used_gib + 1.0
+    assert lora[0].micro_batch >= full[0].micro_batch
+
+
+@pytest.mark.slow
+def test_traced_pure_bf16_fused_and_optimizer_in_backward():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from estimator.memory import stage_peaks
+    from estimator.overheads import overheads_for
+    from estimator.traced import trace_step
+    ov = overheads_for(None, is_cpu=True)
+    spec = ModelSpec(name="t", arch="llama", layers=2, hidden=384, heads=6, kv_heads=2,
+                     vocab=16384, max_positions=512)
+    for s, b, kw in [(512, 2, dict(master_weights="none")),
+                     (512, 2, dict(master_weights="none", act_ckpt="full")),
+                     (32, 1, dict(master_weights="none", adamw_impl="foreach")),
+                     (32, 1, dict(master_weights="none", adamw_impl="fused")),
+                     (32, 1, dict(master_weights="none", optimizer_in_backward=True)),
+                     (32, 1, dict(adamw_impl="fused"))]:
+        k = validate_knobs(spec, seq_len=s, micro_batch=b, precision="bf16", **kw)
+        traced = trace_step(spec, k)["Total"]
+        analytic = max(p.allocated for p in stage_peaks(spec, k, ov, cpu=True))
+        assert abs(analytic / traced - 1) <= 0.05, (kw, analytic, traced)
