@@ -22,6 +22,9 @@ def register(sub) -> None:
     p.add_argument("--settings", help="a FrenzySettings block name (site defaults: ledger URL, "
                                       "safety margin, policy, fallback order)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--plan", help='only plans with these knobs, e.g. "tp=2", "offload=optimizer,zero=3", '
+                                  '"nodes=2" (knobs: dp tp pp cp gpus nodes zero offload act_ckpt '
+                                  'micro_batch grad_accum gpu)')
     p.add_argument("--dry-run", action="store_true",
                    help="print what would launch (GPU type, count, plan, memory, predicted step time "
                         "and duration, pool, worker) and start nothing: no Prefect server, no ledger")
@@ -73,6 +76,9 @@ def handle(args) -> int:
 
     check_url_arg("--ledger", args.ledger)      # a password on the command line shows in `ps`
     job = load_job(args.job)
+    from estimator.plan_filter import filter_plans, parse_plan_filter
+
+    plan_filter = parse_plan_filter(args.plan) if getattr(args, "plan", None) else None
     # Bad input fails here, in a line, before the slow Prefect start-up: the cluster file, and
     # a job that no GPU of the cluster can hold (the flow's first task asks the same question).
     from estimator.errors import FrenzyInputError
@@ -92,8 +98,9 @@ def handle(args) -> int:
     # With a settings block its margin is only known once Prefect is up: check against none.
     margin = (args.safety_margin_gib if args.safety_margin_gib is not None
               else 0.0 if args.settings else DEFAULT_SAFETY_MARGIN_GIB)
-    plans_for_job(job, topology.inventory(), gpus_per_node=topology.gpus_per_node(),
-                  safety_margin_gib=margin, gpus=topology.gpu_catalog())
+    plans = plans_for_job(job, topology.inventory(), gpus_per_node=topology.gpus_per_node(),
+                          safety_margin_gib=margin, gpus=topology.gpu_catalog())
+    filter_plans(plans, plan_filter, topology.gpus_per_node())
 
     embedded_prefect_env(args.json)     # before prefect is first imported
     from deployments.pools import sync_pools
@@ -105,7 +112,8 @@ def handle(args) -> int:
     try:
         result = submit_training(job, cluster=args.cluster, policy=args.policy,
                                  ledger_url=args.ledger, settings=args.settings,
-                                 safety_margin_gib=args.safety_margin_gib)
+                                 safety_margin_gib=args.safety_margin_gib,
+                                 **({"plan_filter": args.plan} if plan_filter else {}))
     except FrenzyInputError:
         raise
     except Exception as err:

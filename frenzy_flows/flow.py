@@ -13,6 +13,7 @@ from blocks.cluster import GPUCluster
 from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
+from estimator.plan_filter import filter_plans, parse_plan_filter
 from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan
 from scheduler.discover import cluster_or_local
 
@@ -53,7 +54,8 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
                     safety_margin_gib: Annotated[float | None, RunForm()] = None,
                     ledger_url: Annotated[SecretStr | None, RunForm()] = None,
                     wait_timeout_s: float = 3600.0, settings: Annotated[str | None, RunForm()] = None,
-                    dry_run: bool = False, embedded_scheduler: bool = True) -> SubmitResult | dict:
+                    dry_run: bool = False, embedded_scheduler: bool = True,
+                    plan_filter: Annotated[str | None, RunForm()] = None) -> SubmitResult | dict:
     """Train a job without naming a GPU: estimate its memory, pick GPU type and count, assign
     GPUs on the ledger and train.
 
@@ -79,6 +81,8 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
         embedded_scheduler: Start a scheduler in this process that stands by while another
             (`frenzy scheduler`) leads and takes over when none does. Off: the job waits for
             the site's scheduler.
+        plan_filter: Knobs the plan must have, comma-separated (``tp=2``, ``offload=optimizer,zero=2``,
+            ``nodes=2``; `estimator.plan_filter`). Empty: every feasible plan is a candidate.
 
     The job goes into the ledger's queue; the cluster's scheduler places it, and may later
     re-size or preempt its run. ``wait_timeout_s`` bounds each wait for GPUs.
@@ -111,6 +115,8 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
     job_id = new_job_id(job)
 
     plans_by_type = estimate_memory(job, topology, safety_margin_gib)
+    if plan_filter:
+        plans_by_type = filter_plans(plans_by_type, parse_plan_filter(plan_filter), topology.gpus_per_node())
     gpus = topology.gpu_catalog()
 
     registered = run_coro_as_sync(_registered_pools())

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 MARKER = "frenzy_ckpt.json"
+CONSOLIDATED = "consolidated.safetensors"   # full weights of a sharded-model (tensor-parallel) state
 _NAME = re.compile(r"^step-(\d{8})$")
 
 
@@ -49,8 +50,10 @@ def latest_checkpoint(run_dir: str | Path) -> Checkpoint | None:
     return cks[-1] if cks else None
 
 
-def state_format(*, zero: int, world: int, offload: str) -> dict[str, Any]:
-    return {"deepspeed": zero > 0, "zero": zero, "world": world, "offload": offload}
+def state_format(*, zero: int, world: int, offload: str, tp: int = 1, cp: int = 1,
+                 deepspeed: bool | None = None) -> dict[str, Any]:
+    return {"deepspeed": zero > 0 if deepspeed is None else deepspeed, "zero": zero, "world": world,
+            "offload": offload, "tp": tp, "cp": cp}
 
 
 def full_resume_possible(saved: dict[str, Any], now: dict[str, Any]) -> bool:
@@ -61,7 +64,8 @@ def full_resume_possible(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     """
     if not saved.get("deepspeed") and not now.get("deepspeed"):
         return True
-    return all(saved.get(k) == now.get(k) for k in ("deepspeed", "zero", "world", "offload"))
+    return (all(saved.get(k) == now.get(k) for k in ("deepspeed", "zero", "world", "offload"))
+            and all(saved.get(k, 1) == now.get(k, 1) for k in ("tp", "cp")))
 
 
 def prune(run_dir: str | Path, keep: int = 2) -> None:

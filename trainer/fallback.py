@@ -13,7 +13,8 @@ global batch. The order is the issue's, cheapest change first:
 
 Steps 1-3 are cumulative (each keeps what the previous one changed) and each must lower the
 predicted per-GPU memory, since the plan before it really ran out of memory whatever the
-prediction said. Only plans the trainer can realise (data parallel + ZeRO) are proposed.
+prediction said. Only plans the trainer can realise (``launch_config.check_realisable``) are
+proposed.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def realisable(p: Plan) -> bool:
 
 def _key(p: Plan) -> tuple:
     """What makes two fallbacks the same plan (predictions aside)."""
-    return (p.gpu_type, p.gpus, p.dp, p.zero, p.offload, p.act_ckpt, p.micro_batch)
+    return (p.gpu_type, p.gpus, p.dp, p.tp, p.zero, p.offload, p.act_ckpt, p.micro_batch)
 
 
 def _memory(p: Plan) -> float:

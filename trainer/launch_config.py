@@ -4,9 +4,11 @@ Everything here is plain data (dicts, YAML/JSON files) derived from ``Plan`` + `
 the files are saved in the run folder so a person can rerun exactly what Frenzy ran with
 ``accelerate launch --config_file accelerate.yaml -m trainer.train --run-dir <run_dir>``.
 
-The trainer realises data parallelism (+ ZeRO 1-3 and offload through DeepSpeed): plans with
-tensor, pipeline or context parallelism need Megatron-style model code and are refused here
-with an error naming the setting, before anything starts.
+The trainer realises data parallelism (+ ZeRO 1-3 and offload through DeepSpeed) and tensor
+parallelism through DeepSpeed's AutoTP (``tensor_parallel.autotp_size``, ZeRO 0-3 beside it;
+``trainer.parallel``) and sequence parallelism (``cp``) through DeepSpeed Ulysses
+(``trainer.parallel.ulysses``). Plans with pipeline parallelism, or cp beside tp, are refused
+here with an error naming the setting, before anything starts.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import yaml
 from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
+
+from .parallel import plan_world, uses_deepspeed
 
 ACCELERATE_FILE = "accelerate.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
@@ -34,12 +38,15 @@ def is_cpu_plan(plan: Plan) -> bool:
 
 def check_realisable(plan: Plan) -> None:
     """Refuse what the trainer cannot run, naming the setting."""
-    for knob in ("tp", "pp", "cp"):
-        if getattr(plan, knob) != 1:
-            raise FrenzyInputError(
-                f"plan.{knob}", f"must be 1: the trainer runs data parallel + ZeRO only (got {getattr(plan, knob)})")
-    if plan.gpus != plan.dp:
-        raise FrenzyInputError("plan.gpus", f"must equal plan.dp for a data-parallel run (gpus={plan.gpus}, dp={plan.dp})")
+    if plan.pp != 1:
+        raise FrenzyInputError(
+            "plan.pp", f"must be 1: the trainer runs data, tensor and sequence parallel (+ ZeRO) only (got {plan.pp})")
+    if plan.cp > 1 and plan.tp > 1:
+        raise FrenzyInputError("plan.cp", f"sequence parallel (Ulysses) runs beside data parallel, not beside "
+                                          f"tensor parallel (got cp={plan.cp}, tp={plan.tp})")
+    if plan.gpus != plan_world(plan):
+        raise FrenzyInputError("plan.gpus", f"must equal dp x tp x pp x cp (gpus={plan.gpus}, dp={plan.dp}, "
+                                            f"tp={plan.tp}, pp={plan.pp}, cp={plan.cp})")
     if plan.offload != "none" and plan.zero == 0:
         raise FrenzyInputError("plan.offload", f"{plan.offload!r} needs ZeRO (zero >= 1); got zero=0")
     if plan.offload == "optimizer+params" and plan.zero != 3:
@@ -78,10 +85,13 @@ def accelerate_config(plan: Plan, *, num_machines: int = 1, machine_rank: int = 
     }
     if main_address:
         cfg["main_process_ip"] = main_address
-    if plan.zero > 0:
+    if uses_deepspeed(plan):
         cfg["distributed_type"] = "DEEPSPEED"
+        # ZeRO-3 builds the model partitioned (zero.Init), except beside tensor parallel:
+        # transformers' partitioned loading refuses an AutoTP config, so a TP rank builds the
+        # full model and DeepSpeed shards it (TP, then ZeRO-3) at initialize
         cfg["deepspeed_config"] = {"deepspeed_config_file": deepspeed_config_file,
-                                   "zero3_init_flag": plan.zero == 3}
+                                   "zero3_init_flag": plan.zero == 3 and plan.tp == 1}
         # With a DeepSpeed file, Accelerate insists mixed precision is left to that file.
     else:
         cfg["distributed_type"] = "MULTI_GPU" if plan.gpus > 1 else "NO"
@@ -90,11 +100,11 @@ def accelerate_config(plan: Plan, *, num_machines: int = 1, machine_rank: int = 
 
 
 def deepspeed_config(plan: Plan, job: TrainingJob) -> dict[str, Any] | None:
-    """The DeepSpeed config for a ZeRO plan (None when ``plan.zero == 0``).
+    """The DeepSpeed config for a ZeRO or tensor-parallel plan (None for plain data parallel).
 
     The batch triple keeps the job's global batch: micro_batch x grad_accum x dp == global_batch.
     """
-    if plan.zero == 0:
+    if not uses_deepspeed(plan):
         return None
     check_realisable(plan)
     if plan.global_batch != job.global_batch:
@@ -108,15 +118,24 @@ def deepspeed_config(plan: Plan, job: TrainingJob) -> dict[str, Any] | None:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not is_cpu_plan(plan)}
     if plan.offload == "optimizer+params":
         zero["offload_param"] = {"device": "cpu", "pin_memory": not is_cpu_plan(plan)}
-    if plan.zero == 3:
-        # the export gathers the full weights from the shards (module by module, to rank 0)
+    if plan.zero == 3 or plan.tp > 1:
+        # the export (and, under TP, the consolidated weights of each checkpoint) gathers the
+        # full weights from the shards (module by module, to rank 0); DeepSpeed's TP reads
+        # the same switch
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     bf16: dict[str, Any] = {"enabled": plan.precision == "bf16"}
     if plan.precision == "bf16" and job.master_weights == "none":
         # pure bf16: no fp32 copy of the weights, gradients or optimizer states
         bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    extra: dict[str, Any] = {"train_batch_size": plan.global_batch}
+    if plan.tp > 1:
+        # DeepSpeed's batch check counts the world as data parallel with ZeRO 0-2 and the
+        # data-parallel group under ZeRO-3 when AutoTP is on (0.19.8): no value fits both, so
+        # the total is left out and DeepSpeed derives it; the program indexes data by dp rank
+        # (the ranks of a TP group share a batch), so the job's global batch is kept.
+        extra = {"tensor_parallel": {"autotp_size": plan.tp}}
     return {
-        "train_batch_size": plan.global_batch,
+        **extra,
         "train_micro_batch_size_per_gpu": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
         "gradient_clipping": job.optim.grad_clip or 0.0,
@@ -152,7 +171,8 @@ def validate_deepspeed_config(cfg: dict[str, Any], *, dp: int | None = None) -> 
     except ImportError as e:  # pragma: no cover - deepspeed is a dependency
         raise FrenzyInputError("deepspeed_config", f"ZeRO plans need the deepspeed package ({e})") from None
     try:
-        tb, mb, ga = cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+        mb, ga = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+        tb = cfg["train_batch_size"] if "tensor_parallel" not in cfg else mb * ga * (dp or 1)
     except KeyError as e:
         raise FrenzyInputError("deepspeed_config", f"missing {e.args[0]}") from None
     per_rank = dict(cfg)

@@ -54,6 +54,7 @@ from .data import check_data, check_eval
 from .fallback import fallback_plans
 from .launch_config import Paths, check_realisable, is_cpu_plan, training_spec, write_launch_files
 from .launcher import free_port, launch_env, run_process_group
+from .parallel import uses_deepspeed
 from .pretrained import check_job
 
 Outcome = Literal["ok", "oom", "failed", "timeout", "stopped"]
@@ -348,7 +349,7 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
             log(f"frenzy: attempt {number} on {current.short()} devices={','.join(devices[:current.gpus])}"
                 + (f", resuming from step {resumed}" if resumed else ""))
             env = launch_env(devices[:current.gpus], cpu=is_cpu_plan(current), attempt=number,
-                             deepspeed=current.zero > 0)
+                             deepspeed=uses_deepspeed(current))
             left = remaining()
             t0 = time.monotonic()
             with open(run_dir / f"attempt-{number}.log", "w") as logfile:

@@ -180,6 +180,7 @@ def train(run_dir: Path) -> None:
     from trainer.data import TokenSource, eval_source
     from trainer.modeling import add_adapters, build_model, count_params, export, uses_adapters
     from trainer.optim import lr_at, make_optimizer
+    from trainer.parallel import layout_of, plan_world, uses_deepspeed, without_partitioned_build
 
     spec = json.loads((run_dir / "train_spec.json").read_text())
     plan = spec["plan"]
@@ -188,10 +189,13 @@ def train(run_dir: Path) -> None:
     attempt = int(os.environ.get("FRENZY_ATTEMPT", "1"))
     inject = os.environ.get("FRENZY_INJECT_OOM_AT_STEP")
     inject_at = int(inject) if inject and attempt == 1 else None
-    deepspeed = plan["zero"] > 0
+    deepspeed = uses_deepspeed(plan)
     mb, ga, dp = plan["micro_batch"], plan["grad_accum"], plan["dp"]
-    if world != dp:
-        raise InputProblem(f"plan.dp: {dp} but the launcher started {world} processes")
+    if world != plan_world(plan):
+        raise InputProblem(f"plan.gpus: dp x tp x pp x cp = {plan_world(plan)} but the launcher started {world} processes")
+    # data is indexed by data-parallel rank: the ranks of a tensor-parallel group share a batch
+    lay = layout_of(plan, rank)
+    dp_rank = lay.dp_rank
     G, seq_len, steps = spec["global_batch"], spec["seq_len"], spec["steps"]
     if mb * ga * dp != G:
         raise InputProblem(f"plan: micro_batch {mb} x grad_accum {ga} x dp {dp} != global_batch {G}")
@@ -200,7 +204,10 @@ def train(run_dir: Path) -> None:
 
     torch.manual_seed(spec["seed"])
     # created first: under ZeRO-3 it makes from_pretrained/from_config build partitioned (zero.Init)
-    accelerator = Accelerator() if deepspeed else Accelerator(gradient_accumulation_steps=ga)
+    from trainer.parallel import ulysses
+
+    accelerator = (Accelerator(**ulysses.accelerator_kwargs(lay.cp, seq_len)) if deepspeed
+                   else Accelerator(gradient_accumulation_steps=ga))
     device = accelerator.device
     vocab = int(spec["hf_config"].get("vocab_size", 256))
     # an eval fraction holds the last sequences of the training data out of training
@@ -210,12 +217,14 @@ def train(run_dir: Path) -> None:
     eval_count = min(len(held_out), spec["eval"]["max_sequences"]) if held_out is not None else 0
     eval_every = (spec.get("eval") or {}).get("every")
 
-    model = build_model(spec, device)
+    with without_partitioned_build(accelerator, plan):
+        model = build_model(spec, device)
     applied = apply_activation_checkpointing(model, plan.get("act_ckpt", "none"))
     model = add_adapters(model, spec, act_ckpt=plan.get("act_ckpt", "none") != "none")
     adapters = uses_adapters(spec)
     params, trainable = count_params(model)
-    fmt = {**ck.state_format(zero=plan["zero"], world=world, offload=plan.get("offload", "none")),
+    fmt = {**ck.state_format(zero=plan["zero"], world=world, offload=plan.get("offload", "none"),
+                             tp=lay.tp, deepspeed=deepspeed, cp=lay.cp),
            "adapters_only": adapters}
     latest = ck.latest_checkpoint(run_dir)
     if latest is None and spec.get("resume_from"):
@@ -227,6 +236,8 @@ def train(run_dir: Path) -> None:
     optimizer, optimizer_impl = make_optimizer(plan.get("optimizer", "adamw"), model, lr=spec["lr"], optim=optim,
                                                device_type=device.type, zero=plan["zero"],
                                                offload=plan.get("offload", "none"))
+    if lay.cp > 1:
+        ulysses.prepare_model(model)
     model, optimizer = accelerator.prepare(model, optimizer)
     # LoRA checkpoints hold the adapters and their optimizer state, not a copy of the frozen base
     save_kw: dict[str, Any] = {}
@@ -246,7 +257,7 @@ def train(run_dir: Path) -> None:
         accelerator.step = latest.step * ga
     start = latest.step if latest is not None else 0
     if main:
-        print(f"frenzy: rank 0/{world} device={device} plan={plan['gpu_type']} zero={plan['zero']} "
+        print(f"frenzy: rank 0/{world} device={device} plan={plan['gpu_type']} dp={dp} tp={lay.tp} cp={lay.cp} zero={plan['zero']} "
               f"act_ckpt={applied} micro_batch={mb} grad_accum={ga} attempt={attempt} "
               f"finetune={spec.get('finetune', {}).get('method', 'full')} optimizer={optimizer_impl}", flush=True)
         emit("FRENZY_MODEL", {"params": params, "trainable_params": trainable, "optimizer_impl": optimizer_impl,
@@ -259,7 +270,7 @@ def train(run_dir: Path) -> None:
         if held_out is None:
             return
         t0 = time.perf_counter()
-        loss = evaluate(model, held_out, count=eval_count, mb=mb, rank=rank, world=world, device=device)
+        loss = evaluate(model, held_out, count=eval_count, mb=mb, rank=dp_rank, world=dp, device=device)
         if main:
             emit("FRENZY_EVAL", {"step": step, "loss": round(loss, 6), "sequences": eval_count,
                                  "eval_time_s": round(time.perf_counter() - t0, 4)})
@@ -284,11 +295,14 @@ def train(run_dir: Path) -> None:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
         for j in range(ga):
-            first = (step - 1) * G + (j * dp + rank) * mb
+            first = (step - 1) * G + (j * dp + dp_rank) * mb
             x = source.batch(first, mb).to(device)
             with accelerator.accumulate(model):
-                out = model(input_ids=x, labels=x)
-                loss = out.loss if hasattr(out, "loss") else out
+                if lay.cp > 1:
+                    loss = ulysses.loss(model, x, vocab=vocab)
+                else:
+                    out = model(input_ids=x, labels=x)
+                    loss = out.loss if hasattr(out, "loss") else out
                 accelerator.backward(loss)
                 if not deepspeed and clip and accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), clip)
@@ -317,7 +331,8 @@ def train(run_dir: Path) -> None:
         stop = bool(code & control.ACTION_CODES["stop"])
         export_now = bool(code & control.ACTION_CODES["export"])
         if step % spec["checkpoint_every"] == 0 or step == steps or stop:
-            save_checkpoint(accelerator, run_dir, step, fmt, main, save_kw)
+            save_checkpoint(accelerator, run_dir, step, fmt, main, save_kw,
+                            model=model if lay.tp > 1 and not adapters else None)
         if (eval_every and step % eval_every == 0 and step != steps) or (stop and export_now):
             run_eval(step)
         if export_now and not stop:
@@ -367,13 +382,23 @@ def train(run_dir: Path) -> None:
 
 
 def save_checkpoint(accelerator, run_dir: Path, step: int, fmt: dict[str, Any], main: bool,
-                    save_kw: dict[str, Any] | None = None) -> None:
+                    save_kw: dict[str, Any] | None = None, model=None) -> None:
+    """``save_state`` of every rank, then rank 0's marker. With ``model`` (a tensor-parallel
+    run) also the full weights, gathered from the TP shards, in ``consolidated.safetensors``:
+    DeepSpeed's fp32 consolidation does not read AutoTP checkpoints, and a run re-planned to
+    another layout resumes from these weights."""
     from trainer import checkpoints as ck
 
     path = ck.checkpoint_path(run_dir, step)
     t0 = time.perf_counter()
     accelerator.wait_for_everyone()
     accelerator.save_state(str(path), **(save_kw or {}))
+    if model is not None:
+        state = accelerator.get_state_dict(model)     # collective: every rank gathers its shards
+        if main:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / ck.CONSOLIDATED))
     accelerator.wait_for_everyone()                   # every rank has written its shard
     if main:
         (path / ck.MARKER).write_text(json.dumps({"step": step, "format": fmt, "time": time.time()}))
@@ -421,11 +446,14 @@ def load_weights_only(model, latest) -> None:
     size): Accelerate's ``model.safetensors`` or DeepSpeed's shards consolidated to fp32. The
     optimizer restarts; the step count and the data order continue. A LoRA checkpoint holds the
     adapters only: the frozen base comes from ``init_from`` as in the first launch."""
+    from trainer import checkpoints as ck
+
     path = latest.path
-    if (path / ADAPTER_STATE).is_file() or (path / "model.safetensors").is_file():
+    files = [f for f in (ck.CONSOLIDATED, ADAPTER_STATE, "model.safetensors") if (path / f).is_file()]
+    if files:
         from safetensors.torch import load_file
 
-        state = load_file(str(path / (ADAPTER_STATE if (path / ADAPTER_STATE).is_file() else "model.safetensors")))
+        state = load_file(str(path / files[0]))
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

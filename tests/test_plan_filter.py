@@ -1,0 +1,87 @@
+"""`--plan "tp=2,zero=3"`: the knobs a candidate plan must have (parse, match, refuse)."""
+from __future__ import annotations
+
+import pytest
+
+from estimator.errors import FrenzyInputError
+from estimator.plan import Plan
+from estimator.plan_filter import filter_plans, matches, parse_plan_filter
+
+
+def P(**kw) -> Plan:
+    base = dict(gpu_type="A100-80GB", gpus=1, dp=1)
+    base.update(kw)
+    return Plan(**base)
+
+
+PLANS = {
+    "A100-80GB": [P(gpus=2, dp=2), P(gpus=2, tp=2), P(gpus=4, dp=2, pp=2, zero=1),
+                  P(gpus=2, dp=2, zero=2, offload="optimizer"), P(gpus=16, dp=8, tp=2, zero=3)],
+    "RTX3090-24GB": [P(gpu_type="RTX3090-24GB", gpus=2, dp=1, cp=2)],
+}
+
+
+def test_parse_knobs_of_every_kind():
+    assert parse_plan_filter("tp=2") == {"tp": 2}
+    assert parse_plan_filter(" offload=optimizer+params , zero=3 ,") == {"offload": "optimizer+params", "zero": 3}
+    assert parse_plan_filter("NODES=2,gpu=cpu,act_ckpt=full") == {"nodes": 2, "gpu": "cpu", "act_ckpt": "full"}
+
+
+@pytest.mark.parametrize("text, named", [
+    ("tq=2", "unknown knob 'tq'"), ("tp", "not knob=value"), ("tp=two", "tp must be an integer"),
+    ("zero=4", "zero must be 0..3"), ("tp=0", "tp must be >= 1"), ("offload=disk", "offload must be one of"),
+    ("tp=2,tp=4", "given twice"), ("", "empty filter"), (" , ", "empty filter"),
+])
+def test_bad_filters_are_one_line_naming_the_knob(text, named):
+    with pytest.raises(FrenzyInputError) as e:
+        parse_plan_filter(text)
+    assert e.value.field == "plan" and named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_filter_keeps_matching_plans_per_type():
+    got = filter_plans(PLANS, parse_plan_filter("tp=2"), {"A100-80GB": 8})
+    assert got["A100-80GB"] == [PLANS["A100-80GB"][1], PLANS["A100-80GB"][4]] and got["RTX3090-24GB"] == []
+    got = filter_plans(PLANS, parse_plan_filter("tp=2,zero=3"), 8)
+    assert [p.gpus for p in got["A100-80GB"]] == [16]
+    got = filter_plans(PLANS, parse_plan_filter("offload=optimizer"), 8)
+    assert [p.offload for ps in got.values() for p in ps] == ["optimizer"]
+    assert [p.cp for p in filter_plans(PLANS, {"cp": 2}, 8)["RTX3090-24GB"]] == [2]
+    assert filter_plans(PLANS, None, 8) is PLANS
+
+
+def test_nodes_count_gpus_per_node_of_the_type():
+    big = PLANS["A100-80GB"][4]
+    assert matches(big, {"nodes": 2}, 8) and not matches(big, {"nodes": 2}, 16)
+    assert matches(big, {"nodes": 1}, 16) and matches(P(gpus=2, dp=2), {"nodes": 1}, 8)
+    assert [p.gpus for p in filter_plans(PLANS, {"nodes": 2}, {"A100-80GB": 8})["A100-80GB"]] == [16]
+    assert matches(PLANS["RTX3090-24GB"][0], {"gpu": "rtx3090-24gb"}, 8)
+
+
+def test_no_match_names_the_filter():
+    with pytest.raises(FrenzyInputError) as e:
+        filter_plans(PLANS, parse_plan_filter("pp=4"), 8)
+    assert "no feasible plan matches 'pp=4'" in str(e.value) and "6 feasible plans" in str(e.value)
+
+
+def test_cli_refuses_an_unknown_knob_and_a_filter_nothing_matches(tmp_path):
+    from tests.test_cli_run import ROOT, frenzy
+
+    proc = frenzy("run", str(ROOT / "examples/tiny-job.yaml"), "--plan", "tpp=2", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "unknown knob 'tpp'" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    proc = frenzy("run", str(ROOT / "examples/tiny-job.yaml"), "--plan", "gpus=64", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "no feasible plan matches 'gpus=64'" in proc.stderr, proc.stderr
+    assert not (tmp_path / ".frenzy" / "prefect").exists()          # refused before Prefect started
+
+
+@pytest.mark.slow
+def test_cli_runs_the_plan_the_filter_names(tmp_path):
+    from tests.test_cli_run import ROOT, frenzy
+    import json
+
+    proc = frenzy("run", str(ROOT / "examples/tiny-job.yaml"), "--plan", "dp=1,zero=0", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["status"] == "completed"
+    assert doc["plan"]["dp"] == 1 and doc["plan"]["zero"] == 0 and doc["plan"]["gpus"] == 1
+    assert all(p["dp"] == 1 and p["zero"] == 0 for ps in doc["plans"].values() for p in ps)
