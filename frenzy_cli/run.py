@@ -66,6 +66,17 @@ def embedded_prefect_env(json_mode: bool) -> None:
 
 
 def handle(args) -> int:
+    from estimator.errors import FrenzyInputError
+
+    try:
+        return _handle(args)
+    except FrenzyInputError as err:
+        if args.json:     # --json: stdout is one JSON object, also for bad input (exit 2 as always)
+            print(json.dumps({"status": "failed", "error": str(err), "field": err.field}))
+        raise
+
+
+def _handle(args) -> int:
     job = load_job(args.job)
     # Bad input fails here, in a line, before the slow Prefect start-up: the cluster file, and
     # a job that no GPU of the cluster can hold (the flow's first task asks the same question).
@@ -84,6 +95,34 @@ def handle(args) -> int:
                   safety_margin_gib=margin, gpus=topology.gpu_catalog())
 
     embedded_prefect_env(args.json)     # before prefect is first imported
+    from . import stopping
+
+    # Signals stop what this process started from here on (see frenzy_cli.stopping).
+    stopper = stopping.Stopper().install()
+    final = None
+    try:
+        stopper.server = stopping.start_embedded_server()
+        if stopper.server is not None:
+            stopper.watch_server()
+        code, final = _submit(args, job, topology, stopper)
+        return code
+    except KeyboardInterrupt:
+        reason = stopper.reason or "SIGINT"
+        final = f"interrupted ({reason}) before training started; nothing left running"
+        if args.json:
+            print(json.dumps({"status": "failed", "error": f"interrupted ({reason})"}))
+        return stopper.exit_code or 130
+    finally:
+        stopper.uninstall()
+        if stopper.reason is not None:
+            stopping.stop_server(stopper.server)      # before the last line: it logs its stop
+        if final:
+            stopper.say(final)
+
+
+def _submit(args, job, topology, stopper) -> tuple[int, str | None]:
+    """Submit and report; returns the exit status and, after a stop, the line that says why."""
+    from estimator.errors import FrenzyInputError
     from deployments.pools import sync_pools
     from frenzy_flows import submit_training
 
@@ -97,13 +136,21 @@ def handle(args) -> int:
     except FrenzyInputError:
         raise
     except Exception as err:
+        if stopper.reason is not None:      # the stop made the run fail (killed on the way out)
+            err = f"interrupted ({stopper.reason}): {err}"
         if args.json:
             print(json.dumps({"status": "failed", "error": str(err)}))
-        else:
-            print(f"frenzy run: failed: {err}", file=sys.stderr)
-        return 1
+        if stopper.reason is not None:
+            return stopper.exit_code or 1, f"failed: {err}"
+        print(f"frenzy run: failed: {err}", file=sys.stderr)
+        return 1, None
     if args.json:
         print(result.model_dump_json())
     else:
         report.print_result(result)
-    return 0
+    if stopper.reason is not None:
+        step = (result.stop or {}).get("step")
+        return stopper.exit_code or 1, (f"{stopper.reason}: training stopped"
+                                        + (f" after step {step} with a checkpoint" if step else "")
+                                        + "; GPUs released")
+    return 0, None

@@ -33,6 +33,10 @@ TAIL_LINES = 200
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# Launches running now (pid -> process): what ``kill_all`` stops when the orchestrating process
+# itself has to stop (a signal, a dead Prefect server) and cannot wait for a step boundary.
+_LIVE: dict[int, subprocess.Popen] = {}
+
 
 def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed: bool = False,
                base: Mapping[str, str] | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -113,6 +117,22 @@ def kill_tree(proc: subprocess.Popen, grace_s: float) -> None:
         pass
 
 
+def live_launches() -> list[subprocess.Popen]:
+    return [p for p in list(_LIVE.values()) if p.poll() is None]
+
+
+def kill_all(grace_s: float) -> int:
+    """Stop every launch of this process (each whole tree, as ``kill_tree``); returns how many
+    were running. Safe from any thread: the waiting caller sees its child exit."""
+    procs = live_launches()
+    threads = [threading.Thread(target=kill_tree, args=(p, grace_s), daemon=True) for p in procs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(grace_s + 25)
+    return len(procs)
+
+
 def run_process_group(cmd: list[str], env: Mapping[str, str] | None, deadline_s: float | None,
                       on_line: Callable[[str], None] | None = None, grace_s: float = 30.0,
                       cwd: str | os.PathLike | None = None) -> tuple[int | None, bool, list[str]]:
@@ -128,6 +148,7 @@ def run_process_group(cmd: list[str], env: Mapping[str, str] | None, deadline_s:
     proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, cwd=cwd,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, errors="replace", bufsize=1, start_new_session=True)
+    _LIVE[proc.pid] = proc
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     oom = threading.Event()
 
@@ -162,5 +183,6 @@ def run_process_group(cmd: list[str], env: Mapping[str, str] | None, deadline_s:
     finally:
         if proc.poll() is None:
             kill_tree(proc, grace_s)
+        _LIVE.pop(proc.pid, None)
         reader.join(10)
     return rc, oom.is_set(), list(tail)
