@@ -14,6 +14,7 @@ from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan
 from scheduler.discover import cluster_or_local
 
 from frenzy_flows import artifacts, dispatch, events
+from frenzy_flows.lifetime import allocation_lifetime
 from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, training_fields
 from frenzy_flows.tasks import (assign, estimate_memory, fastest, load_settings, new_job_id,
                                 secret_value, select_resources, with_site_defaults)
@@ -35,9 +36,9 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
     slots, so Prefect's count of busy GPUs agrees with the ledger."""
     if dispatch.has_workers(assignment.pool):
         get_run_logger().info("dispatching to work pool %s", assignment.pool)
-        return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id,
+        return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id, ledger_url=ledger_url,
                                          settings=settings, timeout_s=job.deadline_s)
-    with dispatch.hold_gpu_slots(assignment.pool, plan.gpus, timeout_s=job.deadline_s):
+    with dispatch.hold_gpu_slots(assignment.pool, plan.gpus, ledger_url=ledger_url):
         return train_on_pool(job, plan, assignment=assignment, job_id=job_id,
                              ledger_url=ledger_url, inventory=inventory, settings=settings)
 
@@ -80,23 +81,25 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
 
     registered = run_coro_as_sync(_registered_pools())
     candidates = select_resources(job, plans_by_type, topology, registered)
-    assignment = assign(job, job_id, candidates, ledger_url, policy=policy,
-                        wait_timeout_s=wait_timeout_s)
-    chosen = assignment.plan
-    artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
-                          pool_notes=dispatch.pool_notes(topology))
-    events.placed(job.name, chosen, assignment)
+    # from the grant to the end of the run, every allocation of the job is released on the way out
+    with allocation_lifetime(ledger_url, job_id, log=log.warning):
+        assignment = assign(job, job_id, candidates, ledger_url, policy=policy,
+                            wait_timeout_s=wait_timeout_s)
+        chosen = assignment.plan
+        artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
+                              pool_notes=dispatch.pool_notes(topology))
+        events.placed(job.name, chosen, assignment)
 
-    try:
-        trained = train(job, job_id, chosen, assignment, ledger_url, topology.inventory(), settings)
-        # the trainer reports a run that ran out of fallbacks or time; it does not raise
-        ok = trained.get("status") in ("completed", "stopped")
-        status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
-    except FrenzyInputError:
-        raise
-    except Exception as err:  # the run failed for good: report it, GPUs already released
-        log.error("training failed: %s", err)
-        trained, status, error = {}, "failed", str(err)
+        try:
+            trained = train(job, job_id, chosen, assignment, ledger_url, topology.inventory(), settings)
+            # the trainer reports a run that ran out of fallbacks or time; it does not raise
+            ok = trained.get("status") in ("completed", "stopped")
+            status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
+        except FrenzyInputError:
+            raise
+        except Exception as err:  # the run failed for good: report it, GPUs already released
+            log.error("training failed: %s", err)
+            trained, status, error = {}, "failed", str(err)
 
     final = Plan.model_validate(trained["final_plan"]) if trained.get("final_plan") else chosen
     measured = trained.get("measured", {})

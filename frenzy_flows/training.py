@@ -55,9 +55,9 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
         if current["alloc_id"]:
             ledger.release(current["alloc_id"])
 
-    run_dir = prepare_run_dir(job, job_id, runs_dir())      # a resubmission continues its last checkpoint
-    run_dir.mkdir(parents=True, exist_ok=True)
     try:
+        run_dir = prepare_run_dir(job, job_id, runs_dir())  # a resubmission continues its last checkpoint
+        run_dir.mkdir(parents=True, exist_ok=True)
         result = run_training(job, plan, run_dir=run_dir, acquire=acquire, release=release, log=log,
                               on_step=on_step, inventory=inventory,
                               deadline_s=job.deadline_s, fallbacks=fallbacks)
