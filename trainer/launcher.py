@@ -30,6 +30,8 @@ import psutil
 OOM_MARKERS = ("FRENZY_OOM", "CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory",
                "CUBLAS_STATUS_ALLOC_FAILED")
 TAIL_LINES = 200
+LOOPBACK = "127.0.0.1"
+LOOPBACK_IFNAME = "lo"          # Linux's loopback interface
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,6 +70,13 @@ def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed
             # Accelerate's multi-process launcher only picks gloo-on-CPU when told so by env:
             # `use_cpu` in a config file does not reach the ranks (verified, accelerate 1.15).
             env["ACCELERATE_USE_CPU"] = "true"
+    if all(":" not in str(d) for d in devices):
+        # One node ("<node>:<index>" devices span several): the rendezvous store, gloo and NCCL's
+        # bootstrap stay on loopback, reachable from no other host (trainer.bound_launch).
+        env["MASTER_ADDR"] = LOOPBACK
+        env["FRENZY_C10D_BIND"] = LOOPBACK
+        env["GLOO_SOCKET_IFNAME"] = LOOPBACK_IFNAME
+        env["NCCL_SOCKET_IFNAME"] = LOOPBACK_IFNAME
     if extra:
         env.update(extra)
     return env

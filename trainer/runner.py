@@ -221,8 +221,9 @@ class Mailbox:
 
 
 def launch_command(paths: Paths) -> list[str]:
-    """``accelerate launch`` as an argument list (no shell); the program runs as a module."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(paths.accelerate),
+    """``accelerate launch`` as an argument list (no shell); the program runs as a module. The
+    launch goes through ``trainer.bound_launch``: the c10d store listens on the node's address."""
+    return [sys.executable, "-m", "trainer.bound_launch", "--config_file", str(paths.accelerate),
             "-m", "trainer.train", "--run-dir", str(paths.run_dir)]
 
 
