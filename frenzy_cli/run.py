@@ -91,8 +91,14 @@ def _handle(args) -> int:
     # With a settings block its margin is only known once Prefect is up: check against none.
     margin = (args.safety_margin_gib if args.safety_margin_gib is not None
               else 0.0 if args.settings else DEFAULT_SAFETY_MARGIN_GIB)
-    plans_for_job(job, topology.inventory(), gpus_per_node=topology.gpus_per_node(),
-                  safety_margin_gib=margin, gpus=topology.gpu_catalog())
+    plans = plans_for_job(job, topology.inventory(), gpus_per_node=topology.gpus_per_node(),
+                          safety_margin_gib=margin, gpus=topology.gpu_catalog())
+    # data, tokenizer, entry point, optimizer, allow-lists (the job file's folder is a data root)
+    from trainer import allowlist
+    from trainer.runner import preflight_job
+
+    allowlist.configure(data_roots=[Path(args.job).resolve().parent])
+    preflight_job(job, min((p for ps in plans.values() for p in ps), key=lambda p: p.step_time_s))
 
     embedded_prefect_env(args.json)     # before prefect is first imported
     from . import stopping

@@ -58,11 +58,13 @@ def submit_training(job: TrainingJob, cluster: str | None = None, policy: str | 
     from ledger import Ledger
     from prefect.utilities.asyncutils import run_coro_as_sync
 
+    from trainer import allowlist
     from trainer.pretrained import check_job
     from trainer.tracking import with_tracking_default
 
     log = get_run_logger()
     site = load_settings(settings)
+    allowlist.configure_from(site)       # the site's data roots and entry-point modules
     job = with_tracking_default(with_site_defaults(job, site), site)
     check_job(job)              # starting point, LoRA targets, QLoRA support: before any GPU is taken
     ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)

@@ -27,10 +27,12 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
     """``inventory`` (GPU type -> count) widens the out-of-memory fallbacks to more GPUs and
     other GPU types; without it they stay on the plan's GPU type. ``settings``: a
     `FrenzySettings` block whose fallback order (and ledger URL, when none is given) apply."""
+    from trainer import allowlist
     from trainer.tracking import with_tracking_default
 
     log = get_run_logger()
     site = load_settings(settings)
+    allowlist.configure_from(site)                  # the site's data roots and entry-point modules
     job = with_tracking_default(job, site)          # the settings block's MLflow server
     ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
     job_id = job_id or new_job_id(job)

@@ -50,7 +50,7 @@ from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
-from . import checkpoints, control, interrupt, resume
+from . import allowlist, checkpoints, control, interrupt, resume
 from .data import check_data, check_eval
 from .fallback import fallback_plans
 from .launch_config import Paths, check_realisable, is_cpu_plan, training_spec, write_launch_files
@@ -142,7 +142,6 @@ class TrainResult(BaseModel):
 def preflight(job: TrainingJob, plan: Plan) -> dict[str, Any]:
     """Every check that needs no process: raises FrenzyInputError naming the file or setting."""
     check_realisable(plan)
-    check_job(job)
     if job.finetune.method == "qlora":
         if is_cpu_plan(plan):
             raise FrenzyInputError("finetune.method", "qlora needs a GPU (bitsandbytes' 4-bit kernels); "
@@ -150,6 +149,15 @@ def preflight(job: TrainingJob, plan: Plan) -> dict[str, Any]:
         if plan.zero == 3 or plan.offload == "optimizer+params":
             raise FrenzyInputError("plan.zero", "qlora keeps its 4-bit base on every GPU; ZeRO-3 / parameter "
                                                 "offload would partition it (use zero <= 2)")
+    return preflight_job(job, plan)
+
+
+def preflight_job(job: TrainingJob, plan: Plan) -> dict[str, Any]:
+    """The checks of the job itself, whatever plan it gets (``plan``: any of its plans, for the
+    optimizer): starting point, allow-lists, data, tokenizer, evaluation data, entry point,
+    optimizer. The CLI runs them before Prefect starts; ``preflight`` again before a launch."""
+    check_job(job)
+    allowlist.check_job(job)       # before any file is read or module imported
     spec = training_spec(job, plan)
     hf = spec["hf_config"]
     positions = hf.get("n_positions") or hf.get("max_position_embeddings")
