@@ -135,6 +135,16 @@ def _submit(args, job, topology, stopper) -> tuple[int, str | None]:
     from . import report
 
     sync_pools(topology)
+    if stopper.server is not None and not args.settings:
+        # this project's own embedded server forgot the leases of runs killed with it: free
+        # the GPU slots its database still counts but the ledger holds no GPUs for
+        from frenzy_flows.dispatch import reconcile_gpu_slots
+        from ledger import Ledger
+
+        try:
+            reconcile_gpu_slots(Ledger(args.ledger), [p.name for p in topology.pools])
+        except Exception as err:     # the slot wait reconciles again; never fail a run on it
+            print(f"frenzy run: could not reconcile GPU slots with the ledger: {err}", file=sys.stderr)
     try:
         result = submit_training(job, cluster=args.cluster, policy=args.policy,
                                  ledger_url=args.ledger, settings=args.settings,
