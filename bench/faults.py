@@ -123,10 +123,11 @@ class Run:
                 pass
         return found
 
-    def find(self, needle: str) -> psutil.Process | None:
+    def find(self, needle: str, but: str | None = None) -> psutil.Process | None:
         for p in self.processes():
             try:
-                if needle in " ".join(p.cmdline()):
+                cmd = " ".join(p.cmdline())
+                if needle in cmd and (but is None or but not in cmd):
                     return p
             except psutil.Error:
                 pass
@@ -208,7 +209,7 @@ def kill9_submitter(base, args):
 def kill9_rank(base, args):
     r = Run(base, "kill9-rank", args)
     r.wait_step(3 * args.checkpoint_every)
-    rank = r.find("trainer.train")
+    rank = r.find("-m trainer.train", but="bound_launch")     # a rank, not its launcher
     step, ck = r.fault_point()
     if rank is not None:
         rank.kill()
@@ -320,11 +321,20 @@ def db_outage(base, args):
     finally:
         _psql(admin, f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS true')
     rc = r.wait_end()
+    ended = time.time()
     doc = r.result()
     resumed = [a.get("resumed_from_step", 0) for a in doc.get("attempts", [])[1:]]
     lost = (step - resumed[0]) if resumed else 0
-    mine = [a for a in r.active(url) if a.job_id == doc.get("job_id")]
-    return row("db-outage", not mine, lost, r.status(rc), r.leftovers(), "ledger refused connections for 20 s")
+    # an allocation the run could not release while the database was away: its lease must run
+    # out within one TTL (nobody renews it), then the ledger frees it
+    mine = [a for a in r.active(url) if a.job_id.startswith("faults-")]
+    within = all(a.lease_expires_at <= ended + LEASE_TTL_S for a in mine)
+    if mine and within:
+        r.ledger(url).expire_leases(now=max(a.lease_expires_at for a in mine) + 1)
+    left_held = [a for a in r.active(url) if a.job_id.startswith("faults-")]
+    return row("db-outage", within and not left_held, lost, r.status(rc), r.leftovers(),
+               f"ledger refused connections for 20 s (the run ended inside the outage); "
+               f"{len(mine)} allocation(s) left to the lease TTL")
 
 
 def clock_skew(base, args):
@@ -338,7 +348,8 @@ def clock_skew(base, args):
     status = r.status(rc)
     # right: the skewed clock expires nothing (or the run stops, fenced, at a step boundary)
     healthy = not expired or status == "stopped"
-    return row("clock-skew", healthy and not r.active(), 0 if not expired else max(0, r.last_step() - ck),
+    # steps lost: those trained after the lease was gone (on GPUs the ledger had given away)
+    return row("clock-skew", healthy and not r.active(), 0 if not expired else max(0, r.last_step() - step),
                status if healthy else f"{status} (lease expired by a skewed clock, trained on)",
                r.leftovers(), f"expired {len(expired)} of {len(held)} allocation(s)")
 

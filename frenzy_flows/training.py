@@ -62,9 +62,16 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                               on_step=on_step, inventory=inventory,
                               deadline_s=job.deadline_s, fallbacks=fallbacks)
         final = result.final_plan
-        ledger.record_measurement(job_id, current["alloc_id"], final.gpu_type, final,
-                                  predicted=predicted_figures(final),
-                                  measured=result.measured.model_dump())
+        try:
+            ledger.record_measurement(job_id, current["alloc_id"], final.gpu_type, final,
+                                      predicted=predicted_figures(final),
+                                      measured=result.measured.model_dump())
+        except Exception as err:       # the ledger down at the end: the training still happened
+            log(f"frenzy: measurement not recorded ({type(err).__name__}: {str(err)[:200]})")
         return result
     finally:
-        release()
+        try:
+            release()
+        except Exception as err:       # never replaces the result or the error; the lease runs out
+            log(f"frenzy: could not release the allocation ({type(err).__name__}: {str(err)[:200]}); "
+                f"its lease runs out on its own")

@@ -333,6 +333,16 @@ class _DeadlineStop:
                 return
 
 
+def _release_at_end(release: Callable[[], None], log: Callable[[str], None]) -> None:
+    """Release after the training ended: a ledger that cannot be reached then does not undo the
+    training (its lease is no longer renewed and runs out on its own within the TTL)."""
+    try:
+        release()
+    except Exception as err:
+        log(f"frenzy: could not release the allocation ({type(err).__name__}: {str(err)[:200]}); "
+            f"its lease runs out on its own")
+
+
 def _backoff(retry: int, base_s: float, cap_s: float = 60.0) -> float:
     """Exponential backoff with full jitter in [0.5, 1.5) x base x 2^(retry-1)."""
     return min(cap_s, base_s * 2 ** (retry - 1)) * (0.5 + random.random())
@@ -425,7 +435,8 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                              deepspeed=current.zero > 0)
             left = remaining()
             t0 = time.monotonic()
-            with open(run_dir / f"attempt-{number}.log", "w") as logfile:
+            # line-buffered: the log is current on disk (tail -f; what is left after a kill -9)
+            with open(run_dir / f"attempt-{number}.log", "w", buffering=1) as logfile:
                 listener = _Listener(log, steps.post if steps is not None else None, losses, logfile,
                                      evals, tracker)
                 try:
@@ -480,11 +491,11 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                     stop = StopInfo(**{k: listener.stopped.get(k) or d for k, d in
                                        (("step", 0), ("reason", "stop"), ("request_id", ""))})
                     log(f"frenzy: stopped after step {stop.step} ({stop.reason}), checkpoint saved")
-                release()
+                _release_at_end(release, log)
                 break
             if outcome == "timeout":
                 status, error = "timeout", err
-                release()
+                _release_at_end(release, log)
                 break
             if outcome == "oom":
                 release()
