@@ -55,6 +55,12 @@ class FrenzySettings(Block):
         default_factory=lambda: list(DEFAULT_FALLBACK_ORDER),
         description="out-of-memory fallbacks to try, in order; leave a kind out to forbid it")
     hf_token: SecretStr | None = Field(None, description="Hugging Face token for private tokenizers/datasets")
+    data_roots: list[str] = Field(
+        default_factory=list, description="folders jobs may read data from, besides the job file's folder, "
+                                          "the working directory and FRENZY_HOME")
+    entry_point_modules: list[str] = Field(
+        default_factory=list, description="modules (and their submodules) a job's entry_point may name, "
+                                          "besides the trainer's own")
     mlflow_tracking_uri: str | None = Field(
         None, description="MLflow tracking server URL (e.g. http://mlflow:5000) for jobs that name none "
                           "(empty: SQLite under FRENZY_HOME)")

@@ -72,9 +72,19 @@ def embedded_prefect_env(json_mode: bool) -> None:
 
 
 def handle(args) -> int:
+    from estimator.errors import FrenzyInputError
     from ledger.core import check_url_arg
 
-    check_url_arg("--ledger", args.ledger)      # a password on the command line shows in `ps`
+    try:
+        check_url_arg("--ledger", args.ledger)      # a password on the command line shows in `ps`
+        return _handle(args)
+    except FrenzyInputError as err:
+        if args.json:     # --json: stdout is one JSON object, also for bad input (exit 2 as always)
+            print(json.dumps({"status": "failed", "error": str(err), "field": err.field}))
+        raise
+
+
+def _handle(args) -> int:
     job = load_job(args.job)
     from estimator.plan_filter import filter_plans, parse_plan_filter
 
@@ -101,14 +111,58 @@ def handle(args) -> int:
     plans = plans_for_job(job, topology.inventory(), gpus_per_node=topology.gpus_per_node(),
                           safety_margin_gib=margin, gpus=topology.gpu_catalog())
     filter_plans(plans, plan_filter, topology.gpus_per_node())
+    # data, tokenizer, entry point, optimizer, allow-lists (the job file's folder is a data root)
+    from trainer import allowlist
+    from trainer.runner import preflight_job
+
+    allowlist.configure(data_roots=[Path(args.job).resolve().parent])
+    preflight_job(job, min((p for ps in plans.values() for p in ps), key=lambda p: p.step_time_s))
 
     embedded_prefect_env(args.json)     # before prefect is first imported
+    from . import stopping
+
+    # Signals stop what this process started from here on (see frenzy_cli.stopping).
+    stopper = stopping.Stopper().install()
+    final = None
+    try:
+        stopper.server = stopping.start_embedded_server()
+        if stopper.server is not None:
+            stopper.watch_server()
+        code, final = _submit(args, job, topology, stopper)
+        return code
+    except KeyboardInterrupt:
+        reason = stopper.reason or "SIGINT"
+        final = f"interrupted ({reason}) before training started; nothing left running"
+        if args.json:
+            print(json.dumps({"status": "failed", "error": f"interrupted ({reason})"}))
+        return stopper.exit_code or 130
+    finally:
+        stopper.uninstall()
+        if stopper.reason is not None:
+            stopping.stop_server(stopper.server)      # before the last line: it logs its stop
+        if final:
+            stopper.say(final)
+
+
+def _submit(args, job, topology, stopper) -> tuple[int, str | None]:
+    """Submit and report; returns the exit status and, after a stop, the line that says why."""
+    from estimator.errors import FrenzyInputError
     from deployments.pools import sync_pools
     from frenzy_flows import submit_training
 
     from . import report
 
     sync_pools(topology)
+    if stopper.server is not None and not args.settings:
+        # this project's own embedded server forgot the leases of runs killed with it: free
+        # the GPU slots its database still counts but the ledger holds no GPUs for
+        from frenzy_flows.dispatch import reconcile_gpu_slots
+        from ledger import Ledger
+
+        try:
+            reconcile_gpu_slots(Ledger(args.ledger), [p.name for p in topology.pools])
+        except Exception as err:     # the slot wait reconciles again; never fail a run on it
+            print(f"frenzy run: could not reconcile GPU slots with the ledger: {err}", file=sys.stderr)
     try:
         result = submit_training(job, cluster=args.cluster, policy=args.policy,
                                  ledger_url=args.ledger, settings=args.settings,
@@ -117,13 +171,21 @@ def handle(args) -> int:
     except FrenzyInputError:
         raise
     except Exception as err:
+        if stopper.reason is not None:      # the stop made the run fail (killed on the way out)
+            err = f"interrupted ({stopper.reason}): {err}"
         if args.json:
             print(json.dumps({"status": "failed", "error": str(err)}))
-        else:
-            print(f"frenzy run: failed: {err}", file=sys.stderr)
-        return 1
+        if stopper.reason is not None:
+            return stopper.exit_code or 1, f"failed: {err}"
+        print(f"frenzy run: failed: {err}", file=sys.stderr)
+        return 1, None
     if args.json:
         print(result.model_dump_json())
     else:
         report.print_result(result)
-    return 0
+    if stopper.reason is not None:
+        step = (result.stop or {}).get("step")
+        return stopper.exit_code or 1, (f"{stopper.reason}: training stopped"
+                                        + (f" after step {step} with a checkpoint" if step else "")
+                                        + "; GPUs released")
+    return 0, None

@@ -255,7 +255,11 @@ def progress_start(total_steps: int) -> ProgressHandle:
 def progress_update(handle: ProgressHandle, step: int, total: int | None = None,
                     loss: float | None = None) -> bool:
     """Move the progress bar to ``step/total`` (percent). Updates closer together than
-    ``PROGRESS_MIN_INTERVAL_S`` are skipped, except the last step. Returns whether it sent one."""
+    ``PROGRESS_MIN_INTERVAL_S`` are skipped, except the last step. Returns whether it sent one.
+
+    A synchronous HTTP call: the trainer calls it from its bounded step mailbox
+    (``trainer.runner.Mailbox``), never from the thread that drains the ranks' output, so an
+    API that is down only drops progress updates."""
     from prefect.artifacts import update_progress_artifact
 
     total = int(total or handle.total)

@@ -143,20 +143,111 @@ def find_train_deployment(pool: str) -> UUID:
 
 # ---------------------------------------------------------------- GPU slots
 
+# Slots are Prefect concurrency leases, renewed in the background while held: a holder that
+# died stops renewing and a server's repossessor revokes the lease when it runs out. One minute:
+# a renewal is one small request, and Prefect's count frees well before the ledger's own lease
+# (300 s) would give the GPUs to someone else, so Prefect is never the one that blocks.
+SLOT_LEASE_S = 60.0
+# The slots mirror GPUs the ledger already granted, so a free slot is expected at once. What
+# can still hold one: a dead holder's lease not yet revoked (one lease plus the repossessor's
+# loop), or a count leaked where no lease is left to revoke (an embedded server, whose leases
+# live in its memory, killed with its holder). After the first few seconds of waiting, the
+# count is reconciled with the ledger; the whole wait is bounded by two leases plus 30 s.
+SLOT_RECONCILE_AFTER_S = 5.0
+SLOT_WAIT_S = 2 * SLOT_LEASE_S + 30.0
+
+
+def ledger_gpus_by_pool(ledger) -> dict[str, int]:
+    """GPUs each pool's active ledger allocations hold (what Prefect's slots should count)."""
+    held: dict[str, int] = {}
+    for alloc in ledger.allocations(active_only=True):
+        held[alloc.pool] = held.get(alloc.pool, 0) + max(1, len(alloc.devices))
+    return held
+
+
+def reconcile_gpu_slots(ledger, pools: list[str]) -> dict[str, int]:
+    """Lower each pool's ``gpu:<pool>`` busy count to what the ledger holds there, when it is
+    higher (slots that leaked: no live holder, no lease left to expire); returns pool -> slots
+    freed. Never raises a count: a holder between its ledger grant and its slots is normal. A
+    holder that released on the ledger but not yet its slots may see the count undershoot by
+    its own slots for that moment; Prefect floors a release at zero and the ledger still
+    decides which GPUs are free."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    held = ledger_gpus_by_pool(ledger)
+    freed: dict[str, int] = {}
+    with get_client(sync_client=True) as client:
+        for pool in pools:
+            name = gpu_limit_name(pool)
+            try:
+                lim = client.read_global_concurrency_limit_by_name(name)
+            except ObjectNotFound:
+                continue
+            want = min(held.get(pool, 0), lim.limit)
+            if lim.active_slots > want:
+                client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=want))
+                freed[pool] = lim.active_slots - want
+                _logger().warning("%s counted %d busy slot(s) but the ledger holds %d GPU(s) there: freed %d "
+                                  "leaked slot(s)", name, lim.active_slots, want, lim.active_slots - want)
+    return freed
+
+
+def _slot_count(name: str) -> str:
+    from prefect import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            lim = client.read_global_concurrency_limit_by_name(name)
+        return f"{lim.active_slots} of {lim.limit} busy"
+    except Exception as err:           # only for the message
+        return f"count unreadable: {type(err).__name__}"
+
+
 @contextlib.contextmanager
-def hold_gpu_slots(pool: str, occupy: int, *, timeout_s: float | None = None):
+def hold_gpu_slots(pool: str, occupy: int, *, timeout_s: float | None = None,
+                   ledger_url: str | None = None):
     """Hold ``occupy`` slots of the pool's ``gpu:<pool>`` limit (strict: a missing limit is an
     error) for the duration of the block, so Prefect's count of busy GPUs matches the ledger's.
-    Used around a dispatched run here, and around in-process training by the submit flow."""
+    Used around a dispatched run here, and around in-process training by the submit flow.
+
+    The slots are a lease of ``SLOT_LEASE_S`` renewed while held; a renewal that fails (the API
+    down) does not stop the training: the ledger's lease fences the GPUs. The wait for them is
+    bounded by ``timeout_s`` (default ``SLOT_WAIT_S``, never the job's deadline); after
+    ``SLOT_RECONCILE_AFTER_S`` leaked slots are freed against the ledger (``ledger_url``) and
+    the wait says what it waits for. ``DispatchError`` when they do not come."""
     from prefect.concurrency.sync import concurrency
 
     name = gpu_limit_name(pool)
-    _logger().info("taking %d GPU slot(s) of %s", occupy, name)
-    try:   # entered by hand: only the acquisition's errors are translated, not the block's
-        cm = concurrency(name, occupy=occupy, strict=True, timeout_seconds=timeout_s)
+    total = SLOT_WAIT_S if timeout_s is None else float(timeout_s)
+    log = _logger()
+    log.info("taking %d GPU slot(s) of %s", occupy, name)
+
+    def take(wait_s: float):
+        cm = concurrency(name, occupy=occupy, strict=True, timeout_seconds=max(0.1, wait_s),
+                         lease_duration=SLOT_LEASE_S, raise_on_lease_renewal_failure=False)
         cm.__enter__()
+        return cm
+
+    t0 = time.monotonic()
+    try:   # entered by hand: only the acquisition's errors are translated, not the block's
+        try:
+            cm = take(min(total, SLOT_RECONCILE_AFTER_S))
+        except TimeoutError:
+            left = total - (time.monotonic() - t0)
+            if left <= 0:
+                raise
+            from ledger import Ledger
+
+            freed = reconcile_gpu_slots(Ledger(ledger_url), [pool]).get(pool, 0)
+            log.warning("waiting up to %.0f s for %d GPU slot(s) of %s (%s%s): the ledger granted the "
+                        "GPUs, so only a dead holder's lease still counts them", left, occupy, name,
+                        _slot_count(name), f"; freed {freed} leaked" if freed else "")
+            cm = take(left)
     except TimeoutError as err:
-        raise DispatchError(f"{occupy} GPU slot(s) of {name} did not free up within {timeout_s}s") from err
+        raise DispatchError(f"{occupy} GPU slot(s) of {name} did not free up within {total:.0f} s "
+                            f"({_slot_count(name)})") from err
     except Exception as err:
         if "must be created" in str(err):    # strict=True and no gpu:<pool> limit
             raise FrenzyInputError("pool", f"no concurrency limit {name!r}; run "
@@ -215,7 +306,8 @@ def _wait(flow_run_id: UUID, pool: str, deadline: float, poll_s: float):
 def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float | None,
                      job_id: str | None = None, settings: str | None = None,
                      env: Mapping[str, str] | None = None,
-                     poll_s: float = 2.0, slot_timeout_s: float | None = None) -> dict:
+                     poll_s: float = 2.0, slot_timeout_s: float | None = None,
+                     ledger_url: str | None = None) -> dict:
     """Run ``job`` with ``plan`` on ``allocation.pool`` through its ``frenzy-train-<pool>``
     deployment and return that flow's result (a dict; the train flow persists its result).
 
@@ -224,6 +316,8 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
     ``assignment`` parameter, with ``job`` and ``job_id``. ``timeout_s=None`` waits as long as
     it takes. ``settings``: the FrenzySettings block the train flow applies. Holds
     ``concurrency("gpu:<pool>", occupy=<devices>, strict=True)`` for the whole run.
+    ``slot_timeout_s``: the bound on the wait for the slots (default ``SLOT_WAIT_S``);
+    ``ledger_url``: the ledger the slots are reconciled with when they do not come.
     Raises ``DispatchError`` when the run ends other than COMPLETED or outlives ``timeout_s``
     (the run is cancelled then), ``FrenzyInputError`` when the pool was never synced.
     """
@@ -236,8 +330,8 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
     assignment = _assignment_dict(allocation)
     occupy = int(variables["num_processes"])
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
-    # the wait for slots counts against the run's deadline too
-    with hold_gpu_slots(pool, occupy, timeout_s=slot_timeout_s if slot_timeout_s is not None else timeout_s):
+    # the slot wait has its own bound (a leak, not the run's length, is what it waits out)
+    with hold_gpu_slots(pool, occupy, timeout_s=slot_timeout_s, ledger_url=ledger_url):
         return _run_and_wait(deployment_id, pool, variables, timeout_s, deadline, poll_s,
                              {"job": job_d, "plan": plan.model_dump(mode="json"),
                               "assignment": assignment, "job_id": job_id,

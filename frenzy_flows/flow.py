@@ -19,6 +19,7 @@ from scheduler.discover import cluster_or_local
 
 from frenzy_flows import artifacts, dispatch, events
 from frenzy_flows.form import RunForm
+from frenzy_flows.lifetime import allocation_lifetime
 from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, training_fields
 from frenzy_flows.tasks import (as_secret, enqueue, estimate_memory, load_settings, new_job_id,
                                 secret_value, select_resources, wait_for_gpus, with_site_defaults)
@@ -40,9 +41,9 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
     slots, so Prefect's count of busy GPUs agrees with the ledger."""
     if dispatch.has_workers(assignment.pool):
         get_run_logger().info("dispatching to work pool %s", assignment.pool)
-        return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id,
+        return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id, ledger_url=secret_value(ledger_url),
                                          settings=settings, timeout_s=job.deadline_s)
-    with dispatch.hold_gpu_slots(assignment.pool, plan.gpus, timeout_s=job.deadline_s):
+    with dispatch.hold_gpu_slots(assignment.pool, plan.gpus, ledger_url=secret_value(ledger_url)):
         return train_on_pool(job, plan, assignment=assignment, job_id=job_id,
                              ledger_url=ledger_url, inventory=inventory, settings=settings)
 
@@ -92,11 +93,13 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
     from prefect.utilities.asyncutils import run_coro_as_sync
     from scheduler.policies import policy_factory
 
+    from trainer import allowlist
     from trainer.pretrained import check_job
     from trainer.tracking import with_tracking_default
 
     log = get_run_logger()
     site = load_settings(settings)
+    allowlist.configure_from(site)       # the site's data roots and entry-point modules
     job = with_tracking_default(with_site_defaults(job, site), site)
     check_job(job)              # starting point, LoRA targets, QLoRA support: before any GPU is taken
     # the URL may hold a password: it stays a SecretStr in every task and subflow parameter
@@ -125,23 +128,25 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
     enqueue(job, job_id, candidates, ledger_secret, policy=policy, embedded_scheduler=embedded_scheduler)
     status, error, trained = "failed", "ended before training", {}
     try:
-        assignment = wait_for_gpus(job, job_id, ledger_secret, wait_timeout_s=wait_timeout_s)
-        chosen = assignment.plan
-        artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
-                              pool_notes=dispatch.pool_notes(topology))
-        artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
-        events.placed(job.name, chosen, assignment)
-        try:
-            trained = train(job, job_id, chosen, assignment, ledger_secret, topology.inventory(), settings)
-            # the trainer reports a run that ran out of fallbacks or time; it does not raise
-            ok = trained.get("status") in ("completed", "stopped")
-            status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
-        except FrenzyInputError as err:
-            error = str(err)
-            raise
-        except Exception as err:  # the run failed for good: report it, GPUs already released
-            log.error("training failed: %s", err)
-            trained, status, error = {}, "failed", str(err)
+        # from the grant to the end of the run, every allocation of the job is released on the way out
+        with allocation_lifetime(secret_value(ledger_secret), job_id, log=log.warning):
+            assignment = wait_for_gpus(job, job_id, ledger_secret, wait_timeout_s=wait_timeout_s)
+            chosen = assignment.plan
+            artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
+                                  pool_notes=dispatch.pool_notes(topology))
+            artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
+            events.placed(job.name, chosen, assignment)
+            try:
+                trained = train(job, job_id, chosen, assignment, ledger_secret, topology.inventory(), settings)
+                # the trainer reports a run that ran out of fallbacks or time; it does not raise
+                ok = trained.get("status") in ("completed", "stopped")
+                status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
+            except FrenzyInputError as err:
+                error = str(err)
+                raise
+            except Exception as err:  # the run failed for good: report it, GPUs already released
+                log.error("training failed: %s", err)
+                trained, status, error = {}, "failed", str(err)
     finally:
         queue.finish(job_id, "failed" if status == "failed" else "done", error=error or "")
 

@@ -15,6 +15,7 @@ from estimator.plan import Plan
 
 from frenzy_flows import artifacts, events
 from frenzy_flows.results import Assignment
+from frenzy_flows.lifetime import allocation_lifetime
 from frenzy_flows.tasks import load_settings, new_job_id, secret_value
 from frenzy_flows.training import run_allocated_training
 
@@ -26,15 +27,22 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
     """``inventory`` (GPU type -> count) widens the out-of-memory fallbacks to more GPUs and
     other GPU types; without it they stay on the plan's GPU type. ``settings``: a
     `FrenzySettings` block whose fallback order (and ledger URL, when none is given) apply."""
-    from ledger import Ledger
-
+    from trainer import allowlist
     from trainer.tracking import with_tracking_default
 
     log = get_run_logger()
     site = load_settings(settings)
+    allowlist.configure_from(site)                  # the site's data roots and entry-point modules
     job = with_tracking_default(job, site)          # the settings block's MLflow server
     ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
     job_id = job_id or new_job_id(job)
+    with allocation_lifetime(ledger_url, job_id, log=log.warning):   # released however this ends
+        return _train(job, plan, assignment, job_id, ledger_url, inventory, site, log)
+
+
+def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log) -> dict[str, Any]:
+    from ledger import Ledger
+
     if assignment is None:
         alloc = Ledger(ledger_url).allocate_best_fit(job_id, plan)
         if alloc is None:

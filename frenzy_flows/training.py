@@ -182,9 +182,9 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
         if current["alloc_id"]:
             ledger.release(current["alloc_id"])
 
-    run_dir = prepare_run_dir(job, job_id, runs_dir())      # a resubmission continues its last checkpoint
     ledger_errors: list[str] = []       # the ledger unreachable at the end: the training still counts
     try:
+        run_dir = prepare_run_dir(job, job_id, runs_dir())  # a resubmission continues its last checkpoint
         run_dir.mkdir(parents=True, exist_ok=True)
         with RequestWatcher(queue, job_id, run_dir, log) as watcher:
             def stepped(step: int, total: int, loss: float) -> None:

@@ -19,6 +19,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 os.environ.setdefault("FRENZY_HOME", os.path.join(_HOME, "frenzy"))
+# Tests write their data sets into pytest's temporary folders: a configured data root
+# (trainer.allowlist), as a site's shared data folder would be.
+os.environ.setdefault("FRENZY_DATA_ROOTS", tempfile.gettempdir())
 
 
 @pytest.fixture(scope="session")

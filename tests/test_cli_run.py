@@ -2,6 +2,7 @@
 Prefect home, the embedded ephemeral server, a real `accelerate launch` on the CPU."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -65,3 +66,33 @@ def test_run_job_that_fits_nowhere_names_closest_plan(tmp_path):
     assert "closest plan" in proc.stderr and "misses by" in proc.stderr and "GiB" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / ".frenzy" / "prefect").exists()     # failed before Prefect started
+
+
+@pytest.mark.parametrize("extra, field", [
+    ("data: {kind: text, path: /etc/passwd}\n", "data.path"),                 # outside the data roots
+    ("data: {kind: text, path: missing.txt}\n", "data.path"),                 # not there
+    ("data: {kind: text, path: d.txt, tokenizer: ./no-tokenizer}\n", "data.tokenizer"),
+    ("entry_point: os:system\n", "entry_point"),                              # not an allowed module
+    pytest.param("optimizer: adamw8bit\n", "optimizer",                      # bitsandbytes missing
+                 marks=pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None,
+                                          reason="bitsandbytes is installed")),
+], ids=["outside-roots", "missing", "tokenizer", "entry-point", "optimizer"])
+def test_run_checks_data_tokenizer_and_entry_point_before_prefect(tmp_path, extra, field):
+    (tmp_path / "d.txt").write_text("hello world " * 200)
+    job = tmp_path / "j.yaml"
+    job.write_text("model: gpt2-tiny\nseq_len: 16\nglobal_batch: 2\ntrain_steps: 2\nprecision: fp32\n" + extra)
+    proc = frenzy("run", str(job), cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().count("\n") == 0 and field in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / ".frenzy").exists()        # no Prefect, no ledger, no run folder
+
+
+def test_run_json_bad_input_prints_a_json_error(tmp_path):
+    job = tmp_path / "j.yaml"
+    job.write_text("model: gpt2-tiny\nseq_len: 16\nglobal_batch: 2\ntrain_steps: 2\n"
+                   "data: {kind: text, path: /etc/passwd}\n")
+    proc = frenzy("run", str(job), "--json", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["status"] == "failed" and doc["field"] == "data.path" and "/etc/passwd" in doc["error"]

@@ -220,3 +220,65 @@ def test_hold_gpu_slots_counts_in_prefect_and_frees_on_errors_of_the_block():
         with dispatch.hold_gpu_slots(pool, 1):
             raise TimeoutError("inside the block")
     assert _slots(pool) == 0
+
+
+def _leak(pool: str, n: int) -> None:
+    """Mark ``n`` slots busy with no holder and no lease: what an embedded server killed with
+    its holder leaves in its database."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+    with get_client(sync_client=True) as client:
+        client.update_global_concurrency_limit(f"gpu:{pool}", GlobalConcurrencyLimitUpdate(active_slots=n))
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_leaked_slots_are_reconciled_with_the_ledger_and_the_wait_says_so(frenzy_home, caplog):
+    import logging
+
+    from frenzy_flows import dispatch
+
+    pool = f"lk-{uuid.uuid4().hex[:6]}"
+    _sync(pool)
+    _leak(pool, 2)                      # both slots "busy", the ledger holds nothing on the pool
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="frenzy.dispatch"):
+        with dispatch.hold_gpu_slots(pool, 1):
+            took = time.monotonic() - t0
+            assert _slots(pool) == 1
+    assert _slots(pool) == 0
+    assert dispatch.SLOT_RECONCILE_AFTER_S - 1 < took < dispatch.SLOT_RECONCILE_AFTER_S + 15
+    text = caplog.text
+    assert "freed 2 leaked slot(s)" in text and f"for 1 GPU slot(s) of gpu:{pool}" in text
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_reconcile_keeps_slots_the_ledger_holds(frenzy_home):
+    from estimator.plan import Plan
+    from ledger import Ledger
+    from scheduler.cluster import cluster_from_dict
+
+    from frenzy_flows import dispatch
+
+    pool = f"rk-{uuid.uuid4().hex[:6]}"
+    _sync(pool)
+    ledger = Ledger()
+    ledger.sync_cluster(cluster_from_dict(_cluster(pool)))
+    alloc = ledger.allocate_best_fit("job-a", Plan(gpu_type="CPU", gpus=1, dp=1, micro_batch=2, grad_accum=1))
+    assert alloc is not None and alloc.pool == pool
+    _leak(pool, 2)
+    assert dispatch.reconcile_gpu_slots(ledger, [pool]) == {pool: 1}
+    assert _slots(pool) == 1            # the ledger's allocation keeps its slot
+    ledger.release(alloc.id)
+    assert dispatch.reconcile_gpu_slots(ledger, [pool]) == {pool: 1}
+    assert _slots(pool) == 0
+    assert dispatch.reconcile_gpu_slots(ledger, [pool, "no-such-pool"]) == {}
+
+
+def test_slot_waits_are_bounded_apart_from_the_job_deadline():
+    from frenzy_flows import dispatch
+
+    # a dead holder's lease runs out within the wait, and reconciling starts well before the end
+    assert dispatch.SLOT_WAIT_S > dispatch.SLOT_LEASE_S > dispatch.SLOT_RECONCILE_AFTER_S > 0

@@ -191,6 +191,7 @@ def test_user_entry_point_model(tmp_path, monkeypatch):
         """))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("FRENZY_ENTRY_POINT_MODULES", "mymodels")      # the site allows the module
     j = job(train_steps=4, entry_point="mymodels:build", lr=0.1)
     res, *_ = train(j, cpu_plan(j, gpus=1), tmp_path)
     assert res.status == "completed", res.error
@@ -215,6 +216,7 @@ def test_a_deterministic_error_in_the_program_is_not_retried(tmp_path, monkeypat
         """))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("FRENZY_ENTRY_POINT_MODULES", "brokenmodels")
     j = job(train_steps=3, entry_point="brokenmodels:build")
     res, dev, *_ = train(j, cpu_plan(j, gpus=1), tmp_path)
     assert res.status == "failed"

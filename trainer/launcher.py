@@ -30,11 +30,17 @@ import psutil
 OOM_MARKERS = ("FRENZY_OOM", "CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory",
                "CUBLAS_STATUS_ALLOC_FAILED")
 TAIL_LINES = 200
+LOOPBACK = "127.0.0.1"
+LOOPBACK_IFNAME = "lo"          # Linux's loopback interface
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Secrets the orchestrating process holds that the ranks (which run the job's code) never get:
 # the ledger URL carries the database password.
 RANK_ENV_WITHHELD = ("FRENZY_LEDGER_URL",)
+
+# Launches running now (pid -> process): what ``kill_all`` stops when the orchestrating process
+# itself has to stop (a signal, a dead Prefect server) and cannot wait for a step boundary.
+_LIVE: dict[int, subprocess.Popen] = {}
 
 
 def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed: bool = False,
@@ -69,6 +75,13 @@ def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed
             # Accelerate's multi-process launcher only picks gloo-on-CPU when told so by env:
             # `use_cpu` in a config file does not reach the ranks (verified, accelerate 1.15).
             env["ACCELERATE_USE_CPU"] = "true"
+    if all(":" not in str(d) for d in devices):
+        # One node ("<node>:<index>" devices span several): the rendezvous store, gloo and NCCL's
+        # bootstrap stay on loopback, reachable from no other host (trainer.bound_launch).
+        env["MASTER_ADDR"] = LOOPBACK
+        env["FRENZY_C10D_BIND"] = LOOPBACK
+        env["GLOO_SOCKET_IFNAME"] = LOOPBACK_IFNAME
+        env["NCCL_SOCKET_IFNAME"] = LOOPBACK_IFNAME
     if extra:
         env.update(extra)
     return env
@@ -118,6 +131,22 @@ def kill_tree(proc: subprocess.Popen, grace_s: float) -> None:
         pass
 
 
+def live_launches() -> list[subprocess.Popen]:
+    return [p for p in list(_LIVE.values()) if p.poll() is None]
+
+
+def kill_all(grace_s: float) -> int:
+    """Stop every launch of this process (each whole tree, as ``kill_tree``); returns how many
+    were running. Safe from any thread: the waiting caller sees its child exit."""
+    procs = live_launches()
+    threads = [threading.Thread(target=kill_tree, args=(p, grace_s), daemon=True) for p in procs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(grace_s + 25)
+    return len(procs)
+
+
 def run_process_group(cmd: list[str], env: Mapping[str, str] | None, deadline_s: float | None,
                       on_line: Callable[[str], None] | None = None, grace_s: float = 30.0,
                       cwd: str | os.PathLike | None = None) -> tuple[int | None, bool, list[str]]:
@@ -133,6 +162,7 @@ def run_process_group(cmd: list[str], env: Mapping[str, str] | None, deadline_s:
     proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, cwd=cwd,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, errors="replace", bufsize=1, start_new_session=True)
+    _LIVE[proc.pid] = proc
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     oom = threading.Event()
 
@@ -167,5 +197,6 @@ def run_process_group(cmd: list[str], env: Mapping[str, str] | None, deadline_s:
     finally:
         if proc.poll() is None:
             kill_tree(proc, grace_s)
+        _LIVE.pop(proc.pid, None)
         reader.join(10)
     return rc, oom.is_set(), list(tail)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import queue
 import random
 import re
 import sys
@@ -49,7 +50,7 @@ from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
-from . import checkpoints, control, resume
+from . import allowlist, checkpoints, control, interrupt, resume
 from .data import check_data, check_eval
 from .fallback import fallback_plans
 from .launch_config import Paths, check_realisable, is_cpu_plan, training_spec, write_launch_files
@@ -64,6 +65,14 @@ Status = Literal["completed", "failed", "timeout", "stopped"]
 # program's teardown (end of training, process group destroyed, interpreter exit: 1-2 s for a
 # CPU gloo run here) and the case of a program still starting when the request is written.
 DEADLINE_STOP_FLOOR_S = 5.0
+
+# Step updates waiting for a slow ``on_step`` (a progress artifact over HTTP). The newest is all
+# a progress bar needs; 64 holds a minute of the artifact's one-per-second updates while one
+# HTTP call retries, and when it is full the oldest is dropped instead of waiting.
+ON_STEP_QUEUE_MAX = 64
+# How long the end of a run waits for the last queued updates (the final step's progress) before
+# leaving a hanging callee behind: one HTTP round trip to a live API takes well under a second.
+ON_STEP_DRAIN_S = 2.0
 
 
 class Attempt(BaseModel):
@@ -135,7 +144,6 @@ class TrainResult(BaseModel):
 def preflight(job: TrainingJob, plan: Plan) -> dict[str, Any]:
     """Every check that needs no process: raises FrenzyInputError naming the file or setting."""
     check_realisable(plan)
-    check_job(job)
     if job.finetune.method == "qlora":
         if is_cpu_plan(plan):
             raise FrenzyInputError("finetune.method", "qlora needs a GPU (bitsandbytes' 4-bit kernels); "
@@ -143,6 +151,15 @@ def preflight(job: TrainingJob, plan: Plan) -> dict[str, Any]:
         if plan.zero == 3 or plan.offload == "optimizer+params":
             raise FrenzyInputError("plan.zero", "qlora keeps its 4-bit base on every GPU; ZeRO-3 / parameter "
                                                 "offload would partition it (use zero <= 2)")
+    return preflight_job(job, plan)
+
+
+def preflight_job(job: TrainingJob, plan: Plan) -> dict[str, Any]:
+    """The checks of the job itself, whatever plan it gets (``plan``: any of its plans, for the
+    optimizer): starting point, allow-lists, data, tokenizer, evaluation data, entry point,
+    optimizer. The CLI runs them before Prefect starts; ``preflight`` again before a launch."""
+    check_job(job)
+    allowlist.check_job(job)       # before any file is read or module imported
     spec = training_spec(job, plan)
     hf = spec["hf_config"]
     positions = hf.get("n_positions") or hf.get("max_position_embeddings")
@@ -164,9 +181,59 @@ def preflight(job: TrainingJob, plan: Plan) -> dict[str, Any]:
     return spec
 
 
+class Mailbox:
+    """Calls ``fn`` on a thread of its own with what ``post`` hands it, so a slow or hanging
+    callee (a progress update over HTTP while the API is down) never blocks the caller: the
+    reader thread that drains the ranks' output pipe, whose stall would stall the ranks.
+    Bounded: when full, the oldest update is dropped; a callee's exception drops its update."""
+
+    _END = object()
+
+    def __init__(self, fn: Callable[..., Any], maxsize: int = ON_STEP_QUEUE_MAX, name: str = "frenzy-on-step"):
+        self.fn = fn
+        self.q: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.dropped = 0
+        self.failed = 0
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _put(self, item: Any) -> None:
+        while True:
+            try:
+                self.q.put_nowait(item)
+                return
+            except queue.Full:
+                try:
+                    self.q.get_nowait()
+                    self.dropped += 1
+                except queue.Empty:
+                    pass
+
+    def post(self, *args: Any) -> None:
+        self._put(args)
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is self._END:
+                return
+            try:
+                self.fn(*item)
+            except Exception:
+                self.failed += 1
+
+    def close(self, timeout_s: float = ON_STEP_DRAIN_S) -> bool:
+        """Deliver what is queued within ``timeout_s``; returns whether the thread finished
+        (a callee still hanging is left behind: the thread is a daemon)."""
+        self._put(self._END)
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
+
+
 def launch_command(paths: Paths) -> list[str]:
-    """``accelerate launch`` as an argument list (no shell); the program runs as a module."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(paths.accelerate),
+    """``accelerate launch`` as an argument list (no shell); the program runs as a module. The
+    launch goes through ``trainer.bound_launch``: the c10d store listens on the node's address."""
+    return [sys.executable, "-m", "trainer.bound_launch", "--config_file", str(paths.accelerate),
             "-m", "trainer.train", "--run-dir", str(paths.run_dir)]
 
 
@@ -268,6 +335,16 @@ class _DeadlineStop:
                 return
 
 
+def _release_at_end(release: Callable[[], None], log: Callable[[str], None]) -> None:
+    """Release after the training ended: a ledger that cannot be reached then does not undo the
+    training (its lease is no longer renewed and runs out on its own within the TTL)."""
+    try:
+        release()
+    except Exception as err:
+        log(f"frenzy: could not release the allocation ({type(err).__name__}: {str(err)[:200]}); "
+            f"its lease runs out on its own")
+
+
 def _backoff(retry: int, base_s: float, cap_s: float = 60.0) -> float:
     """Exponential backoff with full jitter in [0.5, 1.5) x base x 2^(retry-1)."""
     return min(cap_s, base_s * 2 ** (retry - 1)) * (0.5 + random.random())
@@ -330,8 +407,16 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
     def remaining() -> float | None:
         return None if deadline_s is None else deadline_s - (time.monotonic() - started)
 
+    # the reader thread hands step updates to a thread of their own: a hanging callee drops them
+    steps = Mailbox(on_step) if on_step is not None else None
+    registered = interrupt.active(run_dir)      # a stop asked for (a signal) reaches this run too
+    registered.__enter__()
     try:
         for number in range(1, 10 ** 6):
+            if interrupt.requested():
+                status, error = "failed", f"interrupted ({interrupt.requested()}) before attempt {number}"
+                log(f"frenzy: {error}")
+                break
             devices = list(acquire(current))
             try:
                 if len(devices) < current.gpus:
@@ -352,8 +437,10 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                              deepspeed=uses_deepspeed(current))
             left = remaining()
             t0 = time.monotonic()
-            with open(run_dir / f"attempt-{number}.log", "w") as logfile:
-                listener = _Listener(log, on_step, losses, logfile, evals, tracker)
+            # line-buffered: the log is current on disk (tail -f; what is left after a kill -9)
+            with open(run_dir / f"attempt-{number}.log", "w", buffering=1) as logfile:
+                listener = _Listener(log, steps.post if steps is not None else None, losses, logfile,
+                                     evals, tracker)
                 try:
                     if left is not None and left <= 0:
                         rc, oom, tail = None, False, []
@@ -388,6 +475,11 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
             (run_dir / "attempts.json").write_text(json.dumps([a.model_dump(mode="json") for a in attempts], indent=2))
             if on_attempt is not None:
                 on_attempt(att)
+            if outcome not in ("ok", "stopped") and interrupt.requested():
+                release()                      # killed on the way out: neither retry nor fall back
+                status, error = "failed", f"interrupted ({interrupt.requested()}): {err}"
+                log(f"frenzy: attempt {number} {error}")
+                break
 
             if outcome in ("ok", "stopped"):
                 r = listener.result
@@ -401,11 +493,11 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                     stop = StopInfo(**{k: listener.stopped.get(k) or d for k, d in
                                        (("step", 0), ("reason", "stop"), ("request_id", ""))})
                     log(f"frenzy: stopped after step {stop.step} ({stop.reason}), checkpoint saved")
-                release()
+                _release_at_end(release, log)
                 break
             if outcome == "timeout":
                 status, error = "timeout", err
-                release()
+                _release_at_end(release, log)
                 break
             if outcome == "oom":
                 release()
@@ -435,12 +527,18 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                 delay = max(0.0, min(delay, left))
             log(f"frenzy: attempt {number} failed ({err}); retry in {delay:.1f} s "
                 f"({retries_left} retries left), resuming from the newest checkpoint")
-            time.sleep(delay)
+            until = time.monotonic() + delay
+            while time.monotonic() < until and not interrupt.requested():
+                time.sleep(min(0.25, max(0.0, until - time.monotonic())))
     except BaseException as e:               # bad input found late, cancellation: the run ends failed
         if tracker is not None:
             tracker.finish("failed", measured={}, final_plan=current, export_dir=None, steps=max(losses, default=0))
         resume.record_result(run_dir, "failed", error=f"{type(e).__name__}: {str(e)[:300]}")
         raise
+    finally:
+        registered.__exit__(None, None, None)
+        if steps is not None:
+            steps.close()
 
     latest = checkpoints.latest_checkpoint(run_dir)
     result = TrainResult(
