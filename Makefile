@@ -33,7 +33,7 @@ demo: setup
 	$(BIN)/frenzy run $(JOB)
 
 test: setup
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=15
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not prefect"

@@ -179,7 +179,7 @@ def test_planner_offload_launchability_and_own_plans():
     job = dict(model="llama-2-7b", seq_len=2048, global_batch=32)
     plans = enumerate_plans(job, "RTX3090-24GB", max_gpus=8)
     assert any(p.offload != "none" and p.not_launchable is None for p in plans)
-    marked = [p for p in plans if p.tp > 1 or p.pp > 1]
+    marked = [p for p in plans if p.pp > 1]           # pipeline parallel: not launched yet
     assert all(p.not_launchable for p in marked)
     first_marked = next((i for i, p in enumerate(plans) if p.not_launchable), len(plans))
     assert all(p.not_launchable for p in plans[first_marked:])     # launchable ranked first

@@ -21,9 +21,9 @@ def test_memory_figures_scale_their_unit():
 
 def _cpu_plans():
     two = Plan(gpu_type="CPU", gpus=2, dp=2, zero=2, micro_batch=4, device_used_gib=0.006, step_time_s=0.0467)
-    tp = Plan(gpu_type="CPU", gpus=2, dp=1, tp=2, micro_batch=8, device_used_gib=0.005, step_time_s=0.0400)
+    pp = Plan(gpu_type="CPU", gpus=2, dp=1, pp=2, micro_batch=8, device_used_gib=0.005, step_time_s=0.0400)
     one = Plan(gpu_type="CPU", gpus=1, dp=1, micro_batch=8, device_used_gib=0.0106, step_time_s=0.0540)
-    return {"CPU": [tp, two, one]}, one
+    return {"CPU": [pp, two, one]}, one
 
 
 def test_plans_table_has_few_named_columns_and_says_why_the_chosen_row_is_not_first():
@@ -32,12 +32,12 @@ def test_plans_table_has_few_named_columns_and_says_why_the_chosen_row_is_not_fi
     headers = list(rows[0])
     assert len(headers) == 6 and all(h.strip() for h in headers)
     assert all(list(r) == headers for r in rows)
-    assert [r["choice"] for r in rows] == ["cannot launch tp2", "58% efficiency", artifacts.CHOSEN_MARK]
+    assert [r["choice"] for r in rows] == ["cannot launch pp2", "58% efficiency", artifacts.CHOSEN_MARK]
     assert rows[2]["memory / GPU"] == "10.9 MiB"
     desc = artifacts.plans_description(by_type, chosen, steps=12)
     assert "(row 3)" in desc
     assert "1.16x faster on 2 GPUs, not 1: 58% parallel efficiency" in desc
-    assert "cannot launch tp2: the trainer runs data parallel + ZeRO only" in desc
+    assert "cannot launch pp2: the trainer runs data, tensor and sequence parallel" in desc
     # the artifact page leaves ~840 px for the table at a 1400 px window (screenshot in docs/):
     # six columns of at most ~30 characters at ~7 px each plus padding
     assert sum(max(len(str(r[h])) for r in rows + [dict(zip(headers, headers))]) for h in headers) <= 90
