@@ -285,8 +285,8 @@ def pools_status(names: Iterable[str] | None = None) -> list[PoolStatus]:
             if wanted is not None:
                 if wp.name not in wanted:
                     continue
-            elif facts is None:
-                continue          # not a Frenzy GPU pool
+            elif facts is None and wp.name != CONTROL_POOL:
+                continue          # not a Frenzy pool (the control pool runs the submit flow: listed)
             try:
                 gcl = client.read_global_concurrency_limit_by_name(gpu_limit_name(wp.name))
                 gpus, in_use = gcl.limit, gcl.active_slots
@@ -302,7 +302,8 @@ def pools_status(names: Iterable[str] | None = None) -> list[PoolStatus]:
             workers = client.read_workers_for_work_pool(
                 wp.name, worker_filter=WorkerFilter(status=WorkerFilterStatus(any_=["ONLINE"])))
             out.append(PoolStatus(
-                name=wp.name, pool_type=wp.type, gpu_type=(facts or {}).get("gpu_type", "-"),
+                name=wp.name, pool_type=wp.type,
+                gpu_type="control" if wp.name == CONTROL_POOL else (facts or {}).get("gpu_type", "-"),
                 gpus=gpus, in_use=in_use, queued=due + runs(StateType.PENDING), running=runs(StateType.RUNNING),
                 workers_online=len(workers), state=str(wp.status.value if wp.status else "NOT_READY")))
     if names:

@@ -221,6 +221,12 @@ def test_cli_sync_and_status_with_the_real_training_flow(tmp_path, capsys):
     out = capsys.readouterr().out
     assert p in out and "no workers online" in out
     assert main(["pools", "status", "no-such-pool-xyz"]) == 2
+    capsys.readouterr()
+    # the control pool (it runs frenzy-submit) is listed with the GPU pools: without its worker
+    # every UI submission stays Scheduled
+    assert main(["pools", "status", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert p in rows and rows["frenzy"]["gpu_type"] == "control"
 
 
 @pytest.mark.prefect
