@@ -167,7 +167,7 @@ def _submit(args, job, topology, stopper) -> tuple[int, str | None]:
         result = submit_training(job, cluster=args.cluster, policy=args.policy,
                                  ledger_url=args.ledger, settings=args.settings,
                                  safety_margin_gib=args.safety_margin_gib,
-                                 **({"plan_filter": args.plan} if plan_filter else {}))
+                                 **({"plan_filter": args.plan} if getattr(args, "plan", None) else {}))
     except FrenzyInputError:
         raise
     except Exception as err:
