@@ -155,6 +155,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     ``wait_timeout_s``: how long a preempted run waits in the queue for new GPUs."""
     from ledger import Ledger, LedgerUnavailable
     from ledger.queue import JobQueue
+    from trainer import interrupt
     from trainer.resume import prepare_run_dir
     from trainer.runner import run_training
 
@@ -204,6 +205,9 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                 if req is None:
                     break
                 done = int(result.stop.step)
+                if interrupt.requested():       # a signal while stopping for the re-size: the checkpoint stands
+                    log(f"frenzy: not relaunching after step {done} ({interrupt.requested()})")
+                    break
                 release()                                       # run_training released it; idempotent
                 if req.get("kind") == "preempt":
                     queue.requeue(job_id, steps_done=done, preempted=True, reason="preempted")

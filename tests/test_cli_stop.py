@@ -48,10 +48,15 @@ def marked(marker: str) -> list[psutil.Process]:
 def start(tmp_path: Path, marker: str) -> subprocess.Popen:
     job = tmp_path / "long.yaml"
     job.write_text(LONG_JOB)
+    # one CPU device: the scheduler has nothing to grow the run onto, so the signal lands in a
+    # training step, not in a re-size's relaunch (that path has its own tests)
+    cluster = tmp_path / "one-cpu.yaml"
+    cluster.write_text("pools:\n  - {name: cpu, gpu: CPU, nodes: 1, gpus_per_node: 1}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "FRENZY_"))}
     env.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(ROOT), FRENZY_TEST_MARKER=marker)
     # a session of its own, like a shell job: a group signal reaches what a terminal's Ctrl-C reaches
-    return subprocess.Popen([sys.executable, "-m", "frenzy_cli.main", "run", str(job)], cwd=tmp_path, env=env,
+    return subprocess.Popen([sys.executable, "-m", "frenzy_cli.main", "run", str(job), "--cluster", str(cluster)],
+                            cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
