@@ -45,3 +45,16 @@ def frenzy_home(tmp_path, monkeypatch):
     """A private FRENZY_HOME (ledger, runs, calibration) for one test."""
     monkeypatch.setenv("FRENZY_HOME", str(tmp_path / "frenzy"))
     return tmp_path / "frenzy"
+
+
+@pytest.fixture(autouse=True)
+def _no_embedded_scheduler_left():
+    """A flow run in this process starts an embedded scheduler thread that outlives the test; stop
+    it after each test: a later test that forks (the 50-process ledger test) would otherwise copy a
+    lock that thread holds and hang, and the next test's ledger would have a stray scheduler."""
+    yield
+    import sys
+
+    service = sys.modules.get("frenzy_scheduler.service")
+    if service is not None:
+        service.stop_embedded_schedulers()

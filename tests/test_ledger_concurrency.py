@@ -155,6 +155,9 @@ def _proc(url, w, q):
 
 
 def run_processes(url: str, n: int) -> None:
+    from frenzy_scheduler.service import stop_embedded_schedulers
+
+    stop_embedded_schedulers()      # fork copies no lock a scheduler thread of this process holds
     Ledger(url).sync_cluster(CLUSTER)
     ctx = mp.get_context("fork")
     q = ctx.Queue()
