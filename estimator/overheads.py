@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from .home import DEFAULT_HOME, frenzy_home
+from .home import DEFAULT_HOME, forget_json_cache, frenzy_home, read_json_cached
 
 # --- documented defaults ------------------------------------------------------------------
 # CUDA context + kernel images per process with lazy module loading (CUDA 11.7+ default):
@@ -71,7 +71,6 @@ DEFAULT = Overheads()
 CPU_OVERHEADS = Overheads(cuda_context_gib=CPU_CONTEXT_GIB, workspace_gib=0.0, fragmentation=0.0,
                           fragmentation_recompute=0.0, nccl_per_comm_gib=0.0)
 
-_cache: dict[str, tuple[float, dict[str, dict[str, float]]]] = {}
 
 
 def calibration_path() -> Path:
@@ -86,23 +85,10 @@ def _calibration_file() -> str:
 def load_calibration(path: str | os.PathLike | None = None) -> dict[str, dict[str, float]]:
     """The calibration file's contents ({gpu_type: {term: value}}); {} when absent.
     Re-read only when the file changes (mtime), so estimates stay fast."""
-    key = os.fspath(path) if path else _calibration_file()
-    try:
-        mtime = os.stat(key).st_mtime_ns
-    except OSError:
-        return {}
-    hit = _cache.get(key)
-    if hit and hit[0] == mtime:
-        return hit[1]
-    try:
-        with open(key, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, json.JSONDecodeError):
-        return {}
-    clean = {str(g): {k: float(v) for k, v in terms.items() if k in FIELDS}
-             for g, terms in data.items() if isinstance(terms, dict)}
-    _cache[key] = (mtime, clean)
-    return clean
+    def parse(data: dict) -> dict[str, dict[str, float]]:
+        return {str(g): {k: float(v) for k, v in terms.items() if k in FIELDS}
+                for g, terms in data.items() if isinstance(terms, dict)}
+    return read_json_cached(os.fspath(path) if path else _calibration_file(), parse) or {}
 
 
 def overheads_for(gpu_type: str | None, *, is_cpu: bool = False) -> Overheads:
@@ -130,7 +116,7 @@ def write_calibration(fits: dict[str, dict[str, float]], path: str | os.PathLike
     tmp = p.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(current, indent=2, sort_keys=True), encoding="utf-8")
     os.replace(tmp, p)
-    _cache.clear()
+    forget_json_cache()
     return p
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import GPU
-from .home import DEFAULT_HOME
+from .home import DEFAULT_HOME, forget_json_cache, read_json_cached
 
 # --- named constants (defaults of Factors) -----------------------------------------------
 ATTN_FLOPS_PER_LHS = 12.0          # training FLOPs per token per (layer x hidden x seq), no recompute
@@ -484,7 +484,6 @@ def fit_factors(measured: list[Measurement], base: Factors = DEFAULT_FACTORS) ->
 # --- the calibration file: per-GPU factors fitted from the ledger's measurements -----------------
 CALIBRATED_KEYS = ("util", "mem_eff")
 CAL_RECHECK_S = 1.0    # look at the file's mtime at most once a second (a stat costs ~3 us a call)
-_cal_cache: dict[str, tuple[int, Factors]] = {}
 _cal_checked: dict[str, tuple[float, Factors]] = {}
 
 
@@ -508,24 +507,12 @@ def calibrated_factors(path: str | os.PathLike | None = None) -> Factors:
 
 
 def _load_calibrated(key: str) -> Factors:
-    try:
-        mtime = os.stat(key).st_mtime_ns
-    except OSError:
-        return DEFAULT_FACTORS
-    hit = _cal_cache.get(key)
-    if hit and hit[0] == mtime:
-        return hit[1]
-    try:
-        with open(key, encoding="utf-8") as fh:
-            data = json.load(fh)
+    def parse(data: dict) -> Factors:
         per = {k: {str(g): float(t[k]) for g, t in data.items() if isinstance(t, dict) and k in t}
                for k in CALIBRATED_KEYS}
-    except (OSError, ValueError, TypeError, AttributeError):
-        return DEFAULT_FACTORS
-    per = {k: {g: v for g, v in d.items() if math.isfinite(v) and 0 < v <= 1} for k, d in per.items()}
-    f = DEFAULT_FACTORS.with_(util=per["util"], mem_eff=per["mem_eff"])
-    _cal_cache[key] = (mtime, f)
-    return f
+        per = {k: {g: v for g, v in d.items() if math.isfinite(v) and 0 < v <= 1} for k, d in per.items()}
+        return DEFAULT_FACTORS.with_(util=per["util"], mem_eff=per["mem_eff"])
+    return read_json_cached(key, parse) or DEFAULT_FACTORS
 
 
 def write_calibration(fitted: Factors, gpu_types: list[str], path: str | os.PathLike | None = None) -> Path:
@@ -545,6 +532,6 @@ def write_calibration(fitted: Factors, gpu_types: list[str], path: str | os.Path
     tmp = p.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(current, indent=2, sort_keys=True), encoding="utf-8")
     os.replace(tmp, p)
-    _cal_cache.clear()
+    forget_json_cache()
     _cal_checked.clear()
     return p

@@ -21,10 +21,6 @@ from trainer.fallback import realisable
 from frenzy_flows.results import Assignment
 
 
-def fastest(plans_by_type: dict[str, list[Plan]]) -> Plan:
-    return min((p for ps in plans_by_type.values() for p in ps), key=lambda p: p.step_time_s)
-
-
 @task(name="estimate_memory")
 def estimate_memory(job: TrainingJob, cluster: Cluster, safety_margin_gib: float) -> dict[str, list[Plan]]:
     """Per-GPU memory of every feasible plan on every GPU type of the cluster."""

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from estimator.home import frenzy_home
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
@@ -34,10 +33,6 @@ REQUEST_POLL_S = 1.0
 RESIZE_TAKE_S = 60.0
 # How often a waiting submission looks at its queue row.
 WAIT_POLL_S = 0.5
-
-
-def runs_dir() -> Path:
-    return frenzy_home() / "runs"
 
 
 def wait_for_allocation(queue, job_id: str, *, timeout_s: float, log: Callable[[str], None],
@@ -156,7 +151,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     from ledger import Ledger, LedgerUnavailable
     from ledger.queue import JobQueue
     from trainer import interrupt
-    from trainer.resume import prepare_run_dir
+    from trainer.resume import default_runs_root, prepare_run_dir
     from trainer.runner import run_training
 
     ledger = Ledger(ledger_url)
@@ -185,7 +180,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
 
     ledger_errors: list[str] = []       # the ledger unreachable at the end: the training still counts
     try:
-        run_dir = prepare_run_dir(job, job_id, runs_dir())  # a resubmission continues its last checkpoint
+        run_dir = prepare_run_dir(job, job_id, default_runs_root())  # a resubmission continues its last checkpoint
         run_dir.mkdir(parents=True, exist_ok=True)
         with RequestWatcher(queue, job_id, run_dir, log) as watcher:
             def stepped(step: int, total: int, loss: float) -> None:
