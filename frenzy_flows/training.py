@@ -10,6 +10,13 @@ a re-size takes its target GPUs and relaunches on the new plan (same global batc
 run folder, so it resumes from that checkpoint; a preempted job goes back to the queue and
 relaunches on the allocation the scheduler gives it next.
 
+Fencing: the same watcher checks, every period, that the run's GPU lease still holds (the
+lease thread's verdict, and one indexed read of the allocation by the database's clock). A
+lost lease (reaped after missed heartbeats, released by someone else, the database away for a
+whole lease) means the GPUs may already be another job's: the watcher asks the training to
+stop at the next step boundary (a checkpoint is kept), and the result is ``failed`` with the
+reason, never ``completed``.
+
 Called in-process by the submit flow's `train` task (embedded default) and by the
 `train_on_pool` flow that pool workers run: one implementation for both."""
 from __future__ import annotations
@@ -74,10 +81,14 @@ class RequestWatcher:
     run's control file (module docstring). A run without a queue row (a `frenzy-train` run
     started by hand) is watched by nobody: the thread ends at once."""
 
-    def __init__(self, queue, job_id: str, run_dir: Path, log: Callable[[str], None]):
+    def __init__(self, queue, job_id: str, run_dir: Path, log: Callable[[str], None],
+                 fence: Callable[[], str | None] | None = None):
         self.queue, self.job_id, self.run_dir, self.log = queue, job_id, run_dir, log
         self.step = 0
         self.forwarded: dict[str, dict[str, Any]] = {}
+        # fence(): why the run's lease is lost, or None while it holds (module docstring)
+        self.fence = fence
+        self.fenced: dict[str, str] | None = None          # {"request_id", "reason"} once fenced
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"frenzy-watch-{job_id[:16]}", daemon=True)
 
@@ -92,14 +103,19 @@ class RequestWatcher:
     def _run(self) -> None:
         from trainer import control
 
+        watched = True                          # False: no queue row (a run started by hand)
         while not self._stop.wait(REQUEST_POLL_S):
+            self._check_fence()
+            if not watched:
+                continue
             try:
                 row = self.queue.touch(self.job_id, steps_done=self.step)
             except Exception as err:            # a transient database error: next period
                 self.log(f"frenzy: queue heartbeat failed: {err}")
                 continue
             if row is None:
-                return
+                watched = False
+                continue
             req = row.request
             if not (row.request_state == "pending" and req and req.get("id") not in self.forwarded):
                 continue
@@ -110,6 +126,19 @@ class RequestWatcher:
             target = Plan.model_validate(req["plan"]).short() if req.get("plan") else "the queue"
             self.log(f"frenzy: scheduler asks to {kind} ({req.get('reason') or kind}) -> {target}; "
                      f"stopping at the next step")
+
+
+    def _check_fence(self) -> None:
+        from trainer import control
+
+        if self.fence is None or self.fenced is not None:
+            return
+        why = self.fence()
+        if why is None:
+            return
+        rid = control.request_stop(self.run_dir, reason="lease-lost")
+        self.fenced = {"request_id": rid, "reason": why}
+        self.log(f"frenzy: GPU lease lost ({why}); stopping at the next step with a checkpoint")
 
 
 def _take(ledger, job_id: str, plan: Plan, placement: dict[str, list[int]], log) -> Any:
@@ -125,6 +154,15 @@ def _take(ledger, job_id: str, plan: Plan, placement: dict[str, list[int]], log)
                 log(f"frenzy: re-size target still taken after {RESIZE_TAKE_S:.0f} s ({err}); back to the queue")
                 return None
             time.sleep(WAIT_POLL_S)
+
+
+def _fenced(result, why: str) -> Any:
+    """The result of a run stopped because its lease was lost: failed, with the reason."""
+    step = result.stop.step if result.stop is not None else 0
+    return result.model_copy(update={
+        "status": "failed",
+        "error": (f"GPU lease lost ({why}): stopped after step {step} with a checkpoint, since its GPUs "
+                  f"may be another job's now; resubmitting the job resumes from that checkpoint")})
 
 
 def _merge(segments: list) -> Any:
@@ -157,7 +195,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     ledger = Ledger(ledger_url)
     queue = JobQueue(ledger)
     current = {"alloc_id": assignment.allocation_id, "plan": plan, "devices": assignment.devices,
-               "first": True}
+               "first": True, "lease": None}
     leases = contextlib.ExitStack()
 
     def acquire(p: Plan) -> list[str]:
@@ -170,19 +208,34 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                 raise RuntimeError(f"no free GPUs for fallback plan {p.short()}")
             current.update(alloc_id=str(alloc.id), plan=p, devices=list(alloc.devices))
             log(f"fallback allocation {alloc.id}: {p.short()} on {alloc.placement}")
-        leases.enter_context(ledger.lease(current["alloc_id"]))
+        current["lease"] = leases.enter_context(ledger.lease(current["alloc_id"]))
         return list(current["devices"])
 
     def release() -> None:
+        current["lease"] = None                 # released on purpose: nothing to fence
         leases.close()
         if current["alloc_id"]:
             ledger.release(current["alloc_id"])
+
+    def fence() -> str | None:
+        state = current["lease"]
+        if state is None:
+            return None
+        if state.lost:
+            return str(state["error"])
+        try:
+            valid = ledger.lease_valid(state.alloc_id)
+        except Exception:           # the database away: the lease thread decides after a whole lease
+            return None
+        if valid or current["lease"] is not state:   # released meanwhile on purpose
+            return None
+        return f"allocation {state.alloc_id} is no longer active by the ledger's clock"
 
     ledger_errors: list[str] = []       # the ledger unreachable at the end: the training still counts
     try:
         run_dir = prepare_run_dir(job, job_id, default_runs_root())  # a resubmission continues its last checkpoint
         run_dir.mkdir(parents=True, exist_ok=True)
-        with RequestWatcher(queue, job_id, run_dir, log) as watcher:
+        with RequestWatcher(queue, job_id, run_dir, log, fence=fence) as watcher:
             def stepped(step: int, total: int, loss: float) -> None:
                 watcher.step = step
                 if on_step is not None:
@@ -195,6 +248,8 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                                       on_step=stepped, inventory=inventory,
                                       deadline_s=job.deadline_s, fallbacks=fallbacks)
                 segments.append(result)
+                if watcher.fenced is not None:
+                    break
                 req = (watcher.forwarded.get(result.stop.request_id)
                        if result.status == "stopped" and result.stop is not None else None)
                 if req is None:
@@ -223,6 +278,9 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                 now_plan = new.plan
                 current.update(alloc_id=new.allocation_id, plan=now_plan, devices=list(new.devices), first=True)
         result = _merge(segments)
+        if watcher.fenced is not None and result.status == "stopped":
+            result = _fenced(result, watcher.fenced["reason"])
+            log(f"frenzy: {result.error}")
         final = result.final_plan
         try:
             ledger.record_measurement(job_id, current["alloc_id"], final.gpu_type, final,
