@@ -15,7 +15,8 @@ one fault mid-training and reports
 Scenarios: kill9-submitter, kill9-rank, kill9-server, server-restart (a dedicated `prefect
 server` restarted mid-run), db-outage (the PostgreSQL ledger refuses connections for 20 s;
 needs FRENZY_TEST_POSTGRES_URL), clock-skew (another process expires leases with a clock
-301 s ahead), readonly-runs (the runs folder cannot be created), sigterm. With ``--json`` the last line is
+301 s ahead), lease-lost (the run's lease runs out and is reaped: the run must stop, fenced),
+readonly-runs (the runs folder cannot be created), sigterm. With ``--json`` the last line is
 ``{"scenarios": [{"name", "gpus_freed", "steps_lost", "status", "leftover_processes"}, ...]}``.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -343,17 +345,45 @@ def clock_skew(base, args):
     r = Run(base, "clock-skew", args)
     r.wait_step(2 * args.checkpoint_every)
     held = r.active()
-    expired = r.ledger().expire_leases(now=time.time() + LEASE_TTL_S + 1)     # a clock 301 s ahead
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        expired = r.ledger().expire_leases(now=time.time() + LEASE_TTL_S + 1)     # a clock 301 s ahead
+    step, ck = r.fault_point()
+    rc = r.wait_end()
+    status = r.status(rc)
+    # right: the skewed clock expires nothing (leases expire by the database's clock)
+    healthy = not expired and status == "completed"
+    # steps lost: those trained after the lease was gone (on GPUs the ledger had given away)
+    return row("clock-skew", healthy and not r.active(), 0 if not expired else max(0, r.last_step() - step),
+               status if healthy else f"{status} (lease expired by a skewed clock)",
+               r.leftovers(), f"expired {len(expired)} of {len(held)} allocation(s)")
+
+
+def lease_lost(base, args):
+    """The run's lease really runs out (as when its host stalled for a whole TTL): the reaper
+    frees its GPUs, and the run must stop at its next step boundary, fenced."""
+    from sqlmodel import update
+
+    from ledger.tables import AllocationRow
+
+    r = Run(base, "lease-lost", args)
+    r.wait_step(2 * args.checkpoint_every)
+    held = r.active()
+    led = r.ledger()
+    with led._tx() as s:
+        s.execute(update(AllocationRow).where(AllocationRow.id.in_([a.id for a in held]))
+                  .values(lease_expires_at=0.0))
+    expired = led.expire_leases()
+    t = time.monotonic()
     step, ck = r.fault_point()
     rc = r.wait_end()
     doc = r.result()
-    status = r.status(rc)
-    # right: the skewed clock expires nothing (or the run stops, fenced, at a step boundary)
-    healthy = not expired or status == "stopped"
-    # steps lost: those trained after the lease was gone (on GPUs the ledger had given away)
-    return row("clock-skew", healthy and not r.active(), 0 if not expired else max(0, r.last_step() - step),
-               status if healthy else f"{status} (lease expired by a skewed clock, trained on)",
-               r.leftovers(), f"expired {len(expired)} of {len(held)} allocation(s)")
+    after = max(0, r.last_step() - step)           # trained on GPUs the ledger had given away
+    fenced = doc.get("status") == "failed" and "lease lost" in str(doc.get("error"))
+    return row("lease-lost", bool(expired) and not r.active(), max(0, r.last_step() - r.checkpoint_step()),
+               ("failed (fenced)" if fenced else r.status(rc)), r.leftovers(),
+               f"expired {len(expired)} of {len(held)} allocation(s); {after} step(s) trained after the loss, "
+               f"ended {time.monotonic() - t:.1f} s after it")
 
 
 def readonly_runs(base, args):
@@ -382,7 +412,7 @@ def sigterm(base, args):
 
 
 SCENARIOS = {"kill9-submitter": kill9_submitter, "kill9-rank": kill9_rank, "kill9-server": kill9_server,
-             "server-restart": server_restart, "db-outage": db_outage, "clock-skew": clock_skew,
+             "server-restart": server_restart, "db-outage": db_outage, "clock-skew": clock_skew, "lease-lost": lease_lost,
              "readonly-runs": readonly_runs, "sigterm": sigterm}
 
 
