@@ -287,6 +287,8 @@ def _ring(n: int) -> float:
 
 _stage_caches: dict[tuple[int, int, int], tuple[Any, Any, Any, dict]] = {}
 _last_stages: tuple = (None, None, None, {})
+STAGE_CACHE_MAX = 65536     # stage entries over all (spec, GPU, factors): ~0.4 kB each, ~26 MB at most
+_stage_entries = 0
 
 
 def _stages_of(spec: Any, gpu: GPU, f: Factors) -> dict:
@@ -295,8 +297,6 @@ def _stages_of(spec: Any, gpu: GPU, f: Factors) -> dict:
     global _last_stages
     hit = _stage_caches.get((id(spec), id(gpu), id(f)))
     if hit is None or hit[0] is not spec or hit[1] is not gpu or hit[2] is not f:
-        if len(_stage_caches) > 1024:
-            _stage_caches.clear()
         hit = (spec, gpu, f, {})
         _stage_caches[(id(spec), id(gpu), id(f))] = hit
     _last_stages = hit          # one tuple assignment: a reader sees the old or the new one
@@ -347,8 +347,12 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
              params_mp * nbytes * 2.0 / pcie,                  # params offload: fetched fwd + bwd
              f.cpu_microbatch_overhead_s if gpu.is_cpu else f.microbatch_overhead_s,
              f.step_overhead_s, f.dp_overlap, f.dp_min_exposed, f.overlap_cost)
-    if len(stages) > 16384:
+    global _stage_entries
+    _stage_entries += 1
+    if _stage_entries > STAGE_CACHE_MAX:     # bound the memory: start over (the planner refills it)
+        _stage_caches.clear()
         stages.clear()
+        _stage_entries = 0
     stages[key] = entry
     return entry
 
