@@ -60,6 +60,7 @@ class _PlanShape:
     micro_batch: int
     grad_accum: int
     precision: str
+    attention: str = "flash"    # eager kernels move the s x s scores: ~2x the step time of flash at seq 1024
 
 
 @lru_cache(maxsize=65536)
@@ -240,7 +241,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         a, r, u = _finish(a_b, ov, base)
         nodes = max(1, math.ceil(n / gpus_per_node))
         st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, 1, base.zero, base.offload,
-                                         base.act_ckpt, mb, base.grad_accum // mb, precision),
+                                         base.act_ckpt, mb, base.grad_accum // mb, precision, attention),
                         gpu, seq_len, nodes)
         why = _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload)
         by_count.setdefault(n, []).append((why is not None, st, u, a, r, mb, base))

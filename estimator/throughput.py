@@ -285,8 +285,167 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def _xfer_s(nbytes: float, gbps: float) -> float:
-    return nbytes * 8.0 / (gbps * 1e9)
+_stage_caches: dict[tuple[int, int, int], tuple[Any, Any, Any, dict]] = {}
+_last_stages: tuple = (None, None, None, {})
+STAGE_CACHE_MAX = 65536     # stage entries over all (spec, GPU, factors): ~0.4 kB each, ~26 MB at most
+_stage_entries = 0
+
+
+def _stages_of(spec: Any, gpu: GPU, f: Factors) -> dict:
+    """The stage cache of one (spec, GPU, factors), by identity (the objects are kept so that a
+    reused id cannot alias); remembered as the last one asked for (the planner asks runs of one)."""
+    global _last_stages
+    hit = _stage_caches.get((id(spec), id(gpu), id(f)))
+    if hit is None or hit[0] is not spec or hit[1] is not gpu or hit[2] is not f:
+        hit = (spec, gpu, f, {})
+        _stage_caches[(id(spec), id(gpu), id(f))] = hit
+    _last_stages = hit          # one tuple assignment: a reader sees the old or the new one
+    return hit[3]
+
+
+def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: int, precision: str,
+           matmul_precision: str, eager: bool, cp: int, tp: int, pp: int, mb: int, act_ckpt: str) -> tuple:
+    """Everything of a step time that one model-parallel stage shape fixes (context, tp, pp,
+    micro-batch, recomputation), per token or per byte, so that a plan only scales it by its
+    data-parallel degree, ZeRO stage, accumulation and placement. Memoised: the planner asks for
+    many dp / ZeRO / accumulation / node variants of each stage shape."""
+    c = _context(spec, gpu, seq_len, precision, matmul_precision, eager, cp, f)
+    nbytes, bw = c.nbytes, c.bw
+    m = mb * seq_len / cp                           # GEMM rows per micro-batch
+    # fwd, dgrad, wgrad = 3 passes; full recomputation adds a forward to everything, selective
+    # only to the attention core
+    passes = 3.0 + (3.0 * f.recompute_full_extra if act_ckpt == "full" else 0.0)
+    attn_passes = 3.0 + (3.0 * f.recompute_full_extra if act_ckpt in ("full", "selective") else 0.0)
+    mp = tp * pp
+    lay = c.layers / pp
+    # --- compute per token of one rank's stages: matmuls (serial roofline) and attention -------
+    gemm_elems = lay * (c.g0 + c.g1 / tp + c.g2 / (tp * m)) + c.gv0 / pp + c.gv1 / (mp + 0.0) \
+        + c.gv2 / (mp * m)
+    compute_tok = (c.mm_flops / mp * (passes / 3.0) / c.rate
+                   + gemm_elems * passes * nbytes / bw
+                   + c.attn_flops / mp * (attn_passes / 3.0) / c.attn_rate)
+    # --- memory-bound kernels per token ---------------------------------------------------------
+    attn_io = lay * c.attn_io / tp * (attn_passes / 3.0)
+    elem = lay * (c.elem_h + c.elem_ffn / tp) * (passes / 3.0)
+    memory_tok = (attn_io + elem + c.loss / mp) / bw
+    intra = gpu.intra_link_gbps * (f.nvlink_eff if gpu.intra_link.startswith("nvlink") else 1.0)
+    act_bytes = m * c.hidden * nbytes               # one micro-batch's activations at a layer boundary
+    # tensor parallel: 2 all-reduces fwd + 2 bwd per layer (+2 with full recompute), per micro-batch:
+    # Gbit over the link (seconds = Gbit / link Gbit/s)
+    n_ar = 4 + (2 if act_ckpt == "full" else 0)
+    tp_gbit = lay * n_ar * (2.0 * _ring(tp) * act_bytes) * 8.0 / 1e9 * (1.0 - f.tp_overlap) if tp > 1 else 0.0
+    # pipeline point-to-point on the critical path (fill + drain), Gbit over the link
+    pp_gbit = f.pp_p2p_exposed_factor * (pp - 1) * (act_bytes / tp) * 8.0 / 1e9 if pp > 1 else 0.0
+    params_mp = c.params / mp                       # this rank's model-parallel slice
+    pcie = f.offload_pcie_gbs * 1e9
+    entry = (compute_tok, memory_tok,
+             params_mp * nbytes * 8.0 / 1e9,                   # its gradients / ZeRO shard, Gbit
+             intra, gpu.inter_node_gbps * f.network_eff, tp_gbit, pp_gbit,
+             params_mp * f.optimizer_bytes_per_param / bw,     # Adam step on the GPU, unsharded
+             params_mp / f.cpu_adam_params_per_s,              # ... on the CPU (offload)
+             params_mp * 4.0 / pcie,                           # offload: 16-bit grads down, params up
+             params_mp * nbytes * 2.0 / pcie,                  # params offload: fetched fwd + bwd
+             f.cpu_microbatch_overhead_s if gpu.is_cpu else f.microbatch_overhead_s,
+             f.step_overhead_s, f.dp_overlap, f.dp_min_exposed, f.overlap_cost)
+    global _stage_entries
+    _stage_entries += 1
+    if _stage_entries > STAGE_CACHE_MAX:     # bound the memory: start over (the planner refills it)
+        _stage_caches.clear()
+        stages.clear()
+        _stage_entries = 0
+    stages[key] = entry
+    return entry
+
+
+def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_gbps: float | None,
+           f: Factors) -> tuple[float, float, float, float, float, float, float, float, float]:
+    """The parts of ``StepTime`` in field order (compute, bubble, dp_comm, tp_comm, pp_comm,
+    optimizer, offload, overhead, memory); see ``step_time_breakdown``."""
+    # plain attribute reads, no int() / max() / min() / id() calls on this path (the planner asks
+    # for thousands of step times per job; each builtin call costs ~30-100 ns): Plan validates its
+    # fields as positive integers; other plan-like objects may lack the optional fields
+    dp, tp, pp, mb, ga = plan.dp, plan.tp, plan.pp, plan.micro_batch, plan.grad_accum
+    try:        # an exception costs ~1 us: only objects lacking these fields take that path
+        cp, precision, act_ckpt, zero, offload = plan.cp, plan.precision, plan.act_ckpt, plan.zero, plan.offload
+    except AttributeError:
+        cp, precision, act_ckpt, zero, offload = (getattr(plan, "cp", 1), getattr(plan, "precision", "bf16"),
+                                                  getattr(plan, "act_ckpt", "none"), getattr(plan, "zero", 0),
+                                                  getattr(plan, "offload", "none"))
+        cp = cp or 1
+    matmul_precision = getattr(plan, "matmul_precision", "default") or "default"
+    eager = getattr(plan, "attention", "flash") == "eager"
+    # the stage cache of this (spec, GPU, factors): the last one asked, else by identity
+    last = _last_stages
+    if last[0] is spec and last[1] is gpu and last[2] is f:
+        stages = last[3]
+    else:
+        stages = _stages_of(spec, gpu, f)
+    key = (seq_len, precision, matmul_precision, eager, cp, tp, pp, mb, act_ckpt)
+    s = stages.get(key)
+    if s is None:
+        s = _stage(stages, key, spec, gpu, f, seq_len, precision, matmul_precision, eager, cp, tp, pp, mb, act_ckpt)
+    compute_tok, memory_tok, shard_gbit, intra, inter, tp_gbit, pp_gbit, opt_s, cpu_opt_s, off_s, fetch_s, \
+        mb_over, step_over, dp_overlap, dp_min_exposed, overlap_cost = s
+    if nodes < 1:
+        nodes = 1
+    per_node = -(-(dp * tp * pp * cp) // nodes)     # GPUs per node (ceil)
+    if inter_node_gbps:
+        inter = inter_node_gbps * f.network_eff
+
+    tokens_gpu = mb * ga * seq_len / cp             # tokens one rank's stages see per step
+    compute = tokens_gpu * compute_tok
+    memory = tokens_gpu * memory_tok
+    busy = compute + memory
+    t_mb = busy / ga                     # one micro-batch through one stage (fwd + bwd)
+    bubble = t_mb * (pp - 1)             # 1F1B: (pp - 1) micro-batch slots idle per step
+
+    # --- data parallel (gradients / ZeRO shards of this rank's model-parallel slice) --------
+    if dp > 1:
+        # ZeRO-3: gather fwd + gather bwd + reduce-scatter, per micro-batch; ZeRO-2: reduce-scatter
+        # per micro-batch + one parameter all-gather; else one all-reduce per step (no_sync while
+        # accumulating). Ring volumes: 2 (n-1)/n per all-reduce = twice a reduce-scatter's.
+        mult = 3.0 * ga if zero >= 3 else (ga + 1.0 if zero == 2 else 2.0)
+        if nodes > 1:
+            # hierarchical: ring inside each node, then the node's NICs carry every DP group's
+            # shard (one group per model-parallel slice on the node) across nodes
+            dp_nodes = nodes if nodes < dp else dp
+            g = dp // dp_nodes
+            groups_on_node = tp * pp if tp * pp < per_node else per_node
+            raw = shard_gbit * mult * ((g - 1) / g / intra + (dp_nodes - 1) / dp_nodes * groups_on_node / inter)
+        else:
+            raw = shard_gbit * mult * (dp - 1) / dp / intra
+        # ZeRO-3 prefetches the next layer's gather during the current one's compute, forward and
+        # backward; gradient reduction (DDP buckets, ZeRO-1/2) overlaps the backward only
+        window = busy if zero >= 3 else (2.0 / 3.0) * (busy if zero == 2 else t_mb)
+        exposed = raw - dp_overlap * window
+        floor = dp_min_exposed * raw
+        if exposed < floor:
+            exposed = floor
+        dp_comm = exposed + overlap_cost * (raw - exposed)   # hidden comms still slow compute
+    else:
+        dp_comm = 0.0
+
+    # --- tensor parallel all-reduces (critical path); TP groups stay inside a node when they fit
+    if tp > 1:
+        tp_comm = ga * tp_gbit / (intra if tp <= per_node or intra < inter / per_node else inter / per_node)
+    else:
+        tp_comm = 0.0
+    # --- pipeline point-to-point -----------------------------------------------------------------
+    if pp > 1:
+        pp_comm = pp_gbit / (inter / per_node if nodes > 1 and dp < nodes else intra)
+    else:
+        pp_comm = 0.0
+
+    # --- optimizer step (ZeRO shards it over dp), offload -----------------------------------------
+    if offload == "none":
+        optimizer = opt_s / dp if zero >= 1 else opt_s
+        off = 0.0
+    else:
+        optimizer = cpu_opt_s / dp if zero >= 1 else cpu_opt_s
+        off = off_s / dp if zero >= 1 else off_s
+        if offload == "optimizer+params":
+            off += fetch_s * ga
+    return compute, bubble, dp_comm, tp_comm, pp_comm, optimizer, off, step_over + ga * mb_over, memory
 
 
 def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
@@ -303,112 +462,15 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
     with the per-GPU factors ``frenzy calibrate`` fitted (``calibrated_factors``).
     """
     f = factors if factors is not None else calibrated_factors()
-    dp, tp, pp = int(plan.dp), int(plan.tp), int(plan.pp)
-    cp = int(getattr(plan, "cp", 1) or 1)
-    mb, ga = int(plan.micro_batch), int(plan.grad_accum)
-    precision = getattr(plan, "precision", "bf16")
-    matmul_precision = getattr(plan, "matmul_precision", "default") or "default"
-    act_ckpt = getattr(plan, "act_ckpt", "none")
-    zero = int(getattr(plan, "zero", 0))
-    offload = getattr(plan, "offload", "none")
-    eager = getattr(plan, "attention", "flash") == "eager"
-    c = _context(spec, gpu, seq_len, precision, matmul_precision, eager, cp, f)
-    params, layers, hidden, nbytes, bw = c.params, c.layers, c.hidden, c.nbytes, c.bw
-    gpus = max(1, dp * tp * pp * cp)
-    nodes = max(1, int(nodes))
-    per_node = math.ceil(gpus / nodes)
-    inter = (inter_node_gbps if inter_node_gbps else gpu.inter_node_gbps) * f.network_eff
-    intra = gpu.intra_link_gbps * (f.nvlink_eff if gpu.intra_link.startswith("nvlink") else 1.0)
-
-    # --- compute: matmuls (serial roofline) and attention ------------------------------------
-    tokens_gpu = mb * ga * seq_len / cp             # tokens one rank's stages see per step
-    m = mb * seq_len / cp                           # GEMM rows per micro-batch
-    # fwd, dgrad, wgrad = 3 passes; full recomputation adds a forward to everything, selective
-    # only to the attention core
-    passes = 3.0 + (3.0 * f.recompute_full_extra if act_ckpt == "full" else 0.0)
-    attn_passes = 3.0 + (3.0 * f.recompute_full_extra if act_ckpt in ("full", "selective") else 0.0)
-    mp = tp * pp
-    lay = layers / pp
-    gemm_elems = lay * (c.g0 + c.g1 / tp + c.g2 / (tp * m)) + c.gv0 / pp + c.gv1 / (mp + 0.0) \
-        + c.gv2 / (mp * m)
-    compute = (tokens_gpu * c.mm_flops / mp * (passes / 3.0) / c.rate
-               + tokens_gpu * gemm_elems * passes * nbytes / bw
-               + tokens_gpu * c.attn_flops / mp * (attn_passes / 3.0) / c.attn_rate)
-    attn_io = lay * c.attn_io / tp * (attn_passes / 3.0)
-    elem = lay * (c.elem_h + c.elem_ffn / tp) * (passes / 3.0)
-    memory = tokens_gpu * (attn_io + elem + c.loss / mp) / bw
-    t_mb = (compute + memory) / ga      # one micro-batch through one stage (fwd + bwd)
-    bubble = t_mb * (pp - 1)             # 1F1B: (pp - 1) micro-batch slots idle per step
-
-    # --- data parallel (gradients / ZeRO shards of this rank's model-parallel slice) --------
-    shard_bytes = params / (tp * pp) * nbytes
-    if dp > 1:
-        if zero >= 3:
-            mult = 3.0 * ga            # gather fwd + gather bwd + reduce-scatter, per micro-batch
-        elif zero == 2:
-            mult = ga + 1.0            # reduce-scatter per micro-batch + one parameter all-gather
-        else:
-            mult = 2.0                 # one all-reduce per step (no_sync while accumulating)
-        dp_nodes = min(nodes, dp)
-        if dp_nodes > 1:
-            # hierarchical: ring inside each node, then the node's NICs carry every DP group's
-            # shard (one group per model-parallel slice on the node) across nodes
-            g = max(1, dp // dp_nodes)
-            groups_on_node = max(1, min(tp * pp, per_node))
-            raw = (_xfer_s(shard_bytes * mult * _ring(g), intra)
-                   + _xfer_s(shard_bytes * mult * _ring(dp_nodes) * groups_on_node, inter))
-        else:
-            raw = _xfer_s(shard_bytes * mult * _ring(dp), intra)
-        # ZeRO-3 prefetches the next layer's gather during the current one's compute, forward and
-        # backward; gradient reduction (DDP buckets, ZeRO-1/2) overlaps the backward only
-        busy = compute + memory
-        window = busy if zero >= 3 else (2.0 / 3.0) * (busy if zero == 2 else t_mb)
-        exposed = max(raw - f.dp_overlap * window, f.dp_min_exposed * raw)
-        dp_comm = exposed + f.overlap_cost * (raw - exposed)   # hidden comms still slow compute
-    else:
-        dp_comm = 0.0
-
-    # --- tensor parallel: 2 all-reduces fwd + 2 bwd per layer (+2 with full recompute) -------
-    if tp > 1:
-        act_bytes = mb * seq_len / cp * hidden * nbytes
-        n_ar = 4 + (2 if act_ckpt == "full" else 0)
-        link = intra if tp <= per_node else min(intra, inter / per_node)
-        tp_comm = ga * (layers / pp) * n_ar * _xfer_s(2.0 * _ring(tp) * act_bytes, link) * (1.0 - f.tp_overlap)
-    else:
-        tp_comm = 0.0
-
-    # --- pipeline point-to-point on the critical path --------------------------------------
-    if pp > 1:
-        act_bytes = mb * seq_len / cp * hidden * nbytes / tp
-        crosses_nodes = nodes > 1 and dp < nodes
-        link = inter / per_node if crosses_nodes else intra
-        pp_comm = f.pp_p2p_exposed_factor * (pp - 1) * _xfer_s(act_bytes, link)
-    else:
-        pp_comm = 0.0
-
-    # --- optimizer step, offload, overhead -------------------------------------------------
-    opt_params = params / (tp * pp) / (dp if zero >= 1 else 1)
-    if offload == "none":
-        optimizer = opt_params * f.optimizer_bytes_per_param / bw
-        off = 0.0
-    else:
-        optimizer = opt_params / f.cpu_adam_params_per_s
-        pcie = f.offload_pcie_gbs * 1e9
-        off = opt_params * 4.0 / pcie                          # 16-bit grads down, params up
-        if offload == "optimizer+params":
-            off += params / (tp * pp) / max(1, dp) * nbytes * 2.0 * ga * dp / pcie  # params fetched fwd + bwd
-    mb_over = f.cpu_microbatch_overhead_s if gpu.is_cpu else f.microbatch_overhead_s
-    overhead = f.step_overhead_s + ga * mb_over
-
-    return StepTime(compute=compute, memory=memory, bubble=bubble, dp_comm=dp_comm, tp_comm=tp_comm,
-                    pp_comm=pp_comm, optimizer=optimizer, offload=off, overhead=overhead)
+    return StepTime(*_parts(spec, plan, gpu, seq_len, nodes, inter_node_gbps, f))
 
 
 def step_time(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
               inter_node_gbps: float | None = None, factors: Factors | None = None) -> float:
-    """Predicted seconds per optimizer step (see ``step_time_breakdown``)."""
-    return step_time_breakdown(spec, plan, gpu, seq_len=seq_len, nodes=nodes,
-                               inter_node_gbps=inter_node_gbps, factors=factors).total
+    """Predicted seconds per optimizer step (``step_time_breakdown(...).total``, without building it)."""
+    compute, bubble, dp_comm, tp_comm, pp_comm, optimizer, off, overhead, memory = _parts(
+        spec, plan, gpu, seq_len, nodes, inter_node_gbps, factors if factors is not None else calibrated_factors())
+    return compute + memory + bubble + dp_comm + tp_comm + pp_comm + optimizer + off + overhead
 
 
 def tokens_per_s(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,

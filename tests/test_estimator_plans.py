@@ -127,3 +127,20 @@ def test_estimate_plan_agrees_with_the_enumerated_predictions():
         assert abs(est.allocated_peak_gib - p.allocated_peak_gib) < 1e-3
         checked += 1
     assert checked >= 4
+
+
+def test_plan_step_times_are_the_throughput_model_of_the_plan_itself():
+    """Every field of a plan the throughput model reads reaches the planner's step time: an
+    eager-attention job's plans are timed with eager kernels (they were timed as flash)."""
+    from estimator.models import resolve_model
+    from estimator.throughput import step_time
+    spec = resolve_model("gpt2-medium")
+    for attention in ("flash", "eager"):
+        plans = enumerate_plans(dict(model="gpt2-medium", seq_len=1024, global_batch=64, attention=attention),
+                                "A100-80GB", max_gpus=8)
+        assert plans
+        for p in plans[:20]:
+            assert p.attention == attention
+            nodes = -(-p.gpus // 8)
+            assert p.step_time_s == pytest.approx(step_time(spec, p, get_gpu("A100-80GB"), seq_len=1024, nodes=nodes),
+                                                  rel=1e-9)

@@ -157,3 +157,21 @@ def test_calibrated_model_tracks_held_out_h200_step_times():
     assert sum(0.67 <= x <= 1.5 for x in after) >= 0.75 * len(after)
     med_abs_log = lambda rs: statistics.median(abs(math.log(x)) for x in rs)  # noqa: E731
     assert med_abs_log(after) < med_abs_log(before)
+
+
+def test_memoised_stage_terms_match_a_fresh_computation_and_follow_the_factors():
+    """The per-(spec, GPU, factors) stage cache: step_time is the breakdown's total, a second call
+    (cached terms) equals the first, other factors objects and plan-like objects without the
+    optional fields get their own terms, not a cached neighbour's."""
+    p = plan("H100-80GB", dp=8, zero=3, mb=2, ga=4)
+    g = get_gpu("H100-80GB")
+    first = step_time_breakdown(L8, p, g, seq_len=2048, nodes=1, factors=DEFAULT_FACTORS)
+    again = step_time(L8, p, g, seq_len=2048, nodes=1, factors=DEFAULT_FACTORS)
+    assert again == pytest.approx(first.total, rel=1e-12)
+    slow = DEFAULT_FACTORS.with_(util={g.name: 0.3})
+    assert step_time(L8, p, g, seq_len=2048, factors=slow) > again * 1.5
+    assert step_time(L8, p, g, seq_len=2048, factors=DEFAULT_FACTORS) == again
+    bare = NS(dp=8, tp=1, pp=1, micro_batch=2, grad_accum=4, zero=3)   # no cp, precision, act_ckpt, ...
+    assert step_time(L8, bare, g, seq_len=2048, factors=DEFAULT_FACTORS) == pytest.approx(again, rel=1e-12)
+    # another GPU with the same plan is not served the H100's cached terms
+    assert step_time(L8, p, get_gpu("A100-80GB"), seq_len=2048, factors=DEFAULT_FACTORS) > again * 1.5
