@@ -216,3 +216,31 @@ def test_traced_pure_bf16_fused_and_optimizer_in_backward():
         traced = trace_step(spec, k)["Total"]
         analytic = max(p.allocated for p in stage_peaks(spec, k, ov, cpu=True))
         assert abs(analytic / traced - 1) <= 0.05, (kw, analytic, traced)
+
+
+def test_untied_bert_head_and_cross_attention_counted_once():
+    # nn.Transformer (Lightning demo): an untied output Linear is its own V x h weight, and the
+    # decoder blocks' cross-attention is counted once (per block), not again in the head
+    kw = dict(arch="bert", layers=64, hidden=1024, heads=64, ffn=4096, vocab=33278,
+              cross_attn_layers=32, max_positions=35)
+    untied, tied = ModelSpec(tied_embeddings=False, **kw), ModelSpec(tied_embeddings=True, **kw)
+    assert untied.train_params - tied.train_params == 33278 * 1024
+    e = estimate(model=untied.model_dump(exclude_none=True), seq_len=35, precision="fp32",
+                 optimizer="adam", framework="lightning")
+    # fp32 Adam at zero 0 on one GPU: weights + grads + 2 states = 16 B per parameter
+    assert e.breakdown_gib["weights"] * 2 ** 30 == pytest.approx(4.0 * untied.train_params, rel=1e-9)
+
+
+def test_fsdp_no_shard_and_shard_grad_op_terms():
+    kw = dict(model="gpt2-medium", seq_len=64, precision="fp32", optimizer="adam", dp=2,
+              framework="lightning", adamw_impl="foreach-legacy")
+    ddp = estimate(**kw)
+    no_shard = estimate(gradient_as_bucket_view=True, **kw)
+    P = ddp.params
+    # DDP's bucket copy of the gradients is one fp32 gradient copy; NO_SHARD has none
+    assert (ddp.allocated_peak_gib - no_shard.allocated_peak_gib) * 2 ** 30 == pytest.approx(4.0 * P, rel=0.01)
+    # SHARD_GRAD_OP: the step sees sharded weights, so it is below NO_SHARD by about the
+    # shards of weights, gradients, states and temporaries
+    sgo = estimate(zero=2, **kw)
+    assert sgo.allocated_peak_gib < 0.6 * no_shard.allocated_peak_gib
+    assert sgo.breakdown_gib["weights"] >= ddp.breakdown_gib["weights"] / 2 * 0.99

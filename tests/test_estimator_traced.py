@@ -114,3 +114,21 @@ def test_user_module_factory():
         e = estimate(model="gpt2-tiny", seq_len=64, micro_batch=2, precision="fp32",
                      method="traced", model_factory=Tiny)
     assert e.method == "traced" and e.allocated_peak_gib > 0
+
+
+def test_legacy_foreach_adam_second_temporary_traced():
+    # PyTorch 2.0/2.1's foreach Adam built its denominator out of place: at the step, one more
+    # state-sized temporary than today's in-place update. The trace runs both updates; a short
+    # fp32 sequence makes the step the peak, where the analytic model adds 4 B per parameter
+    spec = _spec("gpt", 0)
+    ov = overheads_for(None, is_cpu=True)
+    peaks = {}
+    for impl in ("foreach", "foreach-legacy"):
+        k = validate_knobs(spec, seq_len=16, precision="fp32", adamw_impl=impl)
+        peaks[impl] = (trace_step(spec, k)["Total"],
+                       max(p.allocated for p in stage_peaks(spec, k, ov, cpu=True)))
+    traced_delta = peaks["foreach-legacy"][0] - peaks["foreach"][0]
+    analytic_delta = peaks["foreach-legacy"][1] - peaks["foreach"][1]
+    assert analytic_delta == pytest.approx(4.0 * spec.train_params, rel=1e-6)
+    assert traced_delta == pytest.approx(analytic_delta, rel=0.02)
+    assert peaks["foreach-legacy"][1] == pytest.approx(peaks["foreach-legacy"][0], rel=0.05)
