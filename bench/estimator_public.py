@@ -94,7 +94,9 @@ RUN_SETTINGS: dict[int, dict] = {
     24: dict(loss="fused-linear"),
     25: dict(),
     26: dict(loss="fused-linear"),
-    27: dict(),
+    # Colossal-AI's example runs transformers of 2023, whose LlamaForCausalLM upcasts the
+    # logits in forward and returns them in fp32
+    27: dict(loss="fp32-logits"),
     # llm.c: fused AdamW, compile; ZeRO-1 is torch's ZeroRedundancyOptimizer under DDP
     28: dict(adamw_impl="fused", fused_kernels=True),
     29: dict(adamw_impl="fused", fused_kernels=True),

@@ -51,7 +51,9 @@ ATTENTIONS = ("flash", "eager")
 MP_STYLES = ("auto", "amp", "master")
 MASTER_WEIGHTS = ("auto", "fp32", "none")
 FINETUNES = ("full", "lora", "qlora")
-LOSSES = ("standard", "chunked", "fused-linear", "none")
+# fp32-logits: the model itself upcasts the logits and returns the fp32 copy (Hugging Face
+# causal LMs before transformers 4.46: ``logits = logits.float()`` in forward)
+LOSSES = ("standard", "chunked", "fused-linear", "fp32-logits", "none")
 # foreach-legacy: torch's foreach Adam(W) as PyTorch 2.0/2.1 ran it, with an out-of-place
 # denominator (two state-sized temporaries at the step; see stage_peaks)
 ADAMW_IMPLS = ("auto", "foreach", "foreach-legacy", "fused", "for-loop")
@@ -480,6 +482,11 @@ def _loss_terms(spec: ModelSpec, k: Knobs, prof: Profile, c: float, amp: bool) -
         return 0.0, 0.0
     if k.loss == "fused-linear":               # Liger-style: logits only per chunk (fixed terms)
         return 0.0, 0.0
+    if k.loss == "fp32-logits":
+        # the output keeps the fp32 logits through the backward (the 16-bit head output is
+        # freed by the upcast); the loss backward adds to them the fp32 log-softmax, the nll
+        # gradient and the log-softmax gradient: 4 x 4 B at its peak (2 B more than "standard")
+        return 4.0, 4 * 4.0
     if k.loss == "chunked":
         # 16-bit logits of all chunks stay until their chunk's backward; one chunk at a time is
         # upcast (fp32 copy, log-softmax, two fp32 gradients) and its 16-bit gradient made.
@@ -664,6 +671,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
                 acts += inflight * T * (r * h + 2 * sem.stat_bytes + (4 if act_amp else 1) * c * h)
         loss_a = 0.0
         head_grad = 0.0
+        fin_acts = 0.0
         if last:
             if spec.arch == "llama":
                 fin = (4 * h + (4 if act_amp else c) * h + c * h + 4)
@@ -671,7 +679,9 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
                 fin = 3 * c * h + 2 * sem.stat_bytes + r * h
             else:
                 fin = r * h + 2 * sem.stat_bytes + c * h
-            acts += T * fin / (t if k.sp else 1)
+            # the final norm's saved tensors: alive until its own backward, which runs before
+            # any block's (phase A has them, phase B does not)
+            fin_acts = T * fin / (t if k.sp else 1)
             acts += T * held_b * logits_tok            # logits held by the model output
             loss_a = T * (bwd_loss_b - held_b) * logits_tok
             if k.loss == "fused-linear":
@@ -703,7 +713,8 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         # phase A: loss backward (last stage) / phase B: the last block's backward. A chunked
         # loss runs the head's backward chunk by chunk inside it: the head's gradient exists
         # while later chunks' logits are still held
-        a_total = states_fwd + copies + acts + loss_a + (head_g if k.loss == "chunked" else 0.0)
+        a_total = (states_fwd + copies + acts + fin_acts + loss_a
+                   + (head_g if k.loss == "chunked" else 0.0))
         b_extra = one_layer + trans + (layer_copies if full else 0.0)
         b_total = states_fwd + copies + acts + b_extra + head_g + inbwd_tmp
         # phase B': the first block's backward: the other blocks' gradients exist, their
@@ -730,7 +741,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         # the breakdown of the phase that peaks (weights, gradients, optimizer, activations, other)
         if total == a_total:
             bd = (weights + unsharded, persist_grads + (head_g if k.loss == "chunked" else 0.0),
-                  optim, acts + loss_a, other_fixed + copies)
+                  optim, acts + fin_acts + loss_a, other_fixed + copies)
         elif total == b_total:
             bd = (weights + unsharded, persist_grads + head_g, optim, acts + one_layer,
                   other_fixed + copies + trans + (layer_copies if full else 0.0) + inbwd_tmp)
