@@ -652,6 +652,8 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             # prefetched ones (blocks), and the current unit's unsharded gradients
             other_fixed += (c * (largest + (ov.zero3_live_units - 1) * layer_p)
                             + (0.0 if lora else g_b * largest))
+            if prof.fsdp2_copy_in and not lora and N > 1:
+                other_fixed += g_b * largest           # FSDP2's reduce-scatter input copy
         if k.finetune == "qlora":
             other_fixed += c * h * spec.f / t          # one weight dequantised for its matmul
         # --- activations of the in-flight micro-batches ---

@@ -244,3 +244,18 @@ def test_fsdp_no_shard_and_shard_grad_op_terms():
     sgo = estimate(zero=2, **kw)
     assert sgo.allocated_peak_gib < 0.6 * no_shard.allocated_peak_gib
     assert sgo.breakdown_gib["weights"] >= ddp.breakdown_gib["weights"] / 2 * 0.99
+
+
+def test_fsdp2_reduce_scatter_copy_in(monkeypatch):
+    # FSDP2 keeps a unit's unsharded gradients until they are copied into the reduce-scatter
+    # input: with ZeRO-3 over 8 ranks the largest unit's gradient bytes appear twice
+    import dataclasses
+    from estimator import profiles
+    kw = dict(model="llama-3.1-8b", seq_len=2048, dp=8, zero=3, act_ckpt="full",
+              framework="torchtune")
+    with_copy = estimate(**kw).breakdown_gib["other"]
+    monkeypatch.setitem(profiles.PROFILES, "torchtune",
+                        dataclasses.replace(profiles.PROFILES["torchtune"], fsdp2_copy_in=False))
+    without = estimate(**kw).breakdown_gib["other"]
+    largest = 128256 * 4096                                  # the embedding / output unit
+    assert (with_copy - without) * GIB == pytest.approx(2.0 * largest, rel=1e-6)
