@@ -127,8 +127,10 @@ def test_legacy_foreach_adam_second_temporary_traced():
         k = validate_knobs(spec, seq_len=16, precision="fp32", adamw_impl=impl)
         peaks[impl] = (trace_step(spec, k)["Total"],
                        max(p.allocated for p in stage_peaks(spec, k, ov, cpu=True)))
-    traced_delta = peaks["foreach-legacy"][0] - peaks["foreach"][0]
-    analytic_delta = peaks["foreach-legacy"][1] - peaks["foreach"][1]
-    assert analytic_delta == pytest.approx(4.0 * spec.train_params, rel=1e-6)
-    assert traced_delta == pytest.approx(analytic_delta, rel=0.02)
-    assert peaks["foreach-legacy"][1] == pytest.approx(peaks["foreach-legacy"][0], rel=0.05)
+    # the legacy step is the peak of both: weights + gradients + 2 states + 2 temporaries
+    assert peaks["foreach-legacy"][1] == pytest.approx(peaks["foreach-legacy"][0], rel=0.02)
+    assert peaks["foreach-legacy"][1] == pytest.approx(24.0 * spec.train_params, rel=0.01)
+    assert peaks["foreach-legacy"][1] - peaks["foreach"][1] == pytest.approx(4.0 * spec.train_params,
+                                                                           rel=1e-6)
+    # (today's foreach step stays below this tiny model's backward peak in the trace)
+    assert peaks["foreach-legacy"][0] > peaks["foreach"][0]
