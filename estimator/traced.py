@@ -71,7 +71,7 @@ def trace_step(spec: ModelSpec, k: Knobs, model_factory: Callable[[], Any] | Non
         raise NotImplementedError(f"the trace runs the HF modelling code, not {k.framework}'s")
     # MemTracker registers a gradient hook on every parameter a module runs with, which frozen
     # (adapter-base) parameters refuse: LoRA stays analytic (its terms are documented there)
-    for knob, on in (("finetune " + k.finetune, k.finetune != "full"), ("loss " + k.loss, k.loss != "standard"),
+    for knob, on in (("finetune " + k.finetune, k.finetune != "full"), ("loss " + k.loss, k.loss not in ("standard", "fp32-logits")),
                      ("act_offload", k.act_offload), ("fused_kernels", k.fused)):
         if on:
             raise NotImplementedError(f"{knob} is not traced (no CPU fake-tensor equivalent)")
@@ -147,8 +147,18 @@ def trace_step(spec: ModelSpec, k: Knobs, model_factory: Callable[[], Any] | Non
                 for _ in range(k.grad_accum):
                     ctx = (torch.autocast("cpu", dtype=c16) if amp else _null())
                     with ctx:
-                        out = model(input_ids=ids, labels=ids) if model_factory is None else model(ids)
-                    if model_factory is None:
+                        if k.loss == "fp32-logits" and model_factory is None:
+                            out = model(input_ids=ids)
+                        else:
+                            out = model(input_ids=ids, labels=ids) if model_factory is None else model(ids)
+                    if k.loss == "fp32-logits" and model_factory is None:
+                        # transformers before 4.46: forward upcasts the logits and returns the fp32
+                        # copy (the 16-bit head output is dropped), the loss runs on a shifted copy
+                        out.logits = out.logits.float()
+                        v = out.logits.shape[-1]
+                        loss = F.cross_entropy(out.logits[..., :-1, :].contiguous().view(-1, v),
+                                               ids[..., 1:].contiguous().view(-1))
+                    elif model_factory is None:
                         loss = out.loss
                     else:
                         logits = out.logits if hasattr(out, "logits") else out

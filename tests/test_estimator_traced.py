@@ -134,3 +134,18 @@ def test_legacy_foreach_adam_second_temporary_traced():
                                                                            rel=1e-6)
     # (today's foreach step stays below this tiny model's backward peak in the trace)
     assert peaks["foreach-legacy"][0] > peaks["foreach"][0]
+
+
+def test_fp32_logits_loss_traced():
+    # transformers before 4.46 returned fp32 logits from forward: 2 B per logit more than
+    # today's path at the loss backward's peak; the trace runs that forward + shifted loss
+    spec = _spec("llama-gqa", 1)
+    ov = overheads_for(None, is_cpu=True)
+    got = {}
+    for loss in ("standard", "fp32-logits"):
+        k = validate_knobs(spec, seq_len=512, micro_batch=2, zero=1, loss=loss)
+        got[loss] = (trace_step(spec, k)["Total"],
+                     max(p.allocated for p in stage_peaks(spec, k, ov, cpu=True)))
+        assert got[loss][1] == pytest.approx(got[loss][0], rel=0.02)
+    logits = 2 * 512 * spec.vocab_padded
+    assert got["fp32-logits"][1] - got["standard"][1] == pytest.approx(2.0 * logits, rel=0.01)
