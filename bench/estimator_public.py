@@ -112,7 +112,8 @@ CAVEATS = {
     7: "8-bit AdamW implementation not stated (config default PagedAdamW8bit assumed)",
     8: "metric not named ('Peak Memory per GPU'); paged 8-bit states outside the allocator",
     9: "metric not named ('Peak Memory per GPU')",
-    10: "metric not named ('Peak Memory per GPU')",
+    10: "metric not named ('Peak Memory per GPU'); below the stated run's floor (bf16 base "
+        "14.96 + checkpointed block inputs 1.0 + bf16 logits 1.0 GiB)",
     11: "768 is the maximum (padded) length; the peak includes eval generation",
     12: "768 is the maximum (padded) length; the peak includes eval generation",
     15: "224 px crops assumed (img_size override not stated)",

@@ -156,7 +156,9 @@ def test_public_set_score():
     rows, summary = ep.score(ep.DEFAULT_CSV)
     assert set(summary) == {"rows", "expressible", "median_abs_err", "p90_abs_err", "worst_under"}
     assert summary["rows"] == 35 and summary["expressible"] >= 33
-    assert summary["median_abs_err"] <= 0.05                  # regression guard (reached: 3.0%)
+    # the targets this set meets (reached: 2.4% and 7.9%); the worst under-prediction
+    # (the ZeRO-3 + CPU-offload 8K row, -26%) is not met, see docs/benchmarks.md
+    assert summary["median_abs_err"] <= 0.03 and summary["p90_abs_err"] <= 0.08
     _, before = ep.score(ep.DEFAULT_CSV, columns_only=True)
     assert before["median_abs_err"] > 5 * summary["median_abs_err"]
 
