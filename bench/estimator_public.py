@@ -44,7 +44,9 @@ GPUS = [(r"H200", "H200-141GB"), (r"H100", "H100-80GB"), (r"A100 40GB", "A100-40
 
 # Settings of each run that the CSV has no column for, as its notes document them.
 _TT = dict(master_weights="none")            # torchtune: pure bf16 (notes rows 1-10)
-_LIGHT = dict(model_extra={"cross_attn_layers": 32})   # nn.Transformer: 32 decoder layers
+# nn.Transformer: 32 decoder layers; the tables were measured with PyTorch 2.1, whose foreach
+# Adam builds its denominator out of place (estimator.memory: foreach-legacy)
+_LIGHT = dict(model_extra={"cross_attn_layers": 32}, adamw_impl="foreach-legacy")
 RUN_SETTINGS: dict[int, dict] = {
     # torchtune 3B, cumulative rows: compile (2+, fused kernels), chunked CE (3+), AC (4+, column),
     # optimizer in backward (5+), activation offloading (6+), 8-bit AdamW (7; config default
@@ -92,13 +94,17 @@ RUN_SETTINGS: dict[int, dict] = {
     24: dict(loss="fused-linear"),
     25: dict(),
     26: dict(loss="fused-linear"),
-    27: dict(),
+    # Colossal-AI's example runs transformers of 2023, whose LlamaForCausalLM upcasts the
+    # logits in forward and returns them in fp32
+    27: dict(loss="fp32-logits"),
     # llm.c: fused AdamW, compile; ZeRO-1 is torch's ZeroRedundancyOptimizer under DDP
     28: dict(adamw_impl="fused", fused_kernels=True),
     29: dict(adamw_impl="fused", fused_kernels=True),
     # LitGPT bf16-true: pure bf16, torch AdamW foreach
     30: dict(master_weights="none"),
-    31: dict(_LIGHT), 32: dict(_LIGHT), 33: dict(_LIGHT), 34: dict(_LIGHT), 35: dict(_LIGHT),
+    # DDP (its buckets copy the gradients); FSDP NO_SHARD all-reduces the flat gradient in place
+    31: dict(_LIGHT), 32: dict(_LIGHT, gradient_as_bucket_view=True), 33: dict(_LIGHT),
+    34: dict(_LIGHT), 35: dict(_LIGHT),
 }
 
 # Rows whose metric or configuration the source leaves unclear (kept in the output).
@@ -106,7 +112,8 @@ CAVEATS = {
     7: "8-bit AdamW implementation not stated (config default PagedAdamW8bit assumed)",
     8: "metric not named ('Peak Memory per GPU'); paged 8-bit states outside the allocator",
     9: "metric not named ('Peak Memory per GPU')",
-    10: "metric not named ('Peak Memory per GPU')",
+    10: "metric not named ('Peak Memory per GPU'); below the stated run's floor (bf16 base "
+        "14.96 + checkpointed block inputs 1.0 + bf16 logits 1.0 GiB)",
     11: "768 is the maximum (padded) length; the peak includes eval generation",
     12: "768 is the maximum (padded) length; the peak includes eval generation",
     15: "224 px crops assumed (img_size override not stated)",

@@ -51,8 +51,12 @@ ATTENTIONS = ("flash", "eager")
 MP_STYLES = ("auto", "amp", "master")
 MASTER_WEIGHTS = ("auto", "fp32", "none")
 FINETUNES = ("full", "lora", "qlora")
-LOSSES = ("standard", "chunked", "fused-linear", "none")
-ADAMW_IMPLS = ("auto", "foreach", "fused", "for-loop")
+# fp32-logits: the model itself upcasts the logits and returns the fp32 copy (Hugging Face
+# causal LMs before transformers 4.46: ``logits = logits.float()`` in forward)
+LOSSES = ("standard", "chunked", "fused-linear", "fp32-logits", "none")
+# foreach-legacy: torch's foreach Adam(W) as PyTorch 2.0/2.1 ran it, with an out-of-place
+# denominator (two state-sized temporaries at the step; see stage_peaks)
+ADAMW_IMPLS = ("auto", "foreach", "foreach-legacy", "fused", "for-loop")
 # torchtune's CEWithChunkedOutputLoss splits the logits into 8 chunks (num_output_chunks = 8)
 LOSS_CHUNKS = 8
 # bitsandbytes NF4 with double quantisation: 4 bits + an 8-bit absmax per 64 values + an fp32
@@ -125,6 +129,7 @@ class Knobs:
     adamw_impl: str = "foreach"          # resolved from the profile when "auto"
     fused: bool = False                 # fused norm/activation kernels (torch.compile, Liger)
     bucket: float = 0.0                 # DeepSpeed reduce_bucket_size (elements); 0: the default
+    bucket_view: bool = False           # DDP gradient_as_bucket_view / FSDP NO_SHARD: no bucket copy
 
 
 def _pos_int(name: str, v: Any) -> int:
@@ -165,7 +170,8 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
                    finetune: Any = "full", lora_rank: Any = 16, lora_targets: Any = None,
                    loss: Any = "standard", act_offload: Any = False,
                    optimizer_in_backward: Any = False, adamw_impl: Any = "auto",
-                   fused_kernels: Any = False, zero_bucket_elems: Any = None) -> Knobs:
+                   fused_kernels: Any = False, zero_bucket_elems: Any = None,
+                   gradient_as_bucket_view: Any = None) -> Knobs:
     """Check every knob against the model; raise FrenzyInputError naming field and rule."""
     s = _pos_int("seq_len", seq_len)
     mb = _pos_int("micro_batch", micro_batch)
@@ -263,9 +269,13 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
             raise FrenzyInputError("zero_bucket_elems", f"must be a number of elements in [1, 1e12] "
                                                         f"(got {zero_bucket_elems!r})")
         bucket = float(zero_bucket_elems)
+    # DDP with gradient_as_bucket_view=True, and FSDP NO_SHARD (it all-reduces the flat
+    # gradient in place), keep no second copy of the gradients; None: the profile's default
+    view = (not prof.ddp_bucket_copy) if gradient_as_bucket_view is None else \
+        _bool("gradient_as_bucket_view", gradient_as_bucket_view)
     return Knobs(s, mb, ga, dp, tp, pp, cp, sp, vpp, zero, offload, precision, optimizer,
                  act_ckpt, attention, mp_style, prof.name, master, finetune, rank, targets, loss,
-                 act_offload, opt_in_bwd, impl, fused, bucket)
+                 act_offload, opt_in_bwd, impl, fused, bucket, view)
 
 
 def lora_projections(spec: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -453,7 +463,9 @@ def _param_split(spec: ModelSpec, t: int) -> tuple[float, float, float, float]:
     if not spec.tied:
         head_p = head_p - V * e + V * e / t
     if spec.arch == "bert":                            # MLM head instead of the pooler
-        head_p = spec.train_params - spec.embedding_params() - spec.layers * spec.layer_params()
+        # (cross-attention is counted per block by the caller, not in the head)
+        head_p = (spec.train_params - spec.embedding_params() - spec.layers * spec.layer_params()
+                  - spec.cross_attn_params())
         head_p = head_p - V + V / t
     return layer_p, emb_p, head_p, spec.largest_layer_params() / t
 
@@ -470,6 +482,11 @@ def _loss_terms(spec: ModelSpec, k: Knobs, prof: Profile, c: float, amp: bool) -
         return 0.0, 0.0
     if k.loss == "fused-linear":               # Liger-style: logits only per chunk (fixed terms)
         return 0.0, 0.0
+    if k.loss == "fp32-logits":
+        # the output keeps the fp32 logits through the backward (the 16-bit head output is
+        # freed by the upcast); the loss backward adds to them the fp32 log-softmax, the nll
+        # gradient and the log-softmax gradient: 4 x 4 B at its peak (2 B more than "standard")
+        return 4.0, 4 * 4.0
     if k.loss == "chunked":
         # 16-bit logits of all chunks stay until their chunk's backward; one chunk at a time is
         # upcast (fp32 copy, log-softmax, two fp32 gradients) and its 16-bit gradient made.
@@ -539,10 +556,15 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     st_b = _state_bytes_per_param(spec, k.optimizer)
     if pure and k.optimizer in ("adam", "adamw", "sgd"):
         st_b *= c / 4.0                                # states in the parameters' dtype
-    # torch's foreach Adam/AdamW materialises sqrt(v): one state-sized copy; fused kernels none
+    # torch's foreach Adam/AdamW materialises sqrt(v): one state-sized copy; fused kernels none.
+    # PyTorch 2.0/2.1 built the denominator out of place (denom = _foreach_add(sqrt(v), eps)),
+    # so sqrt(v) and denom are both alive at _foreach_addcdiv_: two copies. The Lightning FSDP
+    # tables (PyTorch 2.1, fp32 Adam) measure 7.0, 6.0, 3.07 and 3.01 x the fp32 parameter
+    # bytes for DDP, NO_SHARD, SHARD_GRAD_OP and FULL_SHARD over 2 GPUs: 4 + 2 temporaries
+    # (+ DDP's bucket copy), and 2.5 + 2 x 0.25 sharded, which one temporary cannot reach
     step_tmp_b = 0.0
-    if k.optimizer in ("adam", "adamw") and k.adamw_impl == "foreach":
-        step_tmp_b = 4.0 if not pure else c
+    if k.optimizer in ("adam", "adamw") and k.adamw_impl in ("foreach", "foreach-legacy"):
+        step_tmp_b = (4.0 if not pure else c) * (2 if k.adamw_impl == "foreach-legacy" else 1)
 
     layer_p, emb_p, head_p, largest = _param_split(spec, t)
     if spec.cross_attn_layers:                         # decoder cross-attention, spread per block
@@ -589,7 +611,12 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             if first and spec.arch in ("gpt", "opt", "bert"):
                 cast_P -= spec.positions * h
         # --- model states (persistent) ---
-        weights = (frozen_w + w_b * Pt) / (N if k.zero >= 3 else 1)
+        # FSDP SHARD_GRAD_OP (torch's ZeRO-2) keeps sharded parameters between steps and the
+        # unsharded ones from the forward until each unit's post-backward reshard: the step
+        # sees only the shards, the forward and backward the whole model (``unsharded``)
+        fsdp_sgo = k.zero == 2 and prof.torch_sharding and N > 1
+        weights = (frozen_w + w_b * Pt) / (N if k.zero >= 3 or fsdp_sgo else 1)
+        unsharded = (frozen_w + w_b * Pt) if fsdp_sgo else 0.0
         if k.offload == "optimizer+params":
             weights = 0.0
         grads = g_b * Pt / (N if k.zero >= 2 else 1)
@@ -605,7 +632,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         # --- persistent buffers ---
         other_fixed = 0.0
         if k.dp > 1 and k.zero == 0:
-            if prof.ddp_bucket_copy:
+            if prof.ddp_bucket_copy and not k.bucket_view:
                 other_fixed += g_b * Pt                # DDP buckets (gradient_as_bucket_view=False)
             elif prof.zero_bucket_elems:
                 other_fixed += c * min(Pt, bucket_elems)   # DeepSpeed's flat all-reduce bucket
@@ -614,7 +641,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             # 1-GPU ZeRO-Offload run and Frenzy's 1-GPU ZeRO runs measure them); the CPU trace
             # they are checked against runs one rank without DeepSpeed
             other_fixed += 2 * 2.0 * min(Pt, bucket_elems)
-        elif k.dp > 1 and k.zero == 1 and prof.ddp_bucket_copy:
+        elif k.dp > 1 and k.zero == 1 and prof.ddp_bucket_copy and not k.bucket_view:
             other_fixed += g_b * Pt                    # ZeroRedundancyOptimizer runs under DDP
         if k.zero == 3 and not prof.torch_sharding and (k.dp > 1 or not cpu):
             # DeepSpeed stage 3 with contiguous_gradients (default) reduces through one 16-bit
@@ -625,6 +652,8 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             # prefetched ones (blocks), and the current unit's unsharded gradients
             other_fixed += (c * (largest + (ov.zero3_live_units - 1) * layer_p)
                             + (0.0 if lora else g_b * largest))
+            if prof.fsdp2_copy_in and not lora and N > 1:
+                other_fixed += g_b * largest           # FSDP2's reduce-scatter input copy
         if k.finetune == "qlora":
             other_fixed += c * h * spec.f / t          # one weight dequantised for its matmul
         # --- activations of the in-flight micro-batches ---
@@ -644,6 +673,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
                 acts += inflight * T * (r * h + 2 * sem.stat_bytes + (4 if act_amp else 1) * c * h)
         loss_a = 0.0
         head_grad = 0.0
+        fin_acts = 0.0
         if last:
             if spec.arch == "llama":
                 fin = (4 * h + (4 if act_amp else c) * h + c * h + 4)
@@ -651,7 +681,9 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
                 fin = 3 * c * h + 2 * sem.stat_bytes + r * h
             else:
                 fin = r * h + 2 * sem.stat_bytes + c * h
-            acts += T * fin / (t if k.sp else 1)
+            # the final norm's saved tensors: alive until its own backward, which runs before
+            # any block's (phase A has them, phase B does not)
+            fin_acts = T * fin / (t if k.sp else 1)
             acts += T * held_b * logits_tok            # logits held by the model output
             loss_a = T * (bwd_loss_b - held_b) * logits_tok
             if k.loss == "fused-linear":
@@ -666,7 +698,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         trans = transient_tok * T
         persist = (m > 1 or p > 1) and not k.opt_in_bwd
         persist_grads = grads if persist else 0.0
-        states_fwd = weights + optim + persist_grads + other_fixed
+        states_fwd = weights + optim + persist_grads + other_fixed + unsharded
         copies = 2.0 * cast_P if amp and not lora else 0.0
         layer_copies = 2.0 * layer_p if amp and not lora else 0.0
         if full and amp and not lora:
@@ -683,7 +715,8 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         # phase A: loss backward (last stage) / phase B: the last block's backward. A chunked
         # loss runs the head's backward chunk by chunk inside it: the head's gradient exists
         # while later chunks' logits are still held
-        a_total = states_fwd + copies + acts + loss_a + (head_g if k.loss == "chunked" else 0.0)
+        a_total = (states_fwd + copies + acts + fin_acts + loss_a
+                   + (head_g if k.loss == "chunked" else 0.0))
         b_extra = one_layer + trans + (layer_copies if full else 0.0)
         b_total = states_fwd + copies + acts + b_extra + head_g + inbwd_tmp
         # phase B': the first block's backward: the other blocks' gradients exist, their
@@ -694,7 +727,10 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         first_acts = (ckpt_keep_tok * T + one_layer) if full else per_layer_tok * T
         fixed_acts = (T * 16.0 if first else 0.0) + (T * held_b * logits_tok if last else 0.0)
         e_extra = first_acts + fixed_acts + trans + layer_copies
-        e_total = weights + optim + other_fixed + max(grads_end, persist_grads) + e_extra
+        # (FSDP SHARD_GRAD_OP: the other units have resharded; the first block's stays whole)
+        e_unsharded = w_b * layer_p if fsdp_sgo else 0.0
+        e_total = (weights + optim + other_fixed + max(grads_end, persist_grads) + e_extra
+                   + e_unsharded)
         # phase C: optimizer step (inside backward, one tensor at a time, with opt_in_bwd)
         tmp = step_tmp_b * Pt / (N if k.zero >= 1 else 1) if k.offload == "none" else 0.0
         if k.optimizer == "adafactor":
@@ -706,17 +742,17 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         total = max(a_total, b_total, c_total, e_total)
         # the breakdown of the phase that peaks (weights, gradients, optimizer, activations, other)
         if total == a_total:
-            bd = (weights, persist_grads + (head_g if k.loss == "chunked" else 0.0), optim,
-                  acts + loss_a, other_fixed + copies)
+            bd = (weights + unsharded, persist_grads + (head_g if k.loss == "chunked" else 0.0),
+                  optim, acts + fin_acts + loss_a, other_fixed + copies)
         elif total == b_total:
-            bd = (weights, persist_grads + head_g, optim, acts + one_layer,
+            bd = (weights + unsharded, persist_grads + head_g, optim, acts + one_layer,
                   other_fixed + copies + trans + (layer_copies if full else 0.0) + inbwd_tmp)
         elif total == c_total and not k.opt_in_bwd:
             bd = (weights, grads, optim + grads32, 0.0, other_fixed + tmp)
         elif total == c_total:
             bd = (weights, 0.0, optim, 0.0, c_total - weights - optim)
         else:
-            bd = (weights, max(grads_end, persist_grads), optim, first_acts + fixed_acts,
+            bd = (weights + e_unsharded, max(grads_end, persist_grads), optim, first_acts + fixed_acts,
                   other_fixed + trans + layer_copies)
         out.append(StagePeak(i, L_i, total, *bd))
     return out
@@ -777,7 +813,8 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
              master_weights: str = "auto", finetune: str = "full", lora_rank: int = 16,
              lora_targets: Any = None, loss: str = "standard", act_offload: bool = False,
              optimizer_in_backward: bool = False, adamw_impl: str = "auto",
-             fused_kernels: bool = False, zero_bucket_elems: float | None = None) -> Estimate:
+             fused_kernels: bool = False, zero_bucket_elems: float | None = None,
+             gradient_as_bucket_view: bool | None = None) -> Estimate:
     """Per-GPU training memory of one configuration (see the module docstring).
 
     ``model``: preset name, path to a HF config.json, dict of dimensions or ModelSpec; or the
@@ -788,9 +825,11 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
     megatron, deepspeed, torchtune, lightning). Technique knobs: ``master_weights`` (auto: the
     profile's; fp32; none = pure 16-bit), ``finetune`` (full, lora, qlora; ``lora_rank``,
     ``lora_targets``), ``loss`` (standard, chunked, fused-linear, none), ``act_offload``,
-    ``optimizer_in_backward``, ``adamw_impl`` (auto, foreach, fused, for-loop), ``fused_kernels``
+    ``optimizer_in_backward``, ``adamw_impl`` (auto, foreach, foreach-legacy, fused, for-loop), ``fused_kernels``
     (torch.compile / Liger: fused RMSNorm and SwiGLU save fewer tensors), ``zero_bucket_elems``
-    (DeepSpeed reduce_bucket_size; default: the profile's, else Frenzy's trainer config).
+    (DeepSpeed reduce_bucket_size; default: the profile's, else Frenzy's trainer config),
+    ``gradient_as_bucket_view`` (DDP without its bucket copy of the gradients, as FSDP NO_SHARD;
+    default: the profile's).
     """
     spec = model_from_kwargs(model, arch=arch, layers=layers, hidden=hidden, heads=heads,
                              kv_heads=kv_heads, ffn=ffn, vocab=vocab,
@@ -804,7 +843,8 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
                        master_weights=master_weights, finetune=finetune, lora_rank=lora_rank,
                        lora_targets=lora_targets, loss=loss, act_offload=act_offload,
                        optimizer_in_backward=optimizer_in_backward, adamw_impl=adamw_impl,
-                       fused_kernels=fused_kernels, zero_bucket_elems=zero_bucket_elems)
+                       fused_kernels=fused_kernels, zero_bucket_elems=zero_bucket_elems,
+                       gradient_as_bucket_view=gradient_as_bucket_view)
     if method not in ("analytic", "traced"):
         raise FrenzyInputError("method", f"must be analytic or traced (got {method!r})")
     g = _resolve_gpu(gpu)

@@ -200,7 +200,9 @@ class ModelSpec(BaseModel):
         elif self.arch == "bert":
             if V == 0:
                 return 2 * h                                  # encoder without vocabulary: final norm
-            return h * h + h                                  # pooler (BertModel)
+            # pooler (BertModel); an untied output projection (nn.Transformer's decoder Linear,
+            # an untied MLM decoder) is its own V x e weight
+            return h * h + h + (0 if self.tied else V * self.e)
         else:
             final = h
         return final + (0 if self.tied else V * self.e)

@@ -16,6 +16,7 @@ both (``check_knobs``).
 | ``zero3_subgroup_elems`` | ZeRO-3 fp32 gradient copy made per optimizer sub-group, not for the whole partition |
 | ``master_copy_when_pure`` | a 16-bit run without fp32 master still keeps a separate 16-bit master partition |
 | ``lora`` / ``qlora`` | the profile runs adapters (PEFT / its own LoRA) |
+| ``fsdp2_copy_in`` | FSDP2 copies a unit's unsharded gradients into one reduce-scatter input before freeing them |
 Pure: no torch.
 """
 from __future__ import annotations
@@ -42,6 +43,11 @@ class Profile:
     hf_models: bool = True               # runs the Hugging Face modelling code (its quirks apply)
     torch_sharding: bool = False         # ZeRO stages are torch's (ZeroRedundancyOptimizer, FSDP):
     #                                      fp32 parameters stay, as at zero 0 (AMP regime)
+    # FSDP2 (fully_shard): foreach_reduce allocates the reduce-scatter input (the unit's size, in
+    # the reduce dtype), copies the unsharded gradients in, and only then frees them
+    # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: "Only after the copy-in
+    # finishes can we free the gradients"): both exist while the largest unit reduces
+    fsdp2_copy_in: bool = False
     measured: str = ""
 
 
@@ -60,7 +66,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
     Profile("torchtitan", "torchtitan: FSDP2 with fp32 sharded params and bf16 compute, fused "
                           "AdamW, per-op selective checkpointing, loss on fp32 logits",
             adamw_impl="fused", loss="deleted", ddp_bucket_copy=False, lora=False, qlora=False,
-            hf_models=False, torch_sharding=True,
+            hf_models=False, torch_sharding=True, fsdp2_copy_in=True,
             measured="documented behaviour (no public measured row in the data set)"),
     Profile("megatron", "Megatron-core: fused kernels, vocab-parallel cross-entropy, "
                         "distributed optimizer, fp32 gradient buffer",
@@ -83,7 +89,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
     # measures 24.9 GiB, below the 29.9 GiB a foreach step's temporaries would need).
     Profile("torchtune", "torchtune recipes: pure bf16, its own Llama modules, FSDP2",
             zero0_regime="pure", adamw_impl="fused", loss="deleted", repeat_kv=True,
-            ddp_bucket_copy=False, hf_models=False, torch_sharding=True,
+            ddp_bucket_copy=False, hf_models=False, torch_sharding=True, fsdp2_copy_in=True,
             measured="torchtune README tables (A100, RTX 4090)"),
     Profile("lightning", "Lightning / Fabric (DDP, FSDP strategies; precision 32-true, "
                          "bf16-mixed or bf16-true)", torch_sharding=True,

@@ -71,7 +71,7 @@ def trace_step(spec: ModelSpec, k: Knobs, model_factory: Callable[[], Any] | Non
         raise NotImplementedError(f"the trace runs the HF modelling code, not {k.framework}'s")
     # MemTracker registers a gradient hook on every parameter a module runs with, which frozen
     # (adapter-base) parameters refuse: LoRA stays analytic (its terms are documented there)
-    for knob, on in (("finetune " + k.finetune, k.finetune != "full"), ("loss " + k.loss, k.loss != "standard"),
+    for knob, on in (("finetune " + k.finetune, k.finetune != "full"), ("loss " + k.loss, k.loss not in ("standard", "fp32-logits")),
                      ("act_offload", k.act_offload), ("fused_kernels", k.fused)):
         if on:
             raise NotImplementedError(f"{knob} is not traced (no CPU fake-tensor equivalent)")
@@ -110,6 +110,8 @@ def trace_step(spec: ModelSpec, k: Knobs, model_factory: Callable[[], Any] | Non
             cls = torch.optim.AdamW if k.optimizer == "adamw" else torch.optim.Adam
             if k.adamw_impl == "fused":
                 opt = cls(opt_params, lr=1e-4, fused=True)
+            elif k.adamw_impl == "foreach-legacy":
+                opt = _legacy_foreach_adam(cls)(opt_params, lr=1e-4, foreach=True)
             else:
                 opt = cls(opt_params, lr=1e-4, foreach=k.adamw_impl == "foreach")
         elif k.optimizer == "sgd":
@@ -145,8 +147,18 @@ def trace_step(spec: ModelSpec, k: Knobs, model_factory: Callable[[], Any] | Non
                 for _ in range(k.grad_accum):
                     ctx = (torch.autocast("cpu", dtype=c16) if amp else _null())
                     with ctx:
-                        out = model(input_ids=ids, labels=ids) if model_factory is None else model(ids)
-                    if model_factory is None:
+                        if k.loss == "fp32-logits" and model_factory is None:
+                            out = model(input_ids=ids)
+                        else:
+                            out = model(input_ids=ids, labels=ids) if model_factory is None else model(ids)
+                    if k.loss == "fp32-logits" and model_factory is None:
+                        # transformers before 4.46: forward upcasts the logits and returns the fp32
+                        # copy (the 16-bit head output is dropped), the loss runs on a shifted copy
+                        out.logits = out.logits.float()
+                        v = out.logits.shape[-1]
+                        loss = F.cross_entropy(out.logits[..., :-1, :].contiguous().view(-1, v),
+                                               ids[..., 1:].contiguous().view(-1))
+                    elif model_factory is None:
                         loss = out.loss
                     else:
                         logits = out.logits if hasattr(out, "logits") else out
@@ -224,3 +236,43 @@ def traced_estimate(spec: ModelSpec, k: Knobs, *, gpu: Any = None,
         "allocated_peak_gib": a, "reserved_peak_gib": r, "device_used_gib": u,
         "breakdown_gib": bd, "stages": stages, "method": "traced",
         "fits": (u <= mem) if mem is not None else None, "warnings": notes})
+
+
+def _legacy_foreach_adam(cls):
+    """``cls`` (torch Adam / AdamW) whose step runs the foreach update as PyTorch 2.0/2.1 wrote
+    it: the denominator sqrt(v)/bc2 + eps is a new list of tensors (``_foreach_add``, out of
+    place), so two state-sized temporaries are alive at ``_foreach_addcdiv_``."""
+    import torch
+
+    class LegacyForeach(cls):
+        @torch.no_grad()
+        def step(self, closure=None):
+            for g in self.param_groups:
+                ps = [p for p in g["params"] if p.grad is not None]
+                if not ps:
+                    continue
+                b1, b2 = g["betas"]
+                for p in ps:
+                    st = self.state[p]
+                    if not st:
+                        st["step"] = 0
+                        st["exp_avg"] = torch.zeros_like(p)
+                        st["exp_avg_sq"] = torch.zeros_like(p)
+                    st["step"] += 1
+                m = [self.state[p]["exp_avg"] for p in ps]
+                v = [self.state[p]["exp_avg_sq"] for p in ps]
+                grads = [p.grad for p in ps]
+                if isinstance(self, torch.optim.AdamW) and g["weight_decay"]:
+                    torch._foreach_mul_(ps, 1 - g["lr"] * g["weight_decay"])
+                torch._foreach_lerp_(m, grads, 1 - b1)
+                torch._foreach_mul_(v, b2)
+                torch._foreach_addcmul_(v, grads, grads, 1 - b2)
+                n = self.state[ps[0]]["step"]
+                sqrt_v = torch._foreach_sqrt(v)
+                torch._foreach_div_(sqrt_v, (1 - b2 ** n) ** 0.5)
+                denom = torch._foreach_add(sqrt_v, g["eps"])
+                torch._foreach_addcdiv_(ps, m, denom, -g["lr"] / (1 - b1 ** n))
+                del sqrt_v, denom
+            return None
+
+    return LegacyForeach

@@ -52,11 +52,11 @@ def register(sub) -> None:
     t.add_argument("--finetune", default="full", help="full | lora | qlora")
     t.add_argument("--lora-rank", type=int, default=16)
     t.add_argument("--lora-targets", help="comma-separated projections (default: PEFT's)")
-    t.add_argument("--loss", default="standard", help="standard | chunked | fused-linear | none")
+    t.add_argument("--loss", default="standard", help="standard | chunked | fused-linear | fp32-logits | none")
     t.add_argument("--act-offload", type=_bool, nargs="?", const=True, default=False, metavar="BOOL")
     t.add_argument("--optimizer-in-backward", type=_bool, nargs="?", const=True, default=False,
                    metavar="BOOL")
-    t.add_argument("--adamw-impl", default="auto", help="auto | foreach | fused | for-loop")
+    t.add_argument("--adamw-impl", default="auto", help="auto | foreach | foreach-legacy (PyTorch 2.0/2.1: two step temporaries) | fused | for-loop")
     t.add_argument("--fused-kernels", type=_bool, nargs="?", const=True, default=False,
                    metavar="BOOL", help="torch.compile / Liger fused norm and activation kernels")
     e.add_argument("--gpu", help="catalog GPU type, e.g. A100-80GB (adds fits / overheads)")

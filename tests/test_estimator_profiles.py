@@ -156,7 +156,9 @@ def test_public_set_score():
     rows, summary = ep.score(ep.DEFAULT_CSV)
     assert set(summary) == {"rows", "expressible", "median_abs_err", "p90_abs_err", "worst_under"}
     assert summary["rows"] == 35 and summary["expressible"] >= 33
-    assert summary["median_abs_err"] <= 0.05                  # regression guard (reached: 3.0%)
+    # the issue's targets this set meets (reached: 2.4% and 7.9%); the worst under-prediction
+    # (the ZeRO-3 + CPU-offload 8K row, -26%) is not met, see docs/benchmarks.md
+    assert summary["median_abs_err"] <= 0.03 and summary["p90_abs_err"] <= 0.08
     _, before = ep.score(ep.DEFAULT_CSV, columns_only=True)
     assert before["median_abs_err"] > 5 * summary["median_abs_err"]
 
@@ -216,3 +218,46 @@ def test_traced_pure_bf16_fused_and_optimizer_in_backward():
         traced = trace_step(spec, k)["Total"]
         analytic = max(p.allocated for p in stage_peaks(spec, k, ov, cpu=True))
         assert abs(analytic / traced - 1) <= 0.05, (kw, analytic, traced)
+
+
+def test_untied_bert_head_and_cross_attention_counted_once():
+    # nn.Transformer (Lightning demo): an untied output Linear is its own V x h weight, and the
+    # decoder blocks' cross-attention is counted once (per block), not again in the head
+    kw = dict(arch="bert", layers=64, hidden=1024, heads=64, ffn=4096, vocab=33278,
+              cross_attn_layers=32, max_positions=35)
+    untied, tied = ModelSpec(tied_embeddings=False, **kw), ModelSpec(tied_embeddings=True, **kw)
+    assert untied.train_params - tied.train_params == 33278 * 1024
+    e = estimate(model=untied.model_dump(exclude_none=True), seq_len=35, precision="fp32",
+                 optimizer="adam", framework="lightning")
+    # fp32 Adam at zero 0 on one GPU: weights + grads + 2 states = 16 B per parameter
+    assert e.breakdown_gib["weights"] * 2 ** 30 == pytest.approx(4.0 * untied.train_params, rel=1e-9)
+
+
+def test_fsdp_no_shard_and_shard_grad_op_terms():
+    kw = dict(model="gpt2-medium", seq_len=64, precision="fp32", optimizer="adam", dp=2,
+              framework="lightning", adamw_impl="foreach-legacy")
+    ddp = estimate(**kw)
+    no_shard = estimate(gradient_as_bucket_view=True, **kw)
+    P = ddp.params
+    # DDP's bucket copy of the gradients is one fp32 gradient copy; NO_SHARD has none
+    assert (ddp.allocated_peak_gib - no_shard.allocated_peak_gib) * 2 ** 30 == pytest.approx(4.0 * P, rel=0.01)
+    # SHARD_GRAD_OP: the step sees sharded weights, so it is below NO_SHARD by about the
+    # shards of weights, gradients, states and temporaries
+    sgo = estimate(zero=2, **kw)
+    assert sgo.allocated_peak_gib < 0.6 * no_shard.allocated_peak_gib
+    assert sgo.breakdown_gib["weights"] >= ddp.breakdown_gib["weights"] / 2 * 0.99
+
+
+def test_fsdp2_reduce_scatter_copy_in(monkeypatch):
+    # FSDP2 keeps a unit's unsharded gradients until they are copied into the reduce-scatter
+    # input: with ZeRO-3 over 8 ranks the largest unit's gradient bytes appear twice
+    import dataclasses
+    from estimator import profiles
+    kw = dict(model="llama-3.1-8b", seq_len=2048, dp=8, zero=3, act_ckpt="full",
+              framework="torchtune")
+    with_copy = estimate(**kw).breakdown_gib["other"]
+    monkeypatch.setitem(profiles.PROFILES, "torchtune",
+                        dataclasses.replace(profiles.PROFILES["torchtune"], fsdp2_copy_in=False))
+    without = estimate(**kw).breakdown_gib["other"]
+    largest = 128256 * 4096                                  # the embedding / output unit
+    assert (with_copy - without) * GIB == pytest.approx(2.0 * largest, rel=1e-6)

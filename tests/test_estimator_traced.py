@@ -114,3 +114,38 @@ def test_user_module_factory():
         e = estimate(model="gpt2-tiny", seq_len=64, micro_batch=2, precision="fp32",
                      method="traced", model_factory=Tiny)
     assert e.method == "traced" and e.allocated_peak_gib > 0
+
+
+def test_legacy_foreach_adam_second_temporary_traced():
+    # PyTorch 2.0/2.1's foreach Adam built its denominator out of place: at the step, one more
+    # state-sized temporary than today's in-place update. The trace runs both updates; a short
+    # fp32 sequence makes the step the peak, where the analytic model adds 4 B per parameter
+    spec = _spec("gpt", 0)
+    ov = overheads_for(None, is_cpu=True)
+    peaks = {}
+    for impl in ("foreach", "foreach-legacy"):
+        k = validate_knobs(spec, seq_len=16, precision="fp32", adamw_impl=impl)
+        peaks[impl] = (trace_step(spec, k)["Total"],
+                       max(p.allocated for p in stage_peaks(spec, k, ov, cpu=True)))
+    # the legacy step is the peak of both: weights + gradients + 2 states + 2 temporaries
+    assert peaks["foreach-legacy"][1] == pytest.approx(peaks["foreach-legacy"][0], rel=0.02)
+    assert peaks["foreach-legacy"][1] == pytest.approx(24.0 * spec.train_params, rel=0.01)
+    assert peaks["foreach-legacy"][1] - peaks["foreach"][1] == pytest.approx(4.0 * spec.train_params,
+                                                                           rel=1e-6)
+    # (today's foreach step stays below this tiny model's backward peak in the trace)
+    assert peaks["foreach-legacy"][0] > peaks["foreach"][0]
+
+
+def test_fp32_logits_loss_traced():
+    # transformers before 4.46 returned fp32 logits from forward: 2 B per logit more than
+    # today's path at the loss backward's peak; the trace runs that forward + shifted loss
+    spec = _spec("llama-gqa", 1)
+    ov = overheads_for(None, is_cpu=True)
+    got = {}
+    for loss in ("standard", "fp32-logits"):
+        k = validate_knobs(spec, seq_len=512, micro_batch=2, zero=1, loss=loss)
+        got[loss] = (trace_step(spec, k)["Total"],
+                     max(p.allocated for p in stage_peaks(spec, k, ov, cpu=True)))
+        assert got[loss][1] == pytest.approx(got[loss][0], rel=0.02)
+    logits = 2 * 512 * spec.vocab_padded
+    assert got["fp32-logits"][1] - got["standard"][1] == pytest.approx(2.0 * logits, rel=0.01)
