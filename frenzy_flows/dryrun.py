@@ -78,15 +78,20 @@ def _needs_line(n: dict[str, Any]) -> str:
     return f"needs at least {n['gpus']} x {n['gpu_type']} ({where}{tail})"
 
 
-def _worker_text(pool: str, addresses: list[str], workers: Callable[[str], int] | None) -> str:
+def _worker_text(pool: str, addresses: list[str], workers: Callable[[str], int] | None, own: bool) -> str:
+    """Who would run the training: the pool's workers; without one, this process only for the
+    control machine's own pool (``own``), else the submit flow waits for one, then fails."""
     where = f" on {', '.join(addresses)}" if addresses else ""
+    without = ("the submit flow trains in-process (the control machine's own pool)" if own else
+               "the submit flow waits for one (up to its wait_timeout_s), then fails; it never trains "
+               "this pool's plan on the control machine")
     if workers is None:
         return (f"a worker of pool {pool}{where} (`prefect worker start --pool {pool}`); not checked: "
-                "a dry run asks no server. With none online the submit flow trains in-process.")
+                f"a dry run asks no server. With none online {without}.")
     n = workers(pool)
     if n:
         return f"{n} worker{'s' if n != 1 else ''} online in pool {pool}{where}"
-    return f"no worker online in pool {pool}{where}: the submit flow would train in-process"
+    return f"no worker online in pool {pool}{where}: {without}"
 
 
 def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, policy: str = "frenzy",
@@ -99,6 +104,7 @@ def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, pol
 
     from estimator.catalog import get_gpu
     from estimator.plans import plans_for_job
+    from scheduler.discover import is_control_machine_pool
     from scheduler.types import JobRequest
 
     from scheduler.policies import get_policy
@@ -141,7 +147,7 @@ def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, pol
             "gpu_memory_gib": get_gpu(plan.gpu_type, cluster.gpu_catalog()).memory_gib,
             "step_time_s": plan.step_time_s, "duration_s": duration_s, "duration": format_duration(duration_s),
             "pool": pool.name, "placement": {k: list(v) for k, v in decision.placement.items()},
-            "worker": _worker_text(pool.name, addresses, workers),
+            "worker": _worker_text(pool.name, addresses, workers, is_control_machine_pool(cluster, pool.name)),
             "launchable_plans": len(plans), "fastest_plan": fastest.short(),
             "plan_detail": plan.model_dump(mode="json")}
 

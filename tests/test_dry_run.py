@@ -68,6 +68,8 @@ def test_dry_run_places_on_the_cluster_and_names_the_node(tmp_path):
     text = "\n".join(dry_run_lines(d))
     assert f"would launch: {d['gpus']} x {d['gpu_type']}" in text
     assert f"no worker online in pool {d['pool']}" in text
+    # a GPU pool of another machine: waited for, never trained on the control machine
+    assert "never trains this pool's plan on the control machine" in d["worker"]
     if d["pool"] == "l4":
         assert "node-l4" in d["worker"]
 

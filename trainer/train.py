@@ -170,6 +170,18 @@ def evaluate(model, source, *, count: int, mb: int, rank: int, world: int, devic
     return float(totals[0] / totals[1])
 
 
+def check_device(plan: dict[str, Any], device_type: str) -> None:
+    """A plan for a GPU type runs on a GPU or not at all: on a machine without one (a control
+    machine, a worker of the wrong pool) it would train on the CPU and be reported as done on
+    that GPU type, with its measurements stored as that type's. Not transient: a retry on the
+    same machine finds no GPU either."""
+    gpu = str(plan.get("gpu_type", ""))
+    if gpu.upper() != "CPU" and device_type == "cpu":
+        raise InputProblem(f"plan.gpu_type: the plan is for {gpu} but this machine gives the training no GPU "
+                           f"(device=cpu, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}); "
+                           f"it runs only on a worker of a {gpu} pool")
+
+
 def train(run_dir: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -190,6 +202,7 @@ def train(run_dir: Path) -> None:
     inject = os.environ.get("FRENZY_INJECT_OOM_AT_STEP")
     inject_at = int(inject) if inject and attempt == 1 else None
     deepspeed = uses_deepspeed(plan)
+    check_device(plan, "cuda" if torch.cuda.is_available() else "cpu")   # before DeepSpeed looks for one
     mb, ga, dp = plan["micro_batch"], plan["grad_accum"], plan["dp"]
     if world != plan_world(plan):
         raise InputProblem(f"plan.gpus: dp x tp x pp x cp = {plan_world(plan)} but the launcher started {world} processes")
@@ -209,6 +222,7 @@ def train(run_dir: Path) -> None:
     accelerator = (Accelerator(**ulysses.accelerator_kwargs(lay.cp, seq_len)) if deepspeed
                    else Accelerator(gradient_accumulation_steps=ga))
     device = accelerator.device
+    check_device(plan, device.type)
     vocab = int(spec["hf_config"].get("vocab_size", 256))
     # an eval fraction holds the last sequences of the training data out of training
     source = TokenSource(spec["data"], seq_len=seq_len, vocab=vocab, seed=spec["seed"],
