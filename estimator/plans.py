@@ -171,38 +171,54 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
 
 
 def _plan(gpu: GPU, n: int, base: Knobs, mb: int, precision: str, optimizer: str, attention: str,
-          a: float, r: float, u: float, step_time_s: float) -> Plan:
-    """The Plan of a structure (``base``, at micro-batch 1) run at micro-batch ``mb``."""
-    p = Plan.model_construct(
+          a: float, r: float, u: float, step_time_s: float, why: str | None) -> Plan:
+    """The Plan of a structure (``base``, at micro-batch 1) run at micro-batch ``mb``; ``why``:
+    the reason the trainer cannot launch it (``_launch_rule``), None when it can."""
+    return Plan.model_construct(
         gpu_type=gpu.name, gpus=n, dp=base.dp, tp=base.tp, pp=base.pp, cp=1, zero=base.zero,
         offload=base.offload, act_ckpt=base.act_ckpt, micro_batch=mb,
         grad_accum=base.grad_accum // mb, precision=precision, optimizer=optimizer,
         attention=attention, allocated_peak_gib=a, reserved_peak_gib=r, device_used_gib=u,
-        step_time_s=step_time_s, not_launchable=None)
-    why = not_launchable_reason(p)
-    if why is not None:
-        p = p.model_copy(update={"not_launchable": why})
-    return p
+        step_time_s=step_time_s, not_launchable=why)
 
 
 @lru_cache(maxsize=4096)
-def _launch_rule(tp: int, pp: int, cp: int, gpus: int, dp: int, zero: int, offload: str) -> str | None:
-    from trainer.launch_config import check_realisable   # the trainer's own rules (no torch)
+def _launch_rule(tp: int, pp: int, cp: int, gpus: int, dp: int, zero: int, offload: str,
+                 heads: int | None = None, kv_heads: int | None = None) -> str | None:
+    """The trainer's own rules (no torch): the plan's layout, and with ``heads`` how tp and cp
+    split the model's attention heads."""
+    try:
+        from trainer.launch_config import check_heads, check_realisable
+    except ImportError:          # an estimator installed without the trainer: nothing to check
+        return None
     probe = Plan.model_construct(gpu_type="probe", gpus=gpus, dp=dp, tp=tp, pp=pp, cp=cp,
                                  zero=zero, offload=offload)
     try:
         check_realisable(probe)
     except FrenzyInputError as err:
         return f"{err.field}: {err.rule}"
+    return heads_rule(tp, cp, heads, kv_heads) if heads is not None else None
+
+
+def heads_rule(tp: int, cp: int, heads: int, kv_heads: int | None = None) -> str | None:
+    """Why the trainer cannot split the model's attention heads over ``tp`` and ``cp`` ranks
+    (``trainer.launch_config.check_heads``, one line), or None."""
+    try:
+        from trainer.launch_config import check_heads
     except ImportError:          # an estimator installed without the trainer: nothing to check
         return None
+    try:
+        check_heads(Plan.model_construct(gpu_type="probe", tp=tp, cp=cp), heads, kv_heads)
+    except FrenzyInputError as err:
+        return f"{err.field}: {err.rule}"
     return None
 
 
-def not_launchable_reason(plan: Plan) -> str | None:
+def not_launchable_reason(plan: Plan, spec: ModelSpec | None = None) -> str | None:
     """Why this installation's trainer cannot launch ``plan`` (the trainer's realisability
-    rules, in one line), or None when it can."""
-    return _launch_rule(plan.tp, plan.pp, plan.cp, plan.gpus, plan.dp, plan.zero, plan.offload)
+    rules, in one line; with the model's ``spec`` also its heads rule), or None when it can."""
+    return _launch_rule(plan.tp, plan.pp, plan.cp, plan.gpus, plan.dp, plan.zero, plan.offload,
+                        *((spec.heads, spec.n_kv) if spec is not None else ()))
 
 
 def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
@@ -242,24 +258,26 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, 1, base.zero, base.offload,
                                          base.act_ckpt, mb, base.grad_accum // mb, precision),
                         gpu, seq_len, nodes)
-        why = _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload)
-        by_count.setdefault(n, []).append((why is not None, st, u, a, r, mb, base))
+        why = _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads, spec.n_kv)
+        by_count.setdefault(n, []).append((why, st, u, a, r, mb, base))
     plans = []
     for n, cands in by_count.items():
         # every launchable plan is considered before the best few per count are kept, so
         # faster plans the trainer cannot launch never crowd out the ones it can; Plan objects
         # are built for the kept ones only
-        cands.sort(key=lambda c: (c[0], c[1], c[2]))
-        kept = [c for c in cands if not c[0]][:KEEP_PER_COUNT] + \
-            [c for c in cands if c[0]][:KEEP_PER_COUNT]
+        cands.sort(key=lambda c: (c[0] is not None, c[1], c[2]))
+        kept = [c for c in cands if c[0] is None][:KEEP_PER_COUNT] + \
+            [c for c in cands if c[0] is not None][:KEEP_PER_COUNT]
         plans.extend(_plan(gpu, n, base, mb, precision, optimizer, attention, round(a, 4),
-                           round(r, 4), round(u, 4), st) for _, st, u, a, r, mb, base in kept)
+                           round(r, 4), round(u, 4), st, why) for why, st, u, a, r, mb, base in kept)
     plans.sort(key=lambda p: (p.not_launchable is not None, p.step_time_s, p.gpus,
                               p.device_used_gib))
     closest = None
     if keep_closest and not plans:
         short, n, base, mb, a, r, u = min(keep_closest, key=lambda x: x[0])
-        closest = (short, _plan(gpu, n, base, mb, precision, optimizer, attention, a, r, u, 0.0))
+        closest = (short, _plan(gpu, n, base, mb, precision, optimizer, attention, a, r, u, 0.0,
+                                _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload,
+                                             spec.heads, spec.n_kv)))
     return tuple(plans), closest
 
 

@@ -110,7 +110,9 @@ def _handle(args) -> int:
               else 0.0 if args.settings else DEFAULT_SAFETY_MARGIN_GIB)
     plans = plans_for_job(job, topology.inventory(), gpus_per_node=topology.gpus_per_node(),
                           safety_margin_gib=margin, gpus=topology.gpu_catalog())
-    filter_plans(plans, plan_filter, topology.gpus_per_node())
+    from estimator.models import resolve_model
+
+    filter_plans(plans, plan_filter, topology.gpus_per_node(), spec=resolve_model(job.model))
     # data, tokenizer, entry point, optimizer, allow-lists (the job file's folder is a data root)
     from trainer import allowlist
     from trainer.runner import preflight_job

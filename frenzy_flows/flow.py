@@ -12,6 +12,7 @@ from pydantic import SecretStr
 from blocks.cluster import GPUCluster
 from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
+from estimator.models import resolve_model
 from estimator.plan import Plan
 from estimator.plan_filter import filter_plans, parse_plan_filter
 from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan
@@ -154,7 +155,8 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
 
     plans_by_type = estimate_memory(job, topology, safety_margin_gib)
     if plan_filter:
-        plans_by_type = filter_plans(plans_by_type, parse_plan_filter(plan_filter), topology.gpus_per_node())
+        plans_by_type = filter_plans(plans_by_type, parse_plan_filter(plan_filter), topology.gpus_per_node(),
+                                     spec=resolve_model(job.model))
     gpus = topology.gpu_catalog()
 
     registered = run_coro_as_sync(_registered_pools())

@@ -53,6 +53,20 @@ def check_realisable(plan: Plan) -> None:
         raise FrenzyInputError("plan.offload", f"'optimizer+params' needs zero=3 (got zero={plan.zero})")
 
 
+def check_heads(plan: Plan, heads: int, kv_heads: int | None = None) -> None:
+    """Refuse a tensor- or sequence-parallel degree the model's attention heads do not split
+    into: DeepSpeed AutoTP gives each of the ``tp`` ranks whole query and KV heads (with
+    ``tp`` not dividing them its shards come out uneven, a rank without a KV head), and Ulysses
+    hands each of the ``cp`` ranks whole heads after its all-to-all. Both must divide the
+    query heads and the KV heads."""
+    kv = kv_heads if kv_heads is not None else heads
+    for knob, degree, how in (("tp", plan.tp, "DeepSpeed AutoTP gives every rank whole heads"),
+                              ("cp", plan.cp, "Ulysses gives every rank whole heads")):
+        if degree > 1 and (heads % degree or kv % degree):
+            raise FrenzyInputError(f"plan.{knob}", f"{knob}={degree} must divide the model's {heads} attention heads "
+                                                   f"and {kv} KV heads ({how})")
+
+
 def accelerate_config(plan: Plan, *, num_machines: int = 1, machine_rank: int = 0,
                       main_address: str | None = None, main_port: int = 29500, cpu: bool = False,
                       deepspeed_config_file: str = DEEPSPEED_FILE, master_weights: str = "fp32") -> dict[str, Any]:
