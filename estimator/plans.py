@@ -17,8 +17,8 @@ from typing import Any
 from .catalog import GPU, get_gpu
 from .errors import DoesNotFitError, FrenzyInputError
 from .job import TrainingJob
-from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, estimate, stage_peaks,
-                     validate_knobs)
+from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, estimate, host_offload_bytes,
+                     stage_peaks, validate_knobs)
 from .models import ModelSpec, resolve_model, with_positions
 from .overheads import Overheads, overheads_for
 from .plan import Plan
@@ -221,12 +221,29 @@ def not_launchable_reason(plan: Plan, spec: ModelSpec | None = None) -> str | No
                         *((spec.heads, spec.n_kv) if spec is not None else ()))
 
 
+def _host_rule(spec: ModelSpec, base: Knobs, n: int, gpus_per_node: int,
+               host_ram_gib: float | None) -> str | None:
+    """Why an offload plan cannot run on nodes of ``host_ram_gib`` host memory: the offloaded
+    states of the node's training processes (``memory.host_offload_bytes`` each) exceed it."""
+    if host_ram_gib is None or base.offload == "none":
+        return None
+    per = host_offload_bytes(spec, base) / GIB
+    procs = min(n, gpus_per_node)
+    if per * procs <= host_ram_gib:
+        return None
+    return (f"plan.offload: {base.offload} needs {per * procs:,.0f} GiB of host memory per node "
+            f"({procs} process{'es' if procs != 1 else ''} x {per:,.1f} GiB) but a node has "
+            f"{host_ram_gib:,.0f} GiB (the cluster's host_ram_gib)")
+
+
 def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
-                   gpus_per_node: int, margin: float, keep_closest: list | None = None) -> list[Plan]:
+                   gpus_per_node: int, margin: float, keep_closest: list | None = None,
+                   host_ram_gib: float | None = None) -> list[Plan]:
     ov = overheads_for(gpu.name, is_cpu=gpu.is_cpu)
     plans, closest = _plans_cached(spec, job.seq_len, job.global_batch, job.precision,
                                    job.optimizer, job.attention, gpu, max_gpus, gpus_per_node,
-                                   float(margin), ov, _technique(job))
+                                   float(margin), ov, _technique(job),
+                                   None if host_ram_gib is None else float(host_ram_gib))
     if keep_closest is not None and closest is not None:
         keep_closest.append(closest)
     return list(plans)
@@ -235,10 +252,12 @@ def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
 @lru_cache(maxsize=4096)
 def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, gpu: GPU, max_gpus: int, gpus_per_node: int,
-                  margin: float, ov: Overheads, tech: _Technique = _Technique()
+                  margin: float, ov: Overheads, tech: _Technique = _Technique(),
+                  host_ram_gib: float | None = None
                   ) -> tuple[tuple[Plan, ...], tuple[float, Plan] | None]:
     """The plans of one job shape on one GPU type (and, when none fits, the closest miss as
-    (shortfall GiB, plan))."""
+    (shortfall GiB, plan)); with ``host_ram_gib`` (per node) offload plans whose offloaded
+    states the nodes cannot hold are marked not launchable."""
     keep_closest: list = []
     table = _memory_table(spec, seq_len, global_batch, precision, optimizer, attention,
                           max_gpus, gpus_per_node, gpu.is_cpu, tech)
@@ -258,7 +277,8 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, 1, base.zero, base.offload,
                                          base.act_ckpt, mb, base.grad_accum // mb, precision),
                         gpu, seq_len, nodes)
-        why = _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads, spec.n_kv)
+        why = (_launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads, spec.n_kv)
+               or _host_rule(spec, base, n, gpus_per_node, host_ram_gib))
         by_count.setdefault(n, []).append((why, st, u, a, r, mb, base))
     plans = []
     for n, cands in by_count.items():
@@ -283,11 +303,13 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
 
 def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
                     gpus_per_node: int = 8, safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB,
-                    gpus: dict[str, GPU] | None = None) -> list[Plan]:
+                    gpus: dict[str, GPU] | None = None, host_ram_gib: float | None = None) -> list[Plan]:
     """Feasible plans of ``job`` on ``gpu_type`` using at most ``max_gpus`` GPUs, each with
     ``device_used_gib <= memory - safety_margin_gib``: the launchable ones first, fastest first
     (predicted step time), then those this trainer cannot launch (``not_launchable`` says why).
-    ``gpus``: a cluster's own GPU types (``Cluster.gpu_catalog()``), looked up before the catalog."""
+    ``gpus``: a cluster's own GPU types (``Cluster.gpu_catalog()``), looked up before the catalog.
+    ``host_ram_gib``: host memory per node (``Cluster.host_ram_gib()``); offload plans whose
+    offloaded states exceed it are marked not launchable. None: not checked."""
     j = _as_job(job)
     spec = with_positions(resolve_model(j.model), j.seq_len)
     gpu = get_gpu(gpu_type, gpus)
@@ -300,15 +322,17 @@ def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
     if safety_margin_gib < 0:
         raise FrenzyInputError("safety_margin_gib", f"must be >= 0, got {safety_margin_gib}")
     gpn = max(1, int(gpus_per_node))
-    return _plans_for_gpu(j, spec, gpu, max_gpus, gpn, safety_margin_gib)
+    return _plans_for_gpu(j, spec, gpu, max_gpus, gpn, safety_margin_gib, host_ram_gib=host_ram_gib)
 
 
 def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
                   gpus_per_node: dict[str, int] | int = 8,
                   safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB,
-                  gpus: dict[str, GPU] | None = None) -> dict[str, list[Plan]]:
+                  gpus: dict[str, GPU] | None = None,
+                  host_ram_gib: dict[str, float] | None = None) -> dict[str, list[Plan]]:
     """Feasible plans per GPU type of the inventory (gpu_type -> GPUs in the cluster), each list
-    fastest first; ``gpus`` as in ``enumerate_plans``. GPU types the job does not allow or that hold no plan map to []. Raises
+    fastest first; ``gpus`` as in ``enumerate_plans``; ``host_ram_gib``: GPU type -> host memory
+    per node (``Cluster.host_ram_gib()``), for the offload plans. GPU types the job does not allow or that hold no plan map to []. Raises
     DoesNotFitError (closest plan, shortfall in GiB) when nothing fits anywhere."""
     j = _as_job(job)
     spec = with_positions(resolve_model(j.model), j.seq_len)
@@ -328,7 +352,8 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
         gpu = get_gpu(gtype, gpus)
         gpn = gpus_per_node.get(gtype, 8) if isinstance(gpus_per_node, dict) else gpus_per_node
         n = min(int(count), j.max_gpus or int(count))
-        out[gtype] = _plans_for_gpu(j, spec, gpu, n, max(1, int(gpn)), safety_margin_gib, closest)
+        out[gtype] = _plans_for_gpu(j, spec, gpu, n, max(1, int(gpn)), safety_margin_gib, closest,
+                                    host_ram_gib=(host_ram_gib or {}).get(gtype))
     if not any(out.values()):
         if closest:
             short, plan = min(closest, key=lambda x: x[0])

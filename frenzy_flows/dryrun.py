@@ -34,13 +34,13 @@ DRY_RUN_KEY = "frenzy-dry-run"
 
 
 def _least_gpus(job: TrainingJob, gpu_type: str, gpus_per_node: int, margin: float,
-                gpus: dict | None) -> tuple[int, bool] | None:
+                gpus: dict | None, host_ram_gib: float | None = None) -> tuple[int, bool] | None:
     """(least GPU count of a feasible plan on ``gpu_type``, whether the trainer can launch such
     a plan), or None when no count up to ``MAX_SEARCH_GPUS`` holds the job."""
     from estimator.plans import enumerate_plans
 
     plans = enumerate_plans(job, gpu_type, max_gpus=MAX_SEARCH_GPUS, gpus_per_node=gpus_per_node,
-                            safety_margin_gib=margin, gpus=gpus)
+                            safety_margin_gib=margin, gpus=gpus, host_ram_gib=host_ram_gib)
     if not plans:
         return None
     least = min(p.gpus for p in plans)
@@ -53,16 +53,20 @@ def nearest_fits(job: TrainingJob, cluster: Cluster, margin: float) -> list[dict
     from estimator.catalog import GPU_NAMES
 
     out: list[dict[str, Any]] = []
-    inv, gpn, catalog = cluster.inventory(), cluster.gpus_per_node(), cluster.gpu_catalog()
+    from scheduler.cluster import Cluster, Pool
+
+    inv, gpn, catalog, hosts = cluster.inventory(), cluster.gpus_per_node(), cluster.gpu_catalog(), cluster.host_ram_gib()
     for gpu_type, have in inv.items():
-        least = _least_gpus(job, gpu_type, gpn.get(gpu_type, 8), margin, catalog)
+        least = _least_gpus(job, gpu_type, gpn.get(gpu_type, 8), margin, catalog, hosts.get(gpu_type))
         out.append({"gpu_type": gpu_type, "gpus": least[0] if least else None, "have": have,
                     "launchable": bool(least and least[1]), "in_cluster": True})
     others = []
     for gpu_type in GPU_NAMES:
         if gpu_type in inv or (job.allowed_gpu_types and gpu_type not in job.allowed_gpu_types):
             continue
-        least = _least_gpus(job, gpu_type, 8, margin, None)
+        # a catalog type on nodes of 8 with the cluster file's default host memory
+        host = Cluster(pools=[Pool(name="probe", gpu=gpu_type, gpus_per_node=8)]).host_ram_gib().get(gpu_type)
+        least = _least_gpus(job, gpu_type, 8, margin, None, host)
         if least:
             others.append({"gpu_type": gpu_type, "gpus": least[0], "have": 0,
                            "launchable": least[1], "in_cluster": False})
@@ -74,7 +78,7 @@ def _needs_line(n: dict[str, Any]) -> str:
     if n["gpus"] is None:
         return f"{n['gpu_type']}: no count up to {MAX_SEARCH_GPUS:,} GPUs holds it"
     where = f"the cluster has {n['have']}" if n["in_cluster"] else "not in the cluster"
-    tail = "" if n["launchable"] else "; only tensor/pipeline-parallel plans, which the trainer cannot launch yet"
+    tail = "" if n["launchable"] else "; only plans the trainer cannot launch here"
     return f"needs at least {n['gpus']} x {n['gpu_type']} ({where}{tail})"
 
 
@@ -117,6 +121,7 @@ def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, pol
                             "safety_margin_gib": safety_margin_gib}
     try:
         plans_by_type = plans_for_job(job, cluster.inventory(), gpus_per_node=cluster.gpus_per_node(),
+                                      host_ram_gib=cluster.host_ram_gib(),
                                       safety_margin_gib=safety_margin_gib, gpus=cluster.gpu_catalog())
     except DoesNotFitError as err:
         return {**base, "launch": False, "reason": str(err),

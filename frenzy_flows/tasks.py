@@ -26,6 +26,7 @@ def estimate_memory(job: TrainingJob, cluster: Cluster, safety_margin_gib: float
     """Per-GPU memory of every feasible plan on every GPU type of the cluster."""
     log = get_run_logger()
     plans = plans_for_job(job, cluster.inventory(), gpus_per_node=cluster.gpus_per_node(),
+                          host_ram_gib=cluster.host_ram_gib(),
                           safety_margin_gib=safety_margin_gib, gpus=cluster.gpu_catalog())
     n = sum(len(v) for v in plans.values())
     log.info("estimated %d feasible plans over %d GPU types", n, len(plans))
