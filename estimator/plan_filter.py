@@ -118,7 +118,11 @@ def filter_plans(plans_by_type: dict[str, list[Plan]], flt: PlanFilter | None,
 
     out = {t: [p for p in ps if matches(p, flt, gpn(t))] for t, ps in plans_by_type.items()}
     if not any(out.values()):
-        n = sum(len(ps) for ps in plans_by_type.values())
-        raise FrenzyInputError(FIELD, f"no feasible plan matches {describe(flt)!r} "
-                                      f"({n} feasible plans over {', '.join(plans_by_type) or 'no GPU type'})")
+        raise no_match_error(flt, sum(len(ps) for ps in plans_by_type.values()), list(plans_by_type))
     return out
+
+
+def no_match_error(flt: PlanFilter, feasible: int, gpu_types: list[str]) -> FrenzyInputError:
+    """The one line for a filter that none of ``feasible`` plans over ``gpu_types`` matches."""
+    return FrenzyInputError(FIELD, f"no feasible plan matches {describe(flt)!r} "
+                                   f"({feasible} feasible plans over {', '.join(gpu_types) or 'no GPU type'})")

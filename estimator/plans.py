@@ -238,14 +238,19 @@ def _host_rule(spec: ModelSpec, base: Knobs, n: int, gpus_per_node: int,
 
 def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
                    gpus_per_node: int, margin: float, keep_closest: list | None = None,
-                   host_ram_gib: float | None = None) -> list[Plan]:
+                   host_ram_gib: float | None = None, plan_filter: dict | None = None,
+                   fitting: list | None = None) -> list[Plan]:
+    """``fitting``: gets the number of plans that fit before ``plan_filter`` kept its matches."""
     ov = overheads_for(gpu.name, is_cpu=gpu.is_cpu)
-    plans, closest = _plans_cached(spec, job.seq_len, job.global_batch, job.precision,
-                                   job.optimizer, job.attention, gpu, max_gpus, gpus_per_node,
-                                   float(margin), ov, _technique(job),
-                                   None if host_ram_gib is None else float(host_ram_gib))
+    plans, closest, n_fit = _plans_cached(spec, job.seq_len, job.global_batch, job.precision,
+                                          job.optimizer, job.attention, gpu, max_gpus, gpus_per_node,
+                                          float(margin), ov, _technique(job),
+                                          None if host_ram_gib is None else float(host_ram_gib),
+                                          tuple(plan_filter.items()) if plan_filter else None)
     if keep_closest is not None and closest is not None:
         keep_closest.append(closest)
+    if fitting is not None:
+        fitting.append(n_fit)
     return list(plans)
 
 
@@ -253,11 +258,16 @@ def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
 def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, gpu: GPU, max_gpus: int, gpus_per_node: int,
                   margin: float, ov: Overheads, tech: _Technique = _Technique(),
-                  host_ram_gib: float | None = None
-                  ) -> tuple[tuple[Plan, ...], tuple[float, Plan] | None]:
-    """The plans of one job shape on one GPU type (and, when none fits, the closest miss as
-    (shortfall GiB, plan)); with ``host_ram_gib`` (per node) offload plans whose offloaded
-    states the nodes cannot hold are marked not launchable."""
+                  host_ram_gib: float | None = None, plan_filter: tuple | None = None
+                  ) -> tuple[tuple[Plan, ...], tuple[float, Plan] | None, int]:
+    """The plans of one job shape on one GPU type, the closest miss when none fits (shortfall
+    GiB, plan), and how many fit. With ``host_ram_gib`` (per node) offload plans whose
+    offloaded states the nodes cannot hold are marked not launchable; with ``plan_filter``
+    (``estimator.plan_filter`` items) only matching plans are kept, chosen before the best few
+    per GPU count, so a slower plan kind asked for on purpose is not crowded out."""
+    from .plan_filter import matches
+
+    flt = dict(plan_filter) if plan_filter else None
     keep_closest: list = []
     table = _memory_table(spec, seq_len, global_batch, precision, optimizer, attention,
                           max_gpus, gpus_per_node, gpu.is_cpu, tech)
@@ -281,7 +291,11 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                or _host_rule(spec, base, n, gpus_per_node, host_ram_gib))
         by_count.setdefault(n, []).append((why, st, u, a, r, mb, base))
     plans = []
+    n_fit = sum(len(c) for c in by_count.values())
     for n, cands in by_count.items():
+        if flt:
+            cands = [c for c in cands if matches(_plan(gpu, n, c[6], c[5], precision, optimizer, attention,
+                                                       c[3], c[4], c[2], c[1], c[0]), flt, gpus_per_node)]
         # every launchable plan is considered before the best few per count are kept, so
         # faster plans the trainer cannot launch never crowd out the ones it can; Plan objects
         # are built for the kept ones only
@@ -293,12 +307,12 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     plans.sort(key=lambda p: (p.not_launchable is not None, p.step_time_s, p.gpus,
                               p.device_used_gib))
     closest = None
-    if keep_closest and not plans:
+    if keep_closest and not n_fit:
         short, n, base, mb, a, r, u = min(keep_closest, key=lambda x: x[0])
         closest = (short, _plan(gpu, n, base, mb, precision, optimizer, attention, a, r, u, 0.0,
                                 _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload,
                                              spec.heads, spec.n_kv)))
-    return tuple(plans), closest
+    return tuple(plans), closest, n_fit
 
 
 def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
@@ -329,19 +343,27 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
                   gpus_per_node: dict[str, int] | int = 8,
                   safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB,
                   gpus: dict[str, GPU] | None = None,
-                  host_ram_gib: dict[str, float] | None = None) -> dict[str, list[Plan]]:
+                  host_ram_gib: dict[str, float] | None = None,
+                  plan_filter: dict | None = None) -> dict[str, list[Plan]]:
     """Feasible plans per GPU type of the inventory (gpu_type -> GPUs in the cluster), each list
     fastest first; ``gpus`` as in ``enumerate_plans``; ``host_ram_gib``: GPU type -> host memory
-    per node (``Cluster.host_ram_gib()``), for the offload plans. GPU types the job does not allow or that hold no plan map to []. Raises
-    DoesNotFitError (closest plan, shortfall in GiB) when nothing fits anywhere."""
+    per node (``Cluster.host_ram_gib()``), for the offload plans; ``plan_filter``: only plans
+    with these knobs (``estimator.plan_filter.parse_plan_filter``), picked among all that fit.
+    GPU types the job does not allow or that hold no plan map to []. Raises DoesNotFitError
+    (closest plan, shortfall in GiB) when nothing fits anywhere, FrenzyInputError naming the
+    filter when plans fit but none matches it."""
     j = _as_job(job)
     spec = with_positions(resolve_model(j.model), j.seq_len)
     if safety_margin_gib is None:
         safety_margin_gib = DEFAULT_SAFETY_MARGIN_GIB
     if safety_margin_gib < 0:
         raise FrenzyInputError("safety_margin_gib", f"must be >= 0, got {safety_margin_gib}")
+    if plan_filter:
+        from .plan_filter import check_heads
+        check_heads(plan_filter, spec)      # tp=3 on 4 heads: that, not "no plan matches"
     out: dict[str, list[Plan]] = {}
     closest: list = []
+    fitting: list[int] = []
     for gtype, count in inventory.items():
         if j.allowed_gpu_types and gtype not in j.allowed_gpu_types:
             out[gtype] = []
@@ -353,7 +375,11 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
         gpn = gpus_per_node.get(gtype, 8) if isinstance(gpus_per_node, dict) else gpus_per_node
         n = min(int(count), j.max_gpus or int(count))
         out[gtype] = _plans_for_gpu(j, spec, gpu, n, max(1, int(gpn)), safety_margin_gib, closest,
-                                    host_ram_gib=(host_ram_gib or {}).get(gtype))
+                                    host_ram_gib=(host_ram_gib or {}).get(gtype), plan_filter=plan_filter,
+                                    fitting=fitting)
+    if not any(out.values()) and plan_filter and sum(fitting):
+        from .plan_filter import no_match_error
+        raise no_match_error(plan_filter, sum(fitting), list(out))
     if not any(out.values()):
         if closest:
             short, plan = min(closest, key=lambda x: x[0])

@@ -99,11 +99,14 @@ def _worker_text(pool: str, addresses: list[str], workers: Callable[[str], int] 
 
 
 def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, policy: str = "frenzy",
-            workers: Callable[[str], int] | None = None) -> dict[str, Any]:
+            workers: Callable[[str], int] | None = None, plan_filter: str | None = None) -> dict[str, Any]:
     """What ``job`` would launch on ``cluster``: one JSON-able dict (``launch`` true with the
     GPU type, count, plan, memory, predicted step time and duration, pool, placement and worker;
     or ``launch`` false with ``reason`` and ``needs``). ``workers``: pool -> online workers, when a
-    server may be asked (the flow's dry run); None leaves the worker unchecked."""
+    server may be asked (the flow's dry run); None leaves the worker unchecked. ``plan_filter``:
+    the submission's ``--plan`` knobs (``estimator.plan_filter``), applied as the submit flow
+    applies them: a filter that names a bad knob or matches no feasible plan raises
+    FrenzyInputError, as the same submission would."""
     from prefect.logging import disable_run_logger
 
     from estimator.catalog import get_gpu
@@ -116,16 +119,21 @@ def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, pol
 
     from frenzy_flows.tasks import select_resources
 
+    from estimator.plan_filter import filter_plans, parse_plan_filter
+
+    flt = parse_plan_filter(plan_filter) if plan_filter else None    # bad knobs: before any estimate
     base: dict[str, Any] = {"dry_run": True, "job": job.name, "model": job.model if isinstance(job.model, str)
                             else "custom", "steps": job.steps, "policy": policy,
-                            "safety_margin_gib": safety_margin_gib}
+                            "safety_margin_gib": safety_margin_gib,
+                            **({"plan_filter": plan_filter} if plan_filter else {})}
     try:
         plans_by_type = plans_for_job(job, cluster.inventory(), gpus_per_node=cluster.gpus_per_node(),
-                                      host_ram_gib=cluster.host_ram_gib(),
+                                      host_ram_gib=cluster.host_ram_gib(), plan_filter=flt,
                                       safety_margin_gib=safety_margin_gib, gpus=cluster.gpu_catalog())
     except DoesNotFitError as err:
         return {**base, "launch": False, "reason": str(err),
                 "needs": nearest_fits(job, cluster, safety_margin_gib)}
+    plans_by_type = filter_plans(plans_by_type, flt, cluster.gpus_per_node())
     try:
         with disable_run_logger():
             candidates = select_resources.fn(job, plans_by_type, cluster, [p.name for p in cluster.pools])
@@ -170,6 +178,8 @@ def dry_run_lines(d: dict[str, Any]) -> list[str]:
              f"pool: {d['pool']}; placement: "
              + "; ".join(f"{node} devices {','.join(map(str, ids))}" for node, ids in d["placement"].items()),
              f"worker: {d['worker']}"]
+    if d.get("plan_filter"):
+        lines.append(f"plans kept by --plan {d['plan_filter']!r}: {d['launchable_plans']} launchable")
     if d["fastest_plan"] != d["plan"]:
         lines.append(f"(the fastest launchable plan is {d['fastest_plan']}; the policy chose the one above)")
     return lines
@@ -195,7 +205,8 @@ def print_dry_run(job: TrainingJob, cluster: Cluster, args) -> int:
     from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB
 
     margin = args.safety_margin_gib if args.safety_margin_gib is not None else DEFAULT_SAFETY_MARGIN_GIB
-    d = dry_run(job, cluster, safety_margin_gib=margin, policy=args.policy or "frenzy")
+    d = dry_run(job, cluster, safety_margin_gib=margin, policy=args.policy or "frenzy",
+                plan_filter=getattr(args, "plan", None))
     if args.json:
         d = {k: v for k, v in d.items() if k != "needs"} | (
             {"needs": [{**n, "text": _needs_line(n)} for n in d["needs"]]} if "needs" in d else {})
@@ -206,14 +217,16 @@ def print_dry_run(job: TrainingJob, cluster: Cluster, args) -> int:
 
 
 
-def dry_run_in_flow(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, policy: str) -> dict[str, Any]:
+def dry_run_in_flow(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, policy: str,
+                    plan_filter: str | None = None) -> dict[str, Any]:
     """The `frenzy-submit` flow's ``dry_run=True``: the dry run with the pools' online workers
     counted on the flow's server, shown as the ``frenzy-dry-run`` artifact and in the log."""
     from prefect import get_run_logger
 
     from frenzy_flows.dispatch import workers_online
 
-    d = dry_run(job, cluster, safety_margin_gib=safety_margin_gib, policy=policy, workers=workers_online)
+    d = dry_run(job, cluster, safety_margin_gib=safety_margin_gib, policy=policy, workers=workers_online,
+                plan_filter=plan_filter)
     dry_run_artifact(d)
     log = get_run_logger()
     for line in dry_run_lines(d):

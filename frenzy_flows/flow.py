@@ -12,9 +12,7 @@ from pydantic import SecretStr
 from blocks.cluster import GPUCluster
 from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
-from estimator.models import resolve_model
 from estimator.plan import Plan
-from estimator.plan_filter import filter_plans, parse_plan_filter
 from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan
 from scheduler.discover import cluster_or_local, is_control_machine_pool
 
@@ -149,14 +147,12 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
     topology = cluster.to_cluster() if isinstance(cluster, GPUCluster) else cluster_or_local(cluster)
     if dry_run:              # before the ledger: a dry run writes nothing
         from frenzy_flows.dryrun import dry_run_in_flow
-        return dry_run_in_flow(job, topology, safety_margin_gib=safety_margin_gib, policy=policy)
+        return dry_run_in_flow(job, topology, safety_margin_gib=safety_margin_gib, policy=policy,
+                               plan_filter=plan_filter)
     Ledger(secret_value(ledger_secret)).sync_cluster(topology)
     job_id = new_job_id(job)
 
-    plans_by_type = estimate_memory(job, topology, safety_margin_gib)
-    if plan_filter:
-        plans_by_type = filter_plans(plans_by_type, parse_plan_filter(plan_filter), topology.gpus_per_node(),
-                                     spec=resolve_model(job.model))
+    plans_by_type = estimate_memory(job, topology, safety_margin_gib, plan_filter)
     gpus = topology.gpu_catalog()
 
     registered = run_coro_as_sync(_registered_pools())

@@ -22,14 +22,22 @@ from frenzy_flows.results import Assignment
 
 
 @task(name="estimate_memory")
-def estimate_memory(job: TrainingJob, cluster: Cluster, safety_margin_gib: float) -> dict[str, list[Plan]]:
-    """Per-GPU memory of every feasible plan on every GPU type of the cluster."""
+def estimate_memory(job: TrainingJob, cluster: Cluster, safety_margin_gib: float,
+                    plan_filter: str | None = None) -> dict[str, list[Plan]]:
+    """Per-GPU memory of every feasible plan on every GPU type of the cluster; with
+    ``plan_filter`` (``--plan`` knobs) of those that match it (a bad filter, a tp or cp the
+    model's heads do not split into, or no match: one line naming it)."""
+    from estimator.plan_filter import filter_plans, parse_plan_filter
+
     log = get_run_logger()
+    flt = parse_plan_filter(plan_filter) if plan_filter else None
     plans = plans_for_job(job, cluster.inventory(), gpus_per_node=cluster.gpus_per_node(),
-                          host_ram_gib=cluster.host_ram_gib(),
+                          host_ram_gib=cluster.host_ram_gib(), plan_filter=flt,
                           safety_margin_gib=safety_margin_gib, gpus=cluster.gpu_catalog())
+    plans = filter_plans(plans, flt, cluster.gpus_per_node())
     n = sum(len(v) for v in plans.values())
-    log.info("estimated %d feasible plans over %d GPU types", n, len(plans))
+    log.info("estimated %d feasible plans over %d GPU types%s", n, len(plans),
+             f" matching --plan {plan_filter!r}" if plan_filter else "")
     return plans
 
 

@@ -111,3 +111,19 @@ def test_cli_refuses_tp_the_heads_do_not_split_into(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "tp=3 must divide the model's 4 attention heads" in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+def test_the_planner_picks_matching_plans_among_all_that_fit():
+    """Plans of the asked kind are chosen before the best few per GPU count are kept: a slower
+    tp=2 plan is not crowded out by faster tp=1 ones and then filtered to nothing."""
+    from estimator.plans import plans_for_job
+
+    job = {"model": "llama-3.2-1b", "seq_len": 1024, "global_batch": 16, "train_steps": 1}
+    free = plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8)["A100-80GB"]
+    assert not [p for p in free if p.tp == 2 and p.not_launchable is None]   # crowded out unfiltered
+    got = plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter={"tp": 2})["A100-80GB"]
+    assert got and all(p.tp == 2 for p in got) and any(p.not_launchable is None for p in got)
+    with pytest.raises(FrenzyInputError, match="no feasible plan matches 'gpus=64'"):
+        plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter={"gpus": 64})
+    with pytest.raises(FrenzyInputError, match="tp=3 must divide the model's 32 attention heads"):
+        plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter={"tp": 3})
