@@ -184,17 +184,19 @@ def _plan(gpu: GPU, n: int, base: Knobs, mb: int, precision: str, optimizer: str
 
 @lru_cache(maxsize=4096)
 def _launch_rule(tp: int, pp: int, cp: int, gpus: int, dp: int, zero: int, offload: str,
-                 heads: int | None = None, kv_heads: int | None = None) -> str | None:
-    """The trainer's own rules (no torch): the plan's layout, and with ``heads`` how tp and cp
-    split the model's attention heads."""
+                 heads: int | None = None, kv_heads: int | None = None, arch: str | None = None) -> str | None:
+    """The trainer's own rules (no torch): the plan's layout, with ``heads`` how tp and cp
+    split the model's attention heads, with ``arch`` whether pp can cut the model into stages."""
     try:
-        from trainer.launch_config import check_heads, check_realisable
+        from trainer.launch_config import check_pipeline_model, check_realisable
     except ImportError:          # an estimator installed without the trainer: nothing to check
         return None
     probe = Plan.model_construct(gpu_type="probe", gpus=gpus, dp=dp, tp=tp, pp=pp, cp=cp,
                                  zero=zero, offload=offload)
     try:
         check_realisable(probe)
+        if arch is not None:
+            check_pipeline_model(probe, arch)
     except FrenzyInputError as err:
         return f"{err.field}: {err.rule}"
     return heads_rule(tp, cp, heads, kv_heads) if heads is not None else None
@@ -218,7 +220,7 @@ def not_launchable_reason(plan: Plan, spec: ModelSpec | None = None) -> str | No
     """Why this installation's trainer cannot launch ``plan`` (the trainer's realisability
     rules, in one line; with the model's ``spec`` also its heads rule), or None when it can."""
     return _launch_rule(plan.tp, plan.pp, plan.cp, plan.gpus, plan.dp, plan.zero, plan.offload,
-                        *((spec.heads, spec.n_kv) if spec is not None else ()))
+                        *((spec.heads, spec.n_kv, spec.arch) if spec is not None else ()))
 
 
 def _host_rule(spec: ModelSpec, base: Knobs, n: int, gpus_per_node: int,
@@ -287,7 +289,8 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, 1, base.zero, base.offload,
                                          base.act_ckpt, mb, base.grad_accum // mb, precision),
                         gpu, seq_len, nodes)
-        why = (_launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads, spec.n_kv)
+        why = (_launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads, spec.n_kv,
+                            spec.arch)
                or _host_rule(spec, base, n, gpus_per_node, host_ram_gib))
         by_count.setdefault(n, []).append((why, st, u, a, r, mb, base))
     plans = []
@@ -311,7 +314,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         short, n, base, mb, a, r, u = min(keep_closest, key=lambda x: x[0])
         closest = (short, _plan(gpu, n, base, mb, precision, optimizer, attention, a, r, u, 0.0,
                                 _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload,
-                                             spec.heads, spec.n_kv)))
+                                             spec.heads, spec.n_kv, spec.arch)))
     return tuple(plans), closest, n_fit
 
 

@@ -163,3 +163,19 @@ def test_preflight_refuses_a_plan_whose_tp_the_heads_do_not_split_into():
     job = TrainingJob(model="gpt2-tiny", seq_len=16, global_batch=4, train_steps=1)
     with pytest.raises(FrenzyInputError, match="tp=8 must divide the model's 4 attention heads"):
         preflight(job, Plan(gpu_type="A100-80GB", gpus=8, tp=8, micro_batch=4))
+
+
+def test_pipeline_plans_are_launchable_for_llama_decoders_only():
+    from estimator.job import TrainingJob
+
+    dims = {"layers": 8, "hidden": 1024, "heads": 8, "vocab": 32000}
+    llama = TrainingJob(model={"name": "l", "arch": "llama", **dims}, seq_len=1024, global_batch=16, train_steps=1)
+    gpt = TrainingJob(model={"name": "g", "arch": "gpt", **dims}, seq_len=1024, global_batch=16, train_steps=1)
+    from estimator.plans import plans_for_job
+
+    lp = plans_for_job(llama, {"A100-80GB": 8}, plan_filter={"pp": 2, "tp": 1})["A100-80GB"]
+    assert any(p.not_launchable is None and p.zero == 0 for p in lp)
+    assert all(p.not_launchable and "plan.pp" in p.not_launchable for p in lp if p.zero > 0)
+    gp = plans_for_job(gpt, {"A100-80GB": 8}, plan_filter={"pp": 2, "tp": 1})["A100-80GB"]
+    assert gp and all(p.not_launchable and "built for llama decoders" in p.not_launchable
+                      for p in gp if p.zero == 0)
