@@ -95,6 +95,8 @@ class Estimate(BaseModel):
     overheads: dict[str, float] = Field(default_factory=dict)
     warnings: list[str] = Field(default_factory=list)
     framework: str = Field("frenzy", description="the implementation profile of the estimate")
+    host_offload_gib: float = Field(0.0, description="host memory one training process holds for "
+                                                     "ZeRO-Offload (0 without offload)")
 
 
 # ---------------------------------------------------------------------------- validation
@@ -758,6 +760,42 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     return out
 
 
+# ZeRO-Offload's host memory per offloaded trainable parameter of a process's partition: its fp32
+# master copy (4 B), its fp32 gradient (4 B) and the optimizer's states (Adam: two fp32 moments,
+# 8 B); with the parameters offloaded too, also their 16-bit copy. That is DeepSpeed's own count
+# (estimate_zero2/zero3_model_states_mem_needs: 16 B, 18 B with parameter offload), and its 1.5x
+# for the pinned staging buffers and allocator slack around them (additional_buffer_factor).
+OFFLOAD_HOST_MASTER_B = 4.0
+OFFLOAD_HOST_GRAD_B = 4.0
+OFFLOAD_HOST_BUFFER_FACTOR = 1.5
+
+
+def host_offload_bytes(spec: ModelSpec, k: Knobs) -> float:
+    """Host bytes one training process of ``k`` holds for ZeRO-Offload (its partition of the
+    most-loaded pipeline stage; 0 without offload). Per node: this times its processes."""
+    if k.offload == "none":
+        return 0.0
+    c = 4.0 if k.precision == "fp32" else 2.0
+    st_b = _state_bytes_per_param(spec, k.optimizer)
+    layer_p, emb_p, head_p, _ = _param_split(spec, k.tp)
+    lora = k.finetune != "full"
+    lora_p = lora_layer_params(spec, k) / k.tp if lora else 0.0
+    N = max(1, k.dp * k.cp)                            # offload needs ZeRO: partitions over dp x cp
+    layers = _stage_layers(spec.layers, k.pp)
+    worst = 0.0
+    for i, L_i in enumerate(layers):
+        first, last = i == 0, i == len(layers) - 1
+        P = L_i * layer_p + (emb_p if first else 0.0) + (head_p if last else 0.0)
+        if last and k.pp > 1 and spec.tied:
+            P += spec.vocab_padded * spec.e / k.tp     # the last stage's copy of the tied head
+        Pt = L_i * lora_p if lora else P
+        b = (OFFLOAD_HOST_MASTER_B + st_b + OFFLOAD_HOST_GRAD_B) * Pt
+        if k.offload == "optimizer+params":
+            b += c * P                                 # the 16-bit parameters (a LoRA base too)
+        worst = max(worst, b / N)
+    return worst * OFFLOAD_HOST_BUFFER_FACTOR
+
+
 def paged_state_bytes(spec: ModelSpec, k: Knobs) -> float:
     """Bytes of optimizer state in CUDA unified memory (bitsandbytes paged optimizers: every
     state tensor of 4096+ elements), per GPU: device memory the caching allocator never sees."""
@@ -891,4 +929,4 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
         breakdown_gib=bd, stages=stages, method="analytic", model=spec.name,
         gpu=getattr(g, "name", None), gpu_memory_gib=mem,
         fits=(u <= mem) if mem is not None else None, overheads=ovd, warnings=notes,
-        framework=k.framework)
+        framework=k.framework, host_offload_gib=host_offload_bytes(spec, k) / GIB)

@@ -92,20 +92,37 @@ def describe(flt: PlanFilter) -> str:
     return ",".join(f"{k}={v}" for k, v in flt.items())
 
 
+def check_heads(flt: PlanFilter, spec) -> None:
+    """A ``tp`` or ``cp`` the model's attention heads do not split into: one line naming the
+    knob and the heads (``spec``: the job's ``ModelSpec``), before any plan is looked at."""
+    from .plans import heads_rule
+
+    why = heads_rule(int(flt.get("tp", 1)), int(flt.get("cp", 1)), spec.heads, spec.n_kv)
+    if why is not None:
+        raise FrenzyInputError(FIELD, f"{describe(flt)!r}: {why.removeprefix('plan.')}")
+
+
 def filter_plans(plans_by_type: dict[str, list[Plan]], flt: PlanFilter | None,
-                 gpus_per_node: dict[str, int] | int = 8) -> dict[str, list[Plan]]:
+                 gpus_per_node: dict[str, int] | int = 8, spec=None) -> dict[str, list[Plan]]:
     """The plans of each GPU type that match ``flt`` (order kept; a type with none maps to []).
 
-    Raises FrenzyInputError naming the filter when no plan of any type matches it."""
+    Raises FrenzyInputError naming the filter when no plan of any type matches it, or (with
+    the job's model ``spec``) when its tp or cp does not divide the model's heads."""
     if not flt:
         return plans_by_type
+    if spec is not None:
+        check_heads(flt, spec)
 
     def gpn(t: str) -> int:
         return gpus_per_node.get(t, 8) if isinstance(gpus_per_node, dict) else int(gpus_per_node)
 
     out = {t: [p for p in ps if matches(p, flt, gpn(t))] for t, ps in plans_by_type.items()}
     if not any(out.values()):
-        n = sum(len(ps) for ps in plans_by_type.values())
-        raise FrenzyInputError(FIELD, f"no feasible plan matches {describe(flt)!r} "
-                                      f"({n} feasible plans over {', '.join(plans_by_type) or 'no GPU type'})")
+        raise no_match_error(flt, sum(len(ps) for ps in plans_by_type.values()), list(plans_by_type))
     return out
+
+
+def no_match_error(flt: PlanFilter, feasible: int, gpu_types: list[str]) -> FrenzyInputError:
+    """The one line for a filter that none of ``feasible`` plans over ``gpu_types`` matches."""
+    return FrenzyInputError(FIELD, f"no feasible plan matches {describe(flt)!r} "
+                                   f"({feasible} feasible plans over {', '.join(gpu_types) or 'no GPU type'})")

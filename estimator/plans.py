@@ -17,8 +17,8 @@ from typing import Any
 from .catalog import GPU, get_gpu
 from .errors import DoesNotFitError, FrenzyInputError
 from .job import TrainingJob
-from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, estimate, stage_peaks,
-                     validate_knobs)
+from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, estimate, host_offload_bytes,
+                     stage_peaks, validate_knobs)
 from .models import ModelSpec, resolve_model, with_positions
 from .overheads import Overheads, overheads_for
 from .plan import Plan
@@ -172,58 +172,105 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
 
 
 def _plan(gpu: GPU, n: int, base: Knobs, mb: int, precision: str, optimizer: str, attention: str,
-          a: float, r: float, u: float, step_time_s: float) -> Plan:
-    """The Plan of a structure (``base``, at micro-batch 1) run at micro-batch ``mb``."""
-    p = Plan.model_construct(
+          a: float, r: float, u: float, step_time_s: float, why: str | None) -> Plan:
+    """The Plan of a structure (``base``, at micro-batch 1) run at micro-batch ``mb``; ``why``:
+    the reason the trainer cannot launch it (``_launch_rule``), None when it can."""
+    return Plan.model_construct(
         gpu_type=gpu.name, gpus=n, dp=base.dp, tp=base.tp, pp=base.pp, cp=1, zero=base.zero,
         offload=base.offload, act_ckpt=base.act_ckpt, micro_batch=mb,
         grad_accum=base.grad_accum // mb, precision=precision, optimizer=optimizer,
         attention=attention, allocated_peak_gib=a, reserved_peak_gib=r, device_used_gib=u,
-        step_time_s=step_time_s, not_launchable=None)
-    why = not_launchable_reason(p)
-    if why is not None:
-        p = p.model_copy(update={"not_launchable": why})
-    return p
+        step_time_s=step_time_s, not_launchable=why)
 
 
 @lru_cache(maxsize=4096)
-def _launch_rule(tp: int, pp: int, cp: int, gpus: int, dp: int, zero: int, offload: str) -> str | None:
-    from trainer.launch_config import check_realisable   # the trainer's own rules (no torch)
+def _launch_rule(tp: int, pp: int, cp: int, gpus: int, dp: int, zero: int, offload: str,
+                 heads: int | None = None, kv_heads: int | None = None, arch: str | None = None) -> str | None:
+    """The trainer's own rules (no torch): the plan's layout, with ``heads`` how tp and cp
+    split the model's attention heads, with ``arch`` whether pp can cut the model into stages."""
+    try:
+        from trainer.launch_config import check_pipeline_model, check_realisable
+    except ImportError:          # an estimator installed without the trainer: nothing to check
+        return None
     probe = Plan.model_construct(gpu_type="probe", gpus=gpus, dp=dp, tp=tp, pp=pp, cp=cp,
                                  zero=zero, offload=offload)
     try:
         check_realisable(probe)
+        if arch is not None:
+            check_pipeline_model(probe, arch)
     except FrenzyInputError as err:
         return f"{err.field}: {err.rule}"
+    return heads_rule(tp, cp, heads, kv_heads) if heads is not None else None
+
+
+def heads_rule(tp: int, cp: int, heads: int, kv_heads: int | None = None) -> str | None:
+    """Why the trainer cannot split the model's attention heads over ``tp`` and ``cp`` ranks
+    (``trainer.launch_config.check_heads``, one line), or None."""
+    try:
+        from trainer.launch_config import check_heads
     except ImportError:          # an estimator installed without the trainer: nothing to check
         return None
+    try:
+        check_heads(Plan.model_construct(gpu_type="probe", tp=tp, cp=cp), heads, kv_heads)
+    except FrenzyInputError as err:
+        return f"{err.field}: {err.rule}"
     return None
 
 
-def not_launchable_reason(plan: Plan) -> str | None:
+def not_launchable_reason(plan: Plan, spec: ModelSpec | None = None) -> str | None:
     """Why this installation's trainer cannot launch ``plan`` (the trainer's realisability
-    rules, in one line), or None when it can."""
-    return _launch_rule(plan.tp, plan.pp, plan.cp, plan.gpus, plan.dp, plan.zero, plan.offload)
+    rules, in one line; with the model's ``spec`` also its heads rule), or None when it can."""
+    return _launch_rule(plan.tp, plan.pp, plan.cp, plan.gpus, plan.dp, plan.zero, plan.offload,
+                        *((spec.heads, spec.n_kv, spec.arch) if spec is not None else ()))
+
+
+def _host_rule(spec: ModelSpec, base: Knobs, n: int, gpus_per_node: int,
+               host_ram_gib: float | None) -> str | None:
+    """Why an offload plan cannot run on nodes of ``host_ram_gib`` host memory: the offloaded
+    states of the node's training processes (``memory.host_offload_bytes`` each) exceed it."""
+    if host_ram_gib is None or base.offload == "none":
+        return None
+    per = host_offload_bytes(spec, base) / GIB
+    procs = min(n, gpus_per_node)
+    if per * procs <= host_ram_gib:
+        return None
+    return (f"plan.offload: {base.offload} needs {per * procs:,.0f} GiB of host memory per node "
+            f"({procs} process{'es' if procs != 1 else ''} x {per:,.1f} GiB) but a node has "
+            f"{host_ram_gib:,.0f} GiB (the cluster's host_ram_gib)")
 
 
 def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
-                   gpus_per_node: int, margin: float, keep_closest: list | None = None) -> list[Plan]:
+                   gpus_per_node: int, margin: float, keep_closest: list | None = None,
+                   host_ram_gib: float | None = None, plan_filter: dict | None = None,
+                   fitting: list | None = None) -> list[Plan]:
+    """``fitting``: gets the number of plans that fit before ``plan_filter`` kept its matches."""
     ov = overheads_for(gpu.name, is_cpu=gpu.is_cpu)
-    plans, closest = _plans_cached(spec, job.seq_len, job.global_batch, job.precision,
-                                   job.optimizer, job.attention, gpu, max_gpus, gpus_per_node,
-                                   float(margin), ov, _technique(job))
+    plans, closest, n_fit = _plans_cached(spec, job.seq_len, job.global_batch, job.precision,
+                                          job.optimizer, job.attention, gpu, max_gpus, gpus_per_node,
+                                          float(margin), ov, _technique(job),
+                                          None if host_ram_gib is None else float(host_ram_gib),
+                                          tuple(plan_filter.items()) if plan_filter else None)
     if keep_closest is not None and closest is not None:
         keep_closest.append(closest)
+    if fitting is not None:
+        fitting.append(n_fit)
     return list(plans)
 
 
 @lru_cache(maxsize=4096)
 def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, gpu: GPU, max_gpus: int, gpus_per_node: int,
-                  margin: float, ov: Overheads, tech: _Technique = _Technique()
-                  ) -> tuple[tuple[Plan, ...], tuple[float, Plan] | None]:
-    """The plans of one job shape on one GPU type (and, when none fits, the closest miss as
-    (shortfall GiB, plan))."""
+                  margin: float, ov: Overheads, tech: _Technique = _Technique(),
+                  host_ram_gib: float | None = None, plan_filter: tuple | None = None
+                  ) -> tuple[tuple[Plan, ...], tuple[float, Plan] | None, int]:
+    """The plans of one job shape on one GPU type, the closest miss when none fits (shortfall
+    GiB, plan), and how many fit. With ``host_ram_gib`` (per node) offload plans whose
+    offloaded states the nodes cannot hold are marked not launchable; with ``plan_filter``
+    (``estimator.plan_filter`` items) only matching plans are kept, chosen before the best few
+    per GPU count, so a slower plan kind asked for on purpose is not crowded out."""
+    from .plan_filter import matches
+
+    flt = dict(plan_filter) if plan_filter else None
     keep_closest: list = []
     table = _memory_table(spec, seq_len, global_batch, precision, optimizer, attention,
                           max_gpus, gpus_per_node, gpu.is_cpu, tech)
@@ -243,34 +290,44 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, 1, base.zero, base.offload,
                                          base.act_ckpt, mb, base.grad_accum // mb, precision, attention),
                         gpu, seq_len, nodes)
-        why = _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload)
-        by_count.setdefault(n, []).append((why is not None, st, u, a, r, mb, base))
+        why = (_launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads, spec.n_kv,
+                            spec.arch)
+               or _host_rule(spec, base, n, gpus_per_node, host_ram_gib))
+        by_count.setdefault(n, []).append((why, st, u, a, r, mb, base))
     plans = []
+    n_fit = sum(len(c) for c in by_count.values())
     for n, cands in by_count.items():
+        if flt:
+            cands = [c for c in cands if matches(_plan(gpu, n, c[6], c[5], precision, optimizer, attention,
+                                                       c[3], c[4], c[2], c[1], c[0]), flt, gpus_per_node)]
         # every launchable plan is considered before the best few per count are kept, so
         # faster plans the trainer cannot launch never crowd out the ones it can; Plan objects
         # are built for the kept ones only
-        cands.sort(key=lambda c: (c[0], c[1], c[2]))
-        kept = [c for c in cands if not c[0]][:KEEP_PER_COUNT] + \
-            [c for c in cands if c[0]][:KEEP_PER_COUNT]
+        cands.sort(key=lambda c: (c[0] is not None, c[1], c[2]))
+        kept = [c for c in cands if c[0] is None][:KEEP_PER_COUNT] + \
+            [c for c in cands if c[0] is not None][:KEEP_PER_COUNT]
         plans.extend(_plan(gpu, n, base, mb, precision, optimizer, attention, round(a, 4),
-                           round(r, 4), round(u, 4), st) for _, st, u, a, r, mb, base in kept)
+                           round(r, 4), round(u, 4), st, why) for why, st, u, a, r, mb, base in kept)
     plans.sort(key=lambda p: (p.not_launchable is not None, p.step_time_s, p.gpus,
                               p.device_used_gib))
     closest = None
-    if keep_closest and not plans:
+    if keep_closest and not n_fit:
         short, n, base, mb, a, r, u = min(keep_closest, key=lambda x: x[0])
-        closest = (short, _plan(gpu, n, base, mb, precision, optimizer, attention, a, r, u, 0.0))
-    return tuple(plans), closest
+        closest = (short, _plan(gpu, n, base, mb, precision, optimizer, attention, a, r, u, 0.0,
+                                _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload,
+                                             spec.heads, spec.n_kv, spec.arch)))
+    return tuple(plans), closest, n_fit
 
 
 def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
                     gpus_per_node: int = 8, safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB,
-                    gpus: dict[str, GPU] | None = None) -> list[Plan]:
+                    gpus: dict[str, GPU] | None = None, host_ram_gib: float | None = None) -> list[Plan]:
     """Feasible plans of ``job`` on ``gpu_type`` using at most ``max_gpus`` GPUs, each with
     ``device_used_gib <= memory - safety_margin_gib``: the launchable ones first, fastest first
     (predicted step time), then those this trainer cannot launch (``not_launchable`` says why).
-    ``gpus``: a cluster's own GPU types (``Cluster.gpu_catalog()``), looked up before the catalog."""
+    ``gpus``: a cluster's own GPU types (``Cluster.gpu_catalog()``), looked up before the catalog.
+    ``host_ram_gib``: host memory per node (``Cluster.host_ram_gib()``); offload plans whose
+    offloaded states exceed it are marked not launchable. None: not checked."""
     j = _as_job(job)
     spec = with_positions(resolve_model(j.model), j.seq_len)
     gpu = get_gpu(gpu_type, gpus)
@@ -283,24 +340,34 @@ def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
     if safety_margin_gib < 0:
         raise FrenzyInputError("safety_margin_gib", f"must be >= 0, got {safety_margin_gib}")
     gpn = max(1, int(gpus_per_node))
-    return _plans_for_gpu(j, spec, gpu, max_gpus, gpn, safety_margin_gib)
+    return _plans_for_gpu(j, spec, gpu, max_gpus, gpn, safety_margin_gib, host_ram_gib=host_ram_gib)
 
 
 def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
                   gpus_per_node: dict[str, int] | int = 8,
                   safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB,
-                  gpus: dict[str, GPU] | None = None) -> dict[str, list[Plan]]:
+                  gpus: dict[str, GPU] | None = None,
+                  host_ram_gib: dict[str, float] | None = None,
+                  plan_filter: dict | None = None) -> dict[str, list[Plan]]:
     """Feasible plans per GPU type of the inventory (gpu_type -> GPUs in the cluster), each list
-    fastest first; ``gpus`` as in ``enumerate_plans``. GPU types the job does not allow or that hold no plan map to []. Raises
-    DoesNotFitError (closest plan, shortfall in GiB) when nothing fits anywhere."""
+    fastest first; ``gpus`` as in ``enumerate_plans``; ``host_ram_gib``: GPU type -> host memory
+    per node (``Cluster.host_ram_gib()``), for the offload plans; ``plan_filter``: only plans
+    with these knobs (``estimator.plan_filter.parse_plan_filter``), picked among all that fit.
+    GPU types the job does not allow or that hold no plan map to []. Raises DoesNotFitError
+    (closest plan, shortfall in GiB) when nothing fits anywhere, FrenzyInputError naming the
+    filter when plans fit but none matches it."""
     j = _as_job(job)
     spec = with_positions(resolve_model(j.model), j.seq_len)
     if safety_margin_gib is None:
         safety_margin_gib = DEFAULT_SAFETY_MARGIN_GIB
     if safety_margin_gib < 0:
         raise FrenzyInputError("safety_margin_gib", f"must be >= 0, got {safety_margin_gib}")
+    if plan_filter:
+        from .plan_filter import check_heads
+        check_heads(plan_filter, spec)      # tp=3 on 4 heads: that, not "no plan matches"
     out: dict[str, list[Plan]] = {}
     closest: list = []
+    fitting: list[int] = []
     for gtype, count in inventory.items():
         if j.allowed_gpu_types and gtype not in j.allowed_gpu_types:
             out[gtype] = []
@@ -311,7 +378,12 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
         gpu = get_gpu(gtype, gpus)
         gpn = gpus_per_node.get(gtype, 8) if isinstance(gpus_per_node, dict) else gpus_per_node
         n = min(int(count), j.max_gpus or int(count))
-        out[gtype] = _plans_for_gpu(j, spec, gpu, n, max(1, int(gpn)), safety_margin_gib, closest)
+        out[gtype] = _plans_for_gpu(j, spec, gpu, n, max(1, int(gpn)), safety_margin_gib, closest,
+                                    host_ram_gib=(host_ram_gib or {}).get(gtype), plan_filter=plan_filter,
+                                    fitting=fitting)
+    if not any(out.values()) and plan_filter and sum(fitting):
+        from .plan_filter import no_match_error
+        raise no_match_error(plan_filter, sum(fitting), list(out))
     if not any(out.values()):
         if closest:
             short, plan = min(closest, key=lambda x: x[0])

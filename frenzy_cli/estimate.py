@@ -143,27 +143,33 @@ def handle_estimate(args) -> int:
         b.add_column(k, justify="right")
     b.add_row(*(format_memory(v) for v in est.breakdown_gib.values()))
     con.print(b)
+    if est.host_offload_gib:
+        con.print(f"host memory for ZeRO-Offload: {format_memory(est.host_offload_gib)} per training process")
     if est.gpu:
         verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
         con.print(f"{est.gpu} ({format_memory(est.gpu_memory_gib)}): {verdict}")
     return 0
 
 
-def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int, dict | None]:
-    """(GPU type -> count, GPUs per node, the cluster's own GPU types or None)."""
+def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int, dict | None, dict[str, float]]:
+    """(GPU type -> count, GPUs per node, the cluster's own GPU types or None, GPU type -> host
+    memory per node)."""
     from estimator.catalog import GPU_NAMES, resolve_gpu_name
     if args.cluster:
         from scheduler.cluster import load_cluster
         cl = load_cluster(args.cluster)
         if args.gpu:
             args.gpu = [resolve_gpu_name(g, cl.gpu_types, field="--gpu") for g in args.gpu]
-        return cl.inventory(), cl.gpus_per_node(), cl.gpu_catalog()
+        return cl.inventory(), cl.gpus_per_node(), cl.gpu_catalog(), cl.host_ram_gib()
     if args.gpu:
         args.gpu = [resolve_gpu_name(g, field="--gpu") for g in args.gpu]
     types = args.gpu or list(GPU_NAMES)
     if args.max_gpus < 1:
         raise FrenzyInputError("max_gpus", f"must be a positive integer, got {args.max_gpus}")
-    return {g: args.max_gpus for g in types}, 8, None
+    # nodes of 8 GPUs with the cluster file's default host memory
+    from scheduler.cluster import Cluster, Pool
+    hosts = Cluster(pools=[Pool(name=f"p{i}", gpu=g, gpus_per_node=8) for i, g in enumerate(types)]).host_ram_gib()
+    return {g: args.max_gpus for g in types}, 8, None, hosts
 
 
 def handle_plan(args) -> int:
@@ -177,11 +183,11 @@ def handle_plan(args) -> int:
            "precision": args.precision, "optimizer": args.optimizer, "attention": args.attention,
            "master_weights": args.master_weights,
            "finetune": {"method": args.finetune, "rank": args.lora_rank}}
-    inv, gpn, gpus = _inventory(args)
+    inv, gpn, gpus, hosts = _inventory(args)
     if args.gpu and args.cluster:
         inv = {g: n for g, n in inv.items() if g in args.gpu}
     plans = plans_for_job(job, inv, gpus_per_node=gpn, safety_margin_gib=args.safety_margin_gib,
-                          gpus=gpus)
+                          gpus=gpus, host_ram_gib=hosts)
     if args.json:
         print(json.dumps({g: [p.model_dump(mode="json") for p in ps] for g, ps in plans.items()}))
         return 0

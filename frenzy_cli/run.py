@@ -109,6 +109,7 @@ def _handle(args) -> int:
     margin = (args.safety_margin_gib if args.safety_margin_gib is not None
               else 0.0 if args.settings else DEFAULT_SAFETY_MARGIN_GIB)
     plans = plans_for_job(job, topology.inventory(), gpus_per_node=topology.gpus_per_node(),
+                          host_ram_gib=topology.host_ram_gib(), plan_filter=plan_filter,
                           safety_margin_gib=margin, gpus=topology.gpu_catalog())
     filter_plans(plans, plan_filter, topology.gpus_per_node())
     # data, tokenizer, entry point, optimizer, allow-lists (the job file's folder is a data root)

@@ -90,7 +90,8 @@ def _layout(p: Plan) -> str:
 
 
 def not_launchable(p: Plan) -> str | None:
-    """Why the trainer cannot launch ``p`` (its own rule, shortened), or None."""
+    """Why the trainer cannot launch ``p`` (its own rule, shortened; else the reason the
+    planner marked on it), or None."""
     try:
         from trainer.launch_config import check_realisable
     except Exception:           # the trainer's module is not importable here: no verdict
@@ -101,7 +102,7 @@ def not_launchable(p: Plan) -> str | None:
         knob = str(getattr(err, "field", "plan")).removeprefix("plan.")
         rule = str(getattr(err, "rule", err)).split(": ", 1)[-1].split(" (")[0].strip()
         return f"cannot launch {knob}{getattr(p, knob, '')}: {rule}"
-    return None
+    return f"cannot launch: {p.not_launchable}" if p.not_launchable else None
 
 
 def why_not_chosen(p: Plan, chosen: Plan, *, short: bool = False) -> str:

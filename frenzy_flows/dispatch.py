@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 from uuid import UUID
 
 from estimator.errors import FrenzyInputError
@@ -73,8 +73,46 @@ def workers_online(pool_name: str) -> int:
 
 def has_workers(pool_name: str) -> bool:
     """Whether any worker is online for ``pool_name``: the submit flow dispatches to the pool
-    when true, else trains in-process as a subflow."""
+    when true; else it trains in-process only on the control machine's own pool
+    (``scheduler.discover.is_control_machine_pool``) and waits for a worker of any other."""
     return workers_online(pool_name) > 0
+
+
+def start_worker_hint(pool_name: str) -> str:
+    """The one line that says what a pool without workers waits for and how to fix it."""
+    return f"waiting for a worker of pool {pool_name}: start one with `prefect worker start --pool {pool_name}`"
+
+
+class NoWorkerError(DispatchError):
+    """No worker of the assigned pool came online within the wait."""
+
+
+def wait_for_worker(pool_name: str, timeout_s: float, *, poll_s: float = 2.0,
+                    beat: Callable[[], bool] | None = None,
+                    online: Callable[[str], int] | None = None) -> int:
+    """Wait until a worker polls ``pool_name``; returns how many are online. Says what it waits
+    for (``start_worker_hint``) at once and every ``NO_WORKER_REPORT_EVERY_S``. ``beat`` is
+    called every poll (keep the allocation and the queue row alive); it returns False when the
+    job ended meanwhile. ``NoWorkerError`` with the hint after ``timeout_s`` or a False beat."""
+    online = online or workers_online
+    log = _logger()
+    end = time.monotonic() + max(0.0, timeout_s)
+    last_report = -1e9
+    while True:
+        n = online(pool_name)
+        if n > 0:
+            log.info("pool %s has %d worker(s) online", pool_name, n)
+            return n
+        if beat is not None and beat() is False:
+            raise NoWorkerError(f"the job ended while {start_worker_hint(pool_name)}")
+        now = time.monotonic()
+        if now >= end:
+            raise NoWorkerError(f"no worker of pool {pool_name} came online within {timeout_s:.0f} s; "
+                                f"start one with `prefect worker start --pool {pool_name}`")
+        if now - last_report >= NO_WORKER_REPORT_EVERY_S:
+            log.warning("%s (up to %.0f s more)", start_worker_hint(pool_name), end - now)
+            last_report = now
+        time.sleep(min(poll_s, max(0.05, end - now)))
 
 
 def pool_notes(cluster: Any) -> dict[str, str]:

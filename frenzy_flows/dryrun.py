@@ -34,13 +34,13 @@ DRY_RUN_KEY = "frenzy-dry-run"
 
 
 def _least_gpus(job: TrainingJob, gpu_type: str, gpus_per_node: int, margin: float,
-                gpus: dict | None) -> tuple[int, bool] | None:
+                gpus: dict | None, host_ram_gib: float | None = None) -> tuple[int, bool] | None:
     """(least GPU count of a feasible plan on ``gpu_type``, whether the trainer can launch such
     a plan), or None when no count up to ``MAX_SEARCH_GPUS`` holds the job."""
     from estimator.plans import enumerate_plans
 
     plans = enumerate_plans(job, gpu_type, max_gpus=MAX_SEARCH_GPUS, gpus_per_node=gpus_per_node,
-                            safety_margin_gib=margin, gpus=gpus)
+                            safety_margin_gib=margin, gpus=gpus, host_ram_gib=host_ram_gib)
     if not plans:
         return None
     least = min(p.gpus for p in plans)
@@ -53,16 +53,20 @@ def nearest_fits(job: TrainingJob, cluster: Cluster, margin: float) -> list[dict
     from estimator.catalog import GPU_NAMES
 
     out: list[dict[str, Any]] = []
-    inv, gpn, catalog = cluster.inventory(), cluster.gpus_per_node(), cluster.gpu_catalog()
+    from scheduler.cluster import Cluster, Pool
+
+    inv, gpn, catalog, hosts = cluster.inventory(), cluster.gpus_per_node(), cluster.gpu_catalog(), cluster.host_ram_gib()
     for gpu_type, have in inv.items():
-        least = _least_gpus(job, gpu_type, gpn.get(gpu_type, 8), margin, catalog)
+        least = _least_gpus(job, gpu_type, gpn.get(gpu_type, 8), margin, catalog, hosts.get(gpu_type))
         out.append({"gpu_type": gpu_type, "gpus": least[0] if least else None, "have": have,
                     "launchable": bool(least and least[1]), "in_cluster": True})
     others = []
     for gpu_type in GPU_NAMES:
         if gpu_type in inv or (job.allowed_gpu_types and gpu_type not in job.allowed_gpu_types):
             continue
-        least = _least_gpus(job, gpu_type, 8, margin, None)
+        # a catalog type on nodes of 8 with the cluster file's default host memory
+        host = Cluster(pools=[Pool(name="probe", gpu=gpu_type, gpus_per_node=8)]).host_ram_gib().get(gpu_type)
+        least = _least_gpus(job, gpu_type, 8, margin, None, host)
         if least:
             others.append({"gpu_type": gpu_type, "gpus": least[0], "have": 0,
                            "launchable": least[1], "in_cluster": False})
@@ -74,31 +78,40 @@ def _needs_line(n: dict[str, Any]) -> str:
     if n["gpus"] is None:
         return f"{n['gpu_type']}: no count up to {MAX_SEARCH_GPUS:,} GPUs holds it"
     where = f"the cluster has {n['have']}" if n["in_cluster"] else "not in the cluster"
-    tail = "" if n["launchable"] else "; only tensor/pipeline-parallel plans, which the trainer cannot launch yet"
+    tail = "" if n["launchable"] else "; only plans the trainer cannot launch here"
     return f"needs at least {n['gpus']} x {n['gpu_type']} ({where}{tail})"
 
 
-def _worker_text(pool: str, addresses: list[str], workers: Callable[[str], int] | None) -> str:
+def _worker_text(pool: str, addresses: list[str], workers: Callable[[str], int] | None, own: bool) -> str:
+    """Who would run the training: the pool's workers; without one, this process only for the
+    control machine's own pool (``own``), else the submit flow waits for one, then fails."""
     where = f" on {', '.join(addresses)}" if addresses else ""
+    without = ("the submit flow trains in-process (the control machine's own pool)" if own else
+               "the submit flow waits for one (up to its wait_timeout_s), then fails; it never trains "
+               "this pool's plan on the control machine")
     if workers is None:
         return (f"a worker of pool {pool}{where} (`prefect worker start --pool {pool}`); not checked: "
-                "a dry run asks no server. With none online the submit flow trains in-process.")
+                f"a dry run asks no server. With none online {without}.")
     n = workers(pool)
     if n:
         return f"{n} worker{'s' if n != 1 else ''} online in pool {pool}{where}"
-    return f"no worker online in pool {pool}{where}: the submit flow would train in-process"
+    return f"no worker online in pool {pool}{where}: {without}"
 
 
 def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, policy: str = "frenzy",
-            workers: Callable[[str], int] | None = None) -> dict[str, Any]:
+            workers: Callable[[str], int] | None = None, plan_filter: str | None = None) -> dict[str, Any]:
     """What ``job`` would launch on ``cluster``: one JSON-able dict (``launch`` true with the
     GPU type, count, plan, memory, predicted step time and duration, pool, placement and worker;
     or ``launch`` false with ``reason`` and ``needs``). ``workers``: pool -> online workers, when a
-    server may be asked (the flow's dry run); None leaves the worker unchecked."""
+    server may be asked (the flow's dry run); None leaves the worker unchecked. ``plan_filter``:
+    the submission's ``--plan`` knobs (``estimator.plan_filter``), applied as the submit flow
+    applies them: a filter that names a bad knob or matches no feasible plan raises
+    FrenzyInputError, as the same submission would."""
     from prefect.logging import disable_run_logger
 
     from estimator.catalog import get_gpu
     from estimator.plans import plans_for_job
+    from scheduler.discover import is_control_machine_pool
     from scheduler.types import JobRequest
 
     from scheduler.policies import get_policy
@@ -106,15 +119,21 @@ def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, pol
 
     from frenzy_flows.tasks import select_resources
 
+    from estimator.plan_filter import filter_plans, parse_plan_filter
+
+    flt = parse_plan_filter(plan_filter) if plan_filter else None    # bad knobs: before any estimate
     base: dict[str, Any] = {"dry_run": True, "job": job.name, "model": job.model if isinstance(job.model, str)
                             else "custom", "steps": job.steps, "policy": policy,
-                            "safety_margin_gib": safety_margin_gib}
+                            "safety_margin_gib": safety_margin_gib,
+                            **({"plan_filter": plan_filter} if plan_filter else {})}
     try:
         plans_by_type = plans_for_job(job, cluster.inventory(), gpus_per_node=cluster.gpus_per_node(),
+                                      host_ram_gib=cluster.host_ram_gib(), plan_filter=flt,
                                       safety_margin_gib=safety_margin_gib, gpus=cluster.gpu_catalog())
     except DoesNotFitError as err:
         return {**base, "launch": False, "reason": str(err),
                 "needs": nearest_fits(job, cluster, safety_margin_gib)}
+    plans_by_type = filter_plans(plans_by_type, flt, cluster.gpus_per_node())
     try:
         with disable_run_logger():
             candidates = select_resources.fn(job, plans_by_type, cluster, [p.name for p in cluster.pools])
@@ -141,7 +160,7 @@ def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, pol
             "gpu_memory_gib": get_gpu(plan.gpu_type, cluster.gpu_catalog()).memory_gib,
             "step_time_s": plan.step_time_s, "duration_s": duration_s, "duration": format_duration(duration_s),
             "pool": pool.name, "placement": {k: list(v) for k, v in decision.placement.items()},
-            "worker": _worker_text(pool.name, addresses, workers),
+            "worker": _worker_text(pool.name, addresses, workers, is_control_machine_pool(cluster, pool.name)),
             "launchable_plans": len(plans), "fastest_plan": fastest.short(),
             "plan_detail": plan.model_dump(mode="json")}
 
@@ -159,6 +178,8 @@ def dry_run_lines(d: dict[str, Any]) -> list[str]:
              f"pool: {d['pool']}; placement: "
              + "; ".join(f"{node} devices {','.join(map(str, ids))}" for node, ids in d["placement"].items()),
              f"worker: {d['worker']}"]
+    if d.get("plan_filter"):
+        lines.append(f"plans kept by --plan {d['plan_filter']!r}: {d['launchable_plans']} launchable")
     if d["fastest_plan"] != d["plan"]:
         lines.append(f"(the fastest launchable plan is {d['fastest_plan']}; the policy chose the one above)")
     return lines
@@ -184,7 +205,8 @@ def print_dry_run(job: TrainingJob, cluster: Cluster, args) -> int:
     from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB
 
     margin = args.safety_margin_gib if args.safety_margin_gib is not None else DEFAULT_SAFETY_MARGIN_GIB
-    d = dry_run(job, cluster, safety_margin_gib=margin, policy=args.policy or "frenzy")
+    d = dry_run(job, cluster, safety_margin_gib=margin, policy=args.policy or "frenzy",
+                plan_filter=getattr(args, "plan", None))
     if args.json:
         d = {k: v for k, v in d.items() if k != "needs"} | (
             {"needs": [{**n, "text": _needs_line(n)} for n in d["needs"]]} if "needs" in d else {})
@@ -195,14 +217,16 @@ def print_dry_run(job: TrainingJob, cluster: Cluster, args) -> int:
 
 
 
-def dry_run_in_flow(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, policy: str) -> dict[str, Any]:
+def dry_run_in_flow(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, policy: str,
+                    plan_filter: str | None = None) -> dict[str, Any]:
     """The `frenzy-submit` flow's ``dry_run=True``: the dry run with the pools' online workers
     counted on the flow's server, shown as the ``frenzy-dry-run`` artifact and in the log."""
     from prefect import get_run_logger
 
     from frenzy_flows.dispatch import workers_online
 
-    d = dry_run(job, cluster, safety_margin_gib=safety_margin_gib, policy=policy, workers=workers_online)
+    d = dry_run(job, cluster, safety_margin_gib=safety_margin_gib, policy=policy, workers=workers_online,
+                plan_filter=plan_filter)
     dry_run_artifact(d)
     log = get_run_logger()
     for line in dry_run_lines(d):

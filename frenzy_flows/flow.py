@@ -13,9 +13,8 @@ from blocks.cluster import GPUCluster
 from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
-from estimator.plan_filter import filter_plans, parse_plan_filter
 from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan
-from scheduler.discover import cluster_or_local
+from scheduler.discover import cluster_or_local, is_control_machine_pool
 
 from frenzy_flows import artifacts, dispatch, events
 from frenzy_flows.form import RunForm
@@ -35,17 +34,50 @@ async def _registered_pools() -> list[str]:
 
 @task(name="train")
 def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
-          ledger_url: SecretStr | None, inventory: dict[str, int], settings: str | None = None) -> dict:
-    """Train on the assignment: on the pool's workers when any are online, else in-process as
-    the same `frenzy-train` flow (a subflow). Either way the run holds the pool's `gpu:<pool>`
-    slots, so Prefect's count of busy GPUs agrees with the ledger."""
-    if dispatch.has_workers(assignment.pool):
-        get_run_logger().info("dispatching to work pool %s", assignment.pool)
-        return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id, ledger_url=secret_value(ledger_url),
-                                         settings=settings, timeout_s=job.deadline_s)
-    with dispatch.hold_gpu_slots(assignment.pool, plan.gpus, ledger_url=secret_value(ledger_url)):
-        return train_on_pool(job, plan, assignment=assignment, job_id=job_id,
-                             ledger_url=ledger_url, inventory=inventory, settings=settings)
+          ledger_url: SecretStr | None, inventory: dict[str, int], settings: str | None = None,
+          own_pool: bool = False, worker_wait_s: float = 3600.0) -> dict:
+    """Train on the assignment: on the pool's workers when any are online; in-process as the
+    same `frenzy-train` flow (a subflow) only when the pool is the control machine's own
+    (``own_pool``, `scheduler.discover.is_control_machine_pool`). Any other pool without a
+    worker is waited for up to ``worker_wait_s`` (the queue and the log say so, with the command
+    that starts one), keeping the allocation's lease; then `dispatch.NoWorkerError`, and the
+    submit flow releases the GPUs. Either way the run holds the pool's `gpu:<pool>` slots, so
+    Prefect's count of busy GPUs agrees with the ledger."""
+    pool, url = assignment.pool, secret_value(ledger_url)
+    if not dispatch.has_workers(pool):
+        if own_pool:
+            with dispatch.hold_gpu_slots(pool, plan.gpus, ledger_url=url):
+                return train_on_pool(job, plan, assignment=assignment, job_id=job_id,
+                                     ledger_url=ledger_url, inventory=inventory, settings=settings)
+        _wait_for_worker(pool, job_id, assignment, url, worker_wait_s)
+    dispatch._logger().info("dispatching to work pool %s", pool)
+    return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id, ledger_url=url,
+                                     settings=settings, timeout_s=job.deadline_s)
+
+
+def _wait_for_worker(pool: str, job_id: str, assignment: Assignment, ledger_url: str | None,
+                     timeout_s: float) -> None:
+    """Wait for a worker of ``pool`` with the job's GPUs held (their lease renewed, the queue row
+    beaten and showing what it waits for)."""
+    from ledger import Ledger
+    from ledger.queue import JobQueue
+
+    ledger = Ledger(ledger_url)
+    queue = JobQueue(ledger)
+
+    def beat() -> bool:
+        row = queue.touch(job_id)
+        return row is None or row.state == "running"     # a job without a queue row: nobody ends it
+
+    import contextlib
+
+    held = ledger.lease(assignment.allocation_id) if assignment.allocation_id else contextlib.nullcontext()
+    with held:
+        queue.note(job_id, dispatch.start_worker_hint(pool))
+        try:
+            dispatch.wait_for_worker(pool, timeout_s, beat=beat)
+        finally:
+            queue.note(job_id, "")
 
 
 @flow(name="frenzy-submit", log_prints=False)
@@ -72,7 +104,9 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
             settings block's, else 1 GiB.
         ledger_url: SQLAlchemy URL of the GPU ledger (kept secret). Empty: the settings
             block's, else env FRENZY_LEDGER_URL, else SQLite under FRENZY_HOME.
-        wait_timeout_s: Seconds to wait for free GPUs before the run fails.
+        wait_timeout_s: Seconds to wait for free GPUs before the run fails, and then for a
+            worker of the assigned pool when it has none online (the control machine's own
+            pool trains in this process instead).
         settings: Name of a `FrenzySettings` block: its ledger URL, safety margin, policy and
             out-of-memory fallback order apply where this form leaves them empty, its default
             precision and optimizer where the job leaves them unset.
@@ -113,13 +147,12 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
     topology = cluster.to_cluster() if isinstance(cluster, GPUCluster) else cluster_or_local(cluster)
     if dry_run:              # before the ledger: a dry run writes nothing
         from frenzy_flows.dryrun import dry_run_in_flow
-        return dry_run_in_flow(job, topology, safety_margin_gib=safety_margin_gib, policy=policy)
+        return dry_run_in_flow(job, topology, safety_margin_gib=safety_margin_gib, policy=policy,
+                               plan_filter=plan_filter)
     Ledger(secret_value(ledger_secret)).sync_cluster(topology)
     job_id = new_job_id(job)
 
-    plans_by_type = estimate_memory(job, topology, safety_margin_gib)
-    if plan_filter:
-        plans_by_type = filter_plans(plans_by_type, parse_plan_filter(plan_filter), topology.gpus_per_node())
+    plans_by_type = estimate_memory(job, topology, safety_margin_gib, plan_filter)
     gpus = topology.gpu_catalog()
 
     registered = run_coro_as_sync(_registered_pools())
@@ -137,7 +170,9 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
             artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
             events.placed(job.name, chosen, assignment)
             try:
-                trained = train(job, job_id, chosen, assignment, ledger_secret, topology.inventory(), settings)
+                trained = train(job, job_id, chosen, assignment, ledger_secret, topology.inventory(), settings,
+                                own_pool=is_control_machine_pool(topology, assignment.pool),
+                                worker_wait_s=wait_timeout_s)
                 # the trainer reports a run that ran out of fallbacks or time; it does not raise
                 ok = trained.get("status") in ("completed", "stopped")
                 status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))

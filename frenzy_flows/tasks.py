@@ -22,13 +22,22 @@ from frenzy_flows.results import Assignment
 
 
 @task(name="estimate_memory")
-def estimate_memory(job: TrainingJob, cluster: Cluster, safety_margin_gib: float) -> dict[str, list[Plan]]:
-    """Per-GPU memory of every feasible plan on every GPU type of the cluster."""
+def estimate_memory(job: TrainingJob, cluster: Cluster, safety_margin_gib: float,
+                    plan_filter: str | None = None) -> dict[str, list[Plan]]:
+    """Per-GPU memory of every feasible plan on every GPU type of the cluster; with
+    ``plan_filter`` (``--plan`` knobs) of those that match it (a bad filter, a tp or cp the
+    model's heads do not split into, or no match: one line naming it)."""
+    from estimator.plan_filter import filter_plans, parse_plan_filter
+
     log = get_run_logger()
+    flt = parse_plan_filter(plan_filter) if plan_filter else None
     plans = plans_for_job(job, cluster.inventory(), gpus_per_node=cluster.gpus_per_node(),
+                          host_ram_gib=cluster.host_ram_gib(), plan_filter=flt,
                           safety_margin_gib=safety_margin_gib, gpus=cluster.gpu_catalog())
+    plans = filter_plans(plans, flt, cluster.gpus_per_node())
     n = sum(len(v) for v in plans.values())
-    log.info("estimated %d feasible plans over %d GPU types", n, len(plans))
+    log.info("estimated %d feasible plans over %d GPU types%s", n, len(plans),
+             f" matching --plan {plan_filter!r}" if plan_filter else "")
     return plans
 
 
@@ -43,30 +52,30 @@ def select_resources(job: TrainingJob, plans_by_type: dict[str, list[Plan]], clu
         if pool.name in registered_pools:
             by_type_pools.setdefault(pool.gpu, []).append(pool.name)
     kept: dict[str, list[Plan]] = {}
+    dropped: dict[str, str] = {}            # GPU type -> why, for the one-line refusal
     for gpu_type, plans in plans_by_type.items():
         if gpu_type not in by_type_pools:
-            log.info("%s: no Prefect work pool registered for it", gpu_type)
+            dropped[gpu_type] = "no Prefect work pool registered for it"
+        elif job.allowed_gpu_types and gpu_type not in job.allowed_gpu_types:
+            dropped[gpu_type] = "not in the job's allowed_gpu_types"
+        elif not (fit := [p for p in plans if job.max_gpus is None or p.gpus <= job.max_gpus]):
+            dropped[gpu_type] = f"every feasible plan needs more than max_gpus={job.max_gpus}"
+        elif not (runnable := [p for p in fit if realisable(p)]):
+            # the planner marks each plan the trainer cannot launch with its reason
+            from frenzy_flows.artifacts import not_launchable
+
+            reasons = sorted({(not_launchable(p) or "").removeprefix("cannot launch").lstrip(": ") for p in fit} - {""})
+            dropped[gpu_type] = ("no plan that fits can be launched here ("
+                                 + "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "") + ")")
+        else:
+            kept[gpu_type] = runnable
             continue
-        if job.allowed_gpu_types and gpu_type not in job.allowed_gpu_types:
-            log.info("%s: not in the job's allowed_gpu_types", gpu_type)
-            continue
-        fit = [p for p in plans if job.max_gpus is None or p.gpus <= job.max_gpus]
-        if not fit:
-            log.info("%s: every feasible plan needs more than max_gpus=%s", gpu_type, job.max_gpus)
-            continue
-        # The trainer runs data parallel with ZeRO/offload; tp/pp/cp plans stay in the
-        # estimate and the simulator but cannot be launched yet.
-        runnable = [p for p in fit if realisable(p)]
-        if not runnable:
-            log.info("%s: only tensor/pipeline/context-parallel plans fit, which the trainer "
-                     "cannot launch yet", gpu_type)
-            continue
-        kept[gpu_type] = runnable
+        log.info("%s: %s", gpu_type, dropped[gpu_type])
     if not kept:
         raise FrenzyInputError(
-            "job", "no registered GPU pool can run it under its constraints "
-                   f"(registered pools: {', '.join(registered_pools) or 'none'}; "
-                   f"GPU types that fit: {', '.join(plans_by_type) or 'none'})")
+            "job", "no registered GPU pool can run it under its constraints: "
+                   + "; ".join(f"{t}: {why}" for t, why in dropped.items())
+                   + f" (registered pools: {', '.join(registered_pools) or 'none'})")
     log.info("selected GPU types: %s", ", ".join(f"{t} ({len(p)} plans)" for t, p in kept.items()))
     return kept
 

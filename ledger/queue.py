@@ -133,6 +133,15 @@ class JobQueue:
             row.updated_at = now
             return QueueJob.of(row)
 
+    def note(self, job_id: str, reason: str) -> None:
+        """What a placed job waits for before it trains (e.g. a worker of its pool), shown as
+        its ``why`` in the queue; ``""`` clears it. Only a running row: a pending one's reason
+        is the scheduler's (``set_waits``)."""
+        with self.ledger._tx() as s:
+            row = self._row(s, job_id)
+            if row is not None and row.state == "running":
+                row.wait_reason, row.updated_at = reason[:200], db_now(s)
+
     def ack_request(self, job_id: str, request_id: str) -> bool:
         """The run wrote the stop into its control file. False when the request is not the
         job's open one (superseded, or the job ended)."""

@@ -10,6 +10,8 @@ Contract (cluster YAML)::
         inter_node_gbps: 200        # optional, Gbit/s per node; default: the GPU class's typical figure
         addresses: [10.0.0.1, 10.0.0.2]   # optional, one per node
         devices: [0, 1, 2, 3]       # optional: physical device indices on each node (default 0..n-1)
+        host_ram_gib: 2048          # optional: host memory per node (GiB), what offload plans may fill;
+                                    # default 2 x the node's GPU memory (HOST_RAM_PER_GPU_MEMORY)
     gpu_types:                      # optional: GPU types the catalog lacks
       B200-192GB: {memory_gib: 178, bf16_tflops: 2250, mem_bw_gbs: 8000, intra_link: nvlink5}
 
@@ -36,7 +38,7 @@ from estimator.yamlfile import CLUSTER_FILE, line_of, parse_yaml, read_text
 from .types import ClusterState, Node
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-POOL_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "inter_node_gbps", "addresses", "devices")
+POOL_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "inter_node_gbps", "addresses", "devices", "host_ram_gib")
 
 # Size bounds. The ledger keeps one row per GPU and every submission syncs the cluster, so a
 # typo such as `nodes: 100000` (800,000 rows, about two minutes of writes) must fail at once.
@@ -50,6 +52,15 @@ MAX_GPUS_PER_NODE = 72
 MAX_CLUSTER_GPUS = 32768
 # Physical device indices on one node (CUDA_VISIBLE_DEVICES): no node exposes more than this.
 MAX_DEVICE_INDEX = 1023
+# Host memory per node when the cluster file does not say: twice the node's GPU memory, NVIDIA's
+# own sizing of its training servers (DGX-1: 512 GB for 8 x 32 GB; DGX A100 and DGX H100: 2 TB
+# for 8 x 80 GB, ~3x) and the usual rule for GPU servers; consumer boxes often have less, so a
+# site with offload plans should give host_ram_gib. It bounds what ZeRO-Offload plans may put in
+# host memory (estimator.memory.host_offload_bytes).
+HOST_RAM_PER_GPU_MEMORY = 2.0
+# The largest single-system memory sold (HPE Superdome Flex, 48 TB): a bound, so that a typo in
+# MiB or bytes fails.
+MAX_HOST_RAM_GIB = 65536
 # RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens, 253 at most.
 _HOST_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 
@@ -90,6 +101,7 @@ class Pool(BaseModel):
     inter_node_gbps: float | None = Field(None, gt=0, allow_inf_nan=False)
     addresses: list[str] | None = None
     devices: list[int] | None = None
+    host_ram_gib: float | None = Field(None, gt=0, le=MAX_HOST_RAM_GIB, allow_inf_nan=False)
 
     def node_ids(self) -> list[str]:
         return [f"{self.name}-{i}" for i in range(self.nodes)]
@@ -141,6 +153,19 @@ class Cluster(BaseModel):
         out: dict[str, int] = {}
         for p in self.pools:
             out[p.gpu] = max(out.get(p.gpu, 0), p.gpus_per_node)
+        return out
+
+    def host_ram_gib(self) -> dict[str, float]:
+        """GPU type -> host memory of its smallest node (GiB): the pool's ``host_ram_gib``, else
+        ``HOST_RAM_PER_GPU_MEMORY`` x the node's GPU memory. CPU types are left out (their
+        "GPU memory" is the host's; offload plans are not made for them)."""
+        out: dict[str, float] = {}
+        for p in self.pools:
+            g = self.gpu(p.gpu)
+            if g.is_cpu:
+                continue
+            ram = p.host_ram_gib if p.host_ram_gib else HOST_RAM_PER_GPU_MEMORY * g.memory_gib * p.gpus_per_node
+            out[p.gpu] = min(out.get(p.gpu, ram), ram)
         return out
 
     def inter_node_gbps(self, pool: str) -> float:
@@ -271,6 +296,11 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
                 raise err(raw, "addresses", f"{where}.addresses", f"needs one address per node ({nodes}), got {len(addrs)}")
             if len(set(addrs)) != len(addrs):
                 raise err(raw, "addresses", f"{where}.addresses", "addresses must be distinct")
+        ram = raw.get("host_ram_gib")
+        if ram is not None and (isinstance(ram, bool) or not isinstance(ram, (int, float)) or not math.isfinite(ram)
+                                or not 0 < ram <= MAX_HOST_RAM_GIB):
+            raise err(raw, "host_ram_gib", f"{where}.host_ram_gib",
+                      f"must be a number of GiB in (0, {MAX_HOST_RAM_GIB:,}] (host memory per node), got {ram!r}")
         devs = raw.get("devices")
         if devs is not None:
             if (not isinstance(devs, list)
@@ -283,7 +313,8 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
         pools.append(Pool(name=name, gpu=gpu, nodes=nodes, gpus_per_node=gpn,
                           inter_node_gbps=float(bw) if bw is not None else None,
                           addresses=list(addrs) if addrs is not None else None,
-                          devices=list(devs) if devs is not None else None))
+                          devices=list(devs) if devs is not None else None,
+                          host_ram_gib=float(ram) if ram is not None else None))
     total = sum(p.gpus for p in pools)
     if total > MAX_CLUSTER_GPUS:
         raise err(data, "pools", "pools", f"the cluster has {total:,} GPUs; at most {MAX_CLUSTER_GPUS:,} (a bound "

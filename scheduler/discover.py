@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 
 from estimator.catalog import from_nvml_name, make_gpu
@@ -90,6 +91,30 @@ def local_cluster(*, use_gpus: bool = True) -> Cluster:
         if gpus:
             return cluster_from_gpus(gpus)
     return cpu_cluster()
+
+
+# Addresses that name the control machine itself (a pool listing only these lives here).
+_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def is_control_machine_pool(cluster: Cluster, pool_name: str, here: Cluster | None = None) -> bool:
+    """Whether ``pool_name`` is the control machine's own pool, so that training it in this
+    process really runs on the pool's devices: one node, no address but this machine's, and a
+    GPU type this machine has: a CPU type (every machine has its CPU; the laptop quickstart's
+    ``cpu`` pool), or a type NVML finds here on at least the pool's number of devices
+    (``here``: this machine's cluster, default ``local_cluster()``). Any other pool trains only
+    on its own workers: in this process it would run on the wrong device and report it as the
+    pool's GPU type."""
+    pool = cluster.pool(pool_name)
+    if pool.nodes != 1:
+        return False
+    local_names = _LOOPBACK | {socket.gethostname(), socket.getfqdn()}
+    if pool.addresses and any(a not in local_names for a in pool.addresses):
+        return False
+    if cluster.gpu(pool.gpu).is_cpu:
+        return True
+    here = here if here is not None else local_cluster()
+    return any(p.gpu == pool.gpu and p.gpus_per_node >= pool.gpus_per_node for p in here.pools)
 
 
 def cluster_or_local(path: str | None) -> Cluster:

@@ -68,6 +68,8 @@ def test_dry_run_places_on_the_cluster_and_names_the_node(tmp_path):
     text = "\n".join(dry_run_lines(d))
     assert f"would launch: {d['gpus']} x {d['gpu_type']}" in text
     assert f"no worker online in pool {d['pool']}" in text
+    # a GPU pool of another machine: waited for, never trained on the control machine
+    assert "never trains this pool's plan on the control machine" in d["worker"]
     if d["pool"] == "l4":
         assert "node-l4" in d["worker"]
 
@@ -102,3 +104,29 @@ def test_flow_takes_the_cluster_as_a_gpu_cluster_block(frenzy_home):
            "precision": "fp32"}
     d = submit_training(job=job, cluster=block, dry_run=True)
     assert d["launch"] and d["pool"] == "cpu-block" and d["gpu_type"] == "CPU"     # 'cpu' resolved too
+
+
+A100_NODE = "pools:\n  - {name: a100, gpu: A100-80GB, nodes: 1, gpus_per_node: 8}\n"
+MID = "name: mid\nmodel: llama-3.2-1b\nseq_len: 1024\nglobal_batch: 16\ntrain_steps: 10\nprecision: bf16\n"
+
+
+def test_dry_run_honours_the_plan_filter(tmp_path):
+    (tmp_path / "mid.yaml").write_text(MID)
+    (tmp_path / "cluster.yaml").write_text(A100_NODE)
+    args = ("run", "mid.yaml", "--cluster", "cluster.yaml", "--dry-run", "--json")
+    free = json.loads(frenzy(*args, cwd=tmp_path).stdout)
+    assert free["launch"] and free["plan_detail"]["tp"] == 1          # unfiltered: a tp=1 plan wins
+    proc = frenzy(*args, "--plan", "tp=2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = json.loads(proc.stdout)
+    assert d["launch"] and d["plan_detail"]["tp"] == 2 and d["plan_filter"] == "tp=2"
+    assert " tp2 " in d["plan"] and " tp2 " in d["fastest_plan"]
+    text = frenzy("run", "mid.yaml", "--cluster", "cluster.yaml", "--dry-run", "--plan", "tp=2,zero=1",
+                  cwd=tmp_path).stdout
+    assert "plans kept by --plan 'tp=2,zero=1'" in text and " tp2 " in text and " z1 " in text
+    for bad, says in (("tp=3", "tp=3 must divide the model's 32 attention heads"),
+                      ("gpus=64", "no feasible plan matches 'gpus=64'"), ("tq=2", "unknown knob 'tq'")):
+        proc = frenzy(*args[:-1], "--plan", bad, cwd=tmp_path)
+        assert proc.returncode == 2 and says in proc.stderr, (bad, proc.stderr[-2000:])
+        assert proc.stderr.strip().count("\n") == 0
+    assert not (tmp_path / ".frenzy").exists()

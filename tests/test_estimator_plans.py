@@ -144,3 +144,55 @@ def test_plan_step_times_are_the_throughput_model_of_the_plan_itself():
             nodes = -(-p.gpus // 8)
             assert p.step_time_s == pytest.approx(step_time(spec, p, get_gpu("A100-80GB"), seq_len=1024, nodes=nodes),
                                                   rel=1e-9)
+
+
+def test_tp_the_kv_heads_do_not_split_into_is_marked_not_launchable():
+    """The planner keeps Megatron-style plans whose tp replicates KV heads (tp a multiple of
+    them) for the simulator, marked with the trainer's reason; tp not dividing the query heads
+    is never enumerated."""
+    from estimator.job import TrainingJob
+    from estimator.plans import enumerate_plans
+    from trainer.fallback import realisable
+
+    model = {"name": "gqa-8-2", "arch": "llama", "layers": 4, "hidden": 512, "heads": 8, "kv_heads": 2,
+             "vocab": 1024}
+    job = TrainingJob(model=model, seq_len=256, global_batch=8, train_steps=1)
+    plans = enumerate_plans(job, "A100-80GB", max_gpus=8, gpus_per_node=8)
+    by_tp = {}
+    for p in plans:
+        by_tp.setdefault(p.tp, []).append(p)
+    assert by_tp[2] and all(p.not_launchable is None or "plan.tp" not in p.not_launchable for p in by_tp[2])
+    assert any(p.not_launchable is None for p in by_tp[2])
+    assert by_tp.get(4) or by_tp.get(8), "tp > KV heads plans are enumerated (KV heads replicated)"
+    for tp in (4, 8):
+        for p in by_tp.get(tp, []):
+            assert p.not_launchable and f"tp={tp} must divide the model's 8 attention heads and 2 KV heads" \
+                in p.not_launchable
+            assert not realisable(p)
+
+
+def test_preflight_refuses_a_plan_whose_tp_the_heads_do_not_split_into():
+    from estimator.errors import FrenzyInputError
+    from estimator.job import TrainingJob
+    from estimator.plan import Plan
+    from trainer.runner import preflight
+
+    job = TrainingJob(model="gpt2-tiny", seq_len=16, global_batch=4, train_steps=1)
+    with pytest.raises(FrenzyInputError, match="tp=8 must divide the model's 4 attention heads"):
+        preflight(job, Plan(gpu_type="A100-80GB", gpus=8, tp=8, micro_batch=4))
+
+
+def test_pipeline_plans_are_launchable_for_llama_decoders_only():
+    from estimator.job import TrainingJob
+
+    dims = {"layers": 8, "hidden": 1024, "heads": 8, "vocab": 32000}
+    llama = TrainingJob(model={"name": "l", "arch": "llama", **dims}, seq_len=1024, global_batch=16, train_steps=1)
+    gpt = TrainingJob(model={"name": "g", "arch": "gpt", **dims}, seq_len=1024, global_batch=16, train_steps=1)
+    from estimator.plans import plans_for_job
+
+    lp = plans_for_job(llama, {"A100-80GB": 8}, plan_filter={"pp": 2, "tp": 1})["A100-80GB"]
+    assert any(p.not_launchable is None and p.zero == 0 for p in lp)
+    assert all(p.not_launchable and "plan.pp" in p.not_launchable for p in lp if p.zero > 0)
+    gp = plans_for_job(gpt, {"A100-80GB": 8}, plan_filter={"pp": 2, "tp": 1})["A100-80GB"]
+    assert gp and all(p.not_launchable and "built for llama decoders" in p.not_launchable
+                      for p in gp if p.zero == 0)

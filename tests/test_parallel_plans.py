@@ -173,3 +173,79 @@ def test_sequence_parallel_2_through_ulysses_matches_one_process(weights, refere
     res, lines = train(job(weights), plan(2, cp=2), tmp_path / "run")
     assert_matches(res.losses, reference)
     assert any("dp=1 tp=1 cp=2" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_pipeline_2_matches_one_process(weights, reference, tmp_path):
+    """pp=2 (torch.distributed.pipelining, 1F1B over 2 micro-batches): the single-process
+    losses; one checkpoint file per stage and the consolidated weights beside them."""
+    res, lines = train(job(weights), plan(2, pp=2, micro_batch=2), tmp_path / "run")
+    assert_matches(res.losses, reference)
+    assert any("dp=1 pp=2" in line and "Schedule1F1B" in line for line in lines)
+    ck = Path(res.checkpoint_dir)
+    assert (ck / "stage-00.pt").is_file() and (ck / "stage-01.pt").is_file()
+    assert (ck / "consolidated.safetensors").is_file()
+    assert json.loads((ck / "frenzy_ckpt.json").read_text())["format"]["pp"] == 2
+
+
+@pytest.mark.slow
+def test_data_parallel_2_x_pipeline_2_matches_one_process(weights, reference, tmp_path):
+    """dp=2 x pp=2 (4 ranks, consecutive ranks one pipeline): gradients averaged over the two
+    replicas of each stage."""
+    res, lines = train(job(weights), plan(4, pp=2, micro_batch=1), tmp_path / "run")
+    assert_matches(res.losses, reference)
+    assert any("dp=2 pp=2" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_on_one_process(weights, reference_run, tmp_path):
+    """Re-plan pp=2 -> dp=1: two pipelined steps, then step 3 on one process from the
+    consolidated weights equals the single-process run re-planned the same way (optimizer
+    restarted in both)."""
+    first, _ = train(job(weights, train_steps=2), plan(2, pp=2, micro_batch=2), tmp_path / "pp")
+    assert_matches(first.losses, reference_run.losses[:2])
+    # one process under ZeRO-1: a layout change for both checkpoints, so both restart the optimizer
+    j, target = job(weights), plan(1, zero=1)
+    moved, lines = _resume_under(Path(first.checkpoint_dir), j, target, tmp_path / "from-pp")
+    assert any(line.startswith("FRENZY_RESUME") and '"mode": "weights"' in line for line in lines)
+    ref_ck = Path(reference_run.run_dir) / "checkpoints" / "step-00000002"
+    same, _ = _resume_under(ref_ck, j, target, tmp_path / "from-one")
+    assert len(moved.losses) == len(same.losses) == 1
+    assert_matches(moved.losses, same.losses)
+
+
+def test_pipeline_stages_reproduce_the_whole_model_and_its_loss():
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.parallel.pipeline import build_stage_module, causal_lm_loss, pipe_layout, stage_layers
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY, "num_hidden_layers": 3}))
+    x = torch.randint(0, TINY["vocab_size"], (2, 16))
+    whole = model(input_ids=x, labels=x)
+    stages = [build_stage_module(model, s, 2) for s in range(2)]
+    logits = stages[1](stages[0](x))
+    assert torch.equal(logits, whole.logits) and torch.equal(causal_lm_loss(logits, x), whole.loss)
+    names = [set(s.full_names()) for s in stages]
+    assert not names[0] & names[1] and names[0] | names[1] == {n for n, _ in model.named_parameters()}
+    assert [stage_layers(3, 2, s) for s in range(2)] == [(0, 2), (2, 3)]
+    assert [tuple(pipe_layout({"dp": 2, "pp": 2}, r))[2:] for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_pipeline_plans_the_trainer_launches_and_refuses():
+    from trainer.checkpoints import full_resume_possible
+    from trainer.launch_config import check_pipeline_model
+
+    check_realisable(plan(2, pp=2, micro_batch=2))
+    check_realisable(plan(4, pp=2, micro_batch=1))                  # dp=2 x pp=2
+    for bad in (plan(2, pp=2, zero=1, micro_batch=2), plan(4, pp=2, tp=2, micro_batch=4)):
+        with pytest.raises(FrenzyInputError, match="pipeline parallel runs beside data parallel only") as e:
+            check_realisable(bad)
+        assert e.value.field == "plan.pp"
+    with pytest.raises(FrenzyInputError, match="built for llama decoders"):
+        check_pipeline_model(plan(2, pp=2, micro_batch=2), "gpt")
+    pp2 = {"deepspeed": False, "zero": 0, "world": 2, "offload": "none", "pp": 2}
+    assert full_resume_possible(pp2, dict(pp2))
+    assert not full_resume_possible(pp2, {**pp2, "pp": 1, "world": 1})     # weights only
+    assert not full_resume_possible({**pp2, "pp": 1, "world": 1}, pp2)

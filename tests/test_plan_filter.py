@@ -85,3 +85,45 @@ def test_cli_runs_the_plan_the_filter_names(tmp_path):
     assert doc["status"] == "completed"
     assert doc["plan"]["dp"] == 1 and doc["plan"]["zero"] == 0 and doc["plan"]["gpus"] == 1
     assert all(p["dp"] == 1 and p["zero"] == 0 for ps in doc["plans"].values() for p in ps)
+
+
+def test_tp_or_cp_that_does_not_divide_the_heads_is_one_line_naming_them():
+    from estimator.models import resolve_model
+
+    spec = resolve_model("gpt2-tiny")                      # 4 heads
+    for text, knob in (("tp=3", "tp=3"), ("cp=8", "cp=8"), ("tp=2,cp=3", "cp=3")):
+        with pytest.raises(FrenzyInputError) as e:
+            filter_plans(PLANS, parse_plan_filter(text), 8, spec=spec)
+        msg = str(e.value)
+        assert e.value.field == "plan" and f"{knob} must divide the model's 4 attention heads" in msg, msg
+        assert "\n" not in msg
+    gqa = resolve_model({"name": "gqa", "arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2,
+                         "vocab": 256})
+    with pytest.raises(FrenzyInputError, match="tp=4 must divide the model's 4 attention heads and 2 KV heads"):
+        filter_plans(PLANS, {"tp": 4}, 8, spec=gqa)
+    assert filter_plans(PLANS, {"tp": 2}, 8, spec=gqa)["A100-80GB"]     # 2 divides both
+
+
+def test_cli_refuses_tp_the_heads_do_not_split_into(tmp_path):
+    from tests.test_cli_run import ROOT, frenzy
+
+    proc = frenzy("run", str(ROOT / "examples/tiny-job.yaml"), "--plan", "tp=3", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "tp=3 must divide the model's 4 attention heads" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+def test_the_planner_picks_matching_plans_among_all_that_fit():
+    """Plans of the asked kind are chosen before the best few per GPU count are kept: a slower
+    tp=2 plan is not crowded out by faster tp=1 ones and then filtered to nothing."""
+    from estimator.plans import plans_for_job
+
+    job = {"model": "llama-3.2-1b", "seq_len": 1024, "global_batch": 16, "train_steps": 1}
+    free = plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8)["A100-80GB"]
+    assert not [p for p in free if p.tp == 2 and p.not_launchable is None]   # crowded out unfiltered
+    got = plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter={"tp": 2})["A100-80GB"]
+    assert got and all(p.tp == 2 for p in got) and any(p.not_launchable is None for p in got)
+    with pytest.raises(FrenzyInputError, match="no feasible plan matches 'gpus=64'"):
+        plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter={"gpus": 64})
+    with pytest.raises(FrenzyInputError, match="tp=3 must divide the model's 32 attention heads"):
+        plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter={"tp": 3})

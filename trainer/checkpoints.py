@@ -62,6 +62,10 @@ def full_resume_possible(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     Plain Accelerate states hold full (unsharded) model and optimizer tensors, so any world size
     loads them; DeepSpeed's are sharded per ZeRO stage and rank count, so they need the same.
     """
+    if saved.get("pp", 1) != now.get("pp", 1):
+        return False                 # pipeline stages hold parts of the model: weights only
+    if saved.get("pp", 1) > 1:
+        return saved.get("world") == now.get("world")
     if not saved.get("deepspeed") and not now.get("deepspeed"):
         return True
     return (all(saved.get(k) == now.get(k) for k in ("deepspeed", "zero", "world", "offload"))

@@ -32,7 +32,10 @@ _OFFLOAD_ORDER = ("none", "optimizer", "optimizer+params")
 
 
 def realisable(p: Plan) -> bool:
-    """Whether the trainer can run ``p`` (``launch_config.check_realisable``'s rules, as a bool)."""
+    """Whether the trainer can run ``p``: ``launch_config.check_realisable``'s rules, and no
+    reason the planner marked on it (``p.not_launchable``: the model's heads, host memory)."""
+    if p.not_launchable:
+        return False
     try:
         check_realisable(p)
     except FrenzyInputError:

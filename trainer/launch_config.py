@@ -38,9 +38,10 @@ def is_cpu_plan(plan: Plan) -> bool:
 
 def check_realisable(plan: Plan) -> None:
     """Refuse what the trainer cannot run, naming the setting."""
-    if plan.pp != 1:
+    if plan.pp > 1 and (plan.tp > 1 or plan.cp > 1 or plan.zero > 0 or plan.offload != "none"):
         raise FrenzyInputError(
-            "plan.pp", f"must be 1: the trainer runs data, tensor and sequence parallel (+ ZeRO) only (got {plan.pp})")
+            "plan.pp", f"pipeline parallel runs beside data parallel only, without ZeRO, offload, tp or cp "
+                       f"(got pp={plan.pp}, tp={plan.tp}, cp={plan.cp}, zero={plan.zero}, offload={plan.offload})")
     if plan.cp > 1 and plan.tp > 1:
         raise FrenzyInputError("plan.cp", f"sequence parallel (Ulysses) runs beside data parallel, not beside "
                                           f"tensor parallel (got cp={plan.cp}, tp={plan.tp})")
@@ -51,6 +52,31 @@ def check_realisable(plan: Plan) -> None:
         raise FrenzyInputError("plan.offload", f"{plan.offload!r} needs ZeRO (zero >= 1); got zero=0")
     if plan.offload == "optimizer+params" and plan.zero != 3:
         raise FrenzyInputError("plan.offload", f"'optimizer+params' needs zero=3 (got zero={plan.zero})")
+
+
+def check_heads(plan: Plan, heads: int, kv_heads: int | None = None) -> None:
+    """Refuse a tensor- or sequence-parallel degree the model's attention heads do not split
+    into: DeepSpeed AutoTP gives each of the ``tp`` ranks whole query and KV heads (with
+    ``tp`` not dividing them its shards come out uneven, a rank without a KV head), and Ulysses
+    hands each of the ``cp`` ranks whole heads after its all-to-all. Both must divide the
+    query heads and the KV heads."""
+    kv = kv_heads if kv_heads is not None else heads
+    for knob, degree, how in (("tp", plan.tp, "DeepSpeed AutoTP gives every rank whole heads"),
+                              ("cp", plan.cp, "Ulysses gives every rank whole heads")):
+        if degree > 1 and (heads % degree or kv % degree):
+            raise FrenzyInputError(f"plan.{knob}", f"{knob}={degree} must divide the model's {heads} attention heads "
+                                                   f"and {kv} KV heads ({how})")
+
+
+# The decoders whose layers the pipeline path cuts into stages (trainer.parallel.pipeline).
+PIPELINE_ARCHS = ("llama",)
+
+
+def check_pipeline_model(plan: Plan, arch: str) -> None:
+    """A ``pp > 1`` plan needs a model the pipeline path can cut into stages."""
+    if plan.pp > 1 and arch not in PIPELINE_ARCHS:
+        raise FrenzyInputError("plan.pp", f"pipeline stages are built for {', '.join(PIPELINE_ARCHS)} decoders "
+                                          f"(got a {arch} model)")
 
 
 def accelerate_config(plan: Plan, *, num_machines: int = 1, machine_rank: int = 0,

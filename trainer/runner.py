@@ -48,12 +48,14 @@ from pydantic import BaseModel, Field
 
 from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
+from estimator.models import resolve_model
 from estimator.plan import Plan
 
 from . import allowlist, checkpoints, control, interrupt, resume
 from .data import check_data, check_eval
 from .fallback import fallback_plans
-from .launch_config import Paths, check_realisable, is_cpu_plan, training_spec, write_launch_files
+from .launch_config import (Paths, check_heads, check_pipeline_model, check_realisable, is_cpu_plan, training_spec,
+                            write_launch_files)
 from .launcher import free_port, launch_env, run_process_group
 from .parallel import uses_deepspeed
 from .pretrained import check_job
@@ -144,6 +146,9 @@ class TrainResult(BaseModel):
 def preflight(job: TrainingJob, plan: Plan) -> dict[str, Any]:
     """Every check that needs no process: raises FrenzyInputError naming the file or setting."""
     check_realisable(plan)
+    spec = resolve_model(job.model)
+    check_heads(plan, spec.heads, spec.n_kv)
+    check_pipeline_model(plan, spec.arch)
     if job.finetune.method == "qlora":
         if is_cpu_plan(plan):
             raise FrenzyInputError("finetune.method", "qlora needs a GPU (bitsandbytes' 4-bit kernels); "

@@ -170,6 +170,18 @@ def evaluate(model, source, *, count: int, mb: int, rank: int, world: int, devic
     return float(totals[0] / totals[1])
 
 
+def check_device(plan: dict[str, Any], device_type: str) -> None:
+    """A plan for a GPU type runs on a GPU or not at all: on a machine without one (a control
+    machine, a worker of the wrong pool) it would train on the CPU and be reported as done on
+    that GPU type, with its measurements stored as that type's. Not transient: a retry on the
+    same machine finds no GPU either."""
+    gpu = str(plan.get("gpu_type", ""))
+    if gpu.upper() != "CPU" and device_type == "cpu":
+        raise InputProblem(f"plan.gpu_type: the plan is for {gpu} but this machine gives the training no GPU "
+                           f"(device=cpu, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}); "
+                           f"it runs only on a worker of a {gpu} pool")
+
+
 def train(run_dir: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -190,9 +202,12 @@ def train(run_dir: Path) -> None:
     inject = os.environ.get("FRENZY_INJECT_OOM_AT_STEP")
     inject_at = int(inject) if inject and attempt == 1 else None
     deepspeed = uses_deepspeed(plan)
+    check_device(plan, "cuda" if torch.cuda.is_available() else "cpu")   # before DeepSpeed looks for one
     mb, ga, dp = plan["micro_batch"], plan["grad_accum"], plan["dp"]
     if world != plan_world(plan):
         raise InputProblem(f"plan.gpus: dp x tp x pp x cp = {plan_world(plan)} but the launcher started {world} processes")
+    if int(plan.get("pp", 1)) > 1:
+        return train_pipelined(run_dir, spec, rank, world, attempt, inject_at)
     # data is indexed by data-parallel rank: the ranks of a tensor-parallel group share a batch
     lay = layout_of(plan, rank)
     dp_rank = lay.dp_rank
@@ -209,6 +224,7 @@ def train(run_dir: Path) -> None:
     accelerator = (Accelerator(**ulysses.accelerator_kwargs(lay.cp, seq_len)) if deepspeed
                    else Accelerator(gradient_accumulation_steps=ga))
     device = accelerator.device
+    check_device(plan, device.type)
     vocab = int(spec["hf_config"].get("vocab_size", 256))
     # an eval fraction holds the last sequences of the training data out of training
     source = TokenSource(spec["data"], seq_len=seq_len, vocab=vocab, seed=spec["seed"],
@@ -379,6 +395,152 @@ def train(run_dir: Path) -> None:
         dist.destroy_process_group()
     if os.environ.get("FRENZY_INJECT_ABORT_AT_EXIT"):     # rehearsal: a crash while tearing down
         os.abort()
+
+
+def train_pipelined(run_dir: Path, spec: dict[str, Any], rank: int, world: int, attempt: int,
+                    inject_at: int | None) -> None:
+    """The ``pp > 1`` path (``trainer.parallel.pipeline``): the same data order, control file,
+    checkpoints and FRENZY lines as ``train``, with the model cut into stages instead of
+    Accelerate's engines."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer import checkpoints as ck
+    from trainer import control
+    from trainer.data import TokenSource
+    from trainer.modeling import build_model, count_params
+    from trainer.optim import lr_at, make_optimizer
+    from trainer.parallel import pipeline
+
+    plan = spec["plan"]
+    main = rank == 0
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available() and str(plan.get("gpu_type", "")).upper() != "CPU"
+    device = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    check_device(plan, device.type)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    lay = pipeline.pipe_layout(plan, rank)
+    mb, ga, dp = int(plan["micro_batch"]), int(plan["grad_accum"]), lay.dp
+    G, seq_len, steps = spec["global_batch"], spec["seq_len"], spec["steps"]
+    if mb * ga * dp != G:
+        raise InputProblem(f"plan: micro_batch {mb} x grad_accum {ga} x dp {dp} != global_batch {G}")
+    optim = spec.get("optim", {})
+    clip = optim.get("grad_clip", 1.0)
+    torch.manual_seed(spec["seed"])
+    vocab = int(spec["hf_config"].get("vocab_size", 256))
+    source = TokenSource(spec["data"], seq_len=seq_len, vocab=vocab, seed=spec["seed"],
+                         holdout=(spec.get("eval") or {}).get("fraction"))
+    model = build_model(spec, torch.device("cpu"))
+    pipeline.check_pipeline(spec, model)
+    params, trainable = count_params(model)
+    model.train()
+    fmt = {**ck.state_format(zero=0, world=world, offload="none", deepspeed=False), "pp": lay.pp,
+           "adapters_only": False}
+    latest = ck.latest_checkpoint(run_dir)
+    if latest is None and spec.get("resume_from"):
+        latest = ck.read_checkpoint(spec["resume_from"])
+    resume_mode = None
+    if latest is not None and not ck.full_resume_possible(latest.meta.get("format", {}), fmt):
+        load_weights_only(model, latest)             # another layout's full weights, before the split
+        resume_mode = "weights"
+
+    def optimizer_for(module):
+        return make_optimizer(plan.get("optimizer", "adamw"), module, lr=spec["lr"], optim=optim,
+                              device_type=device.type, zero=0, offload="none")
+
+    pipe = pipeline.Pipeline(model, plan, rank, device, optimizer_for)
+    del model                                         # this rank keeps its stage only
+    if latest is not None and resume_mode is None:
+        pipe.load(latest.path)
+        resume_mode = "full"
+    start = latest.step if latest is not None else 0
+    if main:
+        print(f"frenzy: rank 0/{world} device={device} plan={plan['gpu_type']} dp={dp} pp={lay.pp} "
+              f"micro_batch={mb} grad_accum={ga} attempt={attempt} schedule={type(pipe.schedule).__name__} "
+              f"optimizer={pipe.optimizer_impl}", flush=True)
+        emit("FRENZY_MODEL", {"params": params, "trainable_params": trainable, "optimizer_impl": pipe.optimizer_impl,
+                              "finetune": "full", "init_from": spec.get("init_from")})
+        if latest is not None:
+            emit("FRENZY_RESUME", {"step": start, "mode": resume_mode, "from": str(latest.path)})
+
+    def save(step: int) -> None:
+        path = ck.checkpoint_path(run_dir, step)
+        t0 = time.perf_counter()
+        dist.barrier()
+        pipe.save(path)
+        dist.barrier()                                # every stage has written its file
+        if main:
+            pipeline.consolidate(path, lay.pp, ck.CONSOLIDATED)
+            (path / ck.MARKER).write_text(json.dumps({"step": step, "format": fmt, "time": time.time()}))
+            ck.prune(run_dir, keep=2)
+            emit("FRENZY_CHECKPOINT", {"step": step, "dir": str(path), "save_s": round(time.perf_counter() - t0, 4)})
+        dist.barrier()
+
+    probe = MemoryProbe(device)
+    step_times: list[float] = []
+    tokens_per_step = G * seq_len
+    stopped: dict[str, Any] | None = None
+    for step in range(start + 1, steps + 1):
+        t0 = time.perf_counter()
+        if inject_at is not None and step == inject_at:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. (rehearsal injected by FRENZY_INJECT_OOM_AT_STEP={inject_at} at step {step})")
+        lr = lr_at(step, spec["lr"], steps, spec.get("schedule"))
+        # the data-parallel rank's micro-batches, in the order a single process accumulates them
+        x = torch.cat([source.batch((step - 1) * G + (j * dp + lay.dp_rank) * mb, mb) for j in range(ga)]).to(device)
+        loss_sum = pipe.step(x, clip, lr)
+        req = control.read_request(run_dir) if main else None
+        code = 0
+        if req is not None:
+            code = control.ACTION_CODES[req["action"]] | (control.ACTION_CODES["export"] if req.get("export") else 0)
+        packed = _all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(code), device=device)]))
+        mean_loss = float(packed[0]) / (ga * dp)     # only the last stages hold losses
+        code = int(round(float(packed[1])))
+        if cuda:
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        probe.sample()
+        if not math.isfinite(mean_loss):
+            raise FloatingPointError(f"loss is {mean_loss} at step {step}")
+        if main:
+            emit("FRENZY_STEP", {"step": step, "total": steps, "loss": round(mean_loss, 6),
+                                 "step_time_s": round(dt, 6), "tokens": tokens_per_step, "lr": lr})
+        stop = bool(code & control.ACTION_CODES["stop"])
+        if step % spec["checkpoint_every"] == 0 or step == steps or stop:
+            save(step)
+        if main and req is not None:
+            control.acknowledge(run_dir, req, step)
+        if stop:
+            stopped = {"step": step, "reason": req["reason"] if req else "", "request_id": req["request_id"] if req else ""}
+            break
+    if spec.get("export", {}).get("enabled", True) and main:
+        print("frenzy: export skipped: a pipeline-parallel run leaves its full weights in the last "
+              "checkpoint's consolidated.safetensors", flush=True)
+    mine = {"rank": rank, **probe.result()}
+    ranks: list[Any] = [None] * world
+    dist.all_gather_object(ranks, mine)
+    if main:
+        timed = step_times[1:] or step_times
+        st = statistics.median(timed) if timed else 0.0
+        result: dict[str, Any] = {"steps": steps, "resumed_from": start, "steps_run": len(step_times),
+                                  "step_time_s": st, "tokens_per_s": tokens_per_step / st if st else 0.0,
+                                  "memory_measured": all(r.get("memory_measured") for r in ranks),
+                                  "params": params, "trainable_params": trainable,
+                                  "optimizer_impl": pipe.optimizer_impl, "per_rank": ranks}
+        if result["memory_measured"]:
+            for key in ("allocated_peak_gib", "reserved_peak_gib", "nvml_used_gib"):
+                vals = [r[key] for r in ranks if r.get(key) is not None]
+                result[key] = max(vals) if vals else None
+        if stopped is not None:
+            result["stopped"] = stopped
+            emit("FRENZY_STOPPED", stopped)
+        emit("FRENZY_RESULT", result)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def save_checkpoint(accelerator, run_dir: Path, step: int, fmt: dict[str, Any], main: bool,
