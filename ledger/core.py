@@ -265,6 +265,7 @@ class Ledger:
         self.url = _normalise(url or default_url())
         self._write_engine, self._read_engine = _engines(self.url)
         self.is_postgres = self._write_engine.dialect.name == "postgresql"
+        self._alloc_plans: dict[str, Plan] = {}        # cluster_state's parsed plans, by allocation id
 
     # --- sessions -------------------------------------------------------------------------
     def _check_file(self) -> None:
@@ -443,23 +444,30 @@ class Ledger:
         Atomic: raises ``FrenzyInputError`` for a GPU the ledger does not know (or of another
         type, or a placement that does not match the plan) and ``LedgerConflict`` when any of
         the GPUs is held; in both cases nothing changes."""
-        wanted = self._check_placement(plan, placement)
         with self._tx() as s:
-            stmt = (select(GpuRow).where(GpuRow.node_id.in_(list(placement)))
-                    .order_by(GpuRow.id))
-            rows = {(g.node_id, g.device_index): g for g in s.exec(self._locked(stmt)).all()}
-            chosen = []
-            for key in wanted:
-                g = rows.get(key)
-                if g is None or not g.active:
-                    raise FrenzyInputError("placement", f"unknown GPU {key[0]}:{key[1]} (not in the ledger's cluster)")
-                if g.gpu_type != plan.gpu_type:
-                    raise FrenzyInputError("placement", f"GPU {key[0]}:{key[1]} is a {g.gpu_type}, "
-                                                        f"the plan needs {plan.gpu_type}")
-                if g.alloc_id is not None:
-                    raise LedgerConflict(f"GPU {key[0]}:{key[1]} is held by allocation {g.alloc_id}")
-                chosen.append(g)
-            return self._claim(s, job_id, plan, placement, chosen, lease_s)
+            return self.allocate_in(s, job_id, plan, placement, lease_s)
+
+    def allocate_in(self, s: Session, job_id: str, plan: Plan, placement: dict[str, list[int]],
+                    lease_s: float = DEFAULT_LEASE_S, now: float | None = None) -> Allocation:
+        """``allocate`` inside the caller's writing transaction ``s`` (the live scheduler
+        claims every start of a round in one transaction, each under a savepoint). ``now``:
+        the database time the caller already read in ``s``."""
+        wanted = self._check_placement(plan, placement)
+        stmt = (select(GpuRow).where(GpuRow.node_id.in_(list(placement)))
+                .order_by(GpuRow.id))
+        rows = {(g.node_id, g.device_index): g for g in s.exec(self._locked(stmt)).all()}
+        chosen = []
+        for key in wanted:
+            g = rows.get(key)
+            if g is None or not g.active:
+                raise FrenzyInputError("placement", f"unknown GPU {key[0]}:{key[1]} (not in the ledger's cluster)")
+            if g.gpu_type != plan.gpu_type:
+                raise FrenzyInputError("placement", f"GPU {key[0]}:{key[1]} is a {g.gpu_type}, "
+                                                    f"the plan needs {plan.gpu_type}")
+            if g.alloc_id is not None:
+                raise LedgerConflict(f"GPU {key[0]}:{key[1]} is held by allocation {g.alloc_id}")
+            chosen.append(g)
+        return self._claim(s, job_id, plan, placement, chosen, lease_s, now=now)
 
     def allocate_best_fit(self, job_id: str, plan: Plan, lease_s: float = DEFAULT_LEASE_S) -> Allocation | None:
         """Choose free GPUs of ``plan.gpu_type`` (fewest nodes, best fit: the placement code
@@ -521,9 +529,9 @@ class Ledger:
         return wanted
 
     def _claim(self, s: Session, job_id: str, plan: Plan, placement: dict[str, list[int]],
-               rows: list[GpuRow], lease_s: float) -> Allocation:
+               rows: list[GpuRow], lease_s: float, now: float | None = None) -> Allocation:
         job = self._ensure_job(s, job_id)
-        now = self._db_now(s)
+        now = self._db_now(s) if now is None else now
         alloc_id = uuid.uuid4().hex
         ids = [g.id for g in rows]
         counts: dict[str, int] = {}
@@ -675,25 +683,36 @@ class Ledger:
     # --- views ----------------------------------------------------------------------------
     def cluster_state(self) -> ClusterState:
         """Free GPUs per node and the running allocations, as the policies see them."""
+        # plain column reads, not ORM objects: a round reads every GPU of the cluster (4,096 rows
+        # cost 150 ms as SQLModel instances, a few ms as tuples)
         with self._read() as s:
             pools = {p.name: p for p in s.exec(select(PoolRow).where(PoolRow.active == True)  # noqa: E712
                                                .order_by(PoolRow.name)).all()}
-            node_rows = [n for n in s.exec(select(NodeRow).where(NodeRow.active == True)).all()  # noqa: E712
+            node_rows = [n for n in s.execute(select(NodeRow.node_id, NodeRow.pool, NodeRow.idx)
+                                              .where(NodeRow.active == True)).all()  # noqa: E712
                          if n.pool in pools]
-            gpus = s.exec(select(GpuRow).where(GpuRow.active == True)).all()  # noqa: E712
-            allocs = s.exec(select(AllocationRow).where(AllocationRow.status == "active")).all()
-        per_node: dict[str, list[GpuRow]] = {}
-        for g in gpus:
-            per_node.setdefault(g.node_id, []).append(g)
+            gpus = s.execute(select(GpuRow.node_id, GpuRow.device_index, GpuRow.alloc_id)
+                             .where(GpuRow.active == True)).all()  # noqa: E712
+            allocs = s.execute(select(AllocationRow.id, AllocationRow.job_id, AllocationRow.plan, AllocationRow.placement,
+                                      AllocationRow.created_at, AllocationRow.expected_end_at)
+                               .where(AllocationRow.status == "active")).all()
+        per_node: dict[str, list[int]] = {}
+        free_of: dict[str, list[int]] = {}
+        for node_id, dev, alloc_id in gpus:
+            per_node.setdefault(node_id, []).append(dev)
+            if alloc_id is None:
+                free_of.setdefault(node_id, []).append(dev)
         pool_order = {name: i for i, name in enumerate(pools)}
         nodes = []
         for n in sorted(node_rows, key=lambda r: (pool_order[r.pool], r.idx)):
             p = pools[n.pool]
-            rows = per_node.get(n.node_id, [])
-            nodes.append(Node(node_id=n.node_id, pool=n.pool, gpu_type=p.gpu_type, gpus=len(rows),
-                              free=sorted(g.device_index for g in rows if g.alloc_id is None),
+            nodes.append(Node(node_id=n.node_id, pool=n.pool, gpu_type=p.gpu_type,
+                              gpus=len(per_node.get(n.node_id, ())), free=sorted(free_of.get(n.node_id, ())),
                               intra_link=p.intra_link))
-        running = [RunningJob(job_id=a.job_id, plan=Plan.model_validate(a.plan),
+        # an allocation's plan never changes: parsed once, kept while the allocation is active
+        cache = {a.id: self._alloc_plans.get(a.id) or Plan.model_validate(a.plan) for a in allocs}
+        self._alloc_plans = cache
+        running = [RunningJob(job_id=a.job_id, plan=cache[a.id],
                               placement={k: list(v) for k, v in a.placement.items()}, start_s=a.created_at,
                               expected_end_s=a.expected_end_at if a.expected_end_at is not None else math.inf)
                    for a in allocs]
