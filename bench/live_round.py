@@ -191,7 +191,7 @@ def main() -> None:
     total = sum(n.gpus for n in led.cluster_state().nodes)
     print(f"ledger: {led._write_engine.dialect.name}; cluster {total} GPUs, {len(cluster.inventory())} GPU types "
           f"(synced in {t_sync:.1f} s); {args.jobs} pending jobs seeded in {t_seed:.1f} s; busy ~{args.busy:.0%}; "
-          f"{args.rounds} rounds, {args.churn:.0%} churn between rounds")
+          f"{args.rounds} rounds, {args.churn:.1%} churn between rounds")
 
     prof = None
     if args.profile:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import bindparam, create_engine, event, insert, text, update
+from sqlalchemy import bindparam, create_engine, event, func, insert, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, select
@@ -761,26 +761,29 @@ class Ledger:
             node_rows = [n for n in s.execute(select(NodeRow.node_id, NodeRow.pool, NodeRow.idx)
                                               .where(NodeRow.active == True)).all()  # noqa: E712
                          if n.pool in pools]
-            gpus = s.execute(select(GpuRow.node_id, GpuRow.device_index, GpuRow.alloc_id)
-                             .where(GpuRow.active == True)).all()  # noqa: E712
-            allocs = s.execute(select(AllocationRow.id, AllocationRow.job_id, AllocationRow.plan, AllocationRow.placement,
+            # GPUs per node counted by the database, and only the free ones listed
+            counts = dict(s.execute(select(GpuRow.node_id, func.count()).where(GpuRow.active == True)  # noqa: E712
+                                    .group_by(GpuRow.node_id)).all())
+            free_rows = s.execute(select(GpuRow.node_id, GpuRow.device_index)
+                                  .where(GpuRow.active == True, GpuRow.alloc_id == None)).all()  # noqa: E711,E712
+            allocs = s.execute(select(AllocationRow.id, AllocationRow.job_id, AllocationRow.placement,
                                       AllocationRow.created_at, AllocationRow.expected_end_at)
                                .where(AllocationRow.status == "active")).all()
-        per_node: dict[str, list[int]] = {}
+            # an allocation's plan never changes: read and parsed once, kept while it is active
+            new = [a.id for a in allocs if a.id not in self._alloc_plans]
+            fresh = {i: Plan.model_validate(p) for i, p in s.execute(
+                select(AllocationRow.id, AllocationRow.plan).where(AllocationRow.id.in_(new))).all()} if new else {}
         free_of: dict[str, list[int]] = {}
-        for node_id, dev, alloc_id in gpus:
-            per_node.setdefault(node_id, []).append(dev)
-            if alloc_id is None:
-                free_of.setdefault(node_id, []).append(dev)
+        for node_id, dev in free_rows:
+            free_of.setdefault(node_id, []).append(dev)
         pool_order = {name: i for i, name in enumerate(pools)}
         nodes = []
         for n in sorted(node_rows, key=lambda r: (pool_order[r.pool], r.idx)):
             p = pools[n.pool]
             nodes.append(Node(node_id=n.node_id, pool=n.pool, gpu_type=p.gpu_type,
-                              gpus=len(per_node.get(n.node_id, ())), free=sorted(free_of.get(n.node_id, ())),
+                              gpus=counts.get(n.node_id, 0), free=sorted(free_of.get(n.node_id, ())),
                               intra_link=p.intra_link))
-        # an allocation's plan never changes: parsed once, kept while the allocation is active
-        cache = {a.id: self._alloc_plans.get(a.id) or Plan.model_validate(a.plan) for a in allocs}
+        cache = {a.id: self._alloc_plans.get(a.id) or fresh[a.id] for a in allocs}
         self._alloc_plans = cache
         running = [RunningJob(job_id=a.job_id, plan=cache[a.id],
                               placement={k: list(v) for k, v in a.placement.items()}, start_s=a.created_at,

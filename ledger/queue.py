@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, fields
 import math
 from typing import Any, Callable, Iterator
 
-from sqlalchemy import bindparam, case, exists, or_, text
+from pydantic import TypeAdapter
+from sqlalchemy import Text, bindparam, case, cast, exists, or_, text
 from sqlalchemy.orm import defer
 from sqlmodel import Session, select
 
@@ -33,6 +34,7 @@ from .core import Ledger, db_now
 from .tables import AllocationRow, QueueJobRow, SchedulerLeaseRow
 
 log = logging.getLogger("frenzy.queue")
+_PLAN_LIST = TypeAdapter(list[Plan])
 
 # How long a submitter's heartbeat keeps its queue row alive. Its watcher beats every second
 # (training.REQUEST_POLL_S); 60 s survives a minute of database or process stalls before the
@@ -444,8 +446,11 @@ class JobQueue:
             return {}
         t = QueueJobRow.__table__
         with self.ledger._read() as s:
-            rows = s.execute(select(t.c.job_id, t.c.plans, t.c.job).where(t.c.job_id.in_(list(job_ids)))).all()
-        return {r.job_id: ([Plan.model_validate(p) for p in (r.plans or [])], dict(r.job or {})) for r in rows}
+            # the plans as text, parsed and validated in one pass by pydantic-core: half the
+            # time of json.loads then Plan.model_validate per plan (~80 KB a job)
+            rows = s.execute(select(t.c.job_id, cast(t.c.plans, Text), t.c.job)
+                             .where(t.c.job_id.in_(list(job_ids)))).all()
+        return {r[0]: (_PLAN_LIST.validate_json(r[1]) if r[1] else [], dict(r[2] or {})) for r in rows}
 
     def now(self) -> float:
         with self.ledger._read() as s:
