@@ -95,6 +95,11 @@ def test_resize_request_for_a_finished_job_is_ignored_and_logged(url, caplog):
         assert q.request("j", "grow", plan=plans()[0], placement={"a100-0": [0, 1]}) is None
     assert "ignored grow request for job j: it is done" in caplog.text
     assert q.get("j").state == "done" and q.get("j").request["id"] == rid
+    # the run answering the old request late, or the reaper, change nothing either
+    assert not q.ack_request("j", rid)
+    assert not q.resized("j", rid, {"allocation_id": "x", "plan": {}}, steps_done=5)
+    assert not q.cancel_run("j", rid, "late")
+    assert q.reap()["overdue"] == [] and q.get("j").state == "done"
 
 
 def test_preempt_request_reaches_the_run_and_requeues_it(url):
