@@ -179,8 +179,6 @@ class JobQueue:
         with self._run_ended(job_id, steps_done) as (row, now):
             if row is None:
                 return False
-            if row.request_state == "cancelled" or row.state != "running":
-                return False
             row.allocation_id, row.allocation, row.started_at = assignment["allocation_id"], dict(assignment), now
             row.resizes += 1
             if row.request.get("id") == request_id:
@@ -192,8 +190,8 @@ class JobQueue:
         """The run stopped and released its GPUs; the job waits for a new allocation
         (``preempted``: counted as a preemption, else a re-size whose target was taken)."""
         with self._run_ended(job_id, steps_done) as (row, now):
-            if row is None or row.state != "running":
-                return        # the scheduler cancelled the run and requeued the job already
+            if row is None:
+                return
             row.state, row.allocation_id, row.allocation, row.started_at = "pending", None, {}, None
             row.preemptions += 1 if preempted else 0
             row.restarts += 1
@@ -468,10 +466,16 @@ class JobQueue:
     @contextmanager
     def _run_ended(self, job_id: str, steps_done: int) -> Iterator[tuple[QueueJobRow | None, float]]:
         """A transaction on the row of a job whose run just stopped: its service accounted,
-        its progress recorded; yields (row or None, database time)."""
+        its progress recorded; yields (row, database time). The row is None, and nothing is
+        recorded, for an unknown job and for a run the queue no longer counts: its job ended,
+        or the scheduler cancelled it (``cancel_run``; it may run again on new GPUs by now)."""
         with self.ledger._tx() as s:
-            row = self._row(s, job_id)
+            row = self._row(s, job_id, plans=False)
             now = db_now(s)
+            if row is not None and (row.state != "running" or row.request_state == "cancelled"):
+                log.info("late answer from a run of job %s ignored: the job is %s%s", job_id, row.state,
+                         " (its run was cancelled)" if row.request_state == "cancelled" else "")
+                row = None
             if row is not None:
                 self._account(row, now)
                 row.steps_done = max(row.steps_done, int(steps_done))
