@@ -26,7 +26,7 @@ def test_a_run_that_never_acknowledges_is_cancelled_through_prefect(tmp_path, mo
     led = ledger_with_cluster(f"sqlite:///{tmp_path / 'ledger.db'}")
     q = JobQueue(led)
     q.enqueue("j", "j", {"name": "j"}, plans(), steps=10)
-    svc = service(led)                       # the real canceller: frenzy_scheduler.cancel
+    svc = service(led, reap_s=0.01)          # the real canceller (frenzy_scheduler.cancel); reap every step
     svc.step()
     first = q.get("j").allocation_id
     with get_client(sync_client=True) as client:
