@@ -80,6 +80,14 @@ def _wait_for_worker(pool: str, job_id: str, assignment: Assignment, ledger_url:
             queue.note(job_id, "")
 
 
+def requeued_by_scheduler(queue, job_id: str, allocation_id: str) -> bool:
+    """The scheduler cancelled the job's run on ``allocation_id`` and queued the job again
+    (``JobQueue.cancel_run``; it may already hold its next allocation)."""
+    row = queue.get(job_id)
+    return (row is not None and row.request_state == "cancelled" and row.state in ("pending", "running")
+            and row.allocation_id != allocation_id)
+
+
 @flow(name="frenzy-submit", log_prints=False)
 def submit_training(job: Annotated[TrainingJob, RunForm()],
                     cluster: Annotated[GPUCluster | str | None, RunForm()] = None,
@@ -169,19 +177,28 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
                                   pool_notes=dispatch.pool_notes(topology))
             artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
             events.placed(job.name, chosen, assignment)
-            try:
-                trained = train(job, job_id, chosen, assignment, ledger_secret, topology.inventory(), settings,
-                                own_pool=is_control_machine_pool(topology, assignment.pool),
-                                worker_wait_s=wait_timeout_s)
-                # the trainer reports a run that ran out of fallbacks or time; it does not raise
-                ok = trained.get("status") in ("completed", "stopped")
-                status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
-            except FrenzyInputError as err:
-                error = str(err)
-                raise
-            except Exception as err:  # the run failed for good: report it, GPUs already released
-                log.error("training failed: %s", err)
-                trained, status, error = {}, "failed", str(err)
+            while True:
+                try:
+                    trained = train(job, job_id, assignment.plan, assignment, ledger_secret, topology.inventory(),
+                                    settings, own_pool=is_control_machine_pool(topology, assignment.pool),
+                                    worker_wait_s=wait_timeout_s)
+                    # the trainer reports a run that ran out of fallbacks or time; it does not raise
+                    ok = trained.get("status") in ("completed", "stopped")
+                    status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
+                except FrenzyInputError as err:
+                    error = str(err)
+                    raise
+                except Exception as err:  # the run failed for good: report it, GPUs already released
+                    if not requeued_by_scheduler(queue, job_id, assignment.allocation_id):
+                        log.error("training failed: %s", err)
+                    trained, status, error = {}, "failed", str(err)
+                if not requeued_by_scheduler(queue, job_id, assignment.allocation_id):
+                    break
+                # the scheduler cancelled the run (it did not answer a request in time) and queued
+                # the job again: wait for its next allocation; the launch resumes the checkpoint
+                log.warning("the scheduler cancelled the run (%s); waiting for GPUs to resume from the last "
+                            "checkpoint", (queue.get(job_id).wait_reason or "no answer in time"))
+                assignment = wait_for_gpus(job, job_id, ledger_secret, wait_timeout_s=wait_timeout_s)
     finally:
         queue.finish(job_id, "failed" if status == "failed" else "done", error=error or "")
 

@@ -93,6 +93,12 @@ class RequestWatcher:
         self._thread = threading.Thread(target=self._run, name=f"frenzy-watch-{job_id[:16]}", daemon=True)
 
     def __enter__(self) -> "RequestWatcher":
+        try:       # the flow run the scheduler cancels if this run stops answering its requests
+            from prefect.runtime import flow_run
+
+            self.queue.attach_run(self.job_id, str(flow_run.id) if flow_run.id else None)
+        except Exception as err:           # a database hiccup: the watcher still runs
+            self.log(f"frenzy: could not record the flow run on the queue row: {err}")
         self._thread.start()
         return self
 
@@ -272,7 +278,13 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                         new = wait_for_allocation(queue, job_id, timeout_s=wait_timeout_s, log=log, what=job.name)
                     else:
                         new = Assignment.from_allocation(alloc, target)
-                        queue.resized(job_id, str(req["id"]), new.model_dump(mode="json"), done)
+                        if not queue.resized(job_id, str(req["id"]), new.model_dump(mode="json"), done):
+                            # the scheduler gave up on this run (it answered too late) and queued
+                            # the job again: the target is not ours to keep; the submitter resumes
+                            ledger.release(alloc.id)
+                            log(f"frenzy: the scheduler cancelled this run before it re-sized (step {done}); "
+                                f"stopping here, the job resumes from the checkpoint")
+                            break
                         log(f"frenzy: re-sized ({req.get('kind')}) after step {done} to {target.short()} "
                             f"on {placement}; resuming from the checkpoint")
                 now_plan = new.plan

@@ -3,7 +3,8 @@ artifact it updates after every round.
 
 Events (resource ``frenzy.job.<job name>``, related: the GPU type, as ``frenzy_flows.events``
 does): ``frenzy.job.started``, ``frenzy.job.resized`` (payload: kind grow / shrink / move, the
-old and new plans), ``frenzy.job.preempted``, ``frenzy.job.recalled``. Artifact: a table under
+old and new plans), ``frenzy.job.preempted``, ``frenzy.job.recalled``, ``frenzy.job.cancelled`` (its run did not
+answer a request in time: cancelled through Prefect, the job queued again). Artifact: a table under
 the key ``frenzy-queue`` (the rows ``frenzy queue`` prints).
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 from frenzy_flows.events import _related, job_resource
 
 QUEUE_ARTIFACT = "frenzy-queue"
-KINDS = ("started", "resized", "preempted", "recalled")
+KINDS = ("started", "resized", "preempted", "recalled", "cancelled")
 
 
 def event_name(kind: str) -> str:

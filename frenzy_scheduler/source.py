@@ -17,13 +17,13 @@ import logging
 import math
 from typing import Any, Callable
 
-from estimator.errors import FrenzyInputError
 from ledger import Ledger
-from ledger.core import LedgerConflict
 from ledger.queue import JobQueue, QueueJob
 from scheduler.loop import Snapshot
 from scheduler.round import RoundResult
 from scheduler.types import JobRequest
+
+from .cancel import cancel_flow_run
 
 log = logging.getLogger("frenzy.scheduler")
 
@@ -43,22 +43,27 @@ def assignment_json(alloc, plan) -> dict[str, Any]:
 
 class LedgerSource:
     def __init__(self, ledger: Ledger | str | None = None, *, fence: Callable[[], bool] | None = None,
-                 publish: Publish | None = None, lease_s: float = START_LEASE_S):
+                 publish: Publish | None = None, lease_s: float = START_LEASE_S,
+                 cancel: Callable[[str, str], bool] | None = cancel_flow_run):
         self.ledger = ledger if isinstance(ledger, Ledger) else Ledger(ledger)
         self.queue = JobQueue(self.ledger)
         self.fence = fence
         self.publish = publish
         self.lease_s = lease_s
-        self._plans: dict[str, list] = {}
-        self.rows: dict[str, QueueJob] = {}
-        self.counts = {"started": 0, "resized": 0, "preempted": 0, "skipped": 0, "reaped": 0}
+        self.cancel = cancel               # (flow run id, message) -> cancelled; None: never
+        self._static: dict[str, tuple[list, dict[str, Any]]] = {}     # job_id -> (plans, spec)
+        self.rows: dict[str, QueueJob] = {}        # the last snapshot's rows (``JobQueue.round_view``)
+        self._running_plans: dict[str, Any] = {}
+        self.counts = {"started": 0, "resized": 0, "preempted": 0, "skipped": 0, "reaped": 0,
+                       "cancelled": 0}
 
     # --- read -----------------------------------------------------------------------------
     def request_of(self, j: QueueJob) -> JobRequest:
-        plans = self._plans.get(j.job_id)
-        if plans is None:
-            plans = self._plans[j.job_id] = j.plans
-        spec = j.job
+        hit = self._static.get(j.job_id)
+        if hit is None:
+            hit = self._static[j.job_id] = ((j.plans, j.job) if j.plans is not None else
+                                            self.queue.static_of([j.job_id]).get(j.job_id, ([], {})))
+        plans, spec = hit
         return JobRequest(job_id=j.job_id, submit_s=j.submitted_at, plans=plans,
                           steps_left=max(1, j.steps_total - j.steps_done),
                           requested_gpu_type=(spec.get("allowed_gpu_types") or [None])[0],
@@ -68,10 +73,13 @@ class LedgerSource:
 
     def snapshot(self) -> Snapshot:
         state = self.ledger.cluster_state()
-        rows = {j.job_id: j for j in self.queue.jobs()}
+        # a job's plans and spec never change once queued: read once per job, kept while it is
+        # active (the same plan list each round, which also keeps the policies' caches warm)
+        rows = {j.job_id: j for j in self.queue.round_view()}
         self.rows = rows
-        for jid in [k for k in self._plans if k not in rows]:
-            del self._plans[jid]
+        for jid in [k for k in self._static if k not in rows]:
+            del self._static[jid]
+        self._static.update(self.queue.static_of([k for k in rows if k not in self._static]))
         reserved: dict[str, set[int]] = {}
         for j in rows.values():
             if j.open_request and j.request.get("kind") != "preempt":
@@ -95,6 +103,7 @@ class LedgerSource:
                 rj.expected_end_s = j.started_at + rj.request.steps_left * rj.plan.step_time_s
             running.append(rj)
         state.running = running
+        self._running_plans = {rj.job_id: rj.plan for rj in running}
         pending = [self.request_of(j) for j in rows.values() if j.state == "pending"]
         version = (tuple(sorted((j.job_id, j.state, j.allocation_id or "", j.request_state)
                                 for j in rows.values())),
@@ -107,6 +116,30 @@ class LedgerSource:
         if gone["leases"] or gone["jobs"]:
             self.counts["reaped"] += len(gone["jobs"])
             log.info("reaped %d expired leases, gave up jobs %s", len(gone["leases"]), gone["jobs"] or "none")
+        for j in gone["overdue"]:
+            self._cancel_overdue(j)
+
+    def _cancel_overdue(self, j: QueueJob) -> None:
+        """The run of ``j`` did not answer its request in time: cancel its flow run through
+        Prefect, free its GPUs and queue the job again (it resumes from its last checkpoint)."""
+        if self.fence is not None and not self.fence():
+            return
+        kind, rid = j.request.get("kind"), str(j.request.get("id"))
+        waited = "acknowledge" if j.request_state == "pending" else "stop after acknowledging"
+        why = f"its run did not {waited} the {kind} request {rid} in time"
+        cancelled = False
+        if j.flow_run_id and self.cancel is not None:
+            try:
+                cancelled = self.cancel(j.flow_run_id, f"frenzy scheduler: {why}")
+            except Exception as err:      # Prefect away: the ledger's release still fences the run
+                log.warning("could not cancel flow run %s of job %s: %s", j.flow_run_id, j.job_id, err)
+        if not self.queue.cancel_run(j.job_id, rid, f"requeued: {why}; resumes from its last checkpoint"):
+            return                         # the run answered meanwhile
+        self.counts["cancelled"] += 1
+        log.warning("job %s: %s; flow run %s %s, GPUs freed, job queued again", j.job_id, why,
+                    j.flow_run_id or "(none recorded)", "set to Cancelling" if cancelled else "not cancelled")
+        self._emit("cancelled", j.job_id, request_id=rid, kind=kind, flow_run_id=j.flow_run_id,
+                   reason=why)
 
     def apply(self, result: RoundResult, now: float) -> None:
         if self.fence is not None and not self.fence():
@@ -114,7 +147,6 @@ class LedgerSource:
             return
         for d in result.stops:
             rz = result.resizes.get(d.job_id)
-            old = self.rows.get(d.job_id)
             if rz is not None:
                 rid = self.queue.request(d.job_id, rz.kind, plan=rz.start.plan, placement=rz.start.placement,
                                          reason=rz.start.reason or d.reason or rz.kind)
@@ -129,24 +161,21 @@ class LedgerSource:
                 if rid:
                     self.counts["preempted"] += 1
                     kind = "recalled" if "recall" in (d.reason or "") else "preempted"
-                    plan = (old.allocation.get("plan") if old is not None else None)
+                    rp = self._running_plans.get(d.job_id)
+                    plan = rp.model_dump(mode="json") if rp is not None else None
                     self._emit(kind, d.job_id, request_id=rid, from_plan=plan, reason=d.reason)
-        for d in result.starts:
-            if d.job_id in result.resizes:
-                continue
-            try:
-                alloc = self.ledger.allocate(d.job_id, d.plan, d.placement, lease_s=self.lease_s)
-            except (LedgerConflict, FrenzyInputError) as err:
+        starts = [d for d in result.starts if d.job_id not in result.resizes]
+        by_id = {d.job_id: d for d in starts}
+        for job_id, alloc, why in self.queue.start_all([(d.job_id, d.plan, d.placement) for d in starts],
+                                                       lease_s=self.lease_s, assignment=assignment_json):
+            d = by_id[job_id]
+            if alloc is None:
                 self.counts["skipped"] += 1
-                log.info("start of %s on %s skipped: %s", d.job_id, d.placement, err)
-                continue
-            assignment = assignment_json(alloc, d.plan)
-            if not self.queue.mark_started(d.job_id, assignment):
-                self.ledger.release(alloc.id)
+                log.info("start of %s on %s skipped: %s", job_id, d.placement, why)
                 continue
             self.counts["started"] += 1
-            self._emit("started", d.job_id, plan=assignment["plan"], placement=assignment["placement"],
-                       pool=alloc.pool, reason=d.reason)
+            self._emit("started", job_id, plan=d.plan.model_dump(mode="json"),
+                       placement={k: list(v) for k, v in alloc.placement.items()}, pool=alloc.pool, reason=d.reason)
         started = {d.job_id for d in result.starts}
         waits = {jid: {"predicted_start_s": w.predicted_start_s, "gpu_type": w.gpu_type, "gpus": w.gpus,
                        "reason": w.reason} for jid, w in result.waits.items() if jid not in started}

@@ -143,6 +143,9 @@ class QueueJobRow(SQLModel, table=True):
     request: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
     request_state: str = ""          # "" | pending | acked (stop written) | done | ignored
     alive_until: float = 0.0         # the submitter's heartbeat
+    # the Prefect flow run training the job now (the run records it when it starts): the one
+    # the scheduler cancels when it does not answer a request in time
+    flow_run_id: Optional[str] = None
     error: str = ""
     updated_at: float = 0.0
     ended_at: Optional[float] = None

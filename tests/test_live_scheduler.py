@@ -95,6 +95,11 @@ def test_resize_request_for_a_finished_job_is_ignored_and_logged(url, caplog):
         assert q.request("j", "grow", plan=plans()[0], placement={"a100-0": [0, 1]}) is None
     assert "ignored grow request for job j: it is done" in caplog.text
     assert q.get("j").state == "done" and q.get("j").request["id"] == rid
+    # the run answering the old request late, or the reaper, change nothing either
+    assert not q.ack_request("j", rid)
+    assert not q.resized("j", rid, {"allocation_id": "x", "plan": {}}, steps_done=5)
+    assert not q.cancel_run("j", rid, "late")
+    assert q.reap()["overdue"] == [] and q.get("j").state == "done"
 
 
 def test_preempt_request_reaches_the_run_and_requeues_it(url):
@@ -273,20 +278,43 @@ def test_scheduler_flags_are_checked_before_anything_starts(capsys):
     assert "unknown policy 'nope'" in capsys.readouterr().err
 
 
-def test_a_request_nobody_acknowledges_is_withdrawn(url, monkeypatch):
+def test_a_run_that_does_not_answer_in_time_is_cancelled_and_its_job_requeued(url, monkeypatch):
     import ledger.queue as lq
     led = ledger_with_cluster(url)
     q = JobQueue(led)
     q.enqueue("j", "j", {"name": "j"}, plans(), steps=10)
-    service(led).step()
-    assert q.request("j", "preempt")
-    q.reap()
-    assert q.get("j").request_state == "pending"             # young: left alone
+    cancelled = []
+    svc = service(led)
+    svc.source.cancel = lambda fr, msg: cancelled.append((fr, msg)) or True
+    svc.step()
+    first = q.get("j").allocation_id
+    q.attach_run("j", "flow-run-1")
+    rid = q.request("j", "preempt")
+    svc.source.reap()
+    assert q.get("j").request_state == "pending" and not cancelled       # young: left alone
+    assert q.ack_request("j", rid)
     monkeypatch.setattr(lq, "REQUEST_ACK_S", 0.0)
     time.sleep(0.05)
-    q.reap()
+    svc.source.reap()
+    # acknowledged: the run gets its stop allowance (two steps, its checkpoint, a margin) on top
+    assert q.get("j").request_state == "acked" and not cancelled
+    monkeypatch.setattr(lq, "STOP_MARGIN_S", 0.0)
+    monkeypatch.setattr(lq, "STOP_STEPS", 0.0)
+    svc.source.reap()
+    assert cancelled and cancelled[0][0] == "flow-run-1" and "did not stop after acknowledging" in cancelled[0][1]
     job = q.get("j")
-    assert (job.state, job.request_state, job.open_request) == ("running", "ignored", False)
+    assert (job.state, job.request_state, job.allocation_id, job.flow_run_id) == ("pending", "cancelled", None, None)
+    assert (job.restarts, job.preemptions) == (1, 1)
+    assert led.allocation(first).status == "released" and not led.holders()
+    # the old run answering late changes nothing; the job is placed again and resumes
+    assert not q.resized("j", rid, {"allocation_id": "x", "plan": {}}, steps_done=3)
+    q.requeue("j", steps_done=3, preempted=True)
+    assert (q.get("j").restarts, q.get("j").steps_done) == (1, 0)
+    svc.step()
+    job = q.get("j")
+    assert job.state == "running" and job.allocation_id not in (None, first)
+    q.requeue("j", steps_done=3, preempted=True)          # still late after the new start
+    assert q.get("j").state == "running" and q.get("j").allocation_id == job.allocation_id
 
 
 def test_round_decisions_become_requests_events_and_reservations(url):

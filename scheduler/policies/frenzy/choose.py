@@ -86,18 +86,22 @@ def choose(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: Gpu
     tol1 = 1.0 + cfg.tolerance
     best_rel = lim = INF
     options = []                      # (relative completion, GPU-seconds, cand, start, duration)
+    any_now = False
+    # called once per queued job per round (the policy's hottest loop): lookups bound locally
+    prof_of, free_of = profiles.get, free.get
     for c in menu:                    # fastest first
         step_s, n, g, _ = c
         dur = step_s * steps
         if dur > lim:
             break                     # even starting now this plan is not within tolerance
-        prof = profiles.get(g)
+        prof = prof_of(g)
         if prof is None:
             continue
-        f = free.get(g, 0)
+        f = free_of(g, 0)
         if f >= n and (not prof.res or prof.fits_now(n, dur, now, f)):
             start = now
             rel = dur
+            any_now = True
         else:
             start = prof.wait_start(n, now, f)
             if start == INF:
@@ -114,7 +118,7 @@ def choose(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: Gpu
         if rel < best_rel:
             best_rel = rel
             lim = rel * tol1
-    if not options or (deep and all(o[3] > now for o in options)):
+    if not options or (deep and not any_now):
         return None
     pick = None
     if fastest:
