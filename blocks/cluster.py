@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_serializer, model_validator
 
+from blocks.schema import tidy_block_schema
 from estimator.catalog import GPU
 from scheduler.cluster import Cluster, Pool, cluster_from_dict, load_cluster
 
@@ -32,6 +33,19 @@ class GPUCluster(Block):
                                       description="GPU types the catalog lacks, by name")
     node_credentials: SecretStr | None = Field(
         None, description="token or SSH key for the node addresses (stored encrypted, never logged)")
+
+    @classmethod
+    def model_json_schema(cls, *args, **kwargs):
+        # the block editor's form: optional fields without the "None" type tab (blocks/schema.py)
+        return tidy_block_schema(super().model_json_schema(*args, **kwargs))
+
+    @field_serializer("pools", "gpu_types")
+    def _without_unset(self, value):
+        # the saved document leaves unset optional fields out instead of storing null: the block
+        # editor then shows them empty, as its schema (no null choice) describes them
+        if isinstance(value, dict):
+            return {k: g.model_dump(exclude_none=True) for k, g in value.items()}
+        return [p.model_dump(exclude_none=True) for p in value]
 
     @model_validator(mode="after")
     def _valid_inventory(self) -> "GPUCluster":

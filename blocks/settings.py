@@ -12,6 +12,7 @@ from typing import Iterable, Literal
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr
 
+from blocks.schema import tidy_block_schema
 from estimator.plan import Optimizer, Plan, Precision
 
 FallbackStep = Literal["act_ckpt", "zero", "offload", "more_gpus", "next_gpu_type"]
@@ -64,6 +65,11 @@ class FrenzySettings(Block):
     mlflow_tracking_uri: str | None = Field(
         None, description="MLflow tracking server URL (e.g. http://mlflow:5000) for jobs that name none "
                           "(empty: SQLite under FRENZY_HOME)")
+
+    @classmethod
+    def model_json_schema(cls, *args, **kwargs):
+        # the block editor's form: optional fields without the "None" type tab (blocks/schema.py)
+        return tidy_block_schema(super().model_json_schema(*args, **kwargs))
 
     def ledger_url_value(self) -> str | None:
         return self.ledger_url.get_secret_value() if self.ledger_url else None
