@@ -67,6 +67,13 @@ def test_block_editors_offer_no_none_choice_and_save_no_nulls():
     assert "null" not in json.dumps({"pools": data["pools"], "gpu_types": data["gpu_types"]})
     assert GPUCluster.model_validate(data).to_cluster() == block.to_cluster()
     assert FrenzySettings(safety_margin_gib=None).safety_margin_gib is None
+    # a new settings block in the UI starts with every fallback selected (an empty selection
+    # would forbid them all), and instances do not share the list
+    order = FrenzySettings.model_json_schema()["properties"]["fallback_order"]
+    assert order["default"] == list(DEFAULT_FALLBACK_ORDER)
+    one, two = FrenzySettings(), FrenzySettings()
+    one.fallback_order.remove("zero")
+    assert two.fallback_order == list(DEFAULT_FALLBACK_ORDER)
 
 
 def test_order_fallbacks_follows_the_setting_and_drops_forbidden_kinds():
