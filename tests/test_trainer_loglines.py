@@ -41,12 +41,19 @@ def test_long_runs_log_about_twenty_step_lines_first_and_last_included():
     assert shown[0].startswith("step 1/1000:") and shown[-1].startswith("step 1000/1000:")
 
 
-def test_the_listener_logs_sentences_and_files_every_line():
+def test_the_flows_log_sentences_and_the_attempt_file_keeps_every_line():
+    import inspect
+
+    from frenzy_flows import training
+    from trainer.loglines import readable_log
+
     logged, steps, file = [], [], io.StringIO()
-    listener = _Listener(logged.append, lambda s, t, loss: steps.append(s), {}, file)
+    listener = _Listener(readable_log(logged.append), lambda s, t, loss: steps.append(s), {}, file)
     lines = [_step(1), "/x/torch/y.py:1: UserWarning: noise", "  warnings.warn(", _step(2)]
     for line in lines:
         listener(line)
     assert steps == [1, 2] and listener.losses == {1: 5.4321, 2: 5.4321}
     assert file.getvalue().splitlines() == lines
     assert logged == ["step 1/12: loss 5.4321, 52.1 ms/step", "step 2/12: loss 5.4321, 52.1 ms/step"]
+    # the flows' training (submit in-process and the pool runs) hands the runner that log
+    assert "log=training_log" in inspect.getsource(training.run_allocated_training)

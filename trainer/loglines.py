@@ -1,7 +1,8 @@
 """What a training's output line looks like in the run's log (the Prefect run log, `frenzy run`).
 
-The training program speaks to the runner in ``FRENZY_<TAG> {json}`` lines (trainer/train.py).
-Every line still goes to the attempt's log file as printed; the run log gets a sentence instead:
+The training program speaks to the runner in ``FRENZY_<TAG> {json}`` lines (trainer/train.py),
+which the runner forwards to its ``log`` as printed (and writes to the attempt's log file).
+The flows hand it ``readable_log(logger.info)``, so the run log gets a sentence instead:
 ``step 40/200: loss 4.1250, 52.1 ms/step``. Step lines are thinned on long runs, since the
 ``frenzy-progress`` artifact and the loss curve hold every step. Python warnings from the
 libraries (torch, transformers, accelerate: the same few on every launch) stay in the file only.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 # About this many step lines per run: enough to follow a loss in the log; the artifacts have all.
 STEP_LINES = 20
@@ -82,3 +83,15 @@ class RunLog:
             return _sentence(tag, payload) if isinstance(payload, dict) else line
         except (ValueError, KeyError, TypeError):
             return line              # not ours after all, or a field missing: as printed
+
+
+def readable_log(log: Callable[[str], None]) -> Callable[[str], None]:
+    """``log`` behind a ``RunLog``: what the run log of one training gets."""
+    run_log = RunLog()
+
+    def forward(line: str) -> None:
+        shown = run_log(line)
+        if shown is not None:
+            log(shown)
+
+    return forward

@@ -55,7 +55,6 @@ from .data import check_data, check_eval
 from .fallback import fallback_plans
 from .launch_config import Paths, check_realisable, is_cpu_plan, training_spec, write_launch_files
 from .launcher import free_port, launch_env, run_process_group
-from .loglines import RunLog
 from .parallel import uses_deepspeed
 from .pretrained import check_job
 
@@ -248,7 +247,6 @@ class _Listener:
     def __init__(self, log: Callable[[str], None], on_step, losses: dict[int, float], logfile,
                  evals: dict[int, float] | None = None, tracker=None):
         self.log, self.on_step, self.losses, self.logfile = log, on_step, losses, logfile
-        self.run_log = RunLog()
         self.evals = {} if evals is None else evals
         self.tracker = tracker
         self.result: dict[str, Any] | None = None
@@ -263,10 +261,8 @@ class _Listener:
         self.signalled = False       # a rank died from a signal (killed, lost): always worth a retry
 
     def __call__(self, line: str) -> None:
-        self.logfile.write(line + "\n")     # the attempt's file keeps every line as printed
-        shown = self.run_log(line)           # the run log: sentences, no library warnings
-        if shown is not None:
-            self.log(shown)
+        self.logfile.write(line + "\n")
+        self.log(line)
         if _SIGNAL_DEATH.search(line):
             self.signalled = True
         tag, _, rest = line.partition(" ")
