@@ -248,6 +248,9 @@ def test_cli_sync_and_status_with_the_real_training_flow(tmp_path, capsys):
     assert main(["pools", "status", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert p in rows and rows["frenzy"]["gpu_type"] == "control"
+    assert main(["pools", "status"]) == 0
+    err = capsys.readouterr().err
+    assert "no worker polls the control pool 'frenzy'" in err and "prefect worker start --pool frenzy" in err
 
 
 @pytest.mark.prefect
