@@ -29,6 +29,15 @@ def test_program_lines_become_sentences_and_warnings_stay_out():
     assert log("  warnings.warn(") is None
     assert log("/venv/site-packages/accelerate/y.py:9: UserWarning: gloo on CPU") is None
     assert log("    return fn(*args)") is None
+    # the libraries' notices of a tiny CPU run (seen in `frenzy run examples/tiny-job.yaml`)
+    for noise in ("[transformers] `loss_type=None` was set in the config but it is unrecognized.",
+                  "[RANK 0] Removed shared tensor {'lm_head.weight'} while saving.",
+                  "[2026-12-01 21:38:43,579] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.",
+                  "", "Writing model shards: 100%|##########| 1/1 [00:00<00:00, 516.73it/s]",
+                  'FRENZY_EXPORT {"step": 12, "dir": "/runs/x/export", "request_id": null}'):
+        assert log(noise) is None, noise
+    assert log("[2026-12-01 21:38:43,579] [ERROR] [engine.py:1:x] broken") is not None
+    assert log("frenzy: export step 12 -> /runs/x/export (0.1 s)") == "frenzy: export step 12 -> /runs/x/export (0.1 s)"
     assert log("an ordinary line") == "an ordinary line"
     assert log("  an indented line after an ordinary one") == "  an indented line after an ordinary one"
     assert log("FRENZY_STEP not json") == "FRENZY_STEP not json"       # as printed when it is not ours

@@ -4,8 +4,9 @@ The training program speaks to the runner in ``FRENZY_<TAG> {json}`` lines (trai
 which the runner forwards to its ``log`` as printed (and writes to the attempt's log file).
 The flows hand it ``readable_log(logger.info)``, so the run log gets a sentence instead:
 ``step 40/200: loss 4.1250, 52.1 ms/step``. Step lines are thinned on long runs, since the
-``frenzy-progress`` artifact and the loss curve hold every step. Python warnings from the
-libraries (torch, transformers, accelerate: the same few on every launch) stay in the file only.
+``frenzy-progress`` artifact and the loss curve hold every step. Python warnings and the
+libraries' notices (torch, transformers, accelerate, DeepSpeed: the same few on every launch)
+and progress bars stay in the attempt's file only.
 Pure: no torch.
 """
 from __future__ import annotations
@@ -20,6 +21,13 @@ STEP_LINES = 20
 # A warning as Python's warnings module prints it ("path.py:12: FutureWarning: ..."); the
 # source line it shows under it is indented.
 _WARNING = re.compile(r"^\S+\.py:\d+: \w*Warning: ")
+# The libraries' own notices, seen on every tiny CPU run: transformers' logger ("[transformers]
+# `loss_type=None` ..."), accelerate's per-rank logger ("[RANK 0] Removed shared tensor ...") and
+# DeepSpeed's INFO/WARNING lines ("[2026-12-01 21:38:43,579] [WARNING] [real_accelerator.py...");
+# DeepSpeed's ERROR lines stay.
+_LIBRARY = re.compile(r"^(?:\[transformers\] |\[RANK \d+\] |\[\d{4}-\d\d-\d\d [\d:,.]+\] \[(?:INFO|WARNING)\] )")
+# tqdm bars ("Writing model shards: 100%|#####| 1/1 [...]") and the blank lines around them
+_PROGRESS_BAR = re.compile(r"\d+%\|.*\|")
 
 
 def _ms(s: Any) -> str:
@@ -43,7 +51,7 @@ def _sentence(tag: str, p: dict[str, Any]) -> str | None:
     if tag == "FRENZY_CHECKPOINT":
         return f"checkpoint at step {p['step']}: {p['dir']}"
     if tag == "FRENZY_EXPORT":
-        return f"exported at step {p['step']}: {p['dir']}"
+        return None                  # the program prints its own "frenzy: export step N -> dir" line
     if tag == "FRENZY_RESUME":
         return f"resumed from step {p['step']} ({p.get('mode', 'checkpoint')}): {p.get('from', '')}"
     if tag == "FRENZY_MODEL":
@@ -75,6 +83,8 @@ class RunLog:
         if self._in_warning and line[:1].isspace():
             return None
         self._in_warning = False
+        if not line.strip() or _LIBRARY.match(line) or _PROGRESS_BAR.search(line):
+            return None
         tag, _, rest = line.partition(" ")
         if not tag.startswith("FRENZY_"):
             return line
