@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_serializer, model_validator
 
+from blocks.schema import tidy_block_schema
 from estimator.catalog import GPU
 from scheduler.cluster import Cluster, Pool, cluster_from_dict, load_cluster
 
@@ -22,16 +23,33 @@ class GPUCluster(Block):
     _block_type_name = "GPU Cluster"
     _block_type_slug = "gpu-cluster"
     _description = ("Frenzy's GPU inventory: pools (one GPU type each), nodes, GPUs per node, node "
-                    "addresses and custom GPU types. `frenzy pools sync --cluster block:<name>` "
+                    "addresses and custom GPU types. `frenzy pools sync --cluster block:NAME` "
                     "mirrors it into Prefect work pools.")
     _documentation_url = "https://github.com/frenzy/frenzy#cluster-file"   # type: ignore[assignment]
 
-    pools: list[Pool] = Field(..., min_length=1, description="one entry per pool: name, gpu (catalog "
-                              "name), nodes, gpus_per_node, inter_node_gbps?, addresses?, devices?")
-    gpu_types: dict[str, GPU] = Field(default_factory=dict,
+    # The UI edits a list of models as JSON (Prefect 3.9's block editor), so the description
+    # shows one entry as it is typed there.
+    pools: list[Pool] = Field(..., min_length=1, title="Pools", description=(
+        'one object per pool, e.g. {"name": "a100", "gpu": "A100-80GB", "nodes": 2, "gpus_per_node": 8}; '
+        "optional: inter_node_gbps, addresses (one host per node), devices (indices on each node)"))
+    gpu_types: dict[str, GPU] = Field(default_factory=dict, title="GPU types",
                                       description="GPU types the catalog lacks, by name")
     node_credentials: SecretStr | None = Field(
-        None, description="token or SSH key for the node addresses (stored encrypted, never logged)")
+        None, title="Node credentials",
+        description="token or SSH key for the node addresses (stored encrypted, never logged)")
+
+    @classmethod
+    def model_json_schema(cls, *args, **kwargs):
+        # the block editor's form: optional fields without the "None" type tab (blocks/schema.py)
+        return tidy_block_schema(super().model_json_schema(*args, **kwargs))
+
+    @field_serializer("pools", "gpu_types")
+    def _without_unset(self, value):
+        # the saved document leaves unset optional fields out instead of storing null: the block
+        # editor then shows them empty, as its schema (no null choice) describes them
+        if isinstance(value, dict):
+            return {k: g.model_dump(exclude_none=True) for k, g in value.items()}
+        return [p.model_dump(exclude_none=True) for p in value]
 
     @model_validator(mode="after")
     def _valid_inventory(self) -> "GPUCluster":

@@ -12,6 +12,7 @@ from typing import Iterable, Literal
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr
 
+from blocks.schema import tidy_block_schema
 from estimator.plan import Optimizer, Plan, Precision
 
 FallbackStep = Literal["act_ckpt", "zero", "offload", "more_gpus", "next_gpu_type"]
@@ -44,17 +45,20 @@ class FrenzySettings(Block):
                     "optimizer, scheduling policy, the out-of-memory fallback order and the MLflow server.")
 
     ledger_url: SecretStr | None = Field(
-        None, description="SQLAlchemy URL of the GPU ledger, e.g. postgresql+psycopg://user:pw@host/db "
+        None, title="Ledger URL", description="SQLAlchemy URL of the GPU ledger, e.g. postgresql+psycopg://user:pw@host/db "
                           "(empty: SQLite under FRENZY_HOME)")
     safety_margin_gib: float | None = Field(
-        None, ge=0, description="GPU memory kept free beyond the prediction, GiB (empty: Frenzy's default)")
+        None, ge=0, title="Safety margin (GiB)", description="GPU memory kept free beyond the prediction, GiB (empty: Frenzy's default)")
     default_precision: Precision = Field("bf16", description="precision for jobs that do not set one")
     default_optimizer: Optimizer = Field("adamw", description="optimizer for jobs that do not set one")
     policy: str = Field("frenzy", description="scheduling policy (see `frenzy simulate --help`)")
+    # a plain default (pydantic copies it per instance), not a factory: the schema then carries
+    # it and a new block in the UI starts with every kind selected instead of none (none = every
+    # fallback forbidden)
     fallback_order: list[FallbackStep] = Field(
-        default_factory=lambda: list(DEFAULT_FALLBACK_ORDER),
+        list(DEFAULT_FALLBACK_ORDER), title="Out-of-memory fallback order",
         description="out-of-memory fallbacks to try, in order; leave a kind out to forbid it")
-    hf_token: SecretStr | None = Field(None, description="Hugging Face token for private tokenizers/datasets")
+    hf_token: SecretStr | None = Field(None, title="Hugging Face token", description="Hugging Face token for private tokenizers/datasets")
     data_roots: list[str] = Field(
         default_factory=list, description="folders jobs may read data from, besides the job file's folder, "
                                           "the working directory and FRENZY_HOME")
@@ -62,8 +66,13 @@ class FrenzySettings(Block):
         default_factory=list, description="modules (and their submodules) a job's entry_point may name, "
                                           "besides the trainer's own")
     mlflow_tracking_uri: str | None = Field(
-        None, description="MLflow tracking server URL (e.g. http://mlflow:5000) for jobs that name none "
+        None, title="MLflow tracking URI", description="MLflow tracking server URL (e.g. http://mlflow:5000) for jobs that name none "
                           "(empty: SQLite under FRENZY_HOME)")
+
+    @classmethod
+    def model_json_schema(cls, *args, **kwargs):
+        # the block editor's form: optional fields without the "None" type tab (blocks/schema.py)
+        return tidy_block_schema(super().model_json_schema(*args, **kwargs))
 
     def ledger_url_value(self) -> str | None:
         return self.ledger_url.get_secret_value() if self.ledger_url else None

@@ -86,19 +86,39 @@ def pool_specs(cluster: Any) -> list[PoolSpec]:
     return specs
 
 
+# A pool's description is what the Prefect UI shows on its card (the Work Pools page), so it is a
+# sentence a person reads. It is also how Frenzy knows its own pools again (``frenzy pools
+# status``, ``sync --prune``): the sentence has a fixed shape that ``parse_pool_description``
+# matches. Pools synced by older versions carry ``frenzy={json}`` instead; those still parse.
+_DESCRIPTION = re.compile(r"^Frenzy GPU pool: (?P<gpus>\d+) x (?P<gpu_type>.+?) "
+                          r"on (?P<nodes>\d+) nodes? of (?P<gpus_per_node>\d+)\.")
+_LEGACY = "frenzy="
+CONTROL_DESCRIPTION = (f"Frenzy control pool: runs frenzy-submit (estimate, plan, assignment, dispatch). "
+                       f"Needs one worker, or every submission stays Scheduled: "
+                       f"prefect worker start --pool {CONTROL_POOL}")
+
+
 def pool_description(spec: PoolSpec) -> str:
-    return (f"Frenzy GPU pool: {spec.gpus} x {spec.gpu_type} ({spec.nodes} node(s) x {spec.gpus_per_node}). "
-            f"frenzy={json.dumps({'gpu_type': spec.gpu_type, 'gpus': spec.gpus, 'nodes': spec.nodes, 'gpus_per_node': spec.gpus_per_node})}")
+    nodes = f"{spec.nodes} node{'s' if spec.nodes != 1 else ''}"
+    return (f"Frenzy GPU pool: {spec.gpus} x {spec.gpu_type} on {nodes} of {spec.gpus_per_node}. "
+            f"Frenzy sends training runs here; start one worker per node: "
+            f"prefect worker start --pool {spec.name}")
 
 
 def parse_pool_description(description: str | None) -> dict[str, Any] | None:
     """The GPU facts ``pool_description`` wrote, or None for a pool Frenzy does not manage."""
-    if not description or "frenzy=" not in description:
+    if not description:
         return None
-    try:
-        return json.loads(description.split("frenzy=", 1)[1])
-    except ValueError:
-        return None
+    m = _DESCRIPTION.match(description)
+    if m:
+        return {"gpu_type": m["gpu_type"], "gpus": int(m["gpus"]), "nodes": int(m["nodes"]),
+                "gpus_per_node": int(m["gpus_per_node"])}
+    if _LEGACY in description:
+        try:
+            return json.loads(description.split(_LEGACY, 1)[1])
+        except ValueError:
+            return None
+    return None
 
 
 # ---------------------------------------------------------------- sync
@@ -172,12 +192,16 @@ def sync_pools(cluster: Any, *, pool_type: PoolType = "process", entrypoint: str
 
         if control_pool:
             try:
-                client.read_work_pool(CONTROL_POOL)
+                control = client.read_work_pool(CONTROL_POOL)
             except ObjectNotFound:
                 client.create_work_pool(WorkPoolCreate(
                     name=CONTROL_POOL, type="process", base_job_template=templates["process"],
-                    description="Frenzy control pool: runs frenzy-submit (planning, assignment, dispatch)"))
+                    description=CONTROL_DESCRIPTION))
                 report.pools[CONTROL_POOL] = "created"
+            else:             # an older sync's wording: the UI card should say it needs a worker
+                if control.description != CONTROL_DESCRIPTION:
+                    client.update_work_pool(CONTROL_POOL, WorkPoolUpdate(description=CONTROL_DESCRIPTION))
+                    report.pools[CONTROL_POOL] = "updated"
 
         flow_id = client.create_flow_from_name(flow_name)
         for spec in specs:

@@ -499,6 +499,9 @@ def resolve_model(model: "str | dict[str, Any] | ModelSpec | os.PathLike") -> Mo
         path = key
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):     # a folder, just not a model's: say so, not "not found"
+                raise FrenzyInputError("model", f"the folder {key} has no config.json (a Hugging Face model "
+                                                f"folder holds one)")
         if os.path.isfile(path):
             try:
                 with open(path, encoding="utf-8") as fh:

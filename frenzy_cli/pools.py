@@ -129,4 +129,9 @@ def handle_status(args) -> int:
     console().print(t)
     if not rows:
         print("no Frenzy pools on this server; run `frenzy pools sync --cluster <file>`", file=sys.stderr)
+    idle_control = [r for r in rows if r.gpu_type == "control" and not r.workers_online]
+    if idle_control:
+        print(f"no worker polls the control pool {idle_control[0].name!r}: submissions from the UI or a "
+              f"schedule stay Scheduled; start one: prefect worker start --pool {idle_control[0].name}",
+              file=sys.stderr)
     return 0

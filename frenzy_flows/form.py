@@ -4,7 +4,8 @@ Prefect renders a parameter's JSON schema as the form. Two things in a plain pyd
 read badly there (seen in Prefect 3.9's UI, docs/ui.md has the screenshots):
 
 * every optional field (``X | None``) becomes ``anyOf: [X, null]``, which the UI shows as a row
-  of type tabs with "None" selected and the line 'Property is type "None"' under it;
+  of type tabs with "None" selected and the line 'Property is type "None"' under it
+  (``blocks.schema``, which the block editor's schemas share);
 * a model given as free text offers no list of the presets.
 
 ``RunForm`` is an ``Annotated`` marker for a flow parameter. It rewrites only the schema the UI
@@ -19,24 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-NULL = {"type": "null"}
-
-
-def without_null(prop: dict[str, Any]) -> None:
-    """Drop the ``null`` choice of an optional property in place (a lone choice left is merged
-    into the property) and its ``default: null``."""
-    variants = prop.get("anyOf")
-    if not variants or NULL not in variants:
-        return
-    rest = [v for v in variants if v != NULL]
-    if len(rest) == 1:
-        del prop["anyOf"]
-        for k, v in rest[0].items():
-            prop.setdefault(k, v)
-    else:
-        prop["anyOf"] = rest
-    if prop.get("default", 0) is None:
-        del prop["default"]
+from blocks.schema import tidy_model, without_null     # the same touches as the block editor
 
 
 def offer_presets(prop: dict[str, Any], presets: list[str]) -> None:
@@ -44,26 +28,6 @@ def offer_presets(prop: dict[str, Any], presets: list[str]) -> None:
     choice = {"title": "preset", "type": "string", "enum": list(presets)}
     variants = prop.get("anyOf") or [{k: prop.pop(k) for k in ("type",) if k in prop}]
     prop["anyOf"] = [choice] + [v for v in variants if v]
-
-
-def tidy_model(schema: dict[str, Any], resolve) -> None:
-    """Tidy a model's object schema and, through ``resolve`` (a ``$ref`` schema -> the referenced
-    definition), every model it refers to: optional properties lose ``null``."""
-    seen: set[int] = set()
-
-    def walk(node: dict[str, Any]) -> None:
-        if id(node) in seen:
-            return
-        seen.add(id(node))
-        required = set(node.get("required", ()))
-        for name, prop in (node.get("properties") or {}).items():
-            if name not in required:
-                without_null(prop)
-            for sub in [prop, *(prop.get("anyOf") or []), prop.get("items") or {}]:
-                if "$ref" in sub:
-                    walk(resolve(sub))
-
-    walk(schema)
 
 
 class RunForm:

@@ -196,6 +196,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     from ledger.queue import JobQueue
     from trainer import interrupt
     from trainer.resume import default_runs_root, prepare_run_dir
+    from trainer.loglines import readable_log
     from trainer.runner import run_training
 
     ledger = Ledger(ledger_url)
@@ -249,8 +250,10 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
 
             segments = []
             now_plan = plan
+            training_log = readable_log(log)     # the run log: sentences, not FRENZY_<TAG> {json}
             while True:
-                result = run_training(job, now_plan, run_dir=run_dir, acquire=acquire, release=release, log=log,
+                result = run_training(job, now_plan, run_dir=run_dir, acquire=acquire, release=release,
+                                      log=training_log,
                                       on_step=stepped, inventory=inventory,
                                       deadline_s=job.deadline_s, fallbacks=fallbacks)
                 segments.append(result)

@@ -94,14 +94,22 @@ def _rate_rule(name: str, v: Any, fields: dict) -> str | None:
 class Pool(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str
-    gpu: str
-    nodes: int = Field(1, ge=1, le=MAX_NODES_PER_POOL)
-    gpus_per_node: int = Field(..., ge=1, le=MAX_GPUS_PER_NODE)
-    inter_node_gbps: float | None = Field(None, gt=0, allow_inf_nan=False)
-    addresses: list[str] | None = None
-    devices: list[int] | None = None
-    host_ram_gib: float | None = Field(None, gt=0, le=MAX_HOST_RAM_GIB, allow_inf_nan=False)
+    # descriptions: the GPUCluster block editor in the Prefect UI shows them under each field
+    name: str = Field(..., description="the pool's name; its Prefect work pool has the same name")
+    gpu: str = Field(..., description="GPU type: a catalog name such as A100-80GB (case and an "
+                                      "unambiguous size suffix may be left out) or a key of gpu_types")
+    nodes: int = Field(1, ge=1, le=MAX_NODES_PER_POOL, description="nodes (machines) in the pool")
+    gpus_per_node: int = Field(..., ge=1, le=MAX_GPUS_PER_NODE, description="GPUs on each node")
+    inter_node_gbps: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                          description="network between nodes, Gbit/s per node (empty: the GPU "
+                                                      "class's typical figure)")
+    addresses: list[str] | None = Field(None, description="host name or IP of each node, in node order "
+                                                          "(empty: nodes are only counted)")
+    devices: list[int] | None = Field(None, description="physical device indices on each node "
+                                                        "(empty: 0 .. gpus_per_node-1)")
+    host_ram_gib: float | None = Field(None, gt=0, le=MAX_HOST_RAM_GIB, allow_inf_nan=False,
+                                       description="host memory per node, GiB, for offload plans (empty: "
+                                                   "2 x the node's GPU memory)")
 
     def node_ids(self) -> list[str]:
         return [f"{self.name}-{i}" for i in range(self.nodes)]

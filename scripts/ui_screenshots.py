@@ -3,7 +3,8 @@
 Starts a Prefect server (its own PREFECT_HOME and FRENZY_HOME in a temporary folder), syncs the
 local CPU pool, saves a `GPUCluster` block, creates the `frenzy-submit` deployment, runs one
 submission of examples/tiny-job.yaml, and saves PNGs of the run's artifacts, each artifact, the
-run form and the work pools page into docs/ (ui-*.png). Prints each file and the URL it shows.
+run form, the work pools page and the two block editors into docs/ (ui-*.png). Prints each file
+and the URL it shows.
 
     python scripts/ui_screenshots.py [--port 4391] [--out docs] [--width 1400]
 
@@ -39,6 +40,7 @@ from prefect import get_client
 from prefect.utilities.callables import parameter_schema
 
 from blocks.cluster import GPUCluster
+from blocks.settings import FrenzySettings
 from deployments.pools import sync_pools, CONTROL_POOL
 from frenzy_cli.run import load_job
 from frenzy_flows import submit_training
@@ -47,6 +49,7 @@ from scheduler.discover import cluster_or_local
 topology = cluster_or_local(None)
 sync_pools(topology)
 GPUCluster.from_cluster(topology).save("local-cpu", overwrite=True)
+FrenzySettings.register_type_and_schema()
 with get_client(sync_client=True) as client:
     flow_id = client.create_flow_from_name("frenzy-submit")
     dep_id = client.create_deployment(
@@ -57,7 +60,8 @@ with get_client(sync_client=True) as client:
 dry = submit_training(load_job(sys.argv[1]), cluster=GPUCluster.load("local-cpu"), dry_run=True, return_state=True)
 result = submit_training(load_job(sys.argv[1]))
 print("FRENZY_UI " + json.dumps({"flow_run_id": result.flow_run_id, "deployment_id": str(dep_id),
-                                 "dry_run_id": str(dry.state_details.flow_run_id)}))
+                                 "dry_run_id": str(dry.state_details.flow_run_id),
+                                 "cluster_block_id": str(GPUCluster.load("local-cpu")._block_document_id)}))
 """
 
 
@@ -200,6 +204,9 @@ def main() -> int:
             if dry:
                 browser.shoot(f"{base}/artifacts/artifact/{dry[0]['id']}", out / "ui-artifact-dry-run.png", 700)
             browser.shoot(f"{base}/work-pools", out / "ui-work-pools.png", 900)
+            # the block editors: the saved GPUCluster (its pool entries) and a new FrenzySettings
+            browser.shoot(f"{base}/blocks/block/{ids['cluster_block_id']}/edit", out / "ui-block-gpu-cluster.png", 1400)
+            browser.shoot(f"{base}/blocks/catalog/frenzy-settings/create", out / "ui-block-settings.png", 1400)
         finally:
             browser.close()
     finally:

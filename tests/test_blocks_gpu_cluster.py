@@ -48,6 +48,34 @@ def test_secrets_never_show_in_repr_str_or_json():
     assert SECRET in s.ledger_url_value() and s.hf_token_value() == SECRET
 
 
+def test_block_editors_offer_no_none_choice_and_save_no_nulls():
+    # 'Property is type "None"' and a "None" type tab in the block editor come from anyOf [X, null]
+    for block in (GPUCluster, FrenzySettings):
+        schema = block.model_json_schema()
+        assert '{"type": "null"}' not in json.dumps(schema), block.__name__
+    schema = GPUCluster.model_json_schema()
+    pool = schema["definitions"]["Pool"]["properties"]
+    assert pool["addresses"]["type"] == "array" and pool["inter_node_gbps"]["type"] == "number"
+    assert all(p.get("description") for p in pool.values())
+    assert schema["definitions"]["GPU"]["properties"]["fp8_tflops"]["type"] == "number"
+    assert schema["secret_fields"] == ["node_credentials"]
+    assert schema["properties"]["node_credentials"]["format"] == "password"
+    # validation is unchanged: unset still means None, and the saved data leaves it out
+    block = GPUCluster.from_file(ROOT / "examples/cluster.yaml")
+    assert block.pools[0].addresses is None and GPUCluster(pools=[{**block.pools[0].model_dump(), "devices": None}])
+    data = block.model_dump(mode="json")
+    assert "null" not in json.dumps({"pools": data["pools"], "gpu_types": data["gpu_types"]})
+    assert GPUCluster.model_validate(data).to_cluster() == block.to_cluster()
+    assert FrenzySettings(safety_margin_gib=None).safety_margin_gib is None
+    # a new settings block in the UI starts with every fallback selected (an empty selection
+    # would forbid them all), and instances do not share the list
+    order = FrenzySettings.model_json_schema()["properties"]["fallback_order"]
+    assert order["default"] == list(DEFAULT_FALLBACK_ORDER)
+    one, two = FrenzySettings(), FrenzySettings()
+    one.fallback_order.remove("zero")
+    assert two.fallback_order == list(DEFAULT_FALLBACK_ORDER)
+
+
 def test_order_fallbacks_follows_the_setting_and_drops_forbidden_kinds():
     base = Plan(gpu_type="A100-40GB", gpus=2, dp=2)
     ck = base.model_copy(update={"act_ckpt": "full"})

@@ -103,6 +103,21 @@ def test_unknown_preset_and_missing_file():
         resolve_model("/nonexistent/config.json")
 
 
+def test_a_folder_or_a_hub_id_is_not_called_a_missing_config_file(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FrenzyInputError, match="has no config.json") as e:
+        resolve_model(str(tmp_path / "empty"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FrenzyInputError, match="has no config.json"):
+        resolve_model("empty")                          # relative: also a Hub id's shape
+    with pytest.raises(FrenzyInputError, match="Hub id in the local Hugging Face cache") as e:
+        resolve_model("someorg/not-cached")
+    assert "config file not found" not in str(e.value) and "models--someorg--not-cached" in str(e.value)
+
+
 def test_unsupported_model_type(tmp_path):
     p = tmp_path / "config.json"
     p.write_text(json.dumps({"model_type": "t5"}))

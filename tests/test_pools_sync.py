@@ -49,6 +49,20 @@ def test_pool_description_round_trips_the_gpu_facts():
     assert parse_pool_description("someone else's pool") is None
 
 
+def test_pool_description_is_a_sentence_a_person_reads():
+    # the Work Pools page of the UI shows the description on the pool's card: no JSON there
+    spec = pool_specs({"pools": [{"name": "lab", "gpu": "My Card, 24 GB", "nodes": 3, "gpus_per_node": 4}]})[0]
+    desc = pool_description(spec)
+    assert desc.startswith("Frenzy GPU pool: 12 x My Card, 24 GB on 3 nodes of 4. ")
+    assert "prefect worker start --pool lab" in desc
+    assert not any(c in desc for c in "{}[]\"") and "frenzy=" not in desc
+    assert parse_pool_description(desc) == {"gpu_type": "My Card, 24 GB", "gpus": 12, "nodes": 3, "gpus_per_node": 4}
+    # pools an older sync described as frenzy={json} are still Frenzy's (status, --prune)
+    legacy = 'Frenzy GPU pool: 2 x CPU (1 node(s) x 2). frenzy={"gpu_type": "CPU", "gpus": 2, "nodes": 1, "gpus_per_node": 2}'
+    assert parse_pool_description(legacy) == {"gpu_type": "CPU", "gpus": 2, "nodes": 1, "gpus_per_node": 2}
+    assert parse_pool_description("Frenzy GPU pool: lots of GPUs") is None
+
+
 def test_process_template_maps_gpu_variables_into_the_run_environment():
     from prefect.utilities.templating import apply_values
 
@@ -133,6 +147,13 @@ def test_sync_is_idempotent_and_resizes_limits_when_the_cluster_changes():
         assert dep.work_pool_name == a and dep.entrypoint == STANDIN
         assert dep.job_variables == {"gpu_type": "A100-80GB"}
         assert set(dep.parameter_openapi_schema["properties"]) == {"job", "plan", "assignment", "job_id"}
+        # a control pool an older sync described gets the card that says it needs a worker
+        from prefect.client.schemas.actions import WorkPoolUpdate
+        client.update_work_pool(CONTROL_POOL, WorkPoolUpdate(description="Frenzy control pool: runs frenzy-submit"))
+    r4 = sync_pools(_cluster((a, "A100-80GB", 3, 8), (b, "RTX3090-24GB", 1, 4)), **quiet)
+    assert r4.pools[CONTROL_POOL] == "updated"
+    with _client() as client:
+        assert "prefect worker start --pool frenzy" in client.read_work_pool(CONTROL_POOL).description
 
 
 @pytest.mark.prefect
@@ -227,6 +248,9 @@ def test_cli_sync_and_status_with_the_real_training_flow(tmp_path, capsys):
     assert main(["pools", "status", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert p in rows and rows["frenzy"]["gpu_type"] == "control"
+    assert main(["pools", "status"]) == 0
+    err = capsys.readouterr().err
+    assert "no worker polls the control pool 'frenzy'" in err and "prefect worker start --pool frenzy" in err
 
 
 @pytest.mark.prefect
