@@ -72,14 +72,20 @@ def test_failure_at_each_step_releases_the_allocation(step, registered, frenzy_h
 
     name, target, attr, replacement = _steps()[step]
     granted = []
-    real_assign = Ledger.allocate
+    real_assign, real_claim = Ledger.allocate, Ledger.claim_many
 
     def spy(self, *a, **k):
         alloc = real_assign(self, *a, **k)
         granted.append(alloc.id)
         return alloc
 
+    def spy_many(self, *a, **k):            # the live scheduler's round starts jobs in one batch
+        out = real_claim(self, *a, **k)
+        granted.extend(x.id for x in out if not isinstance(x, str))
+        return out
+
     monkeypatch.setattr(Ledger, "allocate", spy)
+    monkeypatch.setattr(Ledger, "claim_many", spy_many)
     monkeypatch.setattr(target, attr, replacement)
     with pytest.raises(Exception):
         submit_training(job=TINY, cluster=registered)
