@@ -144,6 +144,34 @@ def _all_reduce_sum(t):
     return t
 
 
+def begin_step(step: int, steps: int, spec: dict[str, Any], inject_at: int | None) -> float:
+    """The start of an optimizer step in every training loop: the rehearsed out-of-memory
+    failure (``FRENZY_INJECT_OOM_AT_STEP``) when due, else the step's learning rate."""
+    import torch
+
+    from trainer.optim import lr_at
+
+    if inject_at is not None and step == inject_at:
+        raise torch.OutOfMemoryError(
+            f"CUDA out of memory. (rehearsal injected by FRENZY_INJECT_OOM_AT_STEP={inject_at} at step {step})")
+    return lr_at(step, spec["lr"], steps, spec.get("schedule"))
+
+
+def sync_step(run_dir: Path, main: bool, loss_sum, device):
+    """One collective per step: the loss (summed over ranks) and rank 0's control request (only
+    rank 0 contributes it), so every rank acts on it after this same step. Returns rank 0's
+    request (None elsewhere) and the reduced ``[loss_sum, action code]``."""
+    import torch
+
+    from trainer import control
+
+    req = control.read_request(run_dir) if main else None
+    code = 0
+    if req is not None:
+        code = control.ACTION_CODES[req["action"]] | (control.ACTION_CODES["export"] if req.get("export") else 0)
+    return req, _all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(code), device=device)]))
+
+
 def evaluate(model, source, *, count: int, mb: int, rank: int, world: int, device) -> float:
     """Mean token loss over held-out sequences ``0..count-1`` of ``source``, split over ranks.
     Every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively in each
@@ -191,7 +219,7 @@ def train(run_dir: Path) -> None:
     from trainer import control
     from trainer.data import TokenSource, eval_source
     from trainer.modeling import add_adapters, build_model, count_params, export, uses_adapters
-    from trainer.optim import lr_at, make_optimizer
+    from trainer.optim import make_optimizer
     from trainer.parallel import layout_of, plan_world, uses_deepspeed, without_partitioned_build
 
     spec = json.loads((run_dir / "train_spec.json").read_text())
@@ -303,10 +331,7 @@ def train(run_dir: Path) -> None:
     stopped: dict[str, Any] | None = None
     for step in range(start + 1, steps + 1):
         t0 = time.perf_counter()
-        if inject_at is not None and step == inject_at:
-            raise torch.OutOfMemoryError(
-                f"CUDA out of memory. (rehearsal injected by FRENZY_INJECT_OOM_AT_STEP={inject_at} at step {step})")
-        lr = lr_at(step, spec["lr"], steps, spec.get("schedule"))
+        lr = begin_step(step, steps, spec, inject_at)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
@@ -325,13 +350,7 @@ def train(run_dir: Path) -> None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach().float()
-        # one collective per step: the loss (summed) and rank 0's control request (only rank 0
-        # contributes it), so every rank acts on it after this same step
-        req = control.read_request(run_dir) if main else None
-        code = 0
-        if req is not None:
-            code = control.ACTION_CODES[req["action"]] | (control.ACTION_CODES["export"] if req.get("export") else 0)
-        packed = _all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(code), device=device)]))
+        req, packed = sync_step(run_dir, main, loss_sum, device)
         mean_loss = float(packed[0]) / (ga * world)
         code = int(round(float(packed[1])))
         if device.type == "cuda":
@@ -409,7 +428,7 @@ def train_pipelined(run_dir: Path, spec: dict[str, Any], rank: int, world: int, 
     from trainer import control
     from trainer.data import TokenSource
     from trainer.modeling import build_model, count_params
-    from trainer.optim import lr_at, make_optimizer
+    from trainer.optim import make_optimizer
     from trainer.parallel import pipeline
 
     plan = spec["plan"]
@@ -485,18 +504,11 @@ def train_pipelined(run_dir: Path, spec: dict[str, Any], rank: int, world: int, 
     stopped: dict[str, Any] | None = None
     for step in range(start + 1, steps + 1):
         t0 = time.perf_counter()
-        if inject_at is not None and step == inject_at:
-            raise torch.OutOfMemoryError(
-                f"CUDA out of memory. (rehearsal injected by FRENZY_INJECT_OOM_AT_STEP={inject_at} at step {step})")
-        lr = lr_at(step, spec["lr"], steps, spec.get("schedule"))
+        lr = begin_step(step, steps, spec, inject_at)
         # the data-parallel rank's micro-batches, in the order a single process accumulates them
         x = torch.cat([source.batch((step - 1) * G + (j * dp + lay.dp_rank) * mb, mb) for j in range(ga)]).to(device)
         loss_sum = pipe.step(x, clip, lr)
-        req = control.read_request(run_dir) if main else None
-        code = 0
-        if req is not None:
-            code = control.ACTION_CODES[req["action"]] | (control.ACTION_CODES["export"] if req.get("export") else 0)
-        packed = _all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(code), device=device)]))
+        req, packed = sync_step(run_dir, main, loss_sum, device)
         mean_loss = float(packed[0]) / (ga * dp)     # only the last stages hold losses
         code = int(round(float(packed[1])))
         if cuda:
