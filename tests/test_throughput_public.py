@@ -54,6 +54,26 @@ def test_bad_rows_are_reported_not_expressible_with_the_reason(tmp_path, capsys)
     assert "reproduce: PYTHONPATH=$PWD python bench/throughput_public.py --csv" in out
 
 
+def test_rows_the_source_flags_are_scored_and_reported_apart(tmp_path, capsys):
+    """A CAUTION row counts in every headline figure; the per-type medians are shown once more
+    without it (text only), so a type whose median rests on a flagged measurement is visible."""
+    flagged = GOOD.format(gpu="A100-80GB", meas=5000).replace("attention=flash",
+                                                               '"CAUTION anomalous; attention=flash"')
+    p = _csv(tmp_path, [GOOD.format(gpu="A100-80GB", meas=20000), flagged])
+    rows = tp.load(p)
+    assert [r.caution for r in rows] == [False, True]
+    tp.predict(rows)
+    s = tp.summary(rows)
+    assert s["expressible"] == 2 and s["_caution_rows"] == 1
+    both = sorted(r.ratio for r in rows)
+    assert s["per_gpu_median_ratio"]["A100-80GB"] == pytest.approx(sum(both) / 2, rel=1e-3)
+    assert s["_per_gpu_no_caution"]["A100-80GB"] == pytest.approx(rows[0].ratio, rel=1e-3)
+    assert tp.main(["--csv", str(p), "--terms"]) == 0
+    out = capsys.readouterr().out
+    assert "without the 1 row the source flags (CAUTION): A100-80GB" in out
+    assert "compute" in out and "memory" in out and "--terms" in out
+
+
 def test_missing_column_and_missing_file(tmp_path, capsys):
     p = tmp_path / "short.csv"
     p.write_text("row,model,gpu\n1,m,H100-80GB\n")
