@@ -10,6 +10,7 @@ malformed column or a configuration the model cannot express is listed as not ex
 its reason, never a crash.
 
     python bench/throughput_public.py [--csv PATH] [--json] [--calibrate-on SOURCES] [--terms]
+                                      [--factor NAME=VALUE ...]
 
 ``--json``: the last line is one JSON object {"rows", "expressible", "median_ratio", "p10_ratio",
 "p90_ratio", "per_gpu_median_ratio", "rank_pairs", "rank_pairs_correct"} (plus, with
@@ -19,6 +20,9 @@ scored like every other; the per-GPU medians are printed a second time without t
 only: the JSON keeps the fields above), so a type's figure that rests on such a row shows.
 ``--terms``: per row, the share of the predicted step time in each part of the model (compute,
 memory-bound kernels, communication, optimizer, overheads), to see which term a ratio hangs on.
+``--factor NAME=VALUE`` (repeatable): a what-if, every row scored with that named ``Factors``
+field set (e.g. ``eager_bytes_per_score=46``) instead of the default; it sizes what a term would
+have to be, it does not change the model.
 ``--calibrate-on``: comma-separated source prefixes (e.g. ``mosaicml,lambdal``): refit the model's
 named per-GPU factors (``estimator.throughput.fit_factors``) on those rows and score the others
 (the held-out part) before and after.
@@ -240,6 +244,21 @@ def print_summary(s: dict[str, Any], title: str) -> None:
         print(f"    wrong: {w}")
 
 
+def what_if(pairs: list[str]) -> Factors:
+    """``NAME=VALUE`` pairs -> the default factors with those scalar fields set."""
+    scalar = {k for k, v in DEFAULT_FACTORS.__dataclass_fields__.items() if v.type in ("float", float)}
+    kw: dict[str, float] = {}
+    for p in pairs:
+        name, _, value = p.partition("=")
+        if name not in scalar:
+            raise ValueError(f"{name!r} is not a scalar throughput factor (one of {', '.join(sorted(scalar))})")
+        try:
+            kw[name] = float(value)
+        except ValueError:
+            raise ValueError(f"{name}: {value!r} is not a number") from None
+    return DEFAULT_FACTORS.with_(**kw) if kw else DEFAULT_FACTORS
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", default=str(DEFAULT_CSV), help="CSV in the public file's schema")
@@ -248,16 +267,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated source prefixes to refit the per-GPU factors on; "
                          "the other rows are the held-out part")
     ap.add_argument("--terms", action="store_true", help="per row, the share of each part of the step time")
+    ap.add_argument("--factor", action="append", default=[], metavar="NAME=VALUE",
+                    help="what-if: score with this named throughput factor set (repeatable)")
     args = ap.parse_args(argv)
     path = Path(args.csv)
     if not path.is_file():
         print(f"--csv: no such file {path}", file=sys.stderr)
         return 2
+    try:
+        factors = what_if(args.factor)
+    except ValueError as e:
+        print(f"--factor: {e}", file=sys.stderr)
+        return 2
     rows = load(path)
-    predict(rows)
+    predict(rows, factors)
     print_rows(rows)
     if args.terms:
-        print_terms(rows)
+        print_terms(rows, factors)
     s = summary(rows)
     print_summary(s, "all rows")
     out = {k: v for k, v in s.items() if not k.startswith("_")}
@@ -266,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         fit_rows = [r for r in rows if r.source.lower().startswith(prefixes)]
         held = [r for r in rows if not r.source.lower().startswith(prefixes)]
         before = summary(held)
-        fitted = fit_factors(measurements(fit_rows))
+        fitted = fit_factors(measurements(fit_rows), factors)
         predict(held, fitted)
         after = summary(held)
         print_summary(before, f"held-out ({len(held)} rows not from {','.join(prefixes)}), default factors")
@@ -278,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                               "util": {g: round(u, 4) for g, u in sorted(fitted.util.items())}}
     cmd = "python bench/throughput_public.py" + ("" if path == DEFAULT_CSV else f" --csv {args.csv}") \
         + (f" --calibrate-on {args.calibrate_on}" if args.calibrate_on else "") + (" --terms" if args.terms else "") \
+        + "".join(f" --factor {p}" for p in args.factor) \
         + (" --json" if args.json else "")
     print(f"\nreproduce: PYTHONPATH=$PWD {cmd}")
     if args.json:

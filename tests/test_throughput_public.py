@@ -74,6 +74,20 @@ def test_rows_the_source_flags_are_scored_and_reported_apart(tmp_path, capsys):
     assert "compute" in out and "memory" in out and "--terms" in out
 
 
+def test_a_what_if_factor_rescores_every_row_and_bad_names_are_refused(tmp_path, capsys):
+    p = _csv(tmp_path, [GOOD.format(gpu="A100-80GB", meas=20000)])
+    assert tp.main(["--csv", str(p), "--json"]) == 0
+    base = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["median_ratio"]
+    # more bytes per norm / residual element: more memory-bound time, a lower predicted speed
+    assert tp.main(["--csv", str(p), "--json", "--factor", "norm_residual_bytes_per_h=500"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["median_ratio"] < base
+    assert "--factor norm_residual_bytes_per_h=500" in out
+    assert tp.main(["--csv", str(p), "--factor", "util=0.5"]) == 2
+    assert tp.main(["--csv", str(p), "--factor", "mem_bw_eff=fast"]) == 2
+    assert "not a scalar throughput factor" in capsys.readouterr().err
+
+
 def test_missing_column_and_missing_file(tmp_path, capsys):
     p = tmp_path / "short.csv"
     p.write_text("row,model,gpu\n1,m,H100-80GB\n")
