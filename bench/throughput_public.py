@@ -9,11 +9,20 @@ types) that the model orders like the measurements. A row with an unknown GPU ty
 malformed column or a configuration the model cannot express is listed as not expressible with
 its reason, never a crash.
 
-    python bench/throughput_public.py [--csv PATH] [--json] [--calibrate-on SOURCES]
+    python bench/throughput_public.py [--csv PATH] [--json] [--calibrate-on SOURCES] [--terms]
+                                      [--factor NAME=VALUE ...]
 
 ``--json``: the last line is one JSON object {"rows", "expressible", "median_ratio", "p10_ratio",
 "p90_ratio", "per_gpu_median_ratio", "rank_pairs", "rank_pairs_correct"} (plus, with
 ``--calibrate-on``, the held-out figures before and after calibrating).
+A row whose notes carry the source's ``CAUTION`` (a measurement SOURCES.md flags as anomalous) is
+scored like every other; the per-GPU medians are printed a second time without those rows (text
+only: the JSON keeps the fields above), so a type's figure that rests on such a row shows.
+``--terms``: per row, the share of the predicted step time in each part of the model (compute,
+memory-bound kernels, communication, optimizer, overheads), to see which term a ratio hangs on.
+``--factor NAME=VALUE`` (repeatable): a what-if, every row scored with that named ``Factors``
+field set (e.g. ``eager_bytes_per_score=46``) instead of the default; it sizes what a term would
+have to be, it does not change the model.
 ``--calibrate-on``: comma-separated source prefixes (e.g. ``mosaicml,lambdal``): refit the model's
 named per-GPU factors (``estimator.throughput.fit_factors``) on those rows and score the others
 (the held-out part) before and after.
@@ -39,7 +48,7 @@ from estimator.catalog import CATALOG  # noqa: E402
 from estimator.errors import FrenzyInputError  # noqa: E402
 from estimator.plan import Plan  # noqa: E402
 from estimator.throughput import (DEFAULT_FACTORS, Factors, Measurement, fit_factors,  # noqa: E402
-                                  tokens_per_s)
+                                  step_time_breakdown, tokens_per_s)
 
 _PUBLIC = Path("shared") / "data" / "throughput-public" / "published.csv"
 # the shared data folder sits in the checkout or beside it (worktrees: two levels up)
@@ -50,6 +59,7 @@ INT_COLS = ("params", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "
 STR_COLS = ("row", "source", "model", "act_ckpt", "precision", "gpu")
 FLOAT_COLS = ("measured_tokens_per_s_per_gpu",)
 ATTN = re.compile(r"attention\s*=\s*(\w+)")
+CAUTION = re.compile(r"\bCAUTION\b")        # the source flags this measurement as anomalous
 NO_HEAD = re.compile(r"\bno (LM|language[- ]model) head\b", re.I)
 
 
@@ -65,6 +75,7 @@ class Row:
     plan: Any = None
     nodes: int = 1
     reason: str = ""          # empty: expressible
+    caution: bool = False     # the notes carry the source's CAUTION (kept, reported apart)
     predicted: float = 0.0
 
     @property
@@ -75,7 +86,8 @@ class Row:
 def parse_row(d: dict[str, str]) -> Row:
     """One CSV row -> a Row with a spec and a plan, or with ``reason`` saying why it is not expressible."""
     r = Row(row=str(d.get("row") or "?"), source=str(d.get("source") or ""), model=str(d.get("model") or "?"),
-            gpu=str(d.get("gpu") or "?"), seq_len=0, measured=float("nan"))
+            gpu=str(d.get("gpu") or "?"), seq_len=0, measured=float("nan"),
+            caution=bool(CAUTION.search(d.get("notes") or "")))
     try:
         missing = [c for c in INT_COLS + STR_COLS + FLOAT_COLS if (d.get(c) or "").strip() == ""]
         if missing:
@@ -150,8 +162,11 @@ def summary(rows: list[Row]) -> dict[str, Any]:
     ok = [r for r in rows if not r.reason]
     ratios = [r.ratio for r in ok]
     by_gpu: dict[str, list[float]] = {}
+    by_gpu_plain: dict[str, list[float]] = {}      # without the rows the source flags (CAUTION)
     for r in ok:
         by_gpu.setdefault(r.gpu, []).append(r.ratio)
+        if not r.caution:
+            by_gpu_plain.setdefault(r.gpu, []).append(r.ratio)
     jobs: dict[tuple[str, int], list[Row]] = {}
     for r in ok:
         jobs.setdefault((r.model, r.seq_len), []).append(r)
@@ -175,6 +190,9 @@ def summary(rows: list[Row]) -> dict[str, Any]:
             "p10_ratio": round(_q(ratios, 0.1), 4) if ratios else None,
             "p90_ratio": round(_q(ratios, 0.9), 4) if ratios else None,
             "per_gpu_median_ratio": {g: round(statistics.median(v), 4) for g, v in sorted(by_gpu.items())},
+            "_per_gpu_no_caution": {g: round(statistics.median(v), 4)
+                                    for g, v in sorted(by_gpu_plain.items())},
+            "_caution_rows": sum(r.caution for r in ok),
             "rank_pairs": pairs, "rank_pairs_correct": correct, "_wrong_pairs": wrong,
             "_gap_median": statistics.median(gaps) if gaps else None, "_gap_max": max(gaps) if gaps else None}
 
@@ -198,16 +216,47 @@ def print_rows(rows: list[Row]) -> None:
               f"{r.measured:>10.0f}{r.predicted:>11.0f}{r.ratio:>7.2f}")
 
 
+def print_terms(rows: list[Row], factors: Factors = DEFAULT_FACTORS) -> None:
+    """Per row: the share of the predicted step time in each part of ``StepTime``."""
+    parts = ("compute", "memory", "bubble", "dp_comm", "tp_comm", "pp_comm", "optimizer", "offload", "overhead")
+    print(f"\n{'row':>4} {'gpu':<15}" + "".join(f"{p:>10}" for p in parts) + f"{'step s':>10}")
+    for r in rows:
+        if r.reason:
+            continue
+        b = step_time_breakdown(r.spec, r.plan, CATALOG[r.gpu], seq_len=r.seq_len, nodes=r.nodes, factors=factors)
+        print(f"{r.row:>4} {r.gpu:<15}" + "".join(f"{getattr(b, p) / b.total:>10.3f}" for p in parts)
+              + f"{b.total:>10.3f}")
+
+
 def print_summary(s: dict[str, Any], title: str) -> None:
     print(f"\n{title}: {s['expressible']}/{s['rows']} rows expressible; predicted/measured median "
           f"{s['median_ratio']}, p10 {s['p10_ratio']}, p90 {s['p90_ratio']}")
     print("  per GPU type: " + ", ".join(f"{g} {v:.2f}" for g, v in s["per_gpu_median_ratio"].items()))
+    if s["_caution_rows"]:
+        n = s["_caution_rows"]
+        print(f"  per GPU type without the {n} row{'s' if n != 1 else ''} the source flags (CAUTION): "
+              + ", ".join(f"{g} {v:.2f}" for g, v in s["_per_gpu_no_caution"].items()))
     print(f"  same-job pairs of GPU types ordered right: {s['rank_pairs_correct']}/{s['rank_pairs']}")
     if s["_gap_median"] is not None:
         print(f"  their speed ratio (predicted / measured): median error {math.exp(s['_gap_median']) - 1:+.1%}"
               f", worst {math.exp(s['_gap_max']) - 1:+.1%}")
     for w in s["_wrong_pairs"]:
         print(f"    wrong: {w}")
+
+
+def what_if(pairs: list[str]) -> Factors:
+    """``NAME=VALUE`` pairs -> the default factors with those scalar fields set."""
+    scalar = {k for k, v in DEFAULT_FACTORS.__dataclass_fields__.items() if v.type in ("float", float)}
+    kw: dict[str, float] = {}
+    for p in pairs:
+        name, _, value = p.partition("=")
+        if name not in scalar:
+            raise ValueError(f"{name!r} is not a scalar throughput factor (one of {', '.join(sorted(scalar))})")
+        try:
+            kw[name] = float(value)
+        except ValueError:
+            raise ValueError(f"{name}: {value!r} is not a number") from None
+    return DEFAULT_FACTORS.with_(**kw) if kw else DEFAULT_FACTORS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,14 +266,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate-on", default=None,
                     help="comma-separated source prefixes to refit the per-GPU factors on; "
                          "the other rows are the held-out part")
+    ap.add_argument("--terms", action="store_true", help="per row, the share of each part of the step time")
+    ap.add_argument("--factor", action="append", default=[], metavar="NAME=VALUE",
+                    help="what-if: score with this named throughput factor set (repeatable)")
     args = ap.parse_args(argv)
     path = Path(args.csv)
     if not path.is_file():
         print(f"--csv: no such file {path}", file=sys.stderr)
         return 2
+    try:
+        factors = what_if(args.factor)
+    except ValueError as e:
+        print(f"--factor: {e}", file=sys.stderr)
+        return 2
     rows = load(path)
-    predict(rows)
+    predict(rows, factors)
     print_rows(rows)
+    if args.terms:
+        print_terms(rows, factors)
     s = summary(rows)
     print_summary(s, "all rows")
     out = {k: v for k, v in s.items() if not k.startswith("_")}
@@ -233,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         fit_rows = [r for r in rows if r.source.lower().startswith(prefixes)]
         held = [r for r in rows if not r.source.lower().startswith(prefixes)]
         before = summary(held)
-        fitted = fit_factors(measurements(fit_rows))
+        fitted = fit_factors(measurements(fit_rows), factors)
         predict(held, fitted)
         after = summary(held)
         print_summary(before, f"held-out ({len(held)} rows not from {','.join(prefixes)}), default factors")
@@ -244,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                               "after": {k: v for k, v in after.items() if not k.startswith("_")},
                               "util": {g: round(u, 4) for g, u in sorted(fitted.util.items())}}
     cmd = "python bench/throughput_public.py" + ("" if path == DEFAULT_CSV else f" --csv {args.csv}") \
-        + (f" --calibrate-on {args.calibrate_on}" if args.calibrate_on else "") + (" --json" if args.json else "")
+        + (f" --calibrate-on {args.calibrate_on}" if args.calibrate_on else "") + (" --terms" if args.terms else "") \
+        + "".join(f" --factor {p}" for p in args.factor) \
+        + (" --json" if args.json else "")
     print(f"\nreproduce: PYTHONPATH=$PWD {cmd}")
     if args.json:
         print(json.dumps(out))

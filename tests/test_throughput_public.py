@@ -54,6 +54,40 @@ def test_bad_rows_are_reported_not_expressible_with_the_reason(tmp_path, capsys)
     assert "reproduce: PYTHONPATH=$PWD python bench/throughput_public.py --csv" in out
 
 
+def test_rows_the_source_flags_are_scored_and_reported_apart(tmp_path, capsys):
+    """A CAUTION row counts in every headline figure; the per-type medians are shown once more
+    without it (text only), so a type whose median rests on a flagged measurement is visible."""
+    flagged = GOOD.format(gpu="A100-80GB", meas=5000).replace("attention=flash",
+                                                               '"CAUTION anomalous; attention=flash"')
+    p = _csv(tmp_path, [GOOD.format(gpu="A100-80GB", meas=20000), flagged])
+    rows = tp.load(p)
+    assert [r.caution for r in rows] == [False, True]
+    tp.predict(rows)
+    s = tp.summary(rows)
+    assert s["expressible"] == 2 and s["_caution_rows"] == 1
+    both = sorted(r.ratio for r in rows)
+    assert s["per_gpu_median_ratio"]["A100-80GB"] == pytest.approx(sum(both) / 2, rel=1e-3)
+    assert s["_per_gpu_no_caution"]["A100-80GB"] == pytest.approx(rows[0].ratio, rel=1e-3)
+    assert tp.main(["--csv", str(p), "--terms"]) == 0
+    out = capsys.readouterr().out
+    assert "without the 1 row the source flags (CAUTION): A100-80GB" in out
+    assert "compute" in out and "memory" in out and "--terms" in out
+
+
+def test_a_what_if_factor_rescores_every_row_and_bad_names_are_refused(tmp_path, capsys):
+    p = _csv(tmp_path, [GOOD.format(gpu="A100-80GB", meas=20000)])
+    assert tp.main(["--csv", str(p), "--json"]) == 0
+    base = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["median_ratio"]
+    # more bytes per norm / residual element: more memory-bound time, a lower predicted speed
+    assert tp.main(["--csv", str(p), "--json", "--factor", "norm_residual_bytes_per_h=500"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["median_ratio"] < base
+    assert "--factor norm_residual_bytes_per_h=500" in out
+    assert tp.main(["--csv", str(p), "--factor", "util=0.5"]) == 2
+    assert tp.main(["--csv", str(p), "--factor", "mem_bw_eff=fast"]) == 2
+    assert "not a scalar throughput factor" in capsys.readouterr().err
+
+
 def test_missing_column_and_missing_file(tmp_path, capsys):
     p = tmp_path / "short.csv"
     p.write_text("row,model,gpu\n1,m,H100-80GB\n")
