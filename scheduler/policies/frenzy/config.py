@@ -69,6 +69,9 @@ class Stopgap:
     (+28% -> +15%; docs/benchmarks.md, ablation)."""
 
     enabled: bool = False
+    yields: bool = False             # step 6b (``preempt.yield_for``): a run that would finish about as
+                                     # soon on another type's queue gives its GPUs to a waiter that
+                                     # gains ``Shrink.gain`` x what it loses (stopgaps made preemptible)
     move_up: bool = False             # a run on a plan slower than its fastest queue plan competes in
                                      # the queue pass, in SRPT order, for a faster plan that starts
                                      # now (its remaining time, restart included, must drop by the

@@ -11,7 +11,7 @@ from .choose import choose, idle_menu, lightly_loaded, order_queue, start_now, s
 from .config import FrenzyConfig
 from .gate import build_menu, memory_gate
 from .grow import grow_runs
-from .preempt import preempt_for, preemptible, shrink_for
+from .preempt import preempt_for, preemptible, shrink_for, yield_for
 from .profile import build_profiles, expected_end
 from .recall import recall
 from .records import GpuCounts, Menu, Run, WaitNote, Waiter
@@ -210,6 +210,14 @@ class FrenzyPolicy(Policy):
             started_now = {d.job_id for d in out}
             waiting = [w for w in waiting if w.job.job_id not in started_now]
             notes[:] = [n for n in notes if n.job_id not in started_now]
+        # step 6b: runs that would finish about as soon on another type yield to waiters
+        if cfg.stopgap.yields and waiting:
+            moved = yield_for(waiting, runs, idx, profiles, now, per_node, cfg, {d.job_id for d in out})
+            if moved:
+                out.extend(moved)
+                started_now = {d.job_id for d in moved if d.action == "start"}
+                waiting = [w for w in waiting if w.job.job_id not in started_now]
+                notes[:] = [n for n in notes if n.job_id not in started_now]
         # step 8: waiters recall lent GPUs; step 7: nothing waits, runs grow onto idle GPUs
         if waiting and cfg.recall.enabled:
             out.extend(recall(waiting, runs, idx, now, per_node, cfg, {d.job_id for d in out}))

@@ -6,9 +6,10 @@ import math
 from scheduler.placement import FreeIndex, placement_gpus
 from scheduler.types import ClusterState, Decision, JobRequest
 
+from .choose import choose
 from .config import FrenzyConfig
-from .profile import expected_end
-from .records import Cand, GpuCounts, Menu, Pick, Run
+from .profile import Profile, expected_end
+from .records import Cand, GpuCounts, Menu, Pick, Run, Waiter
 from .resize import restart_cost, shrink_to_fit, steps_left
 
 INF = math.inf
@@ -127,3 +128,76 @@ def shrink_for(job: JobRequest, menu: Menu, pick: Pick, runs: dict[str, Run], id
         return NOTHING
     ends[run.rj.job_id] = now + vdur
     return moved, {run.rj.job_id}, Pick(c, now, d)
+
+
+def yield_for(waiting: list[Waiter], runs: dict[str, Run], idx: FreeIndex, profiles: dict[str, Profile],
+              now: float, per_node: GpuCounts, cfg: FrenzyConfig, touched: set[str]) -> list[Decision]:
+    """Step 6b, stopgaps yield (``Stopgap.yields``): a run that would finish about as soon on
+    another GPU type's queue (a stopgap on slow GPUs waiting for its fast plan) gives its GPUs
+    to a waiter that would otherwise wait, when the waiter's predicted time saved exceeds
+    ``Shrink.gain`` x the run's predicted loss: checkpoint-preempted, back in the queue, it
+    completes at its best plan on another type (start read off that type's profile) plus a
+    restart, instead of at its current predicted end. A run yields at most once per round,
+    never in its grace period or beyond ``Preemption.max_per_job``; the waiter's run must not
+    outlast the run it replaces where the type holds reservations (they counted on its GPUs)."""
+    pc = cfg.preempt
+    victims: dict[str, list[tuple[float, float, Run]]] = {}   # type -> (loss s, end, run), least loss first
+    for run in runs.values():
+        rj = run.rj
+        req = rj.request
+        if (not rj.placement or rj.job_id in touched or now - rj.start_s < pc.grace_s
+                or req.preemptions >= pc.max_per_job):
+            continue
+        rem = expected_end(rj, now, cfg.backfill) - now
+        if rem == INF:
+            continue
+        steps = max(1, int(steps_left(run, rem, now, cfg.restart.launch_s)))
+        others = [c for c in run.menu.queue if c.gpu_type != run.gpu_type]
+        alt = choose(others, steps, profiles, idx.total, now, cfg.choice) if others else None
+        if alt is None:
+            continue
+        c = alt.cand
+        loss = max(alt.start, now) + alt.dur + restart_cost(run.ckpt_gb, c.gpu_type, c.gpus, per_node, cfg.restart) - (now + rem)
+        victims.setdefault(run.gpu_type, []).append((loss, now + rem, run))
+    if not victims:
+        return []
+    for v in victims.values():
+        v.sort(key=lambda x: x[0])
+    out: list[Decision] = []
+    gone: set[str] = set()
+    for w in waiting:
+        if w.start - now < pc.min_wait_s:
+            continue
+        steps = max(w.job.steps_left, 1)
+        end_w = w.start + w.dur
+        best = None                               # (net gain, waiter cand, run)
+        for c in w.menu.queue:
+            d = c.step_s * steps
+            gain = end_w - (now + d)
+            if gain <= 0:
+                continue
+            free = idx.free_gpus(c.gpu_type)
+            prof = profiles.get(c.gpu_type)
+            for loss, end, run in victims.get(c.gpu_type, ()):
+                if run.rj.job_id in gone or free + run.rj.plan.gpus < c.gpus:
+                    continue
+                if prof is not None and prof.res and now + d > end:
+                    continue
+                net = gain - cfg.shrink.gain * max(loss, 0.0)
+                if net > 0 and (best is None or net > best[0]):
+                    best = (net, c, run)
+                break                             # least loss first: the others lose more
+        if best is None:
+            continue
+        _, c, run = best
+        rj = run.rj
+        idx.release(rj.placement)
+        place = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
+        if place is None:
+            idx.commit(rj.placement)
+            continue
+        idx.commit(place)
+        gone.add(rj.job_id)
+        out += [Decision(job_id=rj.job_id, plan=None, placement={}, action="preempt", reason=f"yield for {w.job.job_id}"),
+                Decision(job_id=w.job.job_id, plan=c.plan, placement=place, reason="start after yield")]
+    return out
