@@ -46,6 +46,9 @@ class Choice:
                                      # 4 within a point of each other, never waiting (1000) no better,
                                      # short_s 3600 as 1800; ungated, itp01 went -18% -> +34% vs Sia.
                                      # 0 turns the step off
+    count_launch: bool = False       # (measured, off) a plan's duration includes the start-up it pays
+                                     # (RestartCost.launch_s): Sia-like cluster07 and the small
+                                     # blocks within a point, seeds 0-1 (docs/benchmarks.md)
     min_efficiency: float = 0.9      # a bigger GPU count must keep >= 90% parallel efficiency vs the
                                      # fewest GPUs of that type (wasting more never pays in a queue)
     simpler_within: float = 0.01     # per GPU count, a simpler plan within 1% of the fastest is preferred
@@ -69,9 +72,6 @@ class Stopgap:
     (+28% -> +15%; docs/benchmarks.md, ablation)."""
 
     enabled: bool = False
-    yields: bool = False             # step 6b (``preempt.yield_for``): a run that would finish about as
-                                     # soon on another type's queue gives its GPUs to a waiter that
-                                     # gains ``Shrink.gain`` x what it loses (stopgaps made preemptible)
     move_up: bool = False             # a run on a plan slower than its fastest queue plan competes in
                                      # the queue pass, in SRPT order, for a faster plan that starts
                                      # now (its remaining time, restart included, must drop by the
@@ -102,6 +102,13 @@ class Preemption:
     grace_s: float = 300.0           # never a run in its first 5 min (restart costs, thrashing)
     max_per_job: int = 2             # (JobRequest.preemptions)
     heads: int = 4                   # jobs at the head of the queue that may preempt, per round
+    yields: bool = True              # step 6b (``preempt.yield_for``): after the queue pass, a run that
+                                     # would finish about as soon from another type's queue gives its
+                                     # GPUs to a waiter that gains ``Shrink.gain`` x what it loses
+                                     # (grace and max_per_job as above; its other-type wait counted as
+                                     # step 3a counts waits). Training seeds 0-1, vs Sia:
+                                     # itp01 small +2.2% -> -16.4%, -25.8% -> -34.2%; Sia-like within
+                                     # 0.3 points (docs/benchmarks.md, "Work conservation")
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,6 +154,7 @@ class FrenzyPolicy(Policy):
 
         # steps 3-5: plan choice, backfilling and queued load, in queue order
         bf = cfg.backfill
+        launch = cfg.restart.launch_s if cfg.choice.count_launch else 0.0
         reservations = 0
         depth = 0
         fastest = lightly_loaded([k for k in keyed if k.job_id not in movers], total, cfg.choice)
@@ -175,7 +176,7 @@ class FrenzyPolicy(Policy):
             cands = idle_menu(menu, total, per_node, cfg.choice) if fastest else menu.queue
             steps = max(job.steps_left, 1)
             pick = choose(cands, steps, profiles, total, now, cfg.choice, deep, fastest,
-                          wait_weight(cands, steps, total, cfg.choice))
+                          wait_weight(cands, steps, total, cfg.choice), launch)
             if pick is None:
                 notes.append(WaitNote(job.job_id, INF, None, 0, "no_free" if deep else "no_type"))
                 continue
@@ -211,7 +212,7 @@ class FrenzyPolicy(Policy):
             waiting = [w for w in waiting if w.job.job_id not in started_now]
             notes[:] = [n for n in notes if n.job_id not in started_now]
         # step 6b: runs that would finish about as soon on another type yield to waiters
-        if cfg.stopgap.yields and waiting:
+        if cfg.preempt.yields and waiting:
             moved = yield_for(waiting, runs, idx, profiles, now, per_node, cfg, {d.job_id for d in out})
             if moved:
                 out.extend(moved)

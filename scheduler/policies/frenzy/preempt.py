@@ -132,15 +132,17 @@ def shrink_for(job: JobRequest, menu: Menu, pick: Pick, runs: dict[str, Run], id
 
 def yield_for(waiting: list[Waiter], runs: dict[str, Run], idx: FreeIndex, profiles: dict[str, Profile],
               now: float, per_node: GpuCounts, cfg: FrenzyConfig, touched: set[str]) -> list[Decision]:
-    """Step 6b, stopgaps yield (``Stopgap.yields``): a run that would finish about as soon on
+    """Step 6b, runs yield (``Preemption.yields``): a run that would finish about as soon on
     another GPU type's queue (a stopgap on slow GPUs waiting for its fast plan) gives its GPUs
     to a waiter that would otherwise wait, when the waiter's predicted time saved exceeds
     ``Shrink.gain`` x the run's predicted loss: checkpoint-preempted, back in the queue, it
-    completes at its best plan on another type (start read off that type's profile) plus a
-    restart, instead of at its current predicted end. A run yields at most once per round,
+    completes at its best plan on another type (start read off that type's profile, the wait
+    counted ``1 + Choice.wait_inflation`` times as step 3a does: predicted waits ran 1.3-1.9x
+    short) plus a restart, instead of at its current predicted end. A run yields at most once per round,
     never in its grace period or beyond ``Preemption.max_per_job``; the waiter's run must not
     outlast the run it replaces where the type holds reservations (they counted on its GPUs)."""
     pc = cfg.preempt
+    distrust = 1.0 + cfg.choice.wait_inflation     # the run's wait on the other type, as step 3a counts it
     victims: dict[str, list[tuple[float, float, Run]]] = {}   # type -> (loss s, end, run), least loss first
     for run in runs.values():
         rj = run.rj
@@ -153,11 +155,11 @@ def yield_for(waiting: list[Waiter], runs: dict[str, Run], idx: FreeIndex, profi
             continue
         steps = max(1, int(steps_left(run, rem, now, cfg.restart.launch_s)))
         others = [c for c in run.menu.queue if c.gpu_type != run.gpu_type]
-        alt = choose(others, steps, profiles, idx.total, now, cfg.choice) if others else None
+        alt = choose(others, steps, profiles, idx.total, now, cfg.choice, wait_w=distrust) if others else None
         if alt is None:
             continue
         c = alt.cand
-        loss = max(alt.start, now) + alt.dur + restart_cost(run.ckpt_gb, c.gpu_type, c.gpus, per_node, cfg.restart) - (now + rem)
+        loss = now + (max(alt.start, now) - now) * distrust + alt.dur + restart_cost(run.ckpt_gb, c.gpu_type, c.gpus, per_node, cfg.restart) - (now + rem)
         victims.setdefault(run.gpu_type, []).append((loss, now + rem, run))
     if not victims:
         return []
