@@ -124,7 +124,7 @@ def print_table(results, title: str = "") -> None:
 
     t = Table(title=title or None, title_justify="left")
     cols = ["policy", "jobs", "done", "avg JCT h", "p50 h", "p99 h", "makespan h", "avg queue h",
-            "GPU util", "OOM", "sched ms p50", "p99", "lower bound h", "preempt", "idle-wait GPU-h", "sim s"]
+            "GPU util", "OOM", "sched ms p50", "p99", "lower bound h", "preempt", "sim s"]
     for c in cols:
         t.add_column(c, justify="left" if c == "policy" else "right")
     for r in results:
@@ -132,13 +132,17 @@ def print_table(results, title: str = "") -> None:
                   f"{r.p50_jct_s / 3600:.2f}", f"{r.p99_jct_s / 3600:.2f}", f"{r.makespan_s / 3600:.1f}",
                   f"{r.avg_queue_s / 3600:.2f}", f"{r.gpu_util:.2f}", str(r.oom_events),
                   f"{r.sched_ms_p50:.2f}", f"{r.sched_ms_p99:.2f}", f"{r.lower_bound_avg_jct_s / 3600:.2f}",
-                  str(r.preemptions), f"{sum(r.idle_waiting_gpu_h.values()):.1f}", f"{r.sim_wall_s:.1f}")
+                  str(r.preemptions), f"{r.sim_wall_s:.1f}")
     con = console()
     con.print(t)
     for r in results:
         note = unfinished_note(r)
         if note:
             con.print(note)
+    con.print("GPU-hours idle while a job that could use them waited: "
+              + "; ".join(f"{r.policy} {sum(r.idle_waiting_gpu_h.values()):.1f}"
+                          + (" (" + ", ".join(f"{g} {v:.1f}" for g, v in r.idle_waiting_gpu_h.items()) + ")"
+                             if r.idle_waiting_gpu_h else "") for r in results))
     common = common_jct(results)
     if common:
         n, avgs = common
