@@ -106,12 +106,11 @@ class Preemption:
     max_per_job: int = 2             # (JobRequest.preemptions)
     heads: int = 4                   # jobs at the head of the queue that may preempt, per round
     yields: bool = True              # step 6b (``preempt.yield_for``): after the queue pass, a run that
-                                     # would finish about as soon from another type's queue gives its
-                                     # GPUs to a waiter that gains ``Shrink.gain`` x what it loses
-                                     # (grace and max_per_job as above; its other-type wait counted as
-                                     # step 3a counts waits). Training seeds 0-1, vs Sia:
-                                     # itp01 small +2.2% -> -16.4%, -25.8% -> -34.2%; Sia-like within
-                                     # 0.3 points (docs/benchmarks.md, "Work conservation")
+                                     # would finish no later from another type's queue (its wait there
+                                     # counted as step 3a counts waits) gives its GPUs to a waiter
+                                     # (grace and max_per_job as above). Training seeds 0-1, vs Sia:
+                                     # itp01 small +2.2% -> -15.9%, -25.8% -> -34.2%; Sia-like unchanged
+                                     # (docs/benchmarks.md, "idle GPUs while jobs wait, measured")
 
 
 @dataclass(frozen=True, slots=True)
