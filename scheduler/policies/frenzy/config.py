@@ -69,10 +69,11 @@ class Stopgap:
     exceeds ``C x d_now / d_later``. Off: on the small cluster (itp01, seeds 0-1) it took frenzy
     from -23% / -18% to +5% / +65% against Sia (the stopgaps hold slow GPUs the next arrivals
     needed), and it only halves the round-based-world loss on the Sia-like cluster07 window
-    (+28% -> +15%; docs/benchmarks.md, ablation). Measured again with step 6b making stopgaps
-    preemptible (``Preemption.yields``): idle GPU-hours while a job waits fall from 308 to 6 on
-    cluster07 (round world) but JCT against Sia goes +0.3% -> +2.3% there (seed 1) and itp01 on
-    the small cluster -16.4% -> +2.3% (seed 0): still off."""
+    (+28% -> +15%; docs/benchmarks.md, ablation). Measured again with step 6b (in its first form,
+    runs losing time for a 1.5x larger gain also yield) making stopgaps preemptible: idle
+    GPU-hours while a job waits fall from 308 to 6 on cluster07 (round world), but JCT against
+    Sia goes +0.3% -> +2.3% there (seed 1) and itp01 on the small cluster -16.4% -> +2.3% (seed
+    0): still off."""
 
     enabled: bool = False
     move_up: bool = False             # a run on a plan slower than its fastest queue plan competes in
