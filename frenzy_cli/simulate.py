@@ -139,6 +139,10 @@ def print_table(results, title: str = "") -> None:
         note = unfinished_note(r)
         if note:
             con.print(note)
+    con.print("GPU-hours idle while a job that could use them waited: "
+              + "; ".join(f"{r.policy} {sum(r.idle_waiting_gpu_h.values()):.1f}"
+                          + (" (" + ", ".join(f"{g} {v:.1f}" for g, v in r.idle_waiting_gpu_h.items()) + ")"
+                             if r.idle_waiting_gpu_h else "") for r in results))
     common = common_jct(results)
     if common:
         n, avgs = common

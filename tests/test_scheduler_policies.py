@@ -505,7 +505,7 @@ def test_a_stopgap_run_moves_up_when_its_plan_frees_while_others_wait():
         assert start.plan is slow                             # the stopgap
         st = cluster(MIXED)                                   # the A100s are free again
         running(st, j, start, NOW, NOW + 36_000 * 2.5)
-        d = FrenzyPolicy(**kw).schedule([wide], st, NOW + 600)
+        d = FrenzyPolicy(preempt_yields=False, **kw).schedule([wide], st, NOW + 600)   # 6b alone: its own test
         got = [(x.action, x.job_id, x.plan and x.plan.gpu_type) for x in d]
         # moving up inside the queue pass also frees j's RTX cards for w in the same round
         assert got[:2] == ([("preempt", "j", None), ("start", "j", "A100-80GB")] if moves else []), got
@@ -535,3 +535,28 @@ def test_waits_say_why_each_job_waits():
     assert run_round(FrenzyPolicy(), [wide, long4], st, NOW).preempted == ["run-rtx-0-0", "run-rtx-1-0"]
     res = run_round(FrenzyPolicy(preemption=False), [wide, long4], st, NOW)
     assert "would delay a reservation" in res.waits["long4"].reason
+
+
+def test_a_run_that_would_finish_as_soon_on_another_type_yields_its_gpus_to_a_waiter():
+    # s holds 8 RTX cards for 90,000 s more; from the A100 queue (free in 1,800 s, that wait
+    # distrusted 5x) it would finish by ~45,000 s: it gives the RTX cards to w, who can only use them
+    fast, slow = plan("A100-80GB", 8, 15, 1.0), plan("RTX3090-24GB", 8, 15, 2.5)
+    w = job("w", [plan("RTX3090-24GB", 8, 15, 1.0)], steps=1000)
+    for kw, yields in (({}, True), ({"preempt_yields": False}, False)):
+        st = cluster(MIXED)
+        occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 1800)
+        occupy(st, "rtx-1", list(range(8)), plan("RTX3090-24GB", 8, 10, 1), end=NOW + 50_000)
+        s = job("s", [fast, slow], steps=36_000)
+        start = next(d for d in FrenzyPolicy(stopgap=True).schedule([s], st, 0.0) if d.job_id == "s")
+        running(st, s, start, 0.0, NOW + 36_000 * 2.5)
+        d = FrenzyPolicy(preemption=False, shrink=False, **kw).schedule([w], st, NOW)
+        got = [(x.action, x.job_id, x.plan and x.plan.gpu_type) for x in d]
+        assert got == ([("preempt", "s", None), ("start", "w", "RTX3090-24GB")] if yields else []), got
+    # a run with no plan on another type has nowhere to go: it keeps its GPUs
+    st = cluster(MIXED)
+    occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 1800)
+    occupy(st, "rtx-1", list(range(8)), plan("RTX3090-24GB", 8, 10, 1), end=NOW + 50_000)
+    only = job("s", [slow], steps=36_000)
+    start = FrenzyPolicy().schedule([only], st, 0.0)[0]
+    running(st, only, start, 0.0, NOW + 36_000 * 2.5)
+    assert FrenzyPolicy(preemption=False, shrink=False).schedule([w], st, NOW) == []

@@ -231,3 +231,16 @@ def test_a_round_based_world_sees_arrivals_and_frees_gpus_only_at_round_boundari
         assert by["a"]["first_start_s"] == pytest.approx(a_start)
         assert by["a"]["end_s"] == pytest.approx(a_start + 100)
         assert by["b"]["first_start_s"] == pytest.approx(b_start)
+
+
+def test_idle_gpu_hours_while_a_job_that_could_use_them_waits_are_counted():
+    # FIFO without backfill: from t=1 the 2-GPU head waits, one GPU free, and the head's own
+    # 1-GPU plan could have used it; once the head starts, nothing is free
+    clu = cluster({A100: (1, 2)})
+    plans = [plan(A100, 1, 1.0, 10), plan(A100, 2, 0.6, 8)]
+    jobs = [job("big-running", 0, 1000, gpus=1), job("head", 1, 100, gpus=2), job("small", 2, 10, gpus=1)]
+    _, res = run(jobs, clu, FifoUser(), plans, startup_s=0.0)
+    assert res.idle_waiting_gpu_h == pytest.approx({A100: 999.0 / 3600})
+    # a job that needs more GPUs than are free could not have used them: nothing counted
+    _, res = run(jobs, clu, FifoUser(), [plan(A100, 2, 0.6, 8)], startup_s=0.0)
+    assert res.idle_waiting_gpu_h == {}

@@ -163,6 +163,12 @@ class Simulator:
         self.busy_gpu_s = 0.0
         self.oom_events = 0
         self._finished = 0
+        # work conservation: GPU-seconds per type left free while a pending job had a plan of
+        # that type needing no more GPUs than were free (it could have used them)
+        self.idle_waiting_gpu_s: dict[str, float] = {}
+        self._idle_t = 0.0
+        self._idle_now: dict[str, int] = {}
+        self._fewest: dict[int, tuple[list, int, dict[str, int]]] = {}
 
     # ------------------------------------------------------------------ event plumbing
     def _push(self, t: float, kind: int, ji: int = -1, token: int = 0) -> None:
@@ -190,6 +196,7 @@ class Simulator:
         try:
             while self.heap:
                 t = self.heap[0][0]
+                self._count_idle(t)
                 changed = False
                 round_due = False
                 while self.heap and self.heap[0][0] <= t:
@@ -224,6 +231,7 @@ class Simulator:
                         self._push(next_round_s(policy, t, tick_s, after_round=True), _ROUND)
                         tick_queued = True
                 self._record_queue(t)
+                self._see_idle(t)
                 if bar is not None:
                     bar.update(self._finished)
                 # nothing can ever change again: nothing runs, nothing arrives, rounds place nothing
@@ -354,6 +362,44 @@ class Simulator:
                 self.by_id[d.job_id].resizes += 1
             self._start(d, t)
         return len(result.starts)
+
+    def _count_idle(self, t: float) -> None:
+        dt = t - self._idle_t
+        if dt > 0:
+            for g, n in self._idle_now.items():
+                self.idle_waiting_gpu_s[g] = self.idle_waiting_gpu_s.get(g, 0.0) + n * dt
+        self._idle_t = t
+
+    def _see_idle(self, t: float) -> None:
+        """Free GPUs per type that some pending job could have started on (a plan of that type
+        needing no more GPUs than are free), from now until the next event."""
+        self._idle_t = t
+        self._idle_now = {}
+        if not self.pending:
+            return
+        free: dict[str, int] = {}
+        for n in self.state.nodes:
+            if n.free:
+                free[n.gpu_type] = free.get(n.gpu_type, 0) + len(n.free)
+        if not free:
+            return
+        need: dict[str, int] = {}
+        for sj in self.pending.values():
+            for g, k in self._fewest_of(sj.req.plans).items():
+                if k < need.get(g, 1 << 30):
+                    need[g] = k
+        self._idle_now = {g: f for g, f in free.items() if need.get(g, 1 << 30) <= f}
+
+    def _fewest_of(self, plans: list) -> dict[str, int]:
+        hit = self._fewest.get(id(plans))
+        if hit is not None and hit[0] is plans and hit[1] == len(plans):
+            return hit[2]
+        fewest: dict[str, int] = {}
+        for p in plans:
+            if p.gpus < fewest.get(p.gpu_type, 1 << 30):
+                fewest[p.gpu_type] = p.gpus
+        self._fewest[id(plans)] = (plans, len(plans), fewest)
+        return fewest
 
     def _record_queue(self, t: float) -> None:
         q = len(self.pending)

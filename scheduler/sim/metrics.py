@@ -12,6 +12,8 @@ Definitions (all over the workload's jobs):
 * ``oom_events``: runs that died of out-of-memory.
 * ``sched_ms_p50`` / ``sched_ms_p99``: wall time of one ``Policy.schedule`` call (rounds a
   policy answered from memory because its inputs had not changed are left out).
+* ``idle_waiting_gpu_h`` (beyond the contract): per GPU type, GPU-hours left free while a
+  pending job had a plan of that type needing no more GPUs than were free (work conservation).
 * ``lower_bound_avg_jct_s``: mean over jobs of ``startup_s + steps x real step time`` of the
   fastest plan that really fits (truth, not prediction) with the cluster to itself.
 """
@@ -60,6 +62,7 @@ class SimResult:
     preemptions: int = 0
     rounds: int = 0
     sim_wall_s: float = 0.0
+    idle_waiting_gpu_h: dict[str, float] = field(default_factory=dict)
     jcts: list[float] = field(default_factory=list, repr=False)
     queue_series: list[tuple[float, int]] = field(default_factory=list, repr=False)
     per_job: list[dict[str, Any]] = field(default_factory=list, repr=False)
@@ -110,4 +113,5 @@ def summarise(sim, wall_s: float) -> SimResult:
         stranded=sum(sj.state in ("pending", "running") for sj in sim.jobs),
         preemptions=sum(sj.preemptions for sj in sim.jobs),
         rounds=sim.rounds, sim_wall_s=wall_s, jcts=jcts,
+        idle_waiting_gpu_h={g: s / 3600.0 for g, s in sorted(sim.idle_waiting_gpu_s.items())},
         queue_series=list(sim.queue_series), per_job=per_job)

@@ -31,7 +31,9 @@ its configuration in one dataclass of ``config.FrenzyConfig``:
    ``Preemption``, ``Shrink``). A job near the head of the queue that would wait over 1 min may
    checkpoint-preempt runs with over 4x its remaining work (never in their first 5 min, at
    most twice per job); failing that, shrink one run onto fewer GPUs of its type when the time
-   it saves is 1.5x what that run loses.
+   it saves is 1.5x what that run loses. 6b, after the queue pass (``preempt.yield_for``,
+   ``Preemption.yields``): a run that would finish no later from another GPU type's queue (its
+   wait there counted as step 3a counts waits, a restart included) yields its GPUs to a waiter.
 7. Elastic growth (``grow.grow_runs``, ``Growth``). When no job is left waiting, runs (longest
    remaining first) restart on a faster plan on the idle GPUs if their remaining time, restart
    and checkpoint restore included (``resize.restart_cost``, ``RestartCost``), drops by >= 10%

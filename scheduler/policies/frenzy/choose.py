@@ -75,14 +75,17 @@ def wait_weight(menu: list[Cand], steps: int, free: GpuCounts, cfg: Choice) -> f
 
 
 def choose(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: GpuCounts, now: float,
-           cfg: Choice, deep: bool = False, fastest: bool = False, wait_w: float = 1.0) -> Pick | None:
+           cfg: Choice, deep: bool = False, fastest: bool = False, wait_w: float = 1.0,
+           launch_s: float = 0.0) -> Pick | None:
     """The plan with the earliest predicted completion (start read off the type's availability
     profile + duration); among plans within ``tolerance`` of it, the one using the fewest
     GPU-seconds (leaving GPUs to the jobs behind). ``fastest`` (idle GPUs: nothing to leave them
     to): the soonest-finishing plan that starts now, if within tolerance. ``deep``: give up as
     soon as waiting clearly beats the fastest immediate start (such a job does nothing this
-    round). ``wait_w`` (``wait_weight``): how much a predicted wait counts. None when no plan
-    can ever start."""
+    round). ``wait_w`` (``wait_weight``): how much a predicted wait counts. ``launch_s``
+    (``Choice.count_launch``): the start-up every plan pays before training, part of its
+    duration, so a wide plan's GPU-seconds include its GPUs' idle launch. None when no plan can
+    ever start."""
     tol1 = 1.0 + cfg.tolerance
     best_rel = lim = INF
     options = []                      # (relative completion, GPU-seconds, cand, start, duration)
@@ -91,7 +94,7 @@ def choose(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: Gpu
     prof_of, free_of = profiles.get, free.get
     for c in menu:                    # fastest first
         step_s, n, g, _ = c
-        dur = step_s * steps
+        dur = step_s * steps + launch_s
         if dur > lim:
             break                     # even starting now this plan is not within tolerance
         prof = prof_of(g)

@@ -46,6 +46,9 @@ class Choice:
                                      # 4 within a point of each other, never waiting (1000) no better,
                                      # short_s 3600 as 1800; ungated, itp01 went -18% -> +34% vs Sia.
                                      # 0 turns the step off
+    count_launch: bool = False       # (measured, off) a plan's duration includes the start-up it pays
+                                     # (RestartCost.launch_s): Sia-like cluster07 and the small
+                                     # blocks within a point, seeds 0-1 (docs/benchmarks.md)
     min_efficiency: float = 0.9      # a bigger GPU count must keep >= 90% parallel efficiency vs the
                                      # fewest GPUs of that type (wasting more never pays in a queue)
     simpler_within: float = 0.01     # per GPU count, a simpler plan within 1% of the fastest is preferred
@@ -66,7 +69,11 @@ class Stopgap:
     exceeds ``C x d_now / d_later``. Off: on the small cluster (itp01, seeds 0-1) it took frenzy
     from -23% / -18% to +5% / +65% against Sia (the stopgaps hold slow GPUs the next arrivals
     needed), and it only halves the round-based-world loss on the Sia-like cluster07 window
-    (+28% -> +15%; docs/benchmarks.md, ablation)."""
+    (+28% -> +15%; docs/benchmarks.md, ablation). Measured again with step 6b (in its first form,
+    runs losing time for a 1.5x larger gain also yield) making stopgaps preemptible: idle
+    GPU-hours while a job waits fall from 308 to 6 on cluster07 (round world), but JCT against
+    Sia goes +0.3% -> +2.3% there (seed 1) and itp01 on the small cluster -16.4% -> +2.3% (seed
+    0): still off."""
 
     enabled: bool = False
     move_up: bool = False             # a run on a plan slower than its fastest queue plan competes in
@@ -99,6 +106,12 @@ class Preemption:
     grace_s: float = 300.0           # never a run in its first 5 min (restart costs, thrashing)
     max_per_job: int = 2             # (JobRequest.preemptions)
     heads: int = 4                   # jobs at the head of the queue that may preempt, per round
+    yields: bool = True              # step 6b (``preempt.yield_for``): after the queue pass, a run that
+                                     # would finish no later from another type's queue (its wait there
+                                     # counted as step 3a counts waits) gives its GPUs to a waiter
+                                     # (grace and max_per_job as above). Training seeds 0-1, vs Sia:
+                                     # itp01 small +2.2% -> -15.9%, -25.8% -> -34.2%; Sia-like unchanged
+                                     # (docs/benchmarks.md, "idle GPUs while jobs wait, measured")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from .choose import choose, idle_menu, lightly_loaded, order_queue, start_now, s
 from .config import FrenzyConfig
 from .gate import build_menu, memory_gate
 from .grow import grow_runs
-from .preempt import preempt_for, preemptible, shrink_for
+from .preempt import preempt_for, preemptible, shrink_for, yield_for
 from .profile import build_profiles, expected_end
 from .recall import recall
 from .records import GpuCounts, Menu, Run, WaitNote, Waiter
@@ -154,6 +154,7 @@ class FrenzyPolicy(Policy):
 
         # steps 3-5: plan choice, backfilling and queued load, in queue order
         bf = cfg.backfill
+        launch = cfg.restart.launch_s if cfg.choice.count_launch else 0.0
         reservations = 0
         depth = 0
         fastest = lightly_loaded([k for k in keyed if k.job_id not in movers], total, cfg.choice)
@@ -175,7 +176,7 @@ class FrenzyPolicy(Policy):
             cands = idle_menu(menu, total, per_node, cfg.choice) if fastest else menu.queue
             steps = max(job.steps_left, 1)
             pick = choose(cands, steps, profiles, total, now, cfg.choice, deep, fastest,
-                          wait_weight(cands, steps, total, cfg.choice))
+                          wait_weight(cands, steps, total, cfg.choice), launch)
             if pick is None:
                 notes.append(WaitNote(job.job_id, INF, None, 0, "no_free" if deep else "no_type"))
                 continue
@@ -210,6 +211,14 @@ class FrenzyPolicy(Policy):
             started_now = {d.job_id for d in out}
             waiting = [w for w in waiting if w.job.job_id not in started_now]
             notes[:] = [n for n in notes if n.job_id not in started_now]
+        # step 6b: runs that would finish about as soon on another type yield to waiters
+        if cfg.preempt.yields and waiting:
+            moved = yield_for(waiting, runs, idx, profiles, now, per_node, cfg, {d.job_id for d in out})
+            if moved:
+                out.extend(moved)
+                started_now = {d.job_id for d in moved if d.action == "start"}
+                waiting = [w for w in waiting if w.job.job_id not in started_now]
+                notes[:] = [n for n in notes if n.job_id not in started_now]
         # step 8: waiters recall lent GPUs; step 7: nothing waits, runs grow onto idle GPUs
         if waiting and cfg.recall.enabled:
             out.extend(recall(waiting, runs, idx, now, per_node, cfg, {d.job_id for d in out}))

@@ -6,9 +6,10 @@ import math
 from scheduler.placement import FreeIndex, placement_gpus
 from scheduler.types import ClusterState, Decision, JobRequest
 
+from .choose import choose
 from .config import FrenzyConfig
-from .profile import expected_end
-from .records import Cand, GpuCounts, Menu, Pick, Run
+from .profile import Profile, expected_end
+from .records import Cand, GpuCounts, Menu, Pick, Run, Waiter
 from .resize import restart_cost, shrink_to_fit, steps_left
 
 INF = math.inf
@@ -127,3 +128,82 @@ def shrink_for(job: JobRequest, menu: Menu, pick: Pick, runs: dict[str, Run], id
         return NOTHING
     ends[run.rj.job_id] = now + vdur
     return moved, {run.rj.job_id}, Pick(c, now, d)
+
+
+def yield_for(waiting: list[Waiter], runs: dict[str, Run], idx: FreeIndex, profiles: dict[str, Profile],
+              now: float, per_node: GpuCounts, cfg: FrenzyConfig, touched: set[str]) -> list[Decision]:
+    """Step 6b, runs yield (``Preemption.yields``): a run that would finish no later from another
+    GPU type's queue (a job started on a slow type while the fast one was busy) gives its GPUs
+    to a waiter that would otherwise wait, and goes back to the queue, checkpoint-preempted.
+    Its predicted completion there: its best plan on another type, the start read off that
+    type's profile with the wait counted ``1 + Choice.wait_inflation`` times as step 3a does
+    (predicted waits ran 1.3-1.9x short), plus a restart; it yields only when that is no later
+    than its current predicted end. Allowing runs that lose some time when the waiter gains
+    ``Shrink.gain`` x as much cost 1.4% on itp03 / large-4type and 1.2% on cluster04's round
+    world (docs/benchmarks.md). The waiter takes the run whose GPUs save it the most; a run
+    yields at most once per round, never in its grace period or beyond ``Preemption.max_per_job``,
+    and the waiter's run must not outlast it where its type holds reservations (they counted
+    on its GPUs)."""
+    pc = cfg.preempt
+    distrust = 1.0 + cfg.choice.wait_inflation     # the run's wait on the other type, as step 3a counts it
+    victims: dict[str, list[tuple[float, float, Run]]] = {}   # type -> (loss s, end, run), least loss first
+    for run in runs.values():
+        rj = run.rj
+        req = rj.request
+        if (not rj.placement or rj.job_id in touched or now - rj.start_s < pc.grace_s
+                or req.preemptions >= pc.max_per_job):
+            continue
+        rem = expected_end(rj, now, cfg.backfill) - now
+        if rem == INF:
+            continue
+        steps = max(1, int(steps_left(run, rem, now, cfg.restart.launch_s)))
+        others = [c for c in run.menu.queue if c.gpu_type != run.gpu_type]
+        alt = choose(others, steps, profiles, idx.total, now, cfg.choice, wait_w=distrust) if others else None
+        if alt is None:
+            continue
+        c = alt.cand
+        back = (max(alt.start, now) - now) * distrust + alt.dur
+        loss = back + restart_cost(run.ckpt_gb, c.gpu_type, c.gpus, per_node, cfg.restart) - rem
+        if loss <= 0:
+            victims.setdefault(run.gpu_type, []).append((loss, now + rem, run))
+    if not victims:
+        return []
+    for v in victims.values():
+        v.sort(key=lambda x: x[0])
+    out: list[Decision] = []
+    gone: set[str] = set()
+    for w in waiting:
+        if w.start - now < pc.min_wait_s:
+            continue
+        steps = max(w.job.steps_left, 1)
+        end_w = w.start + w.dur
+        best = None                               # (waiter's time saved, its cand, run)
+        for c in w.menu.queue:
+            d = c.step_s * steps
+            gain = end_w - (now + d)
+            if gain <= 0:
+                continue
+            free = idx.free_gpus(c.gpu_type)
+            prof = profiles.get(c.gpu_type)
+            for loss, end, run in victims.get(c.gpu_type, ()):
+                if run.rj.job_id in gone or free + run.rj.plan.gpus < c.gpus:
+                    continue
+                if prof is not None and prof.res and now + d > end:
+                    continue
+                if best is None or gain > best[0]:
+                    best = (gain, c, run)
+                break                             # least loss first: the others lose more
+        if best is None:
+            continue
+        _, c, run = best
+        rj = run.rj
+        idx.release(rj.placement)
+        place = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
+        if place is None:
+            idx.commit(rj.placement)
+            continue
+        idx.commit(place)
+        gone.add(rj.job_id)
+        out += [Decision(job_id=rj.job_id, plan=None, placement={}, action="preempt", reason=f"yield for {w.job.job_id}"),
+                Decision(job_id=w.job.job_id, plan=c.plan, placement=place, reason="start after yield")]
+    return out
