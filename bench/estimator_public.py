@@ -78,11 +78,13 @@ RUN_SETTINGS: dict[int, dict] = {
     14: dict(fused_kernels=True),
     # ViT-g: pure bf16, fused AdamW; DeepSpeed Adam with bf16 states; torchao CPU offload
     15: dict(master_weights="none", adamw_impl="fused", model_extra={"gated_mlp": True}),
-    16: dict(master_weights="none", model_extra={"gated_mlp": True}),
+    # (row 16: deepspeed.initialize with overlap_comm on, so two ZeRO-2 reduce buffers)
+    16: dict(master_weights="none", model_extra={"gated_mlp": True}, overlap_comm=True),
     17: dict(master_weights="none", adamw_impl="fused", model_extra={"gated_mlp": True}),
-    # DeepSpeed-Chat: FusedAdam; the reward model has no LM head
-    18: dict(adamw_impl="fused"),
-    19: dict(adamw_impl="fused", loss="none"),
+    # DeepSpeed-Chat: FusedAdam; the reward model has no LM head; the April 2023 logs ran
+    # transformers 4.2x, whose OPTAttention clamps the masked scores (torch.max) and so saves them
+    18: dict(adamw_impl="fused", score_clamp=True),
+    19: dict(adamw_impl="fused", loss="none", score_clamp=True),
     # bf16_master_weight example: baseline / pure bf16; its ds config sets reduce_bucket_size 5e7
     20: dict(zero_bucket_elems=5e7),
     21: dict(master_weights="none", zero_bucket_elems=5e7),

@@ -132,6 +132,8 @@ class Knobs:
     fused: bool = False                 # fused norm/activation kernels (torch.compile, Liger)
     bucket: float = 0.0                 # DeepSpeed reduce_bucket_size (elements); 0: the default
     bucket_view: bool = False           # DDP gradient_as_bucket_view / FSDP NO_SHARD: no bucket copy
+    overlap_comm: bool = False          # DeepSpeed overlap_comm (resolved: its default per stage)
+    score_clamp: bool = False           # eager attention clamps the masked scores (old HF OPT/Llama)
 
 
 def _pos_int(name: str, v: Any) -> int:
@@ -173,7 +175,8 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
                    loss: Any = "standard", act_offload: Any = False,
                    optimizer_in_backward: Any = False, adamw_impl: Any = "auto",
                    fused_kernels: Any = False, zero_bucket_elems: Any = None,
-                   gradient_as_bucket_view: Any = None) -> Knobs:
+                   gradient_as_bucket_view: Any = None, overlap_comm: Any = None,
+                   score_clamp: Any = False) -> Knobs:
     """Check every knob against the model; raise FrenzyInputError naming field and rule."""
     s = _pos_int("seq_len", seq_len)
     mb = _pos_int("micro_batch", micro_batch)
@@ -275,9 +278,22 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
     # gradient in place), keep no second copy of the gradients; None: the profile's default
     view = (not prof.ddp_bucket_copy) if gradient_as_bucket_view is None else \
         _bool("gradient_as_bucket_view", gradient_as_bucket_view)
+    # DeepSpeed's overlap_comm defaults to true at stage 3 and false at stages 0-2
+    # (deepspeed/runtime/zero/config.py, overlap_comm_valid); None: that default
+    if overlap_comm is None:
+        overlap = prof.overlap_comm == "stage3" and zero == 3
+    else:
+        overlap = _bool("overlap_comm", overlap_comm)
+    clamp = _bool("score_clamp", score_clamp)
+    if clamp and attention != "eager":
+        raise FrenzyInputError("score_clamp", "applies to eager attention only (flash never "
+                                              "materialises the scores)")
+    if overlap_comm is not None and not prof.overlap_comm:
+        raise FrenzyInputError("overlap_comm", f"is a DeepSpeed setting, not expressible with "
+                                               f"framework {prof.name}")
     return Knobs(s, mb, ga, dp, tp, pp, cp, sp, vpp, zero, offload, precision, optimizer,
                  act_ckpt, attention, mp_style, prof.name, master, finetune, rank, targets, loss,
-                 act_offload, opt_in_bwd, impl, fused, bucket, view)
+                 act_offload, opt_in_bwd, impl, fused, bucket, view, overlap, clamp)
 
 
 def lora_projections(spec: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -351,7 +367,8 @@ def _cpu_sem(c: float) -> _Sem:
 
 def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attention: str,
                            act_ckpt: str, sem: _Sem = CUDA_SEM, *, compiled: bool = False,
-                           repeat_kv: bool = False, hf_models: bool = True) -> tuple[float, float]:
+                           repeat_kv: bool = False, hf_models: bool = True,
+                           score_clamp: bool = False) -> tuple[float, float]:
     """Bytes per token one block saves for backward: (replicated under TP, sharded under TP).
 
     ``c``: compute dtype bytes (2 for 16-bit, 4 for fp32); ``amp``: fp32 weights + autocast
@@ -383,6 +400,11 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             attn += c * a * s
     else:   # q, k^T and v (repeated to all heads), probabilities, merged output copy
         attn = c * 3 * q + probs + c * h
+        if score_clamp:
+            # Hugging Face eager attention of 2022-2023 (OPTAttention, the first LlamaAttention:
+            # transformers 4.2x) clamps the masked scores, torch.max(scores + mask,
+            # finfo.min); maximum's backward keeps its input: one more 16-bit a x s per token
+            attn += score * a * s * c
     drop_res = spec.dropout > 0
     drop_attn = spec.attn_dropout > 0 and not flash
     m = sem.mask_bytes
@@ -581,7 +603,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
 
     rep, shard = layer_activation_bytes(spec, k.seq_len, c, act_amp, k.attention, k.act_ckpt,
                                         sem, compiled=k.fused, repeat_kv=prof.repeat_kv,
-                                        hf_models=prof.hf_models)
+                                        hf_models=prof.hf_models, score_clamp=k.score_clamp)
     if lora:
         d_rep, d_shard = _lora_activation_delta(spec, k, c)
         rep, shard = rep + d_rep, shard + d_shard
@@ -633,16 +655,23 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         grads32 = g32_b * g32_elems if k.offload == "none" else 0.0
         # --- persistent buffers ---
         other_fixed = 0.0
+        after_bwd = 0.0                                # buffers made once the backward is over
         if k.dp > 1 and k.zero == 0:
             if prof.ddp_bucket_copy and not k.bucket_view:
                 other_fixed += g_b * Pt                # DDP buckets (gradient_as_bucket_view=False)
             elif prof.zero_bucket_elems:
-                other_fixed += c * min(Pt, bucket_elems)   # DeepSpeed's flat all-reduce bucket
+                # DeepSpeed's zero-0 all-reduce flattens the gradients into buffers of up to
+                # reduce_bucket_size elements after the backward (engine.allreduce_gradients ->
+                # buffered_allreduce_fallback): the activations are gone by then
+                after_bwd = c * min(Pt, bucket_elems)
         elif k.zero in (1, 2) and not prof.torch_sharding and (k.dp > 1 or not cpu):
-            # DeepSpeed's reduce + all-gather buckets, allocated at any world size on GPUs (a
-            # 1-GPU ZeRO-Offload run and Frenzy's 1-GPU ZeRO runs measure them); the CPU trace
-            # they are checked against runs one rank without DeepSpeed
-            other_fixed += 2 * 2.0 * min(Pt, bucket_elems)
+            # DeepSpeed's reduce (ipg) buffer of reduce_bucket_size elements, allocated in
+            # engine.backward() before loss.backward() (stage_1_and_2.py: self.ipg_buffer), at
+            # any world size on GPUs; a second one with overlap_comm (double buffering). The
+            # all-gather after the step writes into the flat 16-bit parameter buffer itself
+            # (no buffer of allgather_bucket_size). The CPU trace these are checked against
+            # runs one rank without DeepSpeed
+            other_fixed += (2 if k.overlap_comm else 1) * c * min(Pt, bucket_elems)
         elif k.dp > 1 and k.zero == 1 and prof.ddp_bucket_copy and not k.bucket_view:
             other_fixed += g_b * Pt                    # ZeroRedundancyOptimizer runs under DDP
         if k.zero == 3 and not prof.torch_sharding and (k.dp > 1 or not cpu):
@@ -740,7 +769,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         if k.opt_in_bwd:
             c_total = weights + optim + other_fixed + g_b * min(Pt, largest_tensor) + inbwd_tmp
         else:
-            c_total = weights + grads + optim + grads32 + other_fixed + tmp
+            c_total = weights + grads + optim + other_fixed + max(after_bwd, grads32 + tmp)
         total = max(a_total, b_total, c_total, e_total)
         # the breakdown of the phase that peaks (weights, gradients, optimizer, activations, other)
         if total == a_total:
@@ -750,7 +779,9 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             bd = (weights + unsharded, persist_grads + head_g, optim, acts + one_layer,
                   other_fixed + copies + trans + (layer_copies if full else 0.0) + inbwd_tmp)
         elif total == c_total and not k.opt_in_bwd:
-            bd = (weights, grads, optim + grads32, 0.0, other_fixed + tmp)
+            step_extra = max(after_bwd, grads32 + tmp)
+            bd = (weights, grads, optim + (grads32 if step_extra > after_bwd else 0.0), 0.0,
+                  other_fixed + (tmp if step_extra > after_bwd else after_bwd))
         elif total == c_total:
             bd = (weights, 0.0, optim, 0.0, c_total - weights - optim)
         else:
@@ -852,7 +883,8 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
              lora_targets: Any = None, loss: str = "standard", act_offload: bool = False,
              optimizer_in_backward: bool = False, adamw_impl: str = "auto",
              fused_kernels: bool = False, zero_bucket_elems: float | None = None,
-             gradient_as_bucket_view: bool | None = None) -> Estimate:
+             gradient_as_bucket_view: bool | None = None, overlap_comm: bool | None = None,
+             score_clamp: bool = False) -> Estimate:
     """Per-GPU training memory of one configuration (see the module docstring).
 
     ``model``: preset name, path to a HF config.json, dict of dimensions or ModelSpec; or the
@@ -867,7 +899,9 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
     (torch.compile / Liger: fused RMSNorm and SwiGLU save fewer tensors), ``zero_bucket_elems``
     (DeepSpeed reduce_bucket_size; default: the profile's, else Frenzy's trainer config),
     ``gradient_as_bucket_view`` (DDP without its bucket copy of the gradients, as FSDP NO_SHARD;
-    default: the profile's).
+    default: the profile's), ``overlap_comm`` (DeepSpeed's; default: its own per stage, off
+    in Frenzy's trainer config), ``score_clamp`` (eager attention of transformers 4.2x OPT /
+    Llama, which clamps the masked scores and saves them).
     """
     spec = model_from_kwargs(model, arch=arch, layers=layers, hidden=hidden, heads=heads,
                              kv_heads=kv_heads, ffn=ffn, vocab=vocab,
@@ -882,7 +916,8 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
                        lora_targets=lora_targets, loss=loss, act_offload=act_offload,
                        optimizer_in_backward=optimizer_in_backward, adamw_impl=adamw_impl,
                        fused_kernels=fused_kernels, zero_bucket_elems=zero_bucket_elems,
-                       gradient_as_bucket_view=gradient_as_bucket_view)
+                       gradient_as_bucket_view=gradient_as_bucket_view,
+                       overlap_comm=overlap_comm, score_clamp=score_clamp)
     if method not in ("analytic", "traced"):
         raise FrenzyInputError("method", f"must be analytic or traced (got {method!r})")
     g = _resolve_gpu(gpu)

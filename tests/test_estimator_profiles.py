@@ -261,3 +261,42 @@ def test_fsdp2_reduce_scatter_copy_in(monkeypatch):
     without = estimate(**kw).breakdown_gib["other"]
     largest = 128256 * 4096                                  # the embedding / output unit
     assert (with_copy - without) * GIB == pytest.approx(2.0 * largest, rel=1e-6)
+
+
+def test_deepspeed_zero12_reduce_buffers_and_overlap_comm():
+    # ZeRO-1/2: one reduce (ipg) buffer of reduce_bucket_size 16-bit elements through the
+    # backward, a second with overlap_comm; no all-gather buffer (it writes into the flat params)
+    kw = dict(model="opt-1.3b", seq_len=512, micro_batch=8, dp=16, zero=2, attention="eager",
+              framework="deepspeed", precision="fp16")
+    off = estimate(**kw)
+    on = estimate(overlap_comm=True, **kw)
+    assert (on.allocated_peak_gib - off.allocated_peak_gib) * GIB == pytest.approx(2 * 5e8, rel=1e-6)
+    small = estimate(zero_bucket_elems=5e7, **kw)
+    assert (off.allocated_peak_gib - small.allocated_peak_gib) * GIB == pytest.approx(2 * (5e8 - 5e7), rel=1e-6)
+    # a DeepSpeed setting: refused, naming both, where the profile runs no DeepSpeed engine
+    with pytest.raises(FrenzyInputError) as err:
+        estimate(model="opt-1.3b", seq_len=512, zero=2, dp=2, framework="hf", overlap_comm=True)
+    assert err.value.field == "overlap_comm" and "hf" in str(err.value)
+
+
+def test_deepspeed_zero0_allreduce_bucket_comes_after_the_backward():
+    # the zero-0 flat all-reduce buffers are made once the backward is over: at the activation
+    # peak (long sequence) they add nothing; at the step (tiny sequence) they do
+    kw = dict(model="opt-350m", seq_len=512, micro_batch=8, dp=16, precision="fp16",
+              attention="eager", adamw_impl="fused", framework="deepspeed")
+    one, many = estimate(**{**kw, "dp": 1}), estimate(**kw)
+    assert many.allocated_peak_gib == pytest.approx(one.allocated_peak_gib, rel=1e-9)
+
+
+def test_score_clamp_saves_the_masked_scores():
+    spec = PRESETS["opt-350m"]
+    kw = dict(model="opt-350m", seq_len=512, micro_batch=8, precision="fp16", attention="eager",
+              framework="deepspeed", loss="none")
+    plain, clamp = estimate(**kw), estimate(score_clamp=True, **kw)
+    # torch.max(scores + mask, finfo.min) keeps its 16-bit input: heads x s per token per layer
+    extra = spec.layers * 8 * 512 * spec.heads * 512 * 2
+    assert (clamp.breakdown_gib["activations"] - plain.breakdown_gib["activations"]) * GIB == \
+        pytest.approx(extra, rel=1e-6)
+    with pytest.raises(FrenzyInputError) as err:
+        estimate(model="opt-350m", seq_len=512, score_clamp=True)     # flash: no scores
+    assert err.value.field == "score_clamp"
