@@ -111,7 +111,9 @@ RUN_SETTINGS: dict[int, dict] = {
 
 # Rows whose metric or configuration the source leaves unclear (kept in the output).
 CAVEATS = {
-    7: "8-bit AdamW implementation not stated (config default PagedAdamW8bit assumed)",
+    7: "8-bit AdamW implementation not stated: the config default PagedAdamW8bit would keep its "
+       "states outside the allocator (about 10 GiB, below the measured 17.6), so a counted "
+       "8-bit AdamW is assumed",
     8: "metric not named ('Peak Memory per GPU'); paged 8-bit states outside the allocator",
     9: "metric not named ('Peak Memory per GPU')",
     10: "metric not named ('Peak Memory per GPU'); below the stated run's floor (bf16 base "
@@ -122,6 +124,11 @@ CAVEATS = {
     16: "224 px crops assumed; DeepSpeed 'untuned'",
     17: "224 px crops assumed",
     19: "reward model: chosen + rejected = 8 sequences per forward",
+    # rows 22-24: one source, one config at 8K / 32K / 128K tokens; reserved only
+    22: "reserved only (no allocated figure): the source's own fit puts 12.6 GiB at zero "
+        "tokens, above the modelled ZeRO-3 + offload states and buffers; the gap is not "
+        "attributed",
+    24: "128K is well beyond the data set's 512-8192 target range (SOURCES.md)",
     28: "measurement method not stated (nvidia-smi likely); GB vs GiB ambiguous (2.4%)",
     29: "measurement method not stated (nvidia-smi likely); GB vs GiB ambiguous (2.4%)",
     30: "512 is the maximum (padded) length; the peak includes validation",
