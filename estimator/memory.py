@@ -99,6 +99,23 @@ class Estimate(BaseModel):
                                                      "ZeRO-Offload (0 without offload)")
 
 
+_STAGE_FIELDS = frozenset(StageMemory.model_fields)
+_ESTIMATE_FIELDS = frozenset(Estimate.model_fields)
+_setattr = object.__setattr__
+
+
+def _built(cls, fields: frozenset, values: dict) -> Any:
+    """``cls.model_construct(**values)`` for the hot path: ``values`` names every field of
+    ``cls`` in declaration order (so no per-field default or alias lookup is needed) and is
+    trusted, as model_construct's is. Same instance state: __dict__, fields set, no extra."""
+    m = cls.__new__(cls)
+    _setattr(m, "__dict__", values)
+    _setattr(m, "__pydantic_fields_set__", set(fields))
+    _setattr(m, "__pydantic_extra__", None)
+    _setattr(m, "__pydantic_private__", None)
+    return m
+
+
 # ---------------------------------------------------------------------------- validation
 @dataclass(frozen=True, slots=True)
 class Knobs:
@@ -137,6 +154,8 @@ class Knobs:
 
 
 def _pos_int(name: str, v: Any) -> int:
+    if type(v) is int and v > 0:                 # the common case, first (bool is not int here)
+        return v
     if isinstance(v, bool):
         raise FrenzyInputError(name, f"must be a positive integer, got {v!r}")
     try:
@@ -365,6 +384,7 @@ def _cpu_sem(c: float) -> _Sem:
     return _Sem(c, c, False)
 
 
+@lru_cache(maxsize=4096)       # pure in its (hashable) arguments: per-shape, not per-batch
 def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attention: str,
                            act_ckpt: str, sem: _Sem = CUDA_SEM, *, compiled: bool = False,
                            repeat_kv: bool = False, hf_models: bool = True,
@@ -442,6 +462,7 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
     return rep, shard
 
 
+@lru_cache(maxsize=4096)
 def layer_backward_transient(spec: ModelSpec, s: int, c: float, attention: str, tp: int) -> float:
     """Bytes per token of temporaries while one block runs backward (activation gradients)."""
     h, f, a = spec.hidden, spec.f, spec.heads
@@ -931,26 +952,32 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
     is_cpu = bool(getattr(g, "is_cpu", False)) if cpu is None else cpu
     ov = overheads_for(g.name if g is not None else None, is_cpu=is_cpu)
     peaks = stage_peaks(spec, k, ov, is_cpu)
+    # _finish per stage, with its two overhead terms computed once
+    grow = (1.0 + _fragmentation(ov, k)) / GIB
+    outside = _outside_allocator_gib(ov, k)
+    paged = paged_state_bytes(spec, k) / GIB
     stages = []
+    top = peaks[0]
     for sp_ in peaks:
-        a, r, u = _finish(sp_.allocated, ov, k)
-        stages.append(StageMemory.model_construct(stage=sp_.stage, layers=sp_.layers,
-                                                  allocated_peak_gib=a, reserved_peak_gib=r,
-                                                  device_used_gib=u))
-    top = max(peaks, key=lambda s: s.allocated)
-    a, r, u = _finish(top.allocated, ov, k)
+        r = sp_.allocated * grow
+        stages.append(_built(StageMemory, _STAGE_FIELDS, {
+            "stage": sp_.stage, "layers": sp_.layers, "allocated_peak_gib": sp_.allocated / GIB,
+            "reserved_peak_gib": r, "device_used_gib": r + outside + paged if paged else r + outside}))
+        if sp_.allocated > top.allocated:
+            top = sp_
+    a = top.allocated / GIB
+    r = top.allocated * grow
+    u = r + outside
     bd = {"weights": top.weights / GIB, "gradients": top.gradients / GIB,
           "optimizer": top.optimizer / GIB, "activations": top.activations / GIB,
           "other": top.other / GIB}
     mem = getattr(g, "memory_gib", None)
     notes: list[str] = []
     ovd = ov.as_dict()
-    paged = paged_state_bytes(spec, k) / GIB
     if paged:
         # unified-memory pages occupy the device when touched, outside the caching allocator
+        # (the stages' device_used carry them above)
         u += paged
-        for st in stages:
-            st.device_used_gib += paged
         ovd["paged_optimizer_gib"] = paged
         notes.append(f"{paged:.2f} GiB of paged 8-bit optimizer state is in CUDA unified memory: "
                      "counted in device_used, not in allocated/reserved")
@@ -959,9 +986,10 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
                      "the estimate extrapolates")
     if k.fused and spec.arch not in ("llama", "gpt"):
         notes.append(f"fused_kernels change only llama/gpt block inventories; {spec.arch} is modelled eager")
-    return Estimate.model_construct(
-        params=spec.params, allocated_peak_gib=a, reserved_peak_gib=r, device_used_gib=u,
-        breakdown_gib=bd, stages=stages, method="analytic", model=spec.name,
-        gpu=getattr(g, "name", None), gpu_memory_gib=mem,
-        fits=(u <= mem) if mem is not None else None, overheads=ovd, warnings=notes,
-        framework=k.framework, host_offload_gib=host_offload_bytes(spec, k) / GIB)
+    name = getattr(g, "name", None)
+    return _built(Estimate, _ESTIMATE_FIELDS, {
+        "params": spec.params, "allocated_peak_gib": a, "reserved_peak_gib": r,
+        "device_used_gib": u, "breakdown_gib": bd, "stages": stages, "method": "analytic",
+        "model": spec.name, "gpu": name, "gpu_memory_gib": mem,
+        "fits": (u <= mem) if mem is not None else None, "overheads": ovd, "warnings": notes,
+        "framework": k.framework, "host_offload_gib": host_offload_bytes(spec, k) / GIB})
