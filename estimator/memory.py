@@ -259,7 +259,8 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
         raise FrenzyInputError("mp_style", "amp keeps fp32 weights; master_weights none trains "
                                            "the 16-bit weights themselves")
     check_knobs(prof, finetune=finetune, zero=zero, master=master_weights, precision=precision,
-                opt_in_bwd=opt_in_bwd, optimizer=optimizer, offload=offload)
+                opt_in_bwd=opt_in_bwd, optimizer=optimizer, offload=offload, loss=loss,
+                act_offload=act_offload, fused=fused)
     rank, targets = 16, ()
     if finetune != "full":
         rank = _pos_int("lora_rank", lora_rank)

@@ -53,12 +53,15 @@ class Profile:
     # DeepSpeed engine (the knob is not expressible), "off" always off (Frenzy's trainer config,
     # trainer/launch_config.py), "stage3" DeepSpeed's own default (on at stage 3 only)
     overlap_comm: str = ""
+    # the profile runs only what a Frenzy job can ask for (estimator.job.TrainingJob has no loss
+    # kernel, activation offloading, optimizer in backward, fused kernels or paged optimizer)
+    job_knobs_only: bool = False
     measured: str = ""
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in [
     Profile("frenzy", "Frenzy's own trainer (Accelerate + HF models; DeepSpeed for ZeRO)",
-            overlap_comm="off", measured="54 H200 runs of the trainer (bench/estimator_measured_h200*.json)"),
+            overlap_comm="off", job_knobs_only=True, measured="54 H200 runs of the trainer (bench/estimator_measured_h200*.json)"),
     Profile("hf", "Hugging Face Trainer or a plain PyTorch loop over HF/timm models "
                   "(torch AMP or a model loaded in 16 bits; DDP; torch AdamW)",
             torch_sharding=True, measured="PEFT method-comparison suite (L40S)"),
@@ -136,8 +139,19 @@ def get_profile(name: str) -> Profile:
 
 
 def check_knobs(p: Profile, *, finetune: str, zero: int, master: str, precision: str,
-                opt_in_bwd: bool, optimizer: str, offload: str = "none") -> None:
+                opt_in_bwd: bool, optimizer: str, offload: str = "none", loss: str = "standard",
+                act_offload: bool = False, fused: bool = False) -> None:
     """One-line errors for knobs profile ``p`` cannot express (naming both)."""
+    if p.job_knobs_only:
+        asked = [(field, value) for field, value, on in (
+            ("loss", f"{loss} ", loss in ("chunked", "fused-linear", "fp32-logits")),
+            ("act_offload", "", act_offload), ("optimizer_in_backward", "", opt_in_bwd),
+            ("fused_kernels", "", fused),
+            ("optimizer", f"{optimizer} ", optimizer == "adamw8bit-paged")) if on]
+        if asked:
+            field, value = asked[0]
+            raise FrenzyInputError(field, f"{value}is not expressible with framework {p.name} "
+                                          "(its trainer does not run it; name the framework that does)")
     if finetune == "lora" and not p.lora:
         raise FrenzyInputError("finetune", f"lora is not expressible with framework {p.name} "
                                            "(it has no adapter support)")
