@@ -39,7 +39,8 @@ def register(sub) -> None:
     k.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (3 = FSDP full shard)")
     k.add_argument("--offload", default="none", help="none | optimizer | optimizer+params")
     k.add_argument("--precision", default="bf16", help="fp32 | fp16 | bf16")
-    k.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | adafactor | adamw8bit")
+    k.add_argument("--optimizer", default="adamw",
+                   help="adamw | adam | sgd | adafactor | adamw8bit | adamw8bit-paged")
     k.add_argument("--act-ckpt", default="none", help="none | selective | full")
     k.add_argument("--attention", default="flash", help="flash | eager")
     k.add_argument("--mp-style", default="auto",
