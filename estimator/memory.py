@@ -570,6 +570,21 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float) -> tuple[float, 
     return 0.0, adapters - (0.0 if down in t else c * f)
 
 
+@lru_cache(maxsize=4096)
+def _shape_terms(spec: ModelSpec, t: int, optimizer: str, s: int, c: float, act_amp: bool,
+                 attention: str, act_ckpt: str, cpu: bool, fused: bool, repeat_kv: bool,
+                 hf_models: bool, score_clamp: bool) -> tuple[float, ...]:
+    """The per-shape facts stage_peaks needs, one cache lookup (the model is hashed once, not
+    per fact): parameter split, optimizer-state bytes, the block's activation inventory and
+    backward temporaries."""
+    sem = _cpu_sem(c) if cpu else CUDA_SEM
+    rep, shard = layer_activation_bytes(spec, s, c, act_amp, attention, act_ckpt, sem,
+                                        compiled=fused, repeat_kv=repeat_kv, hf_models=hf_models,
+                                        score_clamp=score_clamp)
+    return (*_param_split(spec, t), _state_bytes_per_param(spec, optimizer), rep, shard,
+            layer_backward_transient(spec, s, c, attention, t))
+
+
 def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> list[StagePeak]:
     """Peak allocated bytes per pipeline stage, with the breakdown at each stage's peak."""
     prof = get_profile(k.framework)
@@ -599,7 +614,10 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         w_b, g_b, opt_b, g32_b = c, c, dup, dup
     else:
         w_b, g_b, opt_b, g32_b = 4.0, 4.0, 0.0, 0.0
-    st_b = _state_bytes_per_param(spec, k.optimizer)
+    (layer_p, emb_p, head_p, largest, st_b, rep, shard,
+     transient_tok) = _shape_terms(spec, t, k.optimizer, k.seq_len, c, act_amp, k.attention,
+                                   k.act_ckpt, cpu, k.fused, prof.repeat_kv, prof.hf_models,
+                                   k.score_clamp)
     if pure and k.optimizer in ("adam", "adamw", "sgd"):
         st_b *= c / 4.0                                # states in the parameters' dtype
     # torch's foreach Adam/AdamW materialises sqrt(v): one state-sized copy; fused kernels none.
@@ -612,7 +630,6 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     if k.optimizer in ("adam", "adamw") and k.adamw_impl in ("foreach", "foreach-legacy"):
         step_tmp_b = (4.0 if not pure else c) * (2 if k.adamw_impl == "foreach-legacy" else 1)
 
-    layer_p, emb_p, head_p, largest = _param_split(spec, t)
     if spec.cross_attn_layers:                         # decoder cross-attention, spread per block
         layer_p += spec.cross_attn_params() / spec.layers / t
     lora_p = lora_layer_params(spec, k) / t if lora else 0.0
@@ -623,9 +640,6 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         base_b = mat_b * (layer_p - vec_l) + c * vec_l   # per block
     largest_tensor = max(V * e / t, h * spec.f / t)
 
-    rep, shard = layer_activation_bytes(spec, k.seq_len, c, act_amp, k.attention, k.act_ckpt,
-                                        sem, compiled=k.fused, repeat_kv=prof.repeat_kv,
-                                        hf_models=prof.hf_models, score_clamp=k.score_clamp)
     if lora:
         d_rep, d_shard = _lora_activation_delta(spec, k, c)
         rep, shard = rep + d_rep, shard + d_shard
@@ -634,7 +648,6 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     ckpt_keep_tok = r * h / (t if k.sp else 1)        # full ckpt keeps the block input
     held_b, bwd_loss_b = _loss_terms(spec, k, prof, c, act_amp)
     logits_tok = V / t if k.loss != "none" else 0.0   # vocab-parallel logits per token
-    transient_tok = layer_backward_transient(spec, k.seq_len, c, k.attention, t)
     bucket_elems = k.bucket or prof.zero_bucket_elems or ov.zero_bucket_elems
 
     out: list[StagePeak] = []
