@@ -385,7 +385,6 @@ def _cpu_sem(c: float) -> _Sem:
     return _Sem(c, c, False)
 
 
-@lru_cache(maxsize=4096)       # pure in its (hashable) arguments: per-shape, not per-batch
 def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attention: str,
                            act_ckpt: str, sem: _Sem = CUDA_SEM, *, compiled: bool = False,
                            repeat_kv: bool = False, hf_models: bool = True,
@@ -463,7 +462,6 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
     return rep, shard
 
 
-@lru_cache(maxsize=4096)
 def layer_backward_transient(spec: ModelSpec, s: int, c: float, attention: str, tp: int) -> float:
     """Bytes per token of temporaries while one block runs backward (activation gradients)."""
     h, f, a = spec.hidden, spec.f, spec.heads
@@ -570,7 +568,7 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float) -> tuple[float, 
     return 0.0, adapters - (0.0 if down in t else c * f)
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=4096)       # pure in its (hashable) arguments: per shape, not per batch
 def _shape_terms(spec: ModelSpec, t: int, optimizer: str, s: int, c: float, act_amp: bool,
                  attention: str, act_ckpt: str, cpu: bool, fused: bool, repeat_kv: bool,
                  hf_models: bool, score_clamp: bool) -> tuple[float, ...]:
