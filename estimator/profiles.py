@@ -18,6 +18,7 @@ both (``check_knobs``).
 | ``master_copy_when_pure`` | a 16-bit run without fp32 master still keeps a separate 16-bit master partition |
 | ``lora`` / ``qlora`` | the profile runs adapters (PEFT / its own LoRA) |
 | ``fsdp2_copy_in`` | FSDP2 copies a unit's unsharded gradients into one reduce-scatter input before freeing them |
+| ``job_knobs_only`` | the profile runs only what a Frenzy job can ask for (no loss kernel, activation offloading, optimizer in backward, fused kernels, paged optimizer) |
 Pure: no torch.
 """
 from __future__ import annotations
