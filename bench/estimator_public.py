@@ -78,11 +78,13 @@ RUN_SETTINGS: dict[int, dict] = {
     14: dict(fused_kernels=True),
     # ViT-g: pure bf16, fused AdamW; DeepSpeed Adam with bf16 states; torchao CPU offload
     15: dict(master_weights="none", adamw_impl="fused", model_extra={"gated_mlp": True}),
-    16: dict(master_weights="none", model_extra={"gated_mlp": True}),
+    # (row 16: deepspeed.initialize with overlap_comm on, so two ZeRO-2 reduce buffers)
+    16: dict(master_weights="none", model_extra={"gated_mlp": True}, overlap_comm=True),
     17: dict(master_weights="none", adamw_impl="fused", model_extra={"gated_mlp": True}),
-    # DeepSpeed-Chat: FusedAdam; the reward model has no LM head
-    18: dict(adamw_impl="fused"),
-    19: dict(adamw_impl="fused", loss="none"),
+    # DeepSpeed-Chat: FusedAdam; the reward model has no LM head; the April 2023 logs ran
+    # transformers 4.2x, whose OPTAttention clamps the masked scores (torch.max) and so saves them
+    18: dict(adamw_impl="fused", score_clamp=True),
+    19: dict(adamw_impl="fused", loss="none", score_clamp=True),
     # bf16_master_weight example: baseline / pure bf16; its ds config sets reduce_bucket_size 5e7
     20: dict(zero_bucket_elems=5e7),
     21: dict(master_weights="none", zero_bucket_elems=5e7),
@@ -109,7 +111,9 @@ RUN_SETTINGS: dict[int, dict] = {
 
 # Rows whose metric or configuration the source leaves unclear (kept in the output).
 CAVEATS = {
-    7: "8-bit AdamW implementation not stated (config default PagedAdamW8bit assumed)",
+    7: "8-bit AdamW implementation not stated: the config default PagedAdamW8bit would keep its "
+       "states outside the allocator (about 10 GiB, below the measured 17.6), so a counted "
+       "8-bit AdamW is assumed",
     8: "metric not named ('Peak Memory per GPU'); paged 8-bit states outside the allocator",
     9: "metric not named ('Peak Memory per GPU')",
     10: "metric not named ('Peak Memory per GPU'); below the stated run's floor (bf16 base "
@@ -120,6 +124,11 @@ CAVEATS = {
     16: "224 px crops assumed; DeepSpeed 'untuned'",
     17: "224 px crops assumed",
     19: "reward model: chosen + rejected = 8 sequences per forward",
+    # rows 22-24: one source, one config at 8K / 32K / 128K tokens; reserved only
+    22: "reserved only (no allocated figure): the source's own fit puts 12.6 GiB at zero "
+        "tokens, above the modelled ZeRO-3 + offload states and buffers; the gap is not "
+        "attributed",
+    24: "128K is well beyond the data set's 512-8192 target range (SOURCES.md)",
     28: "measurement method not stated (nvidia-smi likely); GB vs GiB ambiguous (2.4%)",
     29: "measurement method not stated (nvidia-smi likely); GB vs GiB ambiguous (2.4%)",
     30: "512 is the maximum (padded) length; the peak includes validation",

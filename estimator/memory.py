@@ -99,6 +99,23 @@ class Estimate(BaseModel):
                                                      "ZeRO-Offload (0 without offload)")
 
 
+_STAGE_FIELDS = frozenset(StageMemory.model_fields)
+_ESTIMATE_FIELDS = frozenset(Estimate.model_fields)
+_setattr = object.__setattr__
+
+
+def _built(cls, fields: frozenset, values: dict) -> Any:
+    """``cls.model_construct(**values)`` for the hot path: ``values`` names every field of
+    ``cls`` in declaration order (so no per-field default or alias lookup is needed) and is
+    trusted, as model_construct's is. Same instance state: __dict__, fields set, no extra."""
+    m = cls.__new__(cls)
+    _setattr(m, "__dict__", values)
+    _setattr(m, "__pydantic_fields_set__", set(fields))
+    _setattr(m, "__pydantic_extra__", None)
+    _setattr(m, "__pydantic_private__", None)
+    return m
+
+
 # ---------------------------------------------------------------------------- validation
 @dataclass(frozen=True, slots=True)
 class Knobs:
@@ -132,9 +149,13 @@ class Knobs:
     fused: bool = False                 # fused norm/activation kernels (torch.compile, Liger)
     bucket: float = 0.0                 # DeepSpeed reduce_bucket_size (elements); 0: the default
     bucket_view: bool = False           # DDP gradient_as_bucket_view / FSDP NO_SHARD: no bucket copy
+    overlap_comm: bool = False          # DeepSpeed overlap_comm (resolved: its default per stage)
+    score_clamp: bool = False           # eager attention clamps the masked scores (old HF OPT/Llama)
 
 
 def _pos_int(name: str, v: Any) -> int:
+    if type(v) is int and v > 0:                 # the common case, first (bool is not int here)
+        return v
     if isinstance(v, bool):
         raise FrenzyInputError(name, f"must be a positive integer, got {v!r}")
     try:
@@ -173,7 +194,8 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
                    loss: Any = "standard", act_offload: Any = False,
                    optimizer_in_backward: Any = False, adamw_impl: Any = "auto",
                    fused_kernels: Any = False, zero_bucket_elems: Any = None,
-                   gradient_as_bucket_view: Any = None) -> Knobs:
+                   gradient_as_bucket_view: Any = None, overlap_comm: Any = None,
+                   score_clamp: Any = False) -> Knobs:
     """Check every knob against the model; raise FrenzyInputError naming field and rule."""
     s = _pos_int("seq_len", seq_len)
     mb = _pos_int("micro_batch", micro_batch)
@@ -237,7 +259,8 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
         raise FrenzyInputError("mp_style", "amp keeps fp32 weights; master_weights none trains "
                                            "the 16-bit weights themselves")
     check_knobs(prof, finetune=finetune, zero=zero, master=master_weights, precision=precision,
-                opt_in_bwd=opt_in_bwd, optimizer=optimizer, offload=offload)
+                opt_in_bwd=opt_in_bwd, optimizer=optimizer, offload=offload, loss=loss,
+                act_offload=act_offload, fused=fused)
     rank, targets = 16, ()
     if finetune != "full":
         rank = _pos_int("lora_rank", lora_rank)
@@ -275,9 +298,22 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
     # gradient in place), keep no second copy of the gradients; None: the profile's default
     view = (not prof.ddp_bucket_copy) if gradient_as_bucket_view is None else \
         _bool("gradient_as_bucket_view", gradient_as_bucket_view)
+    # DeepSpeed's overlap_comm defaults to true at stage 3 and false at stages 0-2
+    # (deepspeed/runtime/zero/config.py, overlap_comm_valid); None: that default
+    if overlap_comm is None:
+        overlap = prof.overlap_comm == "stage3" and zero == 3
+    else:
+        overlap = _bool("overlap_comm", overlap_comm)
+    clamp = _bool("score_clamp", score_clamp)
+    if clamp and attention != "eager":
+        raise FrenzyInputError("score_clamp", "applies to eager attention only (flash never "
+                                              "materialises the scores)")
+    if overlap_comm is not None and not prof.overlap_comm:
+        raise FrenzyInputError("overlap_comm", f"is a DeepSpeed setting, not expressible with "
+                                               f"framework {prof.name}")
     return Knobs(s, mb, ga, dp, tp, pp, cp, sp, vpp, zero, offload, precision, optimizer,
                  act_ckpt, attention, mp_style, prof.name, master, finetune, rank, targets, loss,
-                 act_offload, opt_in_bwd, impl, fused, bucket, view)
+                 act_offload, opt_in_bwd, impl, fused, bucket, view, overlap, clamp)
 
 
 def lora_projections(spec: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -351,7 +387,8 @@ def _cpu_sem(c: float) -> _Sem:
 
 def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attention: str,
                            act_ckpt: str, sem: _Sem = CUDA_SEM, *, compiled: bool = False,
-                           repeat_kv: bool = False, hf_models: bool = True) -> tuple[float, float]:
+                           repeat_kv: bool = False, hf_models: bool = True,
+                           score_clamp: bool = False) -> tuple[float, float]:
     """Bytes per token one block saves for backward: (replicated under TP, sharded under TP).
 
     ``c``: compute dtype bytes (2 for 16-bit, 4 for fp32); ``amp``: fp32 weights + autocast
@@ -383,6 +420,11 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             attn += c * a * s
     else:   # q, k^T and v (repeated to all heads), probabilities, merged output copy
         attn = c * 3 * q + probs + c * h
+        if score_clamp:
+            # Hugging Face eager attention of 2022-2023 (OPTAttention, the first LlamaAttention:
+            # transformers 4.2x) clamps the masked scores, torch.max(scores + mask,
+            # finfo.min); maximum's backward keeps its input: one more 16-bit a x s per token
+            attn += score * a * s * c
     drop_res = spec.dropout > 0
     drop_attn = spec.attn_dropout > 0 and not flash
     m = sem.mask_bytes
@@ -526,6 +568,21 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float) -> tuple[float, 
     return 0.0, adapters - (0.0 if down in t else c * f)
 
 
+@lru_cache(maxsize=4096)       # pure in its (hashable) arguments: per shape, not per batch
+def _shape_terms(spec: ModelSpec, t: int, optimizer: str, s: int, c: float, act_amp: bool,
+                 attention: str, act_ckpt: str, cpu: bool, fused: bool, repeat_kv: bool,
+                 hf_models: bool, score_clamp: bool) -> tuple[float, ...]:
+    """The per-shape facts stage_peaks needs, one cache lookup (the model is hashed once, not
+    per fact): parameter split, optimizer-state bytes, the block's activation inventory and
+    backward temporaries."""
+    sem = _cpu_sem(c) if cpu else CUDA_SEM
+    rep, shard = layer_activation_bytes(spec, s, c, act_amp, attention, act_ckpt, sem,
+                                        compiled=fused, repeat_kv=repeat_kv, hf_models=hf_models,
+                                        score_clamp=score_clamp)
+    return (*_param_split(spec, t), _state_bytes_per_param(spec, optimizer), rep, shard,
+            layer_backward_transient(spec, s, c, attention, t))
+
+
 def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> list[StagePeak]:
     """Peak allocated bytes per pipeline stage, with the breakdown at each stage's peak."""
     prof = get_profile(k.framework)
@@ -555,7 +612,10 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         w_b, g_b, opt_b, g32_b = c, c, dup, dup
     else:
         w_b, g_b, opt_b, g32_b = 4.0, 4.0, 0.0, 0.0
-    st_b = _state_bytes_per_param(spec, k.optimizer)
+    (layer_p, emb_p, head_p, largest, st_b, rep, shard,
+     transient_tok) = _shape_terms(spec, t, k.optimizer, k.seq_len, c, act_amp, k.attention,
+                                   k.act_ckpt, cpu, k.fused, prof.repeat_kv, prof.hf_models,
+                                   k.score_clamp)
     if pure and k.optimizer in ("adam", "adamw", "sgd"):
         st_b *= c / 4.0                                # states in the parameters' dtype
     # torch's foreach Adam/AdamW materialises sqrt(v): one state-sized copy; fused kernels none.
@@ -568,7 +628,6 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     if k.optimizer in ("adam", "adamw") and k.adamw_impl in ("foreach", "foreach-legacy"):
         step_tmp_b = (4.0 if not pure else c) * (2 if k.adamw_impl == "foreach-legacy" else 1)
 
-    layer_p, emb_p, head_p, largest = _param_split(spec, t)
     if spec.cross_attn_layers:                         # decoder cross-attention, spread per block
         layer_p += spec.cross_attn_params() / spec.layers / t
     lora_p = lora_layer_params(spec, k) / t if lora else 0.0
@@ -579,9 +638,6 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         base_b = mat_b * (layer_p - vec_l) + c * vec_l   # per block
     largest_tensor = max(V * e / t, h * spec.f / t)
 
-    rep, shard = layer_activation_bytes(spec, k.seq_len, c, act_amp, k.attention, k.act_ckpt,
-                                        sem, compiled=k.fused, repeat_kv=prof.repeat_kv,
-                                        hf_models=prof.hf_models)
     if lora:
         d_rep, d_shard = _lora_activation_delta(spec, k, c)
         rep, shard = rep + d_rep, shard + d_shard
@@ -590,7 +646,6 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     ckpt_keep_tok = r * h / (t if k.sp else 1)        # full ckpt keeps the block input
     held_b, bwd_loss_b = _loss_terms(spec, k, prof, c, act_amp)
     logits_tok = V / t if k.loss != "none" else 0.0   # vocab-parallel logits per token
-    transient_tok = layer_backward_transient(spec, k.seq_len, c, k.attention, t)
     bucket_elems = k.bucket or prof.zero_bucket_elems or ov.zero_bucket_elems
 
     out: list[StagePeak] = []
@@ -633,16 +688,23 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         grads32 = g32_b * g32_elems if k.offload == "none" else 0.0
         # --- persistent buffers ---
         other_fixed = 0.0
+        after_bwd = 0.0                                # buffers made once the backward is over
         if k.dp > 1 and k.zero == 0:
             if prof.ddp_bucket_copy and not k.bucket_view:
                 other_fixed += g_b * Pt                # DDP buckets (gradient_as_bucket_view=False)
             elif prof.zero_bucket_elems:
-                other_fixed += c * min(Pt, bucket_elems)   # DeepSpeed's flat all-reduce bucket
+                # DeepSpeed's zero-0 all-reduce flattens the gradients into buffers of up to
+                # reduce_bucket_size elements after the backward (engine.allreduce_gradients ->
+                # buffered_allreduce_fallback): the activations are gone by then
+                after_bwd = c * min(Pt, bucket_elems)
         elif k.zero in (1, 2) and not prof.torch_sharding and (k.dp > 1 or not cpu):
-            # DeepSpeed's reduce + all-gather buckets, allocated at any world size on GPUs (a
-            # 1-GPU ZeRO-Offload run and Frenzy's 1-GPU ZeRO runs measure them); the CPU trace
-            # they are checked against runs one rank without DeepSpeed
-            other_fixed += 2 * 2.0 * min(Pt, bucket_elems)
+            # DeepSpeed's reduce (ipg) buffer of reduce_bucket_size elements, allocated in
+            # engine.backward() before loss.backward() (stage_1_and_2.py: self.ipg_buffer), at
+            # any world size on GPUs; a second one with overlap_comm (double buffering). The
+            # all-gather after the step writes into the flat 16-bit parameter buffer itself
+            # (no buffer of allgather_bucket_size). The CPU trace these are checked against
+            # runs one rank without DeepSpeed
+            other_fixed += (2 if k.overlap_comm else 1) * c * min(Pt, bucket_elems)
         elif k.dp > 1 and k.zero == 1 and prof.ddp_bucket_copy and not k.bucket_view:
             other_fixed += g_b * Pt                    # ZeroRedundancyOptimizer runs under DDP
         if k.zero == 3 and not prof.torch_sharding and (k.dp > 1 or not cpu):
@@ -740,7 +802,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         if k.opt_in_bwd:
             c_total = weights + optim + other_fixed + g_b * min(Pt, largest_tensor) + inbwd_tmp
         else:
-            c_total = weights + grads + optim + grads32 + other_fixed + tmp
+            c_total = weights + grads + optim + other_fixed + max(after_bwd, grads32 + tmp)
         total = max(a_total, b_total, c_total, e_total)
         # the breakdown of the phase that peaks (weights, gradients, optimizer, activations, other)
         if total == a_total:
@@ -750,7 +812,9 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             bd = (weights + unsharded, persist_grads + head_g, optim, acts + one_layer,
                   other_fixed + copies + trans + (layer_copies if full else 0.0) + inbwd_tmp)
         elif total == c_total and not k.opt_in_bwd:
-            bd = (weights, grads, optim + grads32, 0.0, other_fixed + tmp)
+            step_extra = max(after_bwd, grads32 + tmp)
+            bd = (weights, grads, optim + (grads32 if step_extra > after_bwd else 0.0), 0.0,
+                  other_fixed + (tmp if step_extra > after_bwd else after_bwd))
         elif total == c_total:
             bd = (weights, 0.0, optim, 0.0, c_total - weights - optim)
         else:
@@ -852,7 +916,8 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
              lora_targets: Any = None, loss: str = "standard", act_offload: bool = False,
              optimizer_in_backward: bool = False, adamw_impl: str = "auto",
              fused_kernels: bool = False, zero_bucket_elems: float | None = None,
-             gradient_as_bucket_view: bool | None = None) -> Estimate:
+             gradient_as_bucket_view: bool | None = None, overlap_comm: bool | None = None,
+             score_clamp: bool = False) -> Estimate:
     """Per-GPU training memory of one configuration (see the module docstring).
 
     ``model``: preset name, path to a HF config.json, dict of dimensions or ModelSpec; or the
@@ -867,7 +932,9 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
     (torch.compile / Liger: fused RMSNorm and SwiGLU save fewer tensors), ``zero_bucket_elems``
     (DeepSpeed reduce_bucket_size; default: the profile's, else Frenzy's trainer config),
     ``gradient_as_bucket_view`` (DDP without its bucket copy of the gradients, as FSDP NO_SHARD;
-    default: the profile's).
+    default: the profile's), ``overlap_comm`` (DeepSpeed's; default: its own per stage, off
+    in Frenzy's trainer config), ``score_clamp`` (eager attention of transformers 4.2x OPT /
+    Llama, which clamps the masked scores and saves them).
     """
     spec = model_from_kwargs(model, arch=arch, layers=layers, hidden=hidden, heads=heads,
                              kv_heads=kv_heads, ffn=ffn, vocab=vocab,
@@ -882,7 +949,8 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
                        lora_targets=lora_targets, loss=loss, act_offload=act_offload,
                        optimizer_in_backward=optimizer_in_backward, adamw_impl=adamw_impl,
                        fused_kernels=fused_kernels, zero_bucket_elems=zero_bucket_elems,
-                       gradient_as_bucket_view=gradient_as_bucket_view)
+                       gradient_as_bucket_view=gradient_as_bucket_view,
+                       overlap_comm=overlap_comm, score_clamp=score_clamp)
     if method not in ("analytic", "traced"):
         raise FrenzyInputError("method", f"must be analytic or traced (got {method!r})")
     g = _resolve_gpu(gpu)
@@ -896,26 +964,32 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
     is_cpu = bool(getattr(g, "is_cpu", False)) if cpu is None else cpu
     ov = overheads_for(g.name if g is not None else None, is_cpu=is_cpu)
     peaks = stage_peaks(spec, k, ov, is_cpu)
+    # _finish per stage, with its two overhead terms computed once
+    grow = (1.0 + _fragmentation(ov, k)) / GIB
+    outside = _outside_allocator_gib(ov, k)
+    paged = paged_state_bytes(spec, k) / GIB
     stages = []
+    top = peaks[0]
     for sp_ in peaks:
-        a, r, u = _finish(sp_.allocated, ov, k)
-        stages.append(StageMemory.model_construct(stage=sp_.stage, layers=sp_.layers,
-                                                  allocated_peak_gib=a, reserved_peak_gib=r,
-                                                  device_used_gib=u))
-    top = max(peaks, key=lambda s: s.allocated)
-    a, r, u = _finish(top.allocated, ov, k)
+        r = sp_.allocated * grow
+        stages.append(_built(StageMemory, _STAGE_FIELDS, {
+            "stage": sp_.stage, "layers": sp_.layers, "allocated_peak_gib": sp_.allocated / GIB,
+            "reserved_peak_gib": r, "device_used_gib": r + outside + paged if paged else r + outside}))
+        if sp_.allocated > top.allocated:
+            top = sp_
+    a = top.allocated / GIB
+    r = top.allocated * grow
+    u = r + outside
     bd = {"weights": top.weights / GIB, "gradients": top.gradients / GIB,
           "optimizer": top.optimizer / GIB, "activations": top.activations / GIB,
           "other": top.other / GIB}
     mem = getattr(g, "memory_gib", None)
     notes: list[str] = []
     ovd = ov.as_dict()
-    paged = paged_state_bytes(spec, k) / GIB
     if paged:
         # unified-memory pages occupy the device when touched, outside the caching allocator
+        # (the stages' device_used carry them above)
         u += paged
-        for st in stages:
-            st.device_used_gib += paged
         ovd["paged_optimizer_gib"] = paged
         notes.append(f"{paged:.2f} GiB of paged 8-bit optimizer state is in CUDA unified memory: "
                      "counted in device_used, not in allocated/reserved")
@@ -924,9 +998,10 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
                      "the estimate extrapolates")
     if k.fused and spec.arch not in ("llama", "gpt"):
         notes.append(f"fused_kernels change only llama/gpt block inventories; {spec.arch} is modelled eager")
-    return Estimate.model_construct(
-        params=spec.params, allocated_peak_gib=a, reserved_peak_gib=r, device_used_gib=u,
-        breakdown_gib=bd, stages=stages, method="analytic", model=spec.name,
-        gpu=getattr(g, "name", None), gpu_memory_gib=mem,
-        fits=(u <= mem) if mem is not None else None, overheads=ovd, warnings=notes,
-        framework=k.framework, host_offload_gib=host_offload_bytes(spec, k) / GIB)
+    name = getattr(g, "name", None)
+    return _built(Estimate, _ESTIMATE_FIELDS, {
+        "params": spec.params, "allocated_peak_gib": a, "reserved_peak_gib": r,
+        "device_used_gib": u, "breakdown_gib": bd, "stages": stages, "method": "analytic",
+        "model": spec.name, "gpu": name, "gpu_memory_gib": mem,
+        "fits": (u <= mem) if mem is not None else None, "overheads": ovd, "warnings": notes,
+        "framework": k.framework, "host_offload_gib": host_offload_bytes(spec, k) / GIB})

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 from pathlib import Path
 from .home import DEFAULT_HOME, forget_json_cache, frenzy_home, read_json_cached
 
@@ -63,10 +64,15 @@ class Overheads:
     zero3_live_units: float = ZERO3_LIVE_UNITS
 
     def as_dict(self) -> dict[str, float]:
-        return {f: getattr(self, f) for f in FIELDS}
+        return dict(_as_dict(self))              # a fresh dict: callers may add to it
 
 
 FIELDS = tuple(f.name for f in fields(Overheads))
+
+
+@lru_cache(maxsize=256)
+def _as_dict(ov: Overheads) -> dict[str, float]:
+    return {f: getattr(ov, f) for f in FIELDS}
 DEFAULT = Overheads()
 CPU_OVERHEADS = Overheads(cuda_context_gib=CPU_CONTEXT_GIB, workspace_gib=0.0, fragmentation=0.0,
                           fragmentation_recompute=0.0, nccl_per_comm_gib=0.0)

@@ -12,11 +12,13 @@ both (``check_knobs``).
 | ``loss`` | how the LM loss holds logits: "hf" keeps the 16-bit logits in the model output and upcasts inside the loss; "deleted" frees them (the recipe upcasts in the model and deletes the output before backward) |
 | ``repeat_kv`` | grouped-query attention materialises k/v repeated to every head before SDPA |
 | ``ddp_bucket_copy`` | DDP's flat buckets duplicate the gradients (gradient_as_bucket_view=False) |
-| ``zero_bucket_elems`` | ZeRO-1/2 reduce + all-gather bucket elements |
+| ``zero_bucket_elems`` | DeepSpeed reduce_bucket_size (elements) |
+| ``overlap_comm`` | DeepSpeed overlap_comm default (a second ZeRO-1/2 reduce buffer) |
 | ``zero3_subgroup_elems`` | ZeRO-3 fp32 gradient copy made per optimizer sub-group, not for the whole partition |
 | ``master_copy_when_pure`` | a 16-bit run without fp32 master still keeps a separate 16-bit master partition |
 | ``lora`` / ``qlora`` | the profile runs adapters (PEFT / its own LoRA) |
 | ``fsdp2_copy_in`` | FSDP2 copies a unit's unsharded gradients into one reduce-scatter input before freeing them |
+| ``job_knobs_only`` | the profile runs only what a Frenzy job can ask for (no loss kernel, activation offloading, optimizer in backward, fused kernels, paged optimizer) |
 Pure: no torch.
 """
 from __future__ import annotations
@@ -48,12 +50,19 @@ class Profile:
     # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: "Only after the copy-in
     # finishes can we free the gradients"): both exist while the largest unit reduces
     fsdp2_copy_in: bool = False
+    # DeepSpeed's overlap_comm (double-buffered ZeRO-1/2 reduce buffer): "" the profile runs no
+    # DeepSpeed engine (the knob is not expressible), "off" always off (Frenzy's trainer config,
+    # trainer/launch_config.py), "stage3" DeepSpeed's own default (on at stage 3 only)
+    overlap_comm: str = ""
+    # the profile runs only what a Frenzy job can ask for (estimator.job.TrainingJob has no loss
+    # kernel, activation offloading, optimizer in backward, fused kernels or paged optimizer)
+    job_knobs_only: bool = False
     measured: str = ""
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in [
     Profile("frenzy", "Frenzy's own trainer (Accelerate + HF models; DeepSpeed for ZeRO)",
-            measured="54 H200 runs of the trainer (bench/estimator_measured_h200*.json)"),
+            overlap_comm="off", job_knobs_only=True, measured="54 H200 runs of the trainer (bench/estimator_measured_h200*.json)"),
     Profile("hf", "Hugging Face Trainer or a plain PyTorch loop over HF/timm models "
                   "(torch AMP or a model loaded in 16 bits; DDP; torch AdamW)",
             torch_sharding=True, measured="PEFT method-comparison suite (L40S)"),
@@ -81,6 +90,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
                          "PyTorch models",
             zero0_regime="master", adamw_impl="fused", ddp_bucket_copy=False, zero_bucket_elems=5e8,
             zero3_subgroup_elems=1e9, master_copy_when_pure=True, qlora=False,
+            overlap_comm="stage3",
             measured="DeepSpeed-Chat logs (V100), DeepSpeedExamples bf16_master_weight (H100), "
                      "ml-engineering Llama-3.1-8B runs (H200)"),
     # torchtune recipes train in the model dtype (pure bf16), upcast logits in the model and
@@ -130,8 +140,19 @@ def get_profile(name: str) -> Profile:
 
 
 def check_knobs(p: Profile, *, finetune: str, zero: int, master: str, precision: str,
-                opt_in_bwd: bool, optimizer: str, offload: str = "none") -> None:
+                opt_in_bwd: bool, optimizer: str, offload: str = "none", loss: str = "standard",
+                act_offload: bool = False, fused: bool = False) -> None:
     """One-line errors for knobs profile ``p`` cannot express (naming both)."""
+    if p.job_knobs_only:
+        asked = [(field, value) for field, value, on in (
+            ("loss", f"{loss} ", loss in ("chunked", "fused-linear", "fp32-logits")),
+            ("act_offload", "", act_offload), ("optimizer_in_backward", "", opt_in_bwd),
+            ("fused_kernels", "", fused),
+            ("optimizer", f"{optimizer} ", optimizer == "adamw8bit-paged")) if on]
+        if asked:
+            field, value = asked[0]
+            raise FrenzyInputError(field, f"{value}is not expressible with framework {p.name} "
+                                          "(its trainer does not run it; name the framework that does)")
     if finetune == "lora" and not p.lora:
         raise FrenzyInputError("finetune", f"lora is not expressible with framework {p.name} "
                                            "(it has no adapter support)")

@@ -39,7 +39,8 @@ def register(sub) -> None:
     k.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (3 = FSDP full shard)")
     k.add_argument("--offload", default="none", help="none | optimizer | optimizer+params")
     k.add_argument("--precision", default="bf16", help="fp32 | fp16 | bf16")
-    k.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | adafactor | adamw8bit")
+    k.add_argument("--optimizer", default="adamw",
+                   help="adamw | adam | sgd | adafactor | adamw8bit | adamw8bit-paged")
     k.add_argument("--act-ckpt", default="none", help="none | selective | full")
     k.add_argument("--attention", default="flash", help="flash | eager")
     k.add_argument("--mp-style", default="auto",
@@ -59,6 +60,10 @@ def register(sub) -> None:
     t.add_argument("--adamw-impl", default="auto", help="auto | foreach | foreach-legacy (PyTorch 2.0/2.1: two step temporaries) | fused | for-loop")
     t.add_argument("--fused-kernels", type=_bool, nargs="?", const=True, default=False,
                    metavar="BOOL", help="torch.compile / Liger fused norm and activation kernels")
+    t.add_argument("--overlap-comm", type=_bool, nargs="?", const=True, default=None, metavar="BOOL",
+                   help="DeepSpeed overlap_comm (default: DeepSpeed's, on at zero 3; off in Frenzy's trainer)")
+    t.add_argument("--score-clamp", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
+                   help="eager attention of transformers 4.2x (OPT, first Llama) keeps its clamped scores")
     e.add_argument("--gpu", help="catalog GPU type, e.g. A100-80GB (adds fits / overheads)")
     e.add_argument("--method", default="analytic", help="analytic | traced")
     e.add_argument("--json", action="store_true", help="print one JSON object")
@@ -95,7 +100,7 @@ _EST_KEYS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "v
              "sp", "vpp", "zero", "offload", "precision", "optimizer", "act_ckpt", "attention",
              "gpu", "method", "mp_style", "framework", "master_weights", "finetune", "lora_rank",
              "lora_targets", "loss", "act_offload", "optimizer_in_backward", "adamw_impl",
-             "fused_kernels")
+             "fused_kernels", "overlap_comm", "score_clamp")
 
 
 def handle_estimate(args) -> int:

@@ -180,3 +180,18 @@ def test_agrees_with_real_gpu_runs(path):
     assert min(errs) > -0.05
     assert statistics.median(abs(x) for x in errs) < 0.03
     assert sorted(abs(x) for x in errs)[int(0.9 * (len(errs) - 1))] < 0.08
+
+
+def test_fast_built_estimate_equals_a_validated_one():
+    # the analytic hot path builds its result without pydantic's per-field work: the instance
+    # must be the one validation would build (every field, in order, nothing extra)
+    for kw in (dict(model="gpt2", seq_len=1024),
+               dict(model="llama-2-70b", seq_len=4096, tp=8, pp=4, dp=2, zero=1, sp=True,
+                    grad_accum=8, gpu="H100-80GB"),
+               dict(model="llama-3.1-8b", seq_len=512, optimizer="adamw8bit-paged",
+                    master_weights="none", framework="torchtune", gpu="H100-80GB")):
+        e = estimate(**kw)
+        again = Estimate.model_validate(e.model_dump())
+        assert again == e and list(e.model_dump()) == list(Estimate.model_fields)
+        assert e.model_fields_set == set(Estimate.model_fields)
+        assert e.stages[-1].device_used_gib >= e.stages[-1].reserved_peak_gib
