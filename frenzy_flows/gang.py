@@ -291,7 +291,7 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
                     assignment.allocation_id)
         if launch > retries or time.monotonic() >= deadline:
             break
-        _wait_stopped([fr.id for _, fr in runs], deadline)
+        _wait_stopped([fr.id for _, fr in runs], deadline, lambda: gang.lost(gang_id, len(runs)))
         assignment = _retake(ledger, queue, job_id, assignment, why, log.info)
         log.warning("relaunching the gang on %s (relaunch %d of %d), resuming from the newest checkpoint in %s",
                     assignment.placement, launch, retries, run_dir)
@@ -328,13 +328,15 @@ def stop_run(flow_run_id, reason: str) -> None:
         dispatch._logger().warning("could not stop flow run %s: %s", flow_run_id, err)
 
 
-def _wait_stopped(ids: list, deadline: float) -> None:
-    """Until the stopped runs are final (their processes gone), at most ``STOP_WAIT_S``; a run
-    still CANCELLING then (its worker vanished with it) is marked CANCELLED."""
+def _wait_stopped(ids: list, deadline: float, gone: Callable[[], dict[int, str]] = dict) -> None:
+    """Until the stopped runs are final (their processes gone) or their node is ``gone`` (its
+    heartbeat ran out: nothing is left there to stop), at most ``STOP_WAIT_S``; a run still
+    CANCELLING then (its worker vanished with it) is marked CANCELLED."""
     end = min(deadline, time.monotonic() + STOP_WAIT_S)
     while time.monotonic() < end:
-        if all(st is None or st.is_final() for st in _states(ids)):
-            return
+        lost = gone()
+        if all(st is None or st.is_final() or r in lost for r, st in enumerate(_states(ids))):
+            break
         time.sleep(0.5)
     for i in ids:
         dispatch._cancel(i, "frenzy: its worker did not stop it (gone)")

@@ -166,3 +166,145 @@ def test_two_nodes_of_one_process_match_one_node_of_two(weights, tmp_path):
     run = tmp_path / "two-nodes"
     assert (run / "accelerate-node0.yaml").is_file() and (run / "accelerate-node1.yaml").is_file()
     assert (run / "attempt-1.log").is_file() and (run / "attempt-1-node1.log").is_file()
+
+
+# ------------------------------------------------------------------------------- through Prefect
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cluster(pool: str) -> dict:
+    """One CPU pool of two nodes of one process each (both this machine: the workers say their
+    address is loopback through FRENZY_NODE_ADDRESS, as the cluster file's addresses are distinct)."""
+    return {"pools": [{"name": pool, "gpu": "CPU", "nodes": 2, "gpus_per_node": 1}]}
+
+
+def _worker(pool: str, queue: str):
+    import os
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_WORKER_QUERY_SECONDS": "1",
+           "PYTHONPATH": str(ROOT), "FRENZY_NODE_ADDRESS": "127.0.0.1"}
+    return subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool,
+                             "--work-queue", queue, "--type", "process"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _vanish(proc) -> None:
+    """The node goes away: its worker and everything it started, SIGKILLed."""
+    import psutil
+
+    tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _stop(proc) -> str:
+    if proc.poll() is None:
+        _vanish(proc)
+    return proc.communicate(timeout=30)[0][-4000:]
+
+
+def _gang_setup(pool: str, tmp_path: Path, j, p: Plan):
+    from deployments.pools import sync_pools
+    from ledger import Ledger
+    from scheduler.cluster import cluster_from_dict
+
+    from frenzy_flows.results import Assignment
+
+    report = sync_pools(_cluster(pool), control_pool=False, log=lambda *_: None)
+    assert report.queues[pool] == [f"{pool}-0", f"{pool}-1"]
+    ledger = Ledger()            # FRENZY_HOME's: the one the workers' flow runs open too
+    ledger.sync_cluster(cluster_from_dict(_cluster(pool)))
+    alloc = ledger.allocate(f"job-{pool}", p, {f"{pool}-0": [0], f"{pool}-1": [0]})
+    return ledger, Assignment.from_allocation(alloc, p)
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_a_gang_of_two_workers_on_two_node_queues_matches_one_node(weights, tmp_path, monkeypatch):
+    import uuid
+
+    from frenzy_flows.gang import dispatch_gang
+    from tests.test_parallel_plans import assert_matches, train
+
+    monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
+    pool = f"mn-{uuid.uuid4().hex[:6]}"
+    j, p = job(weights), plan(2)
+    ledger, assignment = _gang_setup(pool, tmp_path, j, p)
+    workers = [_worker(pool, f"{pool}-{r}") for r in (0, 1)]
+    try:
+        out = dispatch_gang(j, p, assignment, job_id=f"job-{pool}", timeout_s=600, poll_s=0.5)
+    finally:
+        logs = [_stop(w) for w in workers]
+    assert out["status"] == "completed", logs
+    run = tmp_path / "shared" / f"job-{pool}"
+    assert out["run_dir"] == str(run.resolve())
+    assert (run / "attempt-1-node1.log").is_file()       # node 1 trained in the same shared folder
+    one_node, _ = train(j, p, tmp_path / "one-node")
+    assert_matches(out["losses"], one_node.losses)
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_a_node_whose_worker_vanishes_stops_the_gang_frees_its_gpus_and_it_resumes(weights, tmp_path, monkeypatch):
+    import json
+    import uuid
+
+    from deployments.pools import gpu_limit_name
+    from frenzy_flows.gang import dispatch_gang
+    from prefect import get_client
+
+    monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
+    pool = f"mv-{uuid.uuid4().hex[:6]}"
+    j, p = job(weights, train_steps=60, seq_len=128, checkpoint_every=2), plan(2)
+    ledger, assignment = _gang_setup(pool, tmp_path, j, p)
+    first_alloc = assignment.allocation_id
+    run = tmp_path / "shared" / f"job-{pool}"
+    workers = [_worker(pool, f"{pool}-{r}") for r in (0, 1)]
+    out: dict = {}
+
+    def go():
+        try:
+            out["result"] = dispatch_gang(j, p, assignment, job_id=f"job-{pool}", timeout_s=900, poll_s=0.5)
+        except BaseException as err:          # shown by the assertion below
+            out["error"] = err
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    killed_at = None
+    end = time.monotonic() + 400
+    while time.monotonic() < end and killed_at is None and t.is_alive():
+        log = run / "attempt-1.log"
+        steps = [json.loads(x.split(" ", 1)[1])["step"] for x in (log.read_text().splitlines() if log.is_file() else [])
+                 if x.startswith("FRENZY_CHECKPOINT ")]
+        if steps and max(steps) >= 4:
+            killed_at = max(steps)
+            _vanish(workers[1])               # node 1's machine goes away mid-run
+        time.sleep(0.1)
+    assert killed_at is not None, "the run ended before node 1 could be killed: " + str(out)
+    # the gang stopped and freed its GPUs: the first allocation is released
+    end = time.monotonic() + 200
+    while time.monotonic() < end and ledger.allocation(first_alloc).status == "active":
+        time.sleep(0.5)
+    assert ledger.allocation(first_alloc).status == "released"
+    workers.append(_worker(pool, f"{pool}-1"))      # node 1 comes back
+    try:
+        t.join(600)
+    finally:
+        logs = [_stop(w) for w in workers]
+    assert not t.is_alive()
+    assert "error" not in out, f"{out.get('error')!r}\n" + "\n".join(logs)
+    res = out["result"]
+    assert res["status"] == "completed"
+    assert res["attempts"][0]["resumed_from_step"] >= killed_at - 2 > 0      # from a checkpoint, not step 0
+    assert len(res["losses"]) == 60 - res["attempts"][0]["resumed_from_step"]
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name(gpu_limit_name(pool)).active_slots == 0
