@@ -21,7 +21,10 @@ pools:
     gpus_per_node: 1
 EOF
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill -- -"$p" 2>/dev/null || true; done; }
+cleanup() {   # each started process (and its group) by its own pid; SIGKILL what is left after 5 s
+  for p in "${pids[@]}"; do kill -- -"$p" 2>/dev/null || true; kill "$p" 2>/dev/null || true; done
+  sleep 5; for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+}
 trap cleanup EXIT
 setsid "$BIN/prefect" server start --host 127.0.0.1 --port "$PORT" > "$WORK/server.log" 2>&1 & pids+=($!)
 for _ in $(seq 1 180); do curl -sf "$PREFECT_API_URL/health" > /dev/null && break; sleep 1; done
