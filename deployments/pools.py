@@ -37,6 +37,18 @@ def gpu_limit_name(pool: str) -> str:
     return f"gpu:{pool}"
 
 
+def node_queue_name(pool: str, index: int) -> str:
+    """The work queue of node ``index`` of a multi-node pool: the node's id in the ledger
+    (``scheduler.cluster.Pool.node_ids``). A worker started with ``--work-queue`` of that name is
+    the node's; a gang sends each node's flow run there (``frenzy_flows.gang``)."""
+    return f"{pool}-{index}"
+
+
+def node_queue_names(spec: "PoolSpec") -> list[str]:
+    """A multi-node pool's per-node work queues (none for a one-node pool: its default queue)."""
+    return [node_queue_name(spec.name, i) for i in range(spec.nodes)] if spec.nodes > 1 else []
+
+
 @dataclass
 class PoolSpec:
     """What Prefect should hold for one cluster pool."""
@@ -53,6 +65,7 @@ class SyncReport:
     pool_type: str
     pools: dict[str, str] = field(default_factory=dict)        # name -> created | updated | unchanged
     limits: dict[str, int] = field(default_factory=dict)       # gcl name -> slots
+    queues: dict[str, list[str]] = field(default_factory=dict) # pool -> its per-node work queues
     deployments: dict[str, str] = field(default_factory=dict)  # deployment name -> id
 
 
@@ -100,6 +113,10 @@ CONTROL_DESCRIPTION = (f"Frenzy control pool: runs frenzy-submit (estimate, plan
 
 def pool_description(spec: PoolSpec) -> str:
     nodes = f"{spec.nodes} node{'s' if spec.nodes != 1 else ''}"
+    if spec.nodes > 1:
+        return (f"Frenzy GPU pool: {spec.gpus} x {spec.gpu_type} on {nodes} of {spec.gpus_per_node}. "
+                f"Frenzy sends training runs here, one per node of a job; start one worker on each node i: "
+                f"prefect worker start --pool {spec.name} --work-queue {spec.name}-<i>")
     return (f"Frenzy GPU pool: {spec.gpus} x {spec.gpu_type} on {nodes} of {spec.gpus_per_node}. "
             f"Frenzy sends training runs here; start one worker per node: "
             f"prefect worker start --pool {spec.name}")
@@ -218,6 +235,9 @@ def sync_pools(cluster: Any, *, pool_type: PoolType = "process", entrypoint: str
             else:
                 report.pools[spec.name] = "unchanged"
 
+            for qname in node_queue_names(spec):
+                _ensure_queue(client, spec.name, qname, spec.gpu_type)
+            report.queues[spec.name] = node_queue_names(spec)
             client.upsert_global_concurrency_limit_by_name(gpu_limit_name(spec.name), limit=spec.gpus)
             report.limits[gpu_limit_name(spec.name)] = spec.gpus
 
@@ -230,7 +250,8 @@ def sync_pools(cluster: Any, *, pool_type: PoolType = "process", entrypoint: str
                 description=f"Frenzy training on pool {spec.name} ({spec.gpus} x {spec.gpu_type}).")
             report.deployments[train_deployment_name(spec.name)] = str(dep_id)
             log(f"pool {spec.name}: {report.pools[spec.name]} ({pool_type}, {spec.gpus} x {spec.gpu_type}); "
-                f"limit {gpu_limit_name(spec.name)}={spec.gpus}; deployment {flow_name}/{train_deployment_name(spec.name)}")
+                f"limit {gpu_limit_name(spec.name)}={spec.gpus}; deployment {flow_name}/{train_deployment_name(spec.name)}"
+                + (f"; work queues {', '.join(report.queues[spec.name])} (one per node)" if report.queues[spec.name] else ""))
         if prune:
             keep = {spec.name for spec in specs} | {CONTROL_POOL}
             for wp in client.read_work_pools():
@@ -240,6 +261,23 @@ def sync_pools(cluster: Any, *, pool_type: PoolType = "process", entrypoint: str
                 report.pools[wp.name] = "removed"
                 log(f"pool {wp.name}: removed (not in this cluster; --prune)")
     return report
+
+
+def _ensure_queue(client, pool: str, name: str, gpu_type: str) -> None:
+    """Create the work queue ``name`` of ``pool`` unless it exists (idempotent)."""
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    try:
+        client.read_work_queue_by_name(name, work_pool_name=pool)
+        return
+    except ObjectNotFound:
+        pass
+    try:
+        client.create_work_queue(name=name, work_pool_name=pool,
+                                 description=f"node {name} of pool {pool} ({gpu_type}): its worker runs "
+                                             f"`prefect worker start --pool {pool} --work-queue {name}`")
+    except ObjectAlreadyExists:       # a concurrent sync made it
+        pass
 
 
 def _remove_pool(client, name: str, flow_name: str) -> None:

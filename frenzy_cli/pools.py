@@ -87,7 +87,7 @@ def handle_sync(args) -> int:
                  + (f"; deactivated {', '.join(ledger_pruned)}" if ledger_pruned else ""))
     if args.json:
         print(json.dumps({"api_url": url, "pool_type": report.pool_type, "pools": report.pools,
-                          "limits": report.limits, "deployments": report.deployments,
+                          "limits": report.limits, "deployments": report.deployments, "queues": report.queues,
                           "ledger_pruned": ledger_pruned}))
         return 0
     for line in lines:

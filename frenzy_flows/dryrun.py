@@ -98,6 +98,13 @@ def _worker_text(pool: str, addresses: list[str], workers: Callable[[str], int] 
     return f"no worker online in pool {pool}{where}: {without}"
 
 
+def _gang_text(pool: str, node_ids: list[str]) -> str:
+    """A placement over several nodes trains as a gang: one flow run per node, each on its
+    node's work queue (``frenzy_flows.gang``)."""
+    return (f" Across {len(node_ids)} nodes: one flow run per node, each node's worker started with "
+            + ", ".join(f"`prefect worker start --pool {pool} --work-queue {n}`" for n in node_ids) + ".")
+
+
 def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, policy: str = "frenzy",
             workers: Callable[[str], int] | None = None, plan_filter: str | None = None) -> dict[str, Any]:
     """What ``job`` would launch on ``cluster``: one JSON-able dict (``launch`` true with the
@@ -160,7 +167,8 @@ def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, pol
             "gpu_memory_gib": get_gpu(plan.gpu_type, cluster.gpu_catalog()).memory_gib,
             "step_time_s": plan.step_time_s, "duration_s": duration_s, "duration": format_duration(duration_s),
             "pool": pool.name, "placement": {k: list(v) for k, v in decision.placement.items()},
-            "worker": _worker_text(pool.name, addresses, workers, is_control_machine_pool(cluster, pool.name)),
+            "worker": _worker_text(pool.name, addresses, workers, is_control_machine_pool(cluster, pool.name))
+            + (_gang_text(pool.name, node_ids) if len(node_ids) > 1 else ""),
             "launchable_plans": len(plans), "fastest_plan": fastest.short(),
             "plan_detail": plan.model_dump(mode="json")}
 

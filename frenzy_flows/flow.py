@@ -50,6 +50,12 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
                 return train_on_pool(job, plan, assignment=assignment, job_id=job_id,
                                      ledger_url=ledger_url, inventory=inventory, settings=settings)
         _wait_for_worker(pool, job_id, assignment, url, worker_wait_s)
+    if len(assignment.placement) > 1:       # one flow run per node, trained as a gang
+        from frenzy_flows.gang import dispatch_gang
+
+        dispatch._logger().info("dispatching to work pool %s as a gang of %d nodes", pool, len(assignment.placement))
+        return dispatch_gang(job, plan, assignment, job_id=job_id, ledger_url=url, settings=settings,
+                             timeout_s=job.deadline_s)
     dispatch._logger().info("dispatching to work pool %s", pool)
     return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id, ledger_url=url,
                                      settings=settings, timeout_s=job.deadline_s)

@@ -23,10 +23,13 @@ from frenzy_flows.training import run_allocated_training
 @flow(name="frenzy-train")
 def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = None,
                   job_id: str | None = None, ledger_url: SecretStr | None = None,
-                  inventory: dict[str, int] | None = None, settings: str | None = None) -> dict[str, Any]:
+                  inventory: dict[str, int] | None = None, settings: str | None = None,
+                  node: dict[str, Any] | None = None) -> dict[str, Any]:
     """``inventory`` (GPU type -> count) widens the out-of-memory fallbacks to more GPUs and
     other GPU types; without it they stay on the plan's GPU type. ``settings``: a
-    `FrenzySettings` block whose fallback order (and ledger URL, when none is given) apply."""
+    `FrenzySettings` block whose fallback order (and ledger URL, when none is given) apply.
+    ``node``: this run is one node of a multi-node gang (``frenzy_flows.gang``: gang id, rank,
+    nodes, node id, shared run folder); the dispatcher owns the allocation then."""
     from trainer import allowlist
     from trainer.tracking import with_tracking_default
 
@@ -36,6 +39,15 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
     job = with_tracking_default(job, site)          # the settings block's MLflow server
     ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
     job_id = job_id or new_job_id(job)
+    if node is not None:
+        from frenzy_flows.gang import train_node
+
+        if assignment is None:
+            raise ValueError("a gang node's run needs the gang's assignment")
+        progress = artifacts.progress_start(job.steps) if int(node.get("rank", 0)) == 0 else None
+        return train_node(job, plan, assignment, job_id, node, ledger_url=ledger_url, log=log.info,
+                          on_step=(lambda step, total, loss: artifacts.progress_update(progress, step, total, loss))
+                          if progress is not None else None)
     with allocation_lifetime(ledger_url, job_id, log=log.warning):   # released however this ends
         return _train(job, plan, assignment, job_id, ledger_url, inventory, site, log)
 

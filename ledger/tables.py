@@ -162,3 +162,24 @@ class SchedulerLeaseRow(SQLModel, table=True):
     epoch: int = 0
     expires_at: float = 0.0
     acquired_at: float = 0.0
+
+
+# --- multi-node runs (ledger.gang) ---------------------------------------------------------
+class GangNodeRow(SQLModel, table=True):
+    """One node of a multi-node run (a gang): its rank, its address, its state and the
+    heartbeat of the flow run training there. Node 0's row carries the rendezvous: the address
+    and port its c10d store listens on, which every other node waits for. A gang id names one
+    launch of the whole gang; a retried gang gets a new id (and a new rendezvous)."""
+
+    __tablename__ = "gang_nodes"
+
+    gang_id: str = Field(primary_key=True)
+    node_rank: int = Field(primary_key=True)
+    job_id: str = Field(index=True)
+    node_id: str = ""
+    address: Optional[str] = None
+    port: Optional[int] = None
+    state: str = "starting"          # starting | running | done | failed
+    error: str = ""
+    alive_until: float = 0.0         # the node's heartbeat, by the database's clock
+    updated_at: float = 0.0

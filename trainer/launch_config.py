@@ -13,6 +13,7 @@ here with an error naming the setting, before anything starts.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -118,6 +119,11 @@ def accelerate_config(plan: Plan, *, num_machines: int = 1, machine_rank: int = 
         # full model and DeepSpeed shards it (TP, then ZeRO-3) at initialize
         cfg["deepspeed_config"] = {"deepspeed_config_file": deepspeed_config_file,
                                    "zero3_init_flag": plan.zero == 3 and plan.tp == 1}
+        if num_machines > 1:
+            # Accelerate's default for several machines is pdsh (ssh from node 0 with a
+            # hostfile); Frenzy starts the same command on every node itself (one flow run per
+            # node), which is DeepSpeed's `standard` launcher: torchrun on each node
+            cfg["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
         # With a DeepSpeed file, Accelerate insists mixed precision is left to that file.
     else:
         cfg["distributed_type"] = "MULTI_GPU" if plan.gpus > 1 else "NO"
@@ -269,10 +275,25 @@ class Paths(NamedTuple):
     spec: Path
 
 
+def accelerate_file(num_machines: int = 1, machine_rank: int = 0) -> str:
+    """The Accelerate config's file name: one per node when several nodes share the run folder
+    (each node's file holds its own ``machine_rank``)."""
+    return ACCELERATE_FILE if num_machines == 1 else f"accelerate-node{machine_rank}.yaml"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: the nodes of a multi-node run write the same spec and
+    DeepSpeed file into one shared folder, and a node must never read another's half-written one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_launch_files(run_dir: str | Path, plan: Plan, job: TrainingJob, *, num_machines: int = 1,
                        machine_rank: int = 0, main_address: str | None = None, main_port: int = 29500,
                        cpu: bool | None = None, validate: bool = True, resume_from: str | None = None) -> Paths:
-    """Write accelerate.yaml, deepspeed.json (ZeRO plans, validated first) and train_spec.json.
+    """Write accelerate.yaml (``accelerate-node<r>.yaml`` on several nodes), deepspeed.json (ZeRO
+    plans, validated first) and train_spec.json.
 
     Nothing is written when any check fails, so a rejected plan leaves no half-made run folder.
     """
@@ -287,14 +308,14 @@ def write_launch_files(run_dir: str | Path, plan: Plan, job: TrainingJob, *, num
                             deepspeed_config_file=str((run_dir / DEEPSPEED_FILE).resolve()),
                             master_weights=job.master_weights)
     run_dir.mkdir(parents=True, exist_ok=True)
-    acc_path = run_dir / ACCELERATE_FILE
-    acc_path.write_text(yaml.safe_dump(acc, sort_keys=False))
+    acc_path = run_dir / accelerate_file(num_machines, machine_rank)
+    _write_atomic(acc_path, yaml.safe_dump(acc, sort_keys=False))
     ds_path = None
     if ds is not None:
         ds_path = run_dir / DEEPSPEED_FILE
-        ds_path.write_text(json.dumps(ds, indent=2))
+        _write_atomic(ds_path, json.dumps(ds, indent=2))
     else:
         (run_dir / DEEPSPEED_FILE).unlink(missing_ok=True)   # a fallback from ZeRO to none
     spec_path = run_dir / SPEC_FILE
-    spec_path.write_text(json.dumps(spec, indent=2))
+    _write_atomic(spec_path, json.dumps(spec, indent=2))
     return Paths(run_dir, acc_path, ds_path, spec_path)

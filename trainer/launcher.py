@@ -44,12 +44,15 @@ _LIVE: dict[int, subprocess.Popen] = {}
 
 
 def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed: bool = False,
-               base: Mapping[str, str] | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+               base: Mapping[str, str] | None = None, extra: Mapping[str, str] | None = None,
+               main_address: str | None = None) -> dict[str, str]:
     """The child's environment: the allocated devices and nothing else visible.
 
     ``devices`` are what the ledger allocated (GPU indices or UUIDs); on a CPU plan they are
     labels only and every GPU is hidden. ``attempt`` tells the training program which attempt
-    it is (``FRENZY_INJECT_OOM_AT_STEP`` fires on the first only).
+    it is (``FRENZY_INJECT_OOM_AT_STEP`` fires on the first only). ``main_address``: node 0's
+    address in a multi-node launch (``devices`` are then this node's own): the rendezvous store
+    listens there, and on loopback only when node 0 is this machine's loopback.
     """
     env = dict(os.environ if base is None else base)
     for name in RANK_ENV_WITHHELD:
@@ -80,7 +83,15 @@ def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed
             # Accelerate's multi-process launcher only picks gloo-on-CPU when told so by env:
             # `use_cpu` in a config file does not reach the ranks (verified, accelerate 1.15).
             env["ACCELERATE_USE_CPU"] = "true"
-    if all(":" not in str(d) for d in devices):
+    if main_address is not None:
+        # several nodes: every node dials node 0's published address; node 0's store listens
+        # there only (trainer.bound_launch); gloo and NCCL pick the interface that routes to it
+        env["MASTER_ADDR"] = main_address
+        env["FRENZY_C10D_BIND"] = main_address
+        if main_address == LOOPBACK:          # nodes standing in on one machine
+            env["GLOO_SOCKET_IFNAME"] = LOOPBACK_IFNAME
+            env["NCCL_SOCKET_IFNAME"] = LOOPBACK_IFNAME
+    elif all(":" not in str(d) for d in devices):
         # One node ("<node>:<index>" devices span several): the rendezvous store, gloo and NCCL's
         # bootstrap stay on loopback, reachable from no other host (trainer.bound_launch).
         env["MASTER_ADDR"] = LOOPBACK
@@ -92,10 +103,12 @@ def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed
     return env
 
 
-def free_port() -> int:
-    """A TCP port free right now on loopback (for the rendezvous of one attempt)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(address: str = LOOPBACK) -> int:
+    """A TCP port free right now on ``address`` (for the rendezvous of one attempt; in a
+    multi-node launch node 0 asks on its own address and publishes the answer)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
         return s.getsockname()[1]
 
 

@@ -40,6 +40,20 @@ def default_runs_root() -> Path:
     return frenzy_home() / "runs"
 
 
+SHARED_RUNS_ENV = "FRENZY_SHARED_RUNS"
+
+
+def shared_runs_root() -> Path:
+    """Where multi-node runs keep their run folders: storage every node sees (an NFS or
+    Lustre mount), ``FRENZY_SHARED_RUNS`` on the control machine and on every worker; else the
+    runs folder of this Frenzy home, which is shared only when FRENZY_HOME itself is (nodes
+    standing in on one machine)."""
+    import os
+
+    path = os.environ.get(SHARED_RUNS_ENV)
+    return Path(path).expanduser().resolve() if path else default_runs_root()
+
+
 def fingerprint(job: TrainingJob | dict[str, Any]) -> dict[str, Any]:
     doc = job.model_dump(mode="json") if isinstance(job, TrainingJob) else job
     return {k: doc.get(k) for k in SAME_TRAINING}

@@ -77,6 +77,25 @@ ON_STEP_QUEUE_MAX = 64
 ON_STEP_DRAIN_S = 2.0
 
 
+class NodeRole(BaseModel):
+    """This process's node in a multi-node launch (one runner per node, every node started the
+    same way by its own flow run; ``frenzy_flows.gang``). ``endpoint()`` gives node 0's address
+    and the port of the attempt's rendezvous: node 0 finds a free port on its own address and
+    publishes both, the others wait for them (``ledger.gang``). The ranks of node ``r`` are the
+    global ranks ``r * per_node ... (r + 1) * per_node - 1``; data is indexed by them."""
+
+    model_config = {"arbitrary_types_allowed": True, "frozen": True}
+
+    machine_rank: int = Field(ge=0)
+    num_machines: int = Field(ge=2)
+    endpoint: Callable[[], tuple[str, int]]
+
+    @property
+    def suffix(self) -> str:
+        """What tells this node's files in the shared run folder from the others'."""
+        return f"-node{self.machine_rank}"
+
+
 class Attempt(BaseModel):
     """One launch of the training program."""
 
@@ -379,10 +398,15 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                  on_attempt: Callable[[Attempt], None] | None = None,
                  inventory: dict[str, int] | None = None, deadline_s: float | None = None,
                  max_transient_retries: int = 3, backoff_s: float = 2.0, grace_s: float = 30.0,
-                 fallbacks: Iterator[Plan] | None = None) -> TrainResult:
+                 fallbacks: Iterator[Plan] | None = None, node: NodeRole | None = None) -> TrainResult:
     """Train ``job`` starting on ``plan``; see the module docstring. ``deadline_s`` bounds the
     whole run (all attempts); ``fallbacks`` overrides the OOM fallback sequence (default:
-    ``fallback_plans(job, plan, inventory=inventory)``, computed lazily at the first OOM)."""
+    ``fallback_plans(job, plan, inventory=inventory)``, computed lazily at the first OOM).
+
+    ``node``: this runner trains one node of a multi-node launch (``acquire`` gives that node's
+    devices, ``plan.gpus / num_machines`` of them); only node 0's ranks report losses and the
+    result, so another node's attempt is ``ok`` when its processes exit 0. Gang retries are the
+    dispatcher's: give ``max_transient_retries=0`` and no fallbacks."""
     run_dir = Path(run_dir)
     started = time.monotonic()
     preflight(job, plan)                                # nothing acquired yet: nothing to release
@@ -392,7 +416,10 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
     start_ck = resume.resume_checkpoint(job, run_dir)
     external = start_ck if start_ck is not None and run_dir.resolve() not in start_ck.path.resolve().parents else None
     tracker = None
-    if job.tracking.enabled:
+    lead = node is None or node.machine_rank == 0      # the node whose rank 0 reports
+    suffix = node.suffix if node is not None and node.machine_rank else ""
+    machines = node.num_machines if node is not None else 1
+    if job.tracking.enabled and lead:
         from .tracking import Tracker
 
         tracker = Tracker(job, plan, run_dir, log)      # FrenzyInputError when the store cannot be opened
@@ -424,26 +451,31 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                 break
             devices = list(acquire(current))
             try:
-                if len(devices) < current.gpus:
-                    raise FrenzyInputError("plan.gpus", f"the plan runs {current.gpus} processes but only "
+                local = current.gpus // machines           # this node's processes
+                if len(devices) < local:
+                    raise FrenzyInputError("plan.gpus", f"the plan runs {local} processes here but only "
                                                         f"{len(devices)} devices were allocated ({', '.join(devices) or 'none'})")
                 if current is not plan:
                     preflight(job, current)
-                paths = write_launch_files(run_dir, current, job, main_port=free_port(),
+                address, port = node.endpoint() if node is not None else (None, free_port())
+                paths = write_launch_files(run_dir, current, job, main_port=port, main_address=address,
+                                           num_machines=machines,
+                                           machine_rank=node.machine_rank if node is not None else 0,
                                            resume_from=str(external.path) if external is not None else None)
             except BaseException:
                 release()
                 raise
             latest = checkpoints.latest_checkpoint(run_dir) or external
             resumed = latest.step if latest is not None else 0
-            log(f"frenzy: attempt {number} on {current.short()} devices={','.join(devices[:current.gpus])}"
+            log(f"frenzy: attempt {number} on {current.short()} devices={','.join(devices[:local])}"
+                + (f" as node {node.machine_rank} of {machines} (rendezvous {address}:{port})" if node else "")
                 + (f", resuming from step {resumed}" if resumed else ""))
-            env = launch_env(devices[:current.gpus], cpu=is_cpu_plan(current), attempt=number,
-                             deepspeed=uses_deepspeed(current))
+            env = launch_env(devices[:local], cpu=is_cpu_plan(current), attempt=number,
+                             deepspeed=uses_deepspeed(current), main_address=address)
             left = remaining()
             t0 = time.monotonic()
             # line-buffered: the log is current on disk (tail -f; what is left after a kill -9)
-            with open(run_dir / f"attempt-{number}.log", "w", buffering=1) as logfile:
+            with open(run_dir / f"attempt-{number}{suffix}.log", "w", buffering=1) as logfile:
                 listener = _Listener(log, steps.post if steps is not None else None, losses, logfile,
                                      evals, tracker)
                 try:
@@ -466,6 +498,8 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                 outcome = "ok"
                 if rc != 0:
                     log(f"frenzy: attempt {number} finished training but its processes exited with {rc}")
+            elif not lead and rc == 0:
+                outcome = "ok"          # another node: node 0 reports; its ranks finished cleanly
             elif rc is None:
                 outcome = "timeout"
             elif oom:
@@ -475,9 +509,9 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
             err = None if outcome in ("ok", "stopped") else (
                 f"deadline of {deadline_s:.0f} s reached" if outcome == "timeout" else _error_text(tail, listener, rc))
             att = Attempt(plan=current, outcome=outcome, resumed_from_step=resumed, error=err, number=number,
-                          devices=devices[:current.gpus], duration_s=round(time.monotonic() - t0, 3))
+                          devices=devices[:local], duration_s=round(time.monotonic() - t0, 3))
             attempts.append(att)
-            (run_dir / "attempts.json").write_text(json.dumps([a.model_dump(mode="json") for a in attempts], indent=2))
+            (run_dir / f"attempts{suffix}.json").write_text(json.dumps([a.model_dump(mode="json") for a in attempts], indent=2))
             if on_attempt is not None:
                 on_attempt(att)
             if outcome not in ("ok", "stopped") and interrupt.requested():
@@ -487,7 +521,7 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                 break
 
             if outcome in ("ok", "stopped"):
-                r = listener.result
+                r = listener.result or {}
                 measured = Measured(step_time_s=r.get("step_time_s", 0.0), tokens_per_s=r.get("tokens_per_s", 0.0),
                                     allocated_peak_gib=r.get("allocated_peak_gib"),
                                     reserved_peak_gib=r.get("reserved_peak_gib"),
@@ -538,7 +572,8 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
     except BaseException as e:               # bad input found late, cancellation: the run ends failed
         if tracker is not None:
             tracker.finish("failed", measured={}, final_plan=current, export_dir=None, steps=max(losses, default=0))
-        resume.record_result(run_dir, "failed", error=f"{type(e).__name__}: {str(e)[:300]}")
+        if lead:
+            resume.record_result(run_dir, "failed", error=f"{type(e).__name__}: {str(e)[:300]}")
         raise
     finally:
         registered.__exit__(None, None, None)
@@ -558,5 +593,6 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                        export_dir=export, steps=max(losses, default=0))
         result = result.model_copy(update={"mlflow_run_id": tracker.run_id, "mlflow_experiment_id": tracker.experiment_id,
                                            "mlflow_tracking_uri": tracker.uri, "mlflow_url": tracker.url})
-    resume.record_result(run_dir, status, stop=stop.model_dump() if stop else None)
+    if lead:
+        resume.record_result(run_dir, status, stop=stop.model_dump() if stop else None)
     return result

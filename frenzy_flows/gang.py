@@ -1,0 +1,342 @@
+"""Multi-node training: one `frenzy-train-<pool>` flow run per node, trained as a gang.
+
+A job whose allocation spans several nodes of a pool is dispatched as one flow run per node of
+the pool's training deployment, each sent to its node's work queue (``<pool>-<i>``, made by
+``frenzy pools sync``; a worker started with ``--work-queue <pool>-<i>`` is that node's). Every
+node runs the same training program through ``accelerate launch --num_machines N
+--machine_rank r --main_process_ip <node 0> --main_process_port <port>``:
+
+* node 0 finds a free port on its address and publishes both in the ledger's ``gang_nodes``
+  (``ledger.gang``); the others wait for that record, bounded;
+* the run folder (checkpoints, launch files) is on storage every node sees
+  (``trainer.resume.shared_runs_root``, ``FRENZY_SHARED_RUNS``), each node's own files
+  (``accelerate-node<r>.yaml``, ``attempt-<n>-node<r>.log``) told apart by name;
+* each node beats its ledger row while it trains; the dispatcher watches every node's flow run
+  and row. Gang semantics: when any node fails, or its heartbeat runs out (its worker
+  vanished), the dispatcher cancels every other node's run (their launchers kill their ranks),
+  releases the allocation, takes the GPUs again (through the scheduler's queue when the job has
+  a row there) and relaunches the whole gang under a new gang id; it resumes from the newest
+  checkpoint in the shared run folder. ``GANG_RETRIES`` relaunches at most.
+
+Not here: live re-sizing of a multi-node run (a scheduler request is not forwarded; the run
+trains to its end) and out-of-memory fallbacks (a node's OOM fails the gang).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from estimator.errors import FrenzyInputError
+from estimator.job import TrainingJob
+from estimator.plan import Plan
+
+from deployments.pools import node_queue_name
+
+from frenzy_flows import dispatch
+from frenzy_flows.results import Assignment
+
+# Relaunches of a failed gang: a lost node (a worker restarted, a network blip) is worth two
+# more tries from the checkpoint; a failure that repeats three times is the job's, not a node's.
+GANG_RETRIES = 2
+# How long node 1.. wait for node 0's rendezvous record: node 0's flow run must be picked up by
+# its worker and start (a process worker polls every 10 s by default, the flow's imports take
+# ~10 s on a busy machine), so two minutes.
+RENDEZVOUS_WAIT_S = 120.0
+# How long the GPUs of a failed gang may take to come back on the ledger for its relaunch (the
+# killed nodes' processes must exit; the scheduler may place it elsewhere): as a re-size's.
+RETAKE_S = 60.0
+NODE_ADDRESS_ENV = "FRENZY_NODE_ADDRESS"
+
+
+class GangError(dispatch.DispatchError):
+    """The gang did not complete after its relaunches."""
+
+
+def node_index(node_id: str) -> int:
+    """``<pool>-<i>`` -> i (the node order of the pool)."""
+    try:
+        return int(node_id.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        raise FrenzyInputError("placement", f"node id {node_id!r} is not <pool>-<index>") from None
+
+
+def gang_nodes(placement: Mapping[str, list[int]]) -> list[str]:
+    """The nodes of a placement in node order: the first is node 0 (the rendezvous)."""
+    return sorted(placement, key=node_index)
+
+
+def is_multi_node(assignment: Assignment) -> bool:
+    return len(assignment.placement) > 1
+
+
+# ---------------------------------------------------------------- node side
+
+def node_address(ledger, node_id: str) -> str:
+    """This node's address for the rendezvous: ``FRENZY_NODE_ADDRESS`` (set on the worker),
+    else the cluster file's ``addresses`` entry of the node, else what this host's name
+    resolves to."""
+    from ledger.gang import node_address as recorded
+
+    return (os.environ.get(NODE_ADDRESS_ENV) or recorded(ledger, node_id)
+            or socket.gethostbyname(socket.gethostname()))
+
+
+def node_endpoint(gang, gang_id: str, node_rank: int, address: str,
+                  timeout_s: float = RENDEZVOUS_WAIT_S) -> Callable[[], tuple[str, int]]:
+    """``NodeRole.endpoint`` for one node: node 0 finds a free port on its own address and
+    publishes both; another node waits for node 0's record (``RendezvousTimeout``)."""
+    from trainer.launcher import free_port
+
+    def endpoint() -> tuple[str, int]:
+        if node_rank == 0:
+            port = free_port(address)
+            gang.publish(gang_id, address, port)
+            return address, port
+        return gang.wait_rendezvous(gang_id, timeout_s)
+
+    return endpoint
+
+
+class _Beat:
+    """Beats the node's ledger row every ``NODE_BEAT_S`` while the block runs."""
+
+    def __init__(self, gang, gang_id: str, rank: int, log: Callable[[str], None]):
+        from ledger.gang import NODE_BEAT_S
+
+        self.gang, self.gang_id, self.rank, self.log, self.every = gang, gang_id, rank, log, NODE_BEAT_S
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"frenzy-gang-beat-{rank}", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.gang.beat(self.gang_id, self.rank)
+            except Exception as err:     # a database hiccup: the next beat may pass
+                self.log(f"frenzy: node heartbeat failed: {err}")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+
+
+def train_node(job: TrainingJob, plan: Plan, assignment: Assignment, job_id: str, node: Mapping[str, Any], *,
+               ledger_url: str | None, log: Callable[[str], None],
+               on_step: Callable[[int, int, float], None] | None = None) -> dict[str, Any]:
+    """One node's share of a gang (the `frenzy-train` flow with a ``node`` parameter): train
+    ``plan.gpus / nodes`` processes of the launch on this node's devices of the allocation.
+    The allocation, its lease and its release are the dispatcher's. Raises when the node's
+    training did not complete (its flow run fails, which fails the gang)."""
+    from ledger import Ledger
+    from ledger.gang import Gang
+    from trainer.loglines import readable_log
+    from trainer.runner import NodeRole, run_training
+
+    gang_id, rank, n = str(node["gang_id"]), int(node["rank"]), int(node["nodes"])
+    node_id = str(node["node_id"])
+    ledger = Ledger(ledger_url)
+    gang = Gang(ledger)
+    gang.join(gang_id, rank, job_id, node_id)
+    devices = [str(d) for d in assignment.placement.get(node_id, [])]
+    run_dir = Path(node["run_dir"])
+    try:
+        address = node_address(ledger, node_id)
+        role = NodeRole(machine_rank=rank, num_machines=n,
+                        endpoint=node_endpoint(gang, gang_id, rank, address,
+                                               float(node.get("rendezvous_wait_s") or RENDEZVOUS_WAIT_S)))
+        log(f"frenzy: node {rank} of {n} ({node_id}, {address}) of gang {gang_id}, devices {','.join(devices)}")
+        with _Beat(gang, gang_id, rank, log):
+            result = run_training(job, plan, run_dir=run_dir, acquire=lambda _p: devices, release=lambda: None,
+                                  log=readable_log(log), on_step=on_step, deadline_s=job.deadline_s,
+                                  max_transient_retries=0, fallbacks=iter(()), node=role)
+    except BaseException as err:
+        gang.finish(gang_id, rank, "failed", f"{type(err).__name__}: {err}")
+        raise
+    if result.status not in ("completed", "stopped"):
+        gang.finish(gang_id, rank, "failed", result.error or result.status)
+        raise RuntimeError(f"node {rank} ({node_id}) of gang {gang_id}: {result.error or result.status}")
+    gang.finish(gang_id, rank, "done")
+    return result.model_dump(mode="json")
+
+
+# ---------------------------------------------------------------- dispatcher side
+
+def _node_variables(plan: Plan, assignment: Assignment, node_id: str,
+                    env: Mapping[str, str] | None) -> dict[str, Any]:
+    """The pool template variables of one node's run: that node's devices only."""
+    one = assignment.model_copy(update={"placement": {node_id: assignment.placement[node_id]},
+                                        "devices": [str(d) for d in assignment.placement[node_id]]})
+    out = dispatch.job_variables(plan, one, env)
+    if os.environ.get("FRENZY_SHARED_RUNS") and "FRENZY_SHARED_RUNS" not in out["env"]:
+        out["env"]["FRENZY_SHARED_RUNS"] = os.environ["FRENZY_SHARED_RUNS"]
+    return out
+
+
+def _start_nodes(deployment_id, assignment: Assignment, plan: Plan, parameters: dict[str, Any], gang_id: str,
+                 run_dir: Path, env: Mapping[str, str] | None) -> list[tuple[str, Any]]:
+    from prefect.deployments import run_deployment
+
+    nodes = gang_nodes(assignment.placement)
+    runs = []
+    for rank, node_id in enumerate(nodes):
+        node = {"gang_id": gang_id, "rank": rank, "nodes": len(nodes), "node_id": node_id, "run_dir": str(run_dir)}
+        fr = run_deployment(deployment_id, parameters={**parameters, "node": node},
+                            job_variables=_node_variables(plan, assignment, node_id, env), timeout=0,
+                            work_queue_name=node_queue_name(assignment.pool, node_index(node_id)),
+                            tags=["frenzy", f"pool:{assignment.pool}", f"node:{node_id}", f"gang:{gang_id}"])
+        runs.append((node_id, fr))
+        dispatch._logger().info("gang %s: node %d (%s) dispatched to work queue %s as flow run %s", gang_id, rank,
+                                node_id, node_queue_name(assignment.pool, node_index(node_id)), fr.name)
+    return runs
+
+
+def watch_gang(states: Callable[[], list[Any]], lost: Callable[[], dict[int, str]], *, deadline: float,
+               poll_s: float, beat: Callable[[], None] | None = None,
+               sleep: Callable[[float], None] = time.sleep) -> tuple[bool, str]:
+    """Wait for a gang's runs: ``(True, "")`` when every node's run completed, ``(False, why)``
+    as soon as one ended otherwise, one node is ``lost`` (failed row, heartbeat run out), or
+    the deadline passes. ``states()``: each node's flow-run state (None: not yet known)."""
+    while True:
+        sts = states()
+        for rank, st in enumerate(sts):
+            if st is not None and st.is_final() and not st.is_completed():
+                return False, f"node {rank}'s flow run ended {st.name}: {(st.message or '').strip()[:300]}"
+        if sts and all(st is not None and st.is_completed() for st in sts):
+            return True, ""
+        gone = lost()
+        if gone:
+            return False, "; ".join(gone[r] for r in sorted(gone))
+        if time.monotonic() >= deadline:
+            return False, "the gang did not finish within the job's deadline"
+        if beat is not None:
+            beat()
+        sleep(poll_s)
+
+
+def _retake(ledger, queue, job_id: str, assignment: Assignment, why: str, log) -> Assignment:
+    """The failed gang's GPUs go back; the job takes GPUs again for its relaunch: from the
+    scheduler when it has a queue row (it may place it elsewhere), else the same placement."""
+    from ledger.core import LedgerConflict
+
+    from frenzy_flows.training import wait_for_allocation
+
+    ledger.release(assignment.allocation_id)
+    if queue.get(job_id) is not None:
+        queue.requeue(job_id, steps_done=0, preempted=False, reason=f"gang failed: {why}"[:200])
+        return wait_for_allocation(queue, job_id, timeout_s=RETAKE_S * 10, log=log)
+    end = time.monotonic() + RETAKE_S
+    while True:
+        try:
+            alloc = ledger.allocate(job_id, assignment.plan, assignment.placement)
+            return Assignment.from_allocation(alloc, assignment.plan)
+        except LedgerConflict:
+            if time.monotonic() > end:
+                raise GangError(f"the GPUs of the failed gang were taken meanwhile ({why})")
+            time.sleep(0.5)
+
+
+def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_id: str, timeout_s: float | None,
+                  ledger_url: str | None = None, settings: str | None = None, env: Mapping[str, str] | None = None,
+                  poll_s: float = 2.0, retries: int = GANG_RETRIES) -> dict:
+    """Train a multi-node assignment as a gang (module docstring); returns node 0's result
+    (the train flow's dict). ``GangError`` after ``retries`` failed relaunches."""
+    from ledger import Ledger
+    from ledger.gang import Gang
+    from ledger.queue import JobQueue
+    from trainer.resume import prepare_run_dir, shared_runs_root
+
+    log = dispatch._logger()
+    ledger = Ledger(ledger_url)
+    queue, gang = JobQueue(ledger), Gang(ledger)
+    deployment_id = dispatch.find_train_deployment(assignment.pool)
+    run_dir = prepare_run_dir(job, job_id, shared_runs_root())      # every node's folder
+    parameters = {"job": job.model_dump(mode="json"), "job_id": job_id,
+                  **({"settings": settings} if settings else {})}
+    deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
+    failures: list[str] = []
+    for launch in range(1, retries + 2):
+        if not is_multi_node(assignment):        # the scheduler placed the relaunch on one node
+            log.info("gang relaunch placed on one node (%s): dispatching one run", assignment.placement)
+            return dispatch.dispatch_to_pool(job, assignment.plan, assignment, job_id=job_id, ledger_url=ledger_url,
+                                             settings=settings, env=env, poll_s=poll_s,
+                                             timeout_s=None if timeout_s is None else max(1.0, deadline - time.monotonic()))
+        plan = assignment.plan
+        gang_id = f"{job_id[:40]}-g{launch}-{uuid.uuid4().hex[:6]}"
+        params = {**parameters, "plan": plan.model_dump(mode="json"),
+                  "assignment": assignment.model_dump(mode="json")}
+        with dispatch.hold_gpu_slots(assignment.pool, plan.gpus, ledger_url=ledger_url), \
+                ledger.lease(assignment.allocation_id):
+            runs = _start_nodes(deployment_id, assignment, plan, params, gang_id, run_dir, env)
+            ok, why = watch_gang(lambda: _states([fr.id for _, fr in runs]), lambda: gang.lost(gang_id, len(runs)),
+                                 deadline=deadline, poll_s=poll_s, beat=lambda: queue.touch(job_id))
+            if ok:
+                from prefect import get_client
+
+                with get_client(sync_client=True) as client:
+                    result = client.read_flow_run(runs[0][1].id).state.result(raise_on_failure=True)
+                log.info("gang %s completed on %d nodes", gang_id, len(runs))
+                return result if isinstance(result, dict) else {"result": result}
+            for node_id, fr in runs:          # gang semantics: nobody trains on alone
+                stop_run(fr.id, f"frenzy: gang {gang_id} stopped: {why}")
+        failures.append(f"launch {launch}: {why}")
+        log.warning("gang %s failed (%s); every node's run cancelled, allocation %s released", gang_id, why,
+                    assignment.allocation_id)
+        if launch > retries or time.monotonic() >= deadline:
+            break
+        _wait_stopped([fr.id for _, fr in runs], deadline, lambda: gang.lost(gang_id, len(runs)))
+        assignment = _retake(ledger, queue, job_id, assignment, why, log.info)
+        log.warning("relaunching the gang on %s (relaunch %d of %d), resuming from the newest checkpoint in %s",
+                    assignment.placement, launch, retries, run_dir)
+    raise GangError(f"training on pool {assignment.pool!r} across nodes failed: " + "; ".join(failures))
+
+
+def _states(ids: list) -> list[Any]:
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return [client.read_flow_run(i).state for i in ids]
+
+
+# A cancelled node's worker stops its flow run (SIGTERM, Prefect's 30 s grace, SIGKILL) and the
+# launcher kills its ranks: wait for that grace and a margin before its GPUs are taken again.
+STOP_WAIT_S = 45.0
+
+
+def stop_run(flow_run_id, reason: str) -> None:
+    """Ask a node's run to stop: a running one goes CANCELLING, which its worker acts on (it
+    kills the flow run's process, whose launcher kills the ranks); one not started yet is
+    CANCELLED at once."""
+    from prefect import get_client
+    from prefect.states import Cancelled, Cancelling
+
+    try:
+        with get_client(sync_client=True) as client:
+            st = client.read_flow_run(flow_run_id).state
+            if st is None or st.is_final():
+                return
+            new = Cancelling(message=reason) if st.is_running() else Cancelled(message=reason)
+            client.set_flow_run_state(flow_run_id, new, force=True)
+    except Exception as err:        # best effort: the gang is failed either way
+        dispatch._logger().warning("could not stop flow run %s: %s", flow_run_id, err)
+
+
+def _wait_stopped(ids: list, deadline: float, gone: Callable[[], dict[int, str]] = dict) -> None:
+    """Until the stopped runs are final (their processes gone) or their node is ``gone`` (its
+    heartbeat ran out: nothing is left there to stop), at most ``STOP_WAIT_S``; a run still
+    CANCELLING then (its worker vanished with it) is marked CANCELLED."""
+    end = min(deadline, time.monotonic() + STOP_WAIT_S)
+    while time.monotonic() < end:
+        lost = gone()
+        if all(st is None or st.is_final() or r in lost for r, st in enumerate(_states(ids))):
+            break
+        time.sleep(0.5)
+    for i in ids:
+        dispatch._cancel(i, "frenzy: its worker did not stop it (gone)")

@@ -1,0 +1,321 @@
+"""Multi-node training on one machine: two runners (and, with Prefect, two process workers on
+two work queues of one pool) stand for two nodes of one CPU pool (``nodes: 2, gpus_per_node:
+1``). Their launch is ``accelerate launch --num_machines 2 --machine_rank r`` with the address
+and port node 0 published in the ledger; the losses must match a one-node run of the same
+ranks. Plus the rendezvous record and the gang's failure logic, without processes."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from estimator.plan import Plan
+from tests.test_parallel_plans import MATCH, job, plan, weights  # noqa: F401  (weights: a fixture)
+
+
+# ------------------------------------------------------------------------------- pure pieces
+def test_launch_files_of_a_node_name_the_machines_and_deepspeeds_standard_launcher(weights, tmp_path):
+    from trainer.launch_config import accelerate_config, accelerate_file, write_launch_files
+
+    p = plan(2, zero=2)
+    acc = accelerate_config(p, num_machines=2, machine_rank=1, main_address="10.0.0.7", main_port=29511, cpu=True)
+    assert (acc["num_machines"], acc["machine_rank"], acc["num_processes"]) == (2, 1, 2)
+    assert (acc["main_process_ip"], acc["main_process_port"]) == ("10.0.0.7", 29511)
+    assert acc["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
+    assert "deepspeed_multinode_launcher" not in accelerate_config(p, cpu=True)["deepspeed_config"]
+    # two nodes share one run folder: each has its own Accelerate file
+    paths = [write_launch_files(tmp_path, p, job(weights), num_machines=2, machine_rank=r,
+                                main_address="10.0.0.7", main_port=29511) for r in (0, 1)]
+    assert [x.accelerate.name for x in paths] == [accelerate_file(2, 0), accelerate_file(2, 1)]
+    assert accelerate_file() == "accelerate.yaml"
+    import yaml
+    assert [yaml.safe_load(x.accelerate.read_text())["machine_rank"] for x in paths] == [0, 1]
+
+
+def test_node_env_dials_node_0_and_keeps_loopback_only_for_a_loopback_node_0():
+    from trainer.launcher import launch_env
+
+    far = launch_env(["0"], cpu=True, base={}, main_address="10.0.0.7")
+    assert far["MASTER_ADDR"] == "10.0.0.7" and far["FRENZY_C10D_BIND"] == "10.0.0.7"
+    assert "GLOO_SOCKET_IFNAME" not in far
+    near = launch_env(["0"], cpu=True, base={}, main_address="127.0.0.1")
+    assert near["GLOO_SOCKET_IFNAME"] == "lo"
+    assert launch_env(["0", "1"], cpu=True, base={})["MASTER_ADDR"] == "127.0.0.1"
+
+
+def test_rendezvous_waits_for_node_0_and_is_bounded(tmp_path):
+    from ledger import Ledger
+    from ledger.gang import Gang, RendezvousTimeout
+
+    gang = Gang(Ledger(f"sqlite:///{tmp_path / 'l.db'}"))
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(ep=gang.wait_rendezvous("g1", 20, poll_s=0.05)))
+    gang.join("g1", 1, "job-a", "p-1")
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive()                   # nothing published yet: node 1 waits
+    gang.join("g1", 0, "job-a", "p-0")
+    gang.publish("g1", "10.0.0.7", 29511)
+    waiter.join(10)
+    assert got["ep"] == ("10.0.0.7", 29511)
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousTimeout, match="did not publish its address within 0 s"):
+        gang.wait_rendezvous("g2", 0.3, poll_s=0.05)
+    assert time.monotonic() - t0 < 5
+    gang.join("g3", 0, "job-a", "p-0")
+    gang.finish("g3", 0, "failed", "OSError: no free port")
+    with pytest.raises(RendezvousTimeout, match="failed before it published.*no free port"):
+        gang.wait_rendezvous("g3", 30)          # at once, not after 30 s
+
+
+def test_a_node_whose_heartbeat_runs_out_or_that_failed_is_lost(tmp_path, monkeypatch):
+    from ledger import Ledger
+    from ledger import gang as gang_mod
+
+    gang = gang_mod.Gang(Ledger(f"sqlite:///{tmp_path / 'l.db'}"))
+    for r in range(3):
+        gang.join("g", r, "job-a", f"p-{r}")
+    assert gang.lost("g", 3) == {}
+    gang.finish("g", 2, "failed", "RuntimeError: gloo connection reset")
+    assert set(gang.lost("g", 3)) == {2} and "gloo connection reset" in gang.lost("g", 3)[2]
+    monkeypatch.setattr(gang_mod, "NODE_ALIVE_S", -1.0)     # a beat that is already out of date
+    gang.beat("g", 1)
+    gang.finish("g", 0, "done")                             # done: never lost, beat or not
+    lost = gang.lost("g", 3)
+    assert set(lost) == {1, 2} and "stopped answering" in lost[1]
+
+
+def _state(name: str):
+    final = name in ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
+    return SimpleNamespace(name=name, message="boom" if name == "FAILED" else "", is_final=lambda: final,
+                           is_completed=lambda: name == "COMPLETED")
+
+
+def test_watch_gang_stops_at_the_first_failed_or_lost_node_and_completes_only_with_all():
+    from frenzy_flows.gang import watch_gang
+
+    far = time.monotonic() + 60
+    seq = iter([["RUNNING", "RUNNING"], ["COMPLETED", "RUNNING"], ["COMPLETED", "COMPLETED"]])
+    ok, why = watch_gang(lambda: [_state(s) for s in next(seq)], lambda: {}, deadline=far, poll_s=0,
+                         sleep=lambda _s: None)
+    assert (ok, why) == (True, "")
+    ok, why = watch_gang(lambda: [_state("RUNNING"), _state("FAILED")], lambda: {}, deadline=far, poll_s=0)
+    assert not ok and why.startswith("node 1's flow run ended FAILED") and "boom" in why
+    beats = []
+    ok, why = watch_gang(lambda: [_state("RUNNING"), _state("RUNNING")],
+                         lambda: {1: "node 1 (p-1) stopped answering 31 s ago (its worker is gone)"} if beats else {},
+                         deadline=far, poll_s=0, beat=lambda: beats.append(1), sleep=lambda _s: None)
+    assert not ok and "its worker is gone" in why and beats == [1]
+    ok, why = watch_gang(lambda: [_state("RUNNING")], lambda: {}, deadline=time.monotonic() - 1, poll_s=0)
+    assert not ok and "deadline" in why
+
+
+def test_gang_nodes_are_in_node_order():
+    from frenzy_flows.gang import gang_nodes
+
+    assert gang_nodes({"p-10": [0], "p-2": [0], "p-0": [1]}) == ["p-0", "p-2", "p-10"]
+
+
+# ------------------------------------------------------------------------------- real launches
+def train_as_nodes(j, p: Plan, run_dir: Path, ledger_url: str, nodes: int = 2):
+    """``nodes`` runners in threads of this process, as the gang's node flow runs would run
+    them: node 0 publishes its rendezvous in the ledger, the others wait for it."""
+    from ledger import Ledger
+    from ledger.gang import Gang
+
+    from frenzy_flows.gang import node_endpoint
+    from trainer.runner import NodeRole, run_training
+
+    gang = Gang(Ledger(ledger_url))
+    per = p.gpus // nodes
+    results, logs = {}, {r: [] for r in range(nodes)}
+
+    def one(r: int) -> None:
+        gang.join("g-test", r, "job-mn", f"cpu2-{r}")
+        role = NodeRole(machine_rank=r, num_machines=nodes, endpoint=node_endpoint(gang, "g-test", r, "127.0.0.1", 60))
+        try:
+            results[r] = run_training(j, p, run_dir=run_dir, acquire=lambda _q: [f"cpu{i}" for i in range(per)],
+                                      release=lambda: None, log=logs[r].append, backoff_s=0.1, grace_s=5,
+                                      max_transient_retries=0, fallbacks=iter(()), node=role)
+        except BaseException as err:            # shown by the assertion below
+            results[r] = err
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(nodes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    for r in range(nodes):
+        res = results.get(r)
+        assert getattr(res, "status", None) == "completed", f"node {r}: {res!r}\n" + "\n".join(logs[r][-40:])
+    return results, logs
+
+
+@pytest.mark.slow
+def test_two_nodes_of_one_process_match_one_node_of_two(weights, tmp_path):
+    from tests.test_parallel_plans import assert_matches, train
+
+    one_node, _ = train(job(weights), plan(2), tmp_path / "one-node")
+    results, logs = train_as_nodes(job(weights), plan(2), tmp_path / "two-nodes", f"sqlite:///{tmp_path / 'l.db'}")
+    assert results[1].losses == []                           # only node 0's rank 0 reports
+    assert_matches(results[0].losses, one_node.losses)
+    assert any("as node 1 of 2 (rendezvous 127.0.0.1:" in line for line in logs[1])
+    run = tmp_path / "two-nodes"
+    assert (run / "accelerate-node0.yaml").is_file() and (run / "accelerate-node1.yaml").is_file()
+    assert (run / "attempt-1.log").is_file() and (run / "attempt-1-node1.log").is_file()
+
+
+# ------------------------------------------------------------------------------- through Prefect
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cluster(pool: str) -> dict:
+    """One CPU pool of two nodes of one process each (both this machine: the workers say their
+    address is loopback through FRENZY_NODE_ADDRESS, as the cluster file's addresses are distinct)."""
+    return {"pools": [{"name": pool, "gpu": "CPU", "nodes": 2, "gpus_per_node": 1}]}
+
+
+def _worker(pool: str, queue: str):
+    import os
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_WORKER_QUERY_SECONDS": "1",
+           "PYTHONPATH": str(ROOT), "FRENZY_NODE_ADDRESS": "127.0.0.1"}
+    return subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool,
+                             "--work-queue", queue, "--type", "process"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _vanish(proc) -> None:
+    """The node goes away: its worker and everything it started, SIGKILLed."""
+    import psutil
+
+    tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _stop(proc) -> str:
+    if proc.poll() is None:
+        _vanish(proc)
+    return proc.communicate(timeout=30)[0][-4000:]
+
+
+def _gang_setup(pool: str, tmp_path: Path, j, p: Plan):
+    from deployments.pools import sync_pools
+    from ledger import Ledger
+    from scheduler.cluster import cluster_from_dict
+
+    from frenzy_flows.results import Assignment
+
+    report = sync_pools(_cluster(pool), control_pool=False, log=lambda *_: None)
+    assert report.queues[pool] == [f"{pool}-0", f"{pool}-1"]
+    ledger = Ledger()            # FRENZY_HOME's: the one the workers' flow runs open too
+    ledger.sync_cluster(cluster_from_dict(_cluster(pool)))
+    alloc = ledger.allocate(f"job-{pool}", p, {f"{pool}-0": [0], f"{pool}-1": [0]})
+    return ledger, Assignment.from_allocation(alloc, p)
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_a_gang_of_two_workers_on_two_node_queues_matches_one_node(weights, tmp_path, monkeypatch):
+    import uuid
+
+    from frenzy_flows.gang import dispatch_gang
+    from tests.test_parallel_plans import assert_matches, train
+
+    monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
+    pool = f"mn-{uuid.uuid4().hex[:6]}"
+    j, p = job(weights), plan(2)
+    ledger, assignment = _gang_setup(pool, tmp_path, j, p)
+    workers = [_worker(pool, f"{pool}-{r}") for r in (0, 1)]
+    try:
+        out = dispatch_gang(j, p, assignment, job_id=f"job-{pool}", timeout_s=600, poll_s=0.5)
+    finally:
+        logs = [_stop(w) for w in workers]
+    assert out["status"] == "completed", logs
+    run = tmp_path / "shared" / f"job-{pool}"
+    assert out["run_dir"] == str(run.resolve())
+    assert (run / "attempt-1-node1.log").is_file()       # node 1 trained in the same shared folder
+    one_node, _ = train(j, p, tmp_path / "one-node")
+    assert_matches(out["losses"], one_node.losses)
+
+
+def _checkpoints(log: Path) -> list[int]:
+    """The steps node 0 saved so far (its attempt log, which may end in a half-written line)."""
+    import json
+
+    out = []
+    for line in log.read_text().splitlines() if log.is_file() else []:
+        if line.startswith("FRENZY_CHECKPOINT "):
+            try:
+                out.append(int(json.loads(line.split(" ", 1)[1])["step"]))
+            except ValueError:
+                pass
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_a_node_whose_worker_vanishes_stops_the_gang_frees_its_gpus_and_it_resumes(weights, tmp_path, monkeypatch):
+    import uuid
+
+    from deployments.pools import gpu_limit_name
+    from frenzy_flows.gang import dispatch_gang
+    from prefect import get_client
+
+    monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
+    pool = f"mv-{uuid.uuid4().hex[:6]}"
+    j, p = job(weights, train_steps=60, seq_len=128, checkpoint_every=2), plan(2)
+    ledger, assignment = _gang_setup(pool, tmp_path, j, p)
+    first_alloc = assignment.allocation_id
+    run = tmp_path / "shared" / f"job-{pool}"
+    workers = [_worker(pool, f"{pool}-{r}") for r in (0, 1)]
+    out: dict = {}
+
+    def go():
+        try:
+            out["result"] = dispatch_gang(j, p, assignment, job_id=f"job-{pool}", timeout_s=900, poll_s=0.5)
+        except BaseException as err:          # shown by the assertion below
+            out["error"] = err
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    killed_at = None
+    end = time.monotonic() + 400
+    while time.monotonic() < end and killed_at is None and t.is_alive():
+        steps = _checkpoints(run / "attempt-1.log")
+        if steps and max(steps) >= 4:
+            killed_at = max(steps)
+            _vanish(workers[1])               # node 1's machine goes away mid-run
+        time.sleep(0.1)
+    assert killed_at is not None, "the run ended before node 1 could be killed: " + str(out)
+    # the gang stopped and freed its GPUs: the first allocation is released
+    end = time.monotonic() + 200
+    while time.monotonic() < end and ledger.allocation(first_alloc).status == "active":
+        time.sleep(0.5)
+    assert ledger.allocation(first_alloc).status == "released"
+    workers.append(_worker(pool, f"{pool}-1"))      # node 1 comes back
+    try:
+        t.join(600)
+    finally:
+        logs = [_stop(w) for w in workers]
+    assert not t.is_alive()
+    assert "error" not in out, f"{out.get('error')!r}\n" + "\n".join(logs)
+    res = out["result"]
+    assert res["status"] == "completed"
+    assert res["attempts"][0]["resumed_from_step"] >= killed_at - 2 > 0      # from a checkpoint, not step 0
+    assert len(res["losses"]) == 60 - res["attempts"][0]["resumed_from_step"]
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name(gpu_limit_name(pool)).active_slots == 0
