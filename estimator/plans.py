@@ -109,7 +109,8 @@ def _offloads(zero: int) -> tuple[str, ...]:
 @lru_cache(maxsize=256)
 def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, max_gpus: int, gpus_per_node: int,
-                  cpu: bool, tech: _Technique = _Technique(), cpu_kinds: bool = False) -> tuple[
+                  cpu: bool, tech: _Technique = _Technique(), cpu_kinds: bool = False,
+                  with_cp: bool = False) -> tuple[
                       tuple[Knobs, int, tuple[tuple[int, float], ...], tuple[float, ...]], ...]:
     """Every structure (gpu count, dp/tp/pp/cp, zero, offload, checkpointing) of a job shape
     with the allocated bytes of each candidate micro-batch (ascending: allocation grows with it).
@@ -118,8 +119,11 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     then tp (DeepSpeed AutoTP), pp (the pipeline path), cp (Ulysses) and offload (ZeRO-Offload)
     too. All of them launch on CPU ranks, but none is faster there than data parallel (one
     process per core, gloo), so they are enumerated only when a ``--plan`` filter asks for one.
-    cp plans are enumerated beside data parallel only (tp = pp = 1), the one layout the trainer
-    runs Ulysses in (``trainer.launch_config.check_realisable``).
+    cp (Ulysses) plans only with ``with_cp`` (a filter asking for cp > 1), beside data parallel
+    (tp = pp = 1, the one layout the trainer runs Ulysses in:
+    ``trainer.launch_config.check_realisable``): the throughput model has no term yet for
+    Ulysses' all-to-alls (four per layer each way), so unasked it would predict cp free and
+    prefer it over plain data parallel for most jobs.
 
     Entries: (knobs at micro_batch 1, gpus, ((micro_batch, allocated_bytes), ...),
     (allocated_bytes, ...))."""
@@ -135,7 +139,7 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     for n in counts:
         tps = [1] if dp_only else [t for t in _pow2_upto(min(n, gpus_per_node)) if spec.heads % t == 0
                                    and (spec.n_kv % t == 0 or t % spec.n_kv == 0)]
-        for tp, pp, cp in _layouts(spec, n, tps, gpus_per_node, seq_len, dp_only):
+        for tp, pp, cp in _layouts(spec, n, tps, gpus_per_node, seq_len, dp_only, with_cp):
                 dp = n // (tp * pp * cp)
                 if global_batch % dp:
                     continue
@@ -176,7 +180,7 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
 
 
 def _layouts(spec: ModelSpec, n: int, tps: list[int], gpus_per_node: int, seq_len: int,
-             dp_only: bool) -> list[tuple[int, int, int]]:
+             dp_only: bool, with_cp: bool) -> list[tuple[int, int, int]]:
     """The (tp, pp, cp) layouts of ``n`` GPUs: tp within a node, pp up to ``MAX_PP`` stages and
     the model's layers, cp (Ulysses: whole query and KV heads per rank, a whole share of the
     sequence) within a node beside data parallel only."""
@@ -187,7 +191,7 @@ def _layouts(spec: ModelSpec, n: int, tps: list[int], gpus_per_node: int, seq_le
             if n % (tp * pp):
                 continue
             cps = [1]
-            if not dp_only and tp == 1 and pp == 1:
+            if with_cp and tp == 1 and pp == 1:
                 cps += [c for c in _pow2_upto(min(n, gpus_per_node))[1:]
                         if spec.heads % c == 0 and spec.n_kv % c == 0 and seq_len % c == 0]
             out.extend((tp, pp, cp) for cp in cps if n % (tp * pp * cp) == 0)
@@ -297,7 +301,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     keep_closest: list = []
     table = _memory_table(spec, seq_len, global_batch, precision, optimizer, attention,
                           max_gpus, gpus_per_node, gpu.is_cpu, tech,
-                          gpu.is_cpu and asks_for_parallel_kind(flt))
+                          gpu.is_cpu and asks_for_parallel_kind(flt), bool(flt) and int(flt.get("cp", 1)) > 1)
     cap = gpu.memory_gib - margin
     by_count: dict[int, list[tuple]] = {}
     for base, n, allocs, alloc_values in table:
