@@ -126,3 +126,11 @@ def no_match_error(flt: PlanFilter, feasible: int, gpu_types: list[str]) -> Fren
     """The one line for a filter that none of ``feasible`` plans over ``gpu_types`` matches."""
     return FrenzyInputError(FIELD, f"no feasible plan matches {describe(flt)!r} "
                                    f"({feasible} feasible plans over {', '.join(gpu_types) or 'no GPU type'})")
+
+
+def asks_for_parallel_kind(flt: PlanFilter | None) -> bool:
+    """Whether ``flt`` names a plan kind beyond data parallel (tp, pp or cp above 1, or an
+    offload): the planner then enumerates those kinds on the CPU pseudo GPU type too."""
+    if not flt:
+        return False
+    return any(int(flt.get(k, 1)) > 1 for k in ("tp", "pp", "cp")) or flt.get("offload", "none") != "none"

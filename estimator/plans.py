@@ -109,10 +109,21 @@ def _offloads(zero: int) -> tuple[str, ...]:
 @lru_cache(maxsize=256)
 def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, max_gpus: int, gpus_per_node: int,
-                  cpu: bool, tech: _Technique = _Technique()) -> tuple[
+                  cpu: bool, tech: _Technique = _Technique(), cpu_kinds: bool = False,
+                  with_cp: bool = False) -> tuple[
                       tuple[Knobs, int, tuple[tuple[int, float], ...], tuple[float, ...]], ...]:
-    """Every structure (gpu count, dp/tp/pp, zero, checkpointing) of a job shape with the
-    allocated bytes of each candidate micro-batch (ascending: allocation grows with it).
+    """Every structure (gpu count, dp/tp/pp/cp, zero, offload, checkpointing) of a job shape
+    with the allocated bytes of each candidate micro-batch (ascending: allocation grows with it).
+
+    On the CPU pseudo GPU type (``cpu``) only data-parallel structures, unless ``cpu_kinds``:
+    then tp (DeepSpeed AutoTP), pp (the pipeline path), cp (Ulysses) and offload (ZeRO-Offload)
+    too. All of them launch on CPU ranks, but none is faster there than data parallel (one
+    process per core, gloo), so they are enumerated only when a ``--plan`` filter asks for one.
+    cp (Ulysses) plans only with ``with_cp`` (a filter asking for cp > 1), beside data parallel
+    (tp = pp = 1, the one layout the trainer runs Ulysses in:
+    ``trainer.launch_config.check_realisable``): the throughput model has no term yet for
+    Ulysses' all-to-alls (four per layer each way), so unasked it would predict cp free and
+    prefer it over plain data parallel for most jobs.
 
     Entries: (knobs at micro_batch 1, gpus, ((micro_batch, allocated_bytes), ...),
     (allocated_bytes, ...))."""
@@ -124,18 +135,15 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     ov = overheads_for(None, is_cpu=cpu)      # allocated bytes need only the ZeRO bucket terms
     from .catalog import CATALOG
     ceiling_b = max(g.memory_gib for g in CATALOG.values()) * 4 * GIB   # room for custom types
+    dp_only = cpu and not cpu_kinds
     for n in counts:
-        tps = [1] if cpu else [t for t in _pow2_upto(min(n, gpus_per_node)) if spec.heads % t == 0
-                               and (spec.n_kv % t == 0 or t % spec.n_kv == 0)]
-        for tp in tps:
-            pps = [1] if cpu else [p for p in _pow2_upto(min(n // tp, MAX_PP)) if p <= spec.layers]
-            for pp in pps:
-                if n % (tp * pp):
-                    continue
-                dp = n // (tp * pp)
+        tps = [1] if dp_only else [t for t in _pow2_upto(min(n, gpus_per_node)) if spec.heads % t == 0
+                                   and (spec.n_kv % t == 0 or t % spec.n_kv == 0)]
+        for tp, pp, cp in _layouts(spec, n, tps, gpus_per_node, seq_len, dp_only, with_cp):
+                dp = n // (tp * pp * cp)
                 if global_batch % dp:
                     continue
-                if cpu:
+                if cpu and not cpu_kinds:
                     zeros = (0, 2) if dp > 1 and shard_ok else (0,)
                 elif dp == 1 or not shard_ok:
                     zeros = (0,)
@@ -146,11 +154,11 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                 per_rank = global_batch // dp
                 mbs = _divisors(per_rank)
                 for zero, off, ck in ((z, o, ck) for z in zeros
-                                      for o in (("none",) if cpu else _offloads(z))
+                                      for o in (("none",) if dp_only else _offloads(z))
                                       for ck in ckpts):
                         try:
                             base = validate_knobs(spec, seq_len=seq_len, micro_batch=1,
-                                                  grad_accum=per_rank, dp=dp, tp=tp, pp=pp,
+                                                  grad_accum=per_rank, dp=dp, tp=tp, pp=pp, cp=cp,
                                                   zero=zero, offload=off, precision=precision,
                                                   optimizer=optimizer, act_ckpt=ck,
                                                   attention=attention, framework=tech.framework,
@@ -171,12 +179,31 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     return tuple(rows)
 
 
+def _layouts(spec: ModelSpec, n: int, tps: list[int], gpus_per_node: int, seq_len: int,
+             dp_only: bool, with_cp: bool) -> list[tuple[int, int, int]]:
+    """The (tp, pp, cp) layouts of ``n`` GPUs: tp within a node, pp up to ``MAX_PP`` stages and
+    the model's layers, cp (Ulysses: whole query and KV heads per rank, a whole share of the
+    sequence) within a node beside data parallel only."""
+    out = []
+    for tp in tps:
+        pps = [1] if dp_only else [p for p in _pow2_upto(min(n // tp, MAX_PP)) if p <= spec.layers]
+        for pp in pps:
+            if n % (tp * pp):
+                continue
+            cps = [1]
+            if with_cp and tp == 1 and pp == 1:
+                cps += [c for c in _pow2_upto(min(n, gpus_per_node))[1:]
+                        if spec.heads % c == 0 and spec.n_kv % c == 0 and seq_len % c == 0]
+            out.extend((tp, pp, cp) for cp in cps if n % (tp * pp * cp) == 0)
+    return out
+
+
 def _plan(gpu: GPU, n: int, base: Knobs, mb: int, precision: str, optimizer: str, attention: str,
           a: float, r: float, u: float, step_time_s: float, why: str | None) -> Plan:
     """The Plan of a structure (``base``, at micro-batch 1) run at micro-batch ``mb``; ``why``:
     the reason the trainer cannot launch it (``_launch_rule``), None when it can."""
     return Plan.model_construct(
-        gpu_type=gpu.name, gpus=n, dp=base.dp, tp=base.tp, pp=base.pp, cp=1, zero=base.zero,
+        gpu_type=gpu.name, gpus=n, dp=base.dp, tp=base.tp, pp=base.pp, cp=base.cp, zero=base.zero,
         offload=base.offload, act_ckpt=base.act_ckpt, micro_batch=mb,
         grad_accum=base.grad_accum // mb, precision=precision, optimizer=optimizer,
         attention=attention, allocated_peak_gib=a, reserved_peak_gib=r, device_used_gib=u,
@@ -268,12 +295,13 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     offloaded states the nodes cannot hold are marked not launchable; with ``plan_filter``
     (``estimator.plan_filter`` items) only matching plans are kept, chosen before the best few
     per GPU count, so a slower plan kind asked for on purpose is not crowded out."""
-    from .plan_filter import matches
+    from .plan_filter import asks_for_parallel_kind, matches
 
     flt = dict(plan_filter) if plan_filter else None
     keep_closest: list = []
     table = _memory_table(spec, seq_len, global_batch, precision, optimizer, attention,
-                          max_gpus, gpus_per_node, gpu.is_cpu, tech)
+                          max_gpus, gpus_per_node, gpu.is_cpu, tech,
+                          gpu.is_cpu and asks_for_parallel_kind(flt), bool(flt) and int(flt.get("cp", 1)) > 1)
     cap = gpu.memory_gib - margin
     by_count: dict[int, list[tuple]] = {}
     for base, n, allocs, alloc_values in table:
@@ -287,7 +315,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         mb, a_b = allocs[j - 1]
         a, r, u = _finish(a_b, ov, base)
         nodes = max(1, math.ceil(n / gpus_per_node))
-        st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, 1, base.zero, base.offload,
+        st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, base.cp, base.zero, base.offload,
                                          base.act_ckpt, mb, base.grad_accum // mb, precision, attention),
                         gpu, seq_len, nodes)
         why = (_launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads, spec.n_kv,

@@ -32,8 +32,8 @@ def test_plans_fit_keep_batch_and_are_ranked():
 def test_plan_predictions_match_estimate():
     p = enumerate_plans(JOB, "H100-80GB", max_gpus=8)[0]
     e = estimate(model=JOB["model"], seq_len=4096, micro_batch=p.micro_batch,
-                 grad_accum=p.grad_accum, dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero,
-                 act_ckpt=p.act_ckpt, gpu="H100-80GB")
+                 grad_accum=p.grad_accum, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero,
+                 offload=p.offload, act_ckpt=p.act_ckpt, gpu="H100-80GB")
     assert p.device_used_gib == pytest.approx(e.device_used_gib, abs=1e-3)
 
 

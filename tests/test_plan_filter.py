@@ -127,3 +127,62 @@ def test_the_planner_picks_matching_plans_among_all_that_fit():
         plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter={"gpus": 64})
     with pytest.raises(FrenzyInputError, match="tp=3 must divide the model's 32 attention heads"):
         plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter={"tp": 3})
+
+
+TINY_LLAMA = {"model": {"name": "tiny-llama", "arch": "llama", "layers": 2, "hidden": 64, "heads": 4,
+                        "kv_heads": 2, "vocab": 256}, "seq_len": 32, "global_batch": 4, "train_steps": 4,
+              "precision": "fp32"}
+
+
+@pytest.mark.parametrize("text,field,value", [("tp=2", "tp", 2), ("pp=2", "pp", 2), ("cp=2", "cp", 2),
+                                              ("offload=optimizer", "offload", "optimizer")])
+def test_cpu_ranks_get_the_plan_kind_a_filter_asks_for(text, field, value):
+    """The CPU pseudo GPU type proposes data-parallel plans only, unless ``--plan`` asks for
+    another kind: then launchable plans of that kind (what `frenzy run --plan tp=2` on a laptop
+    launches)."""
+    from estimator.plans import plans_for_job
+
+    free = plans_for_job(TINY_LLAMA, {"CPU": 2}, gpus_per_node=2)["CPU"]
+    assert free and all(p.tp == p.pp == p.cp == 1 and p.offload == "none" for p in free)
+    got = plans_for_job(TINY_LLAMA, {"CPU": 2}, gpus_per_node=2, plan_filter=parse_plan_filter(text))["CPU"]
+    launchable = [p for p in got if p.not_launchable is None]
+    assert launchable and all(getattr(p, field) == value for p in got), got
+    assert launchable[0].gpus == launchable[0].dp * launchable[0].tp * launchable[0].pp * launchable[0].cp
+
+
+def test_long_sequences_get_sequence_parallel_plans_on_gpus():
+    """cp (Ulysses) plans are enumerated beside data parallel when a filter asks for cp (not
+    otherwise: the throughput model has no all-to-all term yet), and their predicted memory is
+    the estimator's."""
+    from estimator import estimate
+    from estimator.plans import plans_for_job
+
+    job = {"model": "llama-3.1-8b", "seq_len": 8192, "global_batch": 32, "train_steps": 1}
+    assert all(p.cp == 1 for p in plans_for_job(job, {"H100-80GB": 8}, gpus_per_node=8)["H100-80GB"])
+    plans = plans_for_job(job, {"H100-80GB": 8}, gpus_per_node=8, plan_filter={"cp": 2})["H100-80GB"]
+    ok = [p for p in plans if p.not_launchable is None]
+    assert ok and all(p.cp == 2 and p.tp == 1 and p.pp == 1 for p in ok)
+    p = ok[0]
+    e = estimate(model="llama-3.1-8b", seq_len=8192, micro_batch=p.micro_batch, grad_accum=p.grad_accum,
+                 dp=p.dp, cp=p.cp, zero=p.zero, offload=p.offload, act_ckpt=p.act_ckpt, gpu="H100-80GB")
+    assert p.device_used_gib == pytest.approx(e.device_used_gib, abs=1e-3)
+    with pytest.raises(FrenzyInputError, match="cp=3 must divide"):
+        plans_for_job(job, {"H100-80GB": 8}, gpus_per_node=8, plan_filter={"cp": 3})
+
+
+@pytest.mark.slow
+def test_cli_runs_a_tensor_parallel_plan_on_cpu_ranks(tmp_path):
+    """`frenzy run JOB --plan tp=2 --json` on the laptop's CPU ranks: the planner proposes the
+    kind asked for and the run completes on it (the other kinds: tests/test_parallel_plans.py)."""
+    import json
+    import yaml
+    from tests.test_cli_run import ROOT, frenzy
+
+    job = dict(TINY_LLAMA, name="tiny-llama-tp", data={"kind": "synthetic"}, lr=0.003, checkpoint_every=100)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    proc = frenzy("run", str(tmp_path / "job.yaml"), "--plan", "tp=2", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["status"] == "completed", doc.get("error")
+    assert doc["plan"]["tp"] == 2 and doc["plan"]["gpus"] == 2 and doc["plan"]["gpu_type"] == "CPU"
+    assert len(doc["losses"]) == 4
