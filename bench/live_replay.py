@@ -25,7 +25,7 @@ would grow onto the idle second device at its first tick, times a margin), alone
 ticks so the policy can decide that growth; the others (``--job-s`` seconds on one device)
 arrive over ``--span-s`` after that gap.
 
-    PYTHONPATH=. python bench/live_replay.py --jobs 12 --span-s 150 --job-s 20 40 --json
+    PYTHONPATH=. python bench/live_replay.py --jobs 12 --span-s 120 --job-s 20 30 --json
 
 `--json`: the last line is {"jobs", "completed", "live_avg_jct_s", "sim_avg_jct_s", "resizes",
 "preemptions", "lost_steps"} (workload jobs only, calibration jobs left out). Deviation from the
@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -56,11 +57,11 @@ BASE_JOB = {"model": "gpt2-tiny", "seq_len": 64, "global_batch": 8, "precision":
 # 15.6 ms/step measured before), B long enough that it has stepped on one device before the
 # grow request and steps well past its relaunch on two
 CALIB_A_STEPS = 600
-CALIB_B_STEPS = 1500
+CALIB_B_STEPS = 1000
 CALIB_B_GROW_AT = 300          # B's grow request once the heartbeat reports this many steps
 # The long job: the smallest one the policy grows at its first tick, times this. The live
 # tick lands up to a poll (0.5 s) plus a round after the simulated one, and the policy's
-# predicted remaining time shrinks meanwhile; 20% keeps the decision clear of its threshold
+# predicted remaining time shrinks meanwhile; 10% (~35 s of its run) keeps the decision clear of its threshold
 LONG_MARGIN = 1.2
 GAP_TICKS = 3                  # ticks the long job runs alone before the first other arrival
 
@@ -93,7 +94,10 @@ def submit_one(job_file: str, out_file: str, cluster: str, ledger: str, policy: 
 
     if go_file:
         go = Path(go_file)
+        parent = os.getppid()
         while not go.exists():
+            if os.getppid() != parent:          # the bench died: nobody will say go
+                return 1
             time.sleep(0.2)
         start = float(go.read_text() or 0)
         time.sleep(max(0.0, start + (at or 0.0) - time.time()))
@@ -228,6 +232,51 @@ def simulate(jobs: list[dict], offsets: dict[str, float], cluster_path: str, pol
     return Simulator(wl, cluster, get_policy(policy), cfg, plan_book=LivePlans(plans)).run()
 
 
+def compare(jobs: list[dict], results: dict[str, dict], queue, cluster: str, policy: str, plans: list,
+            step_ratio: dict, startup: float, restart: float, tick_s: float, say) -> dict:
+    """The live rows and results of ``jobs`` against the simulator on the same workload: prints
+    the per-job table and the totals, returns the ``--json`` summary."""
+    rows = {r.name: r for r in queue.jobs(("done", "failed", "pending", "running"), plans=False) if r.name in results}
+    first = min(r.submitted_at for r in rows.values())
+    offsets = {n: r.submitted_at - first for n, r in rows.items()}
+    live_jct = {n: r.ended_at - r.submitted_at for n, r in rows.items()
+                if r.state == "done" and r.ended_at is not None}
+    completed = [n for n, res in results.items() if res.get("status") == "completed"]
+    lost = sum(max(0, len(results[n].get("losses", [])) - j["train_steps"])
+               for j in jobs for n in [j["name"]] if n in completed)
+    resizes = sum(r.resizes for r in rows.values())
+    preemptions = sum(r.preemptions for r in rows.values())
+    starts = sum(len(results[n].get("attempts") or []) for n in results)
+
+    sim = simulate([j for j in jobs if j["name"] in offsets], offsets, cluster, policy, plans,
+                   step_ratio, startup, restart, tick_s)
+    # the engine counts every stop of a run as a preemption, re-sizes included: split them
+    sim_by = {pj["job_id"]: {**pj, "preemptions": pj["preemptions"] - pj["resizes"]} for pj in sim.per_job}
+    sim_jct = {n: pj["end_s"] - pj["submit_s"] for n, pj in sim_by.items() if pj["end_s"] is not None}
+    say(f"{'job':<11} {'steps':>6} {'arrive s':>8} {'live JCT s':>11} {'sim JCT s':>10} {'error':>7} "
+        f"{'starts':>6} {'resizes':>7} {'preempt':>7}  (live / sim)")
+    for j in jobs:
+        n = j["name"]
+        lj, sj = live_jct.get(n), sim_jct.get(n)
+        err = f"{(lj - sj) / sj * 100:+.0f}%" if lj is not None and sj else "-"
+        r, pj = rows.get(n), sim_by.get(n, {})
+        st = len(results.get(n, {}).get("attempts") or [])
+        say(f"{n:<11} {j['train_steps']:>6} {offsets.get(n, 0):>8.1f} {lj if lj is None else round(lj, 1)!s:>11} "
+            f"{sj if sj is None else round(sj, 1)!s:>10} {err:>7} {st:>3}/{pj.get('starts', '-'):<2} "
+            f"{r.resizes if r else '-':>4}/{pj.get('resizes', '-'):<2} {r.preemptions if r else '-':>4}/"
+            f"{pj.get('preemptions', '-'):<2}")
+    live_avg = sum(live_jct.values()) / len(live_jct) if live_jct else 0.0
+    sim_avg = sum(sim_jct[n] for n in live_jct if n in sim_jct) / max(1, sum(n in sim_jct for n in live_jct))
+    say(f"live avg JCT {live_avg:.1f} s, simulated {sim_avg:.1f} s "
+        f"({(live_avg - sim_avg) / sim_avg * 100 if sim_avg else 0:+.1f}%); {len(completed)}/{len(jobs)} "
+        f"completed; live {starts} starts, {resizes} re-sizes, {preemptions} preemptions, {lost} lost steps; "
+        f"simulated {sum(pj['starts'] for pj in sim_by.values())} starts, "
+        f"{sum(pj['resizes'] for pj in sim_by.values())} re-sizes, "
+        f"{sum(pj['preemptions'] for pj in sim_by.values())} preemptions")
+    return {"jobs": len(jobs), "completed": len(completed), "live_avg_jct_s": round(live_avg, 2),
+            "sim_avg_jct_s": round(sim_avg, 2), "resizes": resizes, "preemptions": preemptions, "lost_steps": lost}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=12)
@@ -257,6 +306,8 @@ def main(argv=None) -> int:
         print("live_replay: error: span-s and tick-s must be > 0, job-s LO HI with 0 < LO <= HI", file=sys.stderr)
         return 2
 
+    # a SIGTERM (a timeout) still stops the server, the scheduler and the submissions (finally)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="frenzy-live-replay-"))
     cluster = str(work / "cluster.yaml")
     Path(cluster).write_text(CLUSTER_YAML)
@@ -380,52 +431,16 @@ def main(argv=None) -> int:
         say(f"workload: {len(jobs)} jobs, arrivals over {jobs[-1]['_at']:.0f} s ({time.time() - t0:.0f} s)")
         for j, p, out in running:
             p.wait(timeout=max(1.0, args.timeout_s - (time.time() - start)))
-        results = {j["name"]: json.loads(out.read_text()) for j, _, out in running}
-        rows = {r.name: r for r in queue.jobs(("done", "failed", "pending", "running"), plans=False) if r.name in results}
-        first = min(r.submitted_at for r in rows.values())
-        offsets = {n: r.submitted_at - first for n, r in rows.items()}
-        live_jct = {n: r.ended_at - r.submitted_at for n, r in rows.items()
-                    if r.state == "done" and r.ended_at is not None}
-        completed = [n for n, res in results.items() if res.get("status") == "completed"]
-        lost = sum(max(0, len(results[n].get("losses", [])) - j["train_steps"])
-                   for j in jobs for n in [j["name"]] if n in completed)
-        resizes = sum(r.resizes for r in rows.values())
-        preemptions = sum(r.preemptions for r in rows.values())
-        starts = sum(len(results[n].get("attempts") or []) for n in results)
-
-        sim = simulate([j for j in jobs if j["name"] in offsets], offsets, cluster, args.policy, plans,
-                       step_ratio, startup, restart, args.tick_s)
-        # the engine counts every stop of a run as a preemption, re-sizes included: split them
-        sim_by = {pj["job_id"]: {**pj, "preemptions": pj["preemptions"] - pj["resizes"]} for pj in sim.per_job}
-        sim_jct = {n: pj["end_s"] - pj["submit_s"] for n, pj in sim_by.items() if pj["end_s"] is not None}
-        say(f"{'job':<11} {'steps':>6} {'arrive s':>8} {'live JCT s':>11} {'sim JCT s':>10} {'error':>7} "
-            f"{'starts':>6} {'resizes':>7} {'preempt':>7}  (live / sim)")
-        for j in jobs:
-            n = j["name"]
-            lj, sj = live_jct.get(n), sim_jct.get(n)
-            err = f"{(lj - sj) / sj * 100:+.0f}%" if lj is not None and sj else "-"
-            r, pj = rows.get(n), sim_by.get(n, {})
-            st = len(results.get(n, {}).get("attempts") or [])
-            say(f"{n:<11} {j['train_steps']:>6} {offsets.get(n, 0):>8.1f} {lj if lj is None else round(lj, 1)!s:>11} "
-                f"{sj if sj is None else round(sj, 1)!s:>10} {err:>7} {st:>3}/{pj.get('starts', '-'):<2} "
-                f"{r.resizes if r else '-':>4}/{pj.get('resizes', '-'):<2} {r.preemptions if r else '-':>4}/"
-                f"{pj.get('preemptions', '-'):<2}")
-        live_avg = sum(live_jct.values()) / len(live_jct) if live_jct else 0.0
-        sim_avg = sum(sim_jct[n] for n in live_jct if n in sim_jct) / max(1, sum(n in sim_jct for n in live_jct))
-        say(f"live avg JCT {live_avg:.1f} s, simulated {sim_avg:.1f} s "
-            f"({(live_avg - sim_avg) / sim_avg * 100 if sim_avg else 0:+.1f}%); {len(completed)}/{len(jobs)} "
-            f"completed; live {starts} starts, {resizes} re-sizes, {preemptions} preemptions, {lost} lost steps; "
-            f"simulated {sum(pj['starts'] for pj in sim_by.values())} starts, "
-            f"{sum(pj['resizes'] for pj in sim_by.values())} re-sizes, "
-            f"{sum(pj['preemptions'] for pj in sim_by.values())} preemptions "
-            f"(wall {time.time() - t0:.0f} s)")
+        results = {j["name"]: json.loads(out.read_text()) if out.exists() else {"status": "failed"}
+                   for j, _, out in running}
+        summary = compare(jobs, results, queue, cluster, args.policy, plans, step_ratio, startup, restart,
+                          args.tick_s, say)
+        say(f"(wall {time.time() - t0:.0f} s)")
         say(f"command: PYTHONPATH=. python bench/live_replay.py --jobs {args.jobs} --span-s {args.span_s:g} "
             f"--tick-s {args.tick_s:g} --seed {args.seed} --job-s {args.job_s[0]:g} {args.job_s[1]:g} "
             f"--policy {args.policy}")
         if args.json:
-            print(json.dumps({"jobs": len(jobs), "completed": len(completed), "live_avg_jct_s": round(live_avg, 2),
-                              "sim_avg_jct_s": round(sim_avg, 2), "resizes": resizes,
-                              "preemptions": preemptions, "lost_steps": lost}), flush=True)
+            print(json.dumps(summary), flush=True)
         return 0
     finally:
         for p in reversed(procs):
