@@ -62,7 +62,7 @@ CALIB_B_GROW_AT = 300          # B's grow request once the heartbeat reports thi
 # The long job: the smallest one the policy grows at its first tick, times this. The live
 # tick lands up to a poll (0.5 s) plus a round after the simulated one, and the policy's
 # predicted remaining time shrinks meanwhile; 10% (~35 s of its run) keeps the decision clear of its threshold
-LONG_MARGIN = 1.2
+LONG_MARGIN = 1.1
 GAP_TICKS = 3                  # ticks the long job runs alone before the first other arrival
 
 
