@@ -61,7 +61,8 @@ CALIB_B_STEPS = 1000
 CALIB_B_GROW_AT = 300          # B's grow request once the heartbeat reports this many steps
 # The long job: the smallest one the policy grows at its first tick, times this. The live
 # tick lands up to a poll (0.5 s) plus a round after the simulated one, and the policy's
-# predicted remaining time shrinks meanwhile; 10% (~35 s of its run) keeps the decision clear of its threshold
+# predicted remaining time shrinks meanwhile; 10% (~35 s of its run) keeps the decision
+# clear of its threshold
 LONG_MARGIN = 1.1
 GAP_TICKS = 3                  # ticks the long job runs alone before the first other arrival
 
@@ -359,9 +360,10 @@ def main(argv=None) -> int:
         t1 = float(res_a["measured"]["step_time_s"])
         jct_a = row_a.ended_at - row_a.submitted_at
         startup = max(0.0, jct_a - CALIB_A_STEPS * t1)
+        queued_a = row_a.started_at - row_a.submitted_at
         say(f"calibration A: {plan1.short()}: step {t1:.4f} s measured vs {predicted(plan1):.4f} s predicted "
-            f"(plan {plan1.step_time_s:.4f} s); JCT {jct_a:.1f} s = queue {row_a.started_at - row_a.submitted_at:.1f} s "
-            f"+ {CALIB_A_STEPS} steps + {jct_a - (row_a.started_at - row_a.submitted_at) - CALIB_A_STEPS * t1:.1f} s "
+            f"(plan {plan1.step_time_s:.4f} s); JCT {jct_a:.1f} s = queue {queued_a:.1f} s "
+            f"+ {CALIB_A_STEPS} steps + {jct_a - queued_a - CALIB_A_STEPS * t1:.1f} s "
             f"launch and end: start-up {startup:.1f} s")
 
         # the long job and the plan the policy grows it onto, asked of the policy itself
