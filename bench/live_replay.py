@@ -1,20 +1,38 @@
 """Live matches simulated: replay a workload of tiny jobs through the real live path and through
-`frenzy simulate`, and compare job completion times.
+`frenzy simulate`'s engine, and compare job completion times.
 
 Live path: a real Prefect server (`prefect server start`), a SQLite ledger, `frenzy scheduler`
 (the same round as the simulator), one `frenzy-submit` flow run per job started at its arrival
 time (each trains in its own process on the local CPU "GPUs": the tiny GPT-2), re-sizes and
-preemptions through the ledger and the control file. A first live job, run alone, calibrates the
-simulator: its measured step time against the throughput model's prediction (a factor applied
-to every predicted step time) and its start-up (allocation to first step). Then `frenzy
-simulate`'s engine runs the same workload (same arrival offsets, same steps, same policy) and
-the per-job JCTs are compared.
+preemptions decided by the policy and carried out through the ledger and the control file.
 
-    PYTHONPATH=. python bench/live_replay.py --jobs 12 --span-s 180 --json
+Calibration, before the workload, from two live jobs run alone (measured, never fitted to the
+workload's result):
+  A. a job the scheduler places (one device): its median step time, and its start-up overhead,
+     everything in its JCT beyond its steps (enqueue -> allocation, launch and model build,
+     the final save): the simulator's ``startup_s``;
+  B. a job started the same way that the bench asks, through the ledger, to grow onto the
+     2-device plan the policy itself would grow a run onto: its step time there, and what the
+     re-size cost (stop at a step boundary, checkpoint, relaunch, first step): the
+     simulator's ``restart_s``.
+The measured step time over the throughput model's prediction, per GPU count, is the
+simulator's ``step_ratio`` (its truth; the policy predicts with the model in both worlds, from
+the very plans the live jobs were queued with). Then the engine of `frenzy simulate` runs the
+same workload (same arrival offsets, steps, plans and policy) and the per-job JCTs are compared.
+
+The workload: the first job is long, sized by asking the policy itself (the smallest run it
+would grow onto the idle second device at its first tick, times a margin), alone for a few
+ticks so the policy can decide that growth; the others (``--job-s`` seconds on one device)
+arrive over ``--span-s`` after that gap.
+
+    PYTHONPATH=. python bench/live_replay.py --jobs 12 --span-s 120 --job-s 20 30 --json
 
 `--json`: the last line is {"jobs", "completed", "live_avg_jct_s", "sim_avg_jct_s", "resizes",
-"preemptions", "lost_steps"}. Deviation from the full contract: trainings run in the submitting
-flow's process (no separate pool workers), to fit a 2-core machine.
+"preemptions", "lost_steps"} (workload jobs only, calibration jobs left out). Deviation from the
+full contract: trainings run in the submitting flow's process (no separate pool workers), to
+fit a 2-core machine; each submitting process starts (imports) before the calibration and
+waits for its arrival time, so process start-up does not steal the cores from running
+trainings.
 """
 from __future__ import annotations
 
@@ -22,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +53,18 @@ ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_YAML = "pools:\n  - {name: local-cpu, gpu: CPU, nodes: 1, gpus_per_node: 2}\n"
 BASE_JOB = {"model": "gpt2-tiny", "seq_len": 64, "global_batch": 8, "precision": "fp32", "lr": 0.003,
             "checkpoint_every": 1000}
+# Calibration job lengths (steps): A long enough for a steady median step time (~10 s at the
+# 15.6 ms/step measured before), B long enough that it has stepped on one device before the
+# grow request and steps well past its relaunch on two
+CALIB_A_STEPS = 600
+CALIB_B_STEPS = 1000
+CALIB_B_GROW_AT = 300          # B's grow request once the heartbeat reports this many steps
+# The long job: the smallest one the policy grows at its first tick, times this. The live
+# tick lands up to a poll (0.5 s) plus a round after the simulated one, and the policy's
+# predicted remaining time shrinks meanwhile; 10% (~35 s of its run) keeps the decision
+# clear of its threshold
+LONG_MARGIN = 1.1
+GAP_TICKS = 3                  # ticks the long job runs alone before the first other arrival
 
 
 def _free_port() -> int:
@@ -55,10 +86,22 @@ def _wait_health(url: str, timeout_s: float) -> None:
     raise RuntimeError(f"Prefect server at {url} did not answer within {timeout_s:.0f} s")
 
 
-def submit_one(job_file: str, out_file: str, cluster: str, ledger: str, policy: str) -> int:
-    """One submission (run in its own process): the frenzy-submit flow, result JSON to a file."""
+def submit_one(job_file: str, out_file: str, cluster: str, ledger: str, policy: str,
+               go_file: str | None, at: float | None) -> int:
+    """One submission (run in its own process): the frenzy-submit flow, result JSON to a file.
+    With ``go_file``: import first, then wait until the bench writes the workload's start epoch
+    there, and submit ``at`` seconds after it."""
     from frenzy_flows import submit_training
 
+    if go_file:
+        go = Path(go_file)
+        parent = os.getppid()
+        while not go.exists():
+            if os.getppid() != parent:          # the bench died: nobody will say go
+                return 1
+            time.sleep(0.2)
+        start = float(go.read_text() or 0)
+        time.sleep(max(0.0, start + (at or 0.0) - time.time()))
     job = json.loads(Path(job_file).read_text())
     try:
         res = submit_training(job=job, cluster=cluster, ledger_url=ledger, policy=policy,
@@ -70,79 +113,202 @@ def submit_one(job_file: str, out_file: str, cluster: str, ledger: str, policy: 
         return 1
 
 
-def _spawn_submit(work: Path, job: dict, env: dict, cluster: str, ledger: str, policy: str):
+def _spawn_submit(work: Path, job: dict, env: dict, cluster: str, ledger: str, policy: str,
+                  go: Path | None = None, at: float | None = None):
     jf = work / f"{job['name']}.job.json"
     jf.write_text(json.dumps(job))
     out = work / f"{job['name']}.result.json"
     log = open(work / f"{job['name']}.log", "w")
-    p = subprocess.Popen([sys.executable, __file__, "--submit-one", str(jf), "--out", str(out),
-                          "--cluster", cluster, "--ledger", ledger, "--policy", policy],
-                         env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    cmd = [sys.executable, __file__, "--submit-one", str(jf), "--out", str(out), "--cluster", cluster,
+           "--ledger", ledger, "--policy", policy]
+    if go is not None:
+        cmd += ["--go", str(go), "--at", str(at or 0.0)]
+    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     return p, out
 
 
-def workload(n: int, span_s: float, step_s: float, startup_s: float, seed: int,
-             job_s: tuple[float, float] = (20.0, 90.0)) -> list[dict]:
-    """``n`` jobs of ``job_s`` seconds each (default 20-90) on one device at the calibrated
-    speed, arrivals spread over ``span_s``; the first is a long job (3x the longest) that the
-    policy may grow and later shrink or preempt."""
+def _run_alone(work: Path, job: dict, env: dict, cluster: str, ledger: str, policy: str, timeout_s: float,
+               procs: list, during=None) -> dict:
+    """Submit ``job`` and wait for its result; ``during(queue_row)`` is called every 0.2 s while
+    it runs (it returns True once it acted)."""
+    from ledger.queue import JobQueue
+
+    p, out = _spawn_submit(work, job, env, cluster, ledger, policy)
+    procs.append(p)
+    queue = JobQueue(ledger)
+    end = time.time() + timeout_s
+    acted = during is None
+    while p.poll() is None and time.time() < end:
+        if not acted:
+            row = next((r for r in queue.jobs(("running",), plans=False) if r.name == job["name"]), None)
+            acted = row is not None and bool(during(row))
+        time.sleep(0.2)
+    p.wait(timeout=max(1.0, end - time.time()))
+    res = json.loads(out.read_text())
+    if res.get("status") != "completed":
+        raise RuntimeError(f"calibration job {job['name']} failed: {res.get('error')}")
+    return res
+
+
+def long_job_steps(policy_name: str, plans: list, start_plan, cluster_path: str, tick_s: float,
+                   at_least: int):
+    """The smallest job (steps) that ``policy_name`` grows, alone on the pool, at its first
+    tick after it started on ``start_plan``, asked of the policy itself (one round on a state
+    with that run and the other devices idle); and the plan it grows onto. (None, None) when
+    it grows no run of any length up to 100x ``at_least``."""
+    from scheduler.cluster import load_cluster
+    from scheduler.policies import get_policy
+    from scheduler.restart import checkpoint_gb
+    from scheduler.sim.jobs import model_spec
+    from scheduler.sim.engine import SimCluster
+    from scheduler.types import ClusterState, JobRequest, Node, RunningJob
+
+    sc = SimCluster.from_cluster(load_cluster(cluster_path))
+    node = sc.nodes[0]
+    ckpt = checkpoint_gb(model_spec(BASE_JOB["model"]).params)
+
+    def grows(steps: int):
+        used = list(range(start_plan.gpus))
+        nodes = [Node(node.node_id, node.pool, node.gpu_type, node.gpus,
+                      [i for i in range(node.gpus) if i not in used], node.intra_link)]
+        req = JobRequest(job_id="long", submit_s=0.0, plans=plans, steps_left=steps, model=BASE_JOB["model"],
+                         checkpoint_gb=ckpt)
+        rj = RunningJob(job_id="long", plan=start_plan, placement={node.node_id: used}, start_s=0.0,
+                        expected_end_s=steps * start_plan.step_time_s, request=req)
+        state = ClusterState(nodes=nodes, running=[rj], inter_node_gbps=dict(sc.inter_node_gbps),
+                             gpu_memory_gib={t: g.memory_gib for t, g in sc.gpus.items()})
+        out = get_policy(policy_name).schedule([], state, tick_s)
+        return next((d.plan for d in out if d.job_id == "long" and d.action == "start"), None)
+
+    steps = max(1, at_least)
+    while steps <= 100 * max(1, at_least):
+        plan = grows(steps)
+        if plan is not None:
+            return steps, plan
+        steps = int(steps * 1.05) + 1
+    return None, None
+
+
+def workload(n: int, span_s: float, step_s: float, startup_s: float, seed: int, long_steps: int,
+             gap_s: float, job_s: tuple[float, float] = (20.0, 90.0)) -> list[dict]:
+    """The long job at 0 (``long_steps``), then ``n - 1`` jobs of ``job_s`` seconds each on one
+    device at the calibrated speed (start-up included), arriving uniformly over ``span_s``
+    after ``gap_s``."""
     rng = random.Random(seed)
-    jobs = []
+    jobs = [{**BASE_JOB, "name": "replay-00", "train_steps": long_steps, "_at": 0.0}]
     lo, hi = job_s
-    for i in range(n):
-        target = 3 * hi if i == 0 else rng.uniform(lo, hi)
+    for i in range(1, n):
+        target = rng.uniform(lo, hi)
         steps = max(10, int(round((target - startup_s) / step_s)))
-        at = 0.0 if i == 0 else rng.uniform(0.05, 1.0) * span_s
+        at = gap_s + rng.uniform(0.0, 1.0) * span_s
         jobs.append({**BASE_JOB, "name": f"replay-{i:02d}", "train_steps": steps, "_at": at})
     jobs.sort(key=lambda j: j["_at"])
     return jobs
 
 
-def simulate(jobs: list[dict], offsets: dict[str, float], cluster_path: str, policy: str,
-             factor: float, startup_s: float, tick_s: float):
+class LivePlans:
+    """The simulator's plan book for the replay: every job gets the plans the live submission
+    queued (all replay jobs share one shape), so both worlds' policy sees the same menu."""
+
+    def __init__(self, plans: list):
+        self._plans = plans
+
+    def plans(self, model: str, seq_len: int, global_batch: int) -> list:
+        return self._plans
+
+
+def simulate(jobs: list[dict], offsets: dict[str, float], cluster_path: str, policy: str, plans: list,
+             step_ratio: dict, startup_s: float, restart_s: float, tick_s: float):
     from scheduler.cluster import load_cluster
     from scheduler.sim.engine import SimCluster, SimConfig, Simulator
-    from scheduler.sim.jobs import StepTimes
     from scheduler.policies import get_policy
     from scheduler.workload import WorkloadJob
-
-    class Calibrated(StepTimes):
-        def at(self, model, seq_len, plan, nodes, gbps):
-            return super().at(model, seq_len, plan, nodes, gbps) * factor
 
     cluster = SimCluster.from_cluster(load_cluster(cluster_path))
     wl = [WorkloadJob(job_id=j["name"], submit_s=offsets[j["name"]], model=j["model"], seq_len=j["seq_len"],
                       global_batch=j["global_batch"], train_tokens=j["train_steps"] * j["global_batch"] * j["seq_len"],
                       requested_gpu_type="CPU", requested_gpus=1) for j in jobs]
-    cfg = SimConfig(seed=0, noise=0.0, startup_s=startup_s, tick_s=tick_s)
-    return Simulator(wl, cluster, get_policy(policy), cfg, step_times=Calibrated(cluster.gpus)).run()
+    cfg = SimConfig(seed=0, noise=0.0, startup_s=startup_s, tick_s=tick_s, step_ratio=dict(step_ratio),
+                    restart_s=restart_s)
+    return Simulator(wl, cluster, get_policy(policy), cfg, plan_book=LivePlans(plans)).run()
+
+
+def compare(jobs: list[dict], results: dict[str, dict], queue, cluster: str, policy: str, plans: list,
+            step_ratio: dict, startup: float, restart: float, tick_s: float, say) -> dict:
+    """The live rows and results of ``jobs`` against the simulator on the same workload: prints
+    the per-job table and the totals, returns the ``--json`` summary."""
+    rows = {r.name: r for r in queue.jobs(("done", "failed", "pending", "running"), plans=False) if r.name in results}
+    first = min(r.submitted_at for r in rows.values())
+    offsets = {n: r.submitted_at - first for n, r in rows.items()}
+    live_jct = {n: r.ended_at - r.submitted_at for n, r in rows.items()
+                if r.state == "done" and r.ended_at is not None}
+    completed = [n for n, res in results.items() if res.get("status") == "completed"]
+    lost = sum(max(0, len(results[n].get("losses", [])) - j["train_steps"])
+               for j in jobs for n in [j["name"]] if n in completed)
+    resizes = sum(r.resizes for r in rows.values())
+    preemptions = sum(r.preemptions for r in rows.values())
+    starts = sum(len(results[n].get("attempts") or []) for n in results)
+
+    sim = simulate([j for j in jobs if j["name"] in offsets], offsets, cluster, policy, plans,
+                   step_ratio, startup, restart, tick_s)
+    # the engine counts every stop of a run as a preemption, re-sizes included: split them
+    sim_by = {pj["job_id"]: {**pj, "preemptions": pj["preemptions"] - pj["resizes"]} for pj in sim.per_job}
+    sim_jct = {n: pj["end_s"] - pj["submit_s"] for n, pj in sim_by.items() if pj["end_s"] is not None}
+    say(f"{'job':<11} {'steps':>6} {'arrive s':>8} {'live JCT s':>11} {'sim JCT s':>10} {'error':>7} "
+        f"{'starts':>6} {'resizes':>7} {'preempt':>7}  (live / sim)")
+    for j in jobs:
+        n = j["name"]
+        lj, sj = live_jct.get(n), sim_jct.get(n)
+        err = f"{(lj - sj) / sj * 100:+.0f}%" if lj is not None and sj else "-"
+        r, pj = rows.get(n), sim_by.get(n, {})
+        st = len(results.get(n, {}).get("attempts") or [])
+        say(f"{n:<11} {j['train_steps']:>6} {offsets.get(n, 0):>8.1f} {lj if lj is None else round(lj, 1)!s:>11} "
+            f"{sj if sj is None else round(sj, 1)!s:>10} {err:>7} {st:>3}/{pj.get('starts', '-'):<2} "
+            f"{r.resizes if r else '-':>4}/{pj.get('resizes', '-'):<2} {r.preemptions if r else '-':>4}/"
+            f"{pj.get('preemptions', '-'):<2}")
+    live_avg = sum(live_jct.values()) / len(live_jct) if live_jct else 0.0
+    sim_avg = sum(sim_jct[n] for n in live_jct if n in sim_jct) / max(1, sum(n in sim_jct for n in live_jct))
+    say(f"live avg JCT {live_avg:.1f} s, simulated {sim_avg:.1f} s "
+        f"({(live_avg - sim_avg) / sim_avg * 100 if sim_avg else 0:+.1f}%); {len(completed)}/{len(jobs)} "
+        f"completed; live {starts} starts, {resizes} re-sizes, {preemptions} preemptions, {lost} lost steps; "
+        f"simulated {sum(pj['starts'] for pj in sim_by.values())} starts, "
+        f"{sum(pj['resizes'] for pj in sim_by.values())} re-sizes, "
+        f"{sum(pj['preemptions'] for pj in sim_by.values())} preemptions")
+    return {"jobs": len(jobs), "completed": len(completed), "live_avg_jct_s": round(live_avg, 2),
+            "sim_avg_jct_s": round(sim_avg, 2), "resizes": resizes, "preemptions": preemptions, "lost_steps": lost}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=12)
-    ap.add_argument("--span-s", type=float, default=180.0, help="arrivals spread over this many seconds")
+    ap.add_argument("--span-s", type=float, default=150.0, help="arrivals (after the long job's gap) "
+                                                                "spread over this many seconds")
     ap.add_argument("--policy", default="frenzy")
     ap.add_argument("--tick-s", type=float, default=10.0, help="the scheduler's tick, live and simulated")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--job-s", type=float, nargs=2, default=(20.0, 90.0), metavar=("LO", "HI"),
-                    help="job lengths in seconds on one device (default 20 90)")
+    ap.add_argument("--job-s", type=float, nargs=2, default=(20.0, 40.0), metavar=("LO", "HI"),
+                    help="lengths in seconds on one device of the jobs after the long one (default 20 40)")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--submit-one", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--cluster", help=argparse.SUPPRESS)
     ap.add_argument("--ledger", help=argparse.SUPPRESS)
+    ap.add_argument("--go", help=argparse.SUPPRESS)
+    ap.add_argument("--at", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--long-steps", type=int, help=argparse.SUPPRESS)   # smoke runs: a short long job
     args = ap.parse_args(argv)
     if args.submit_one:
-        return submit_one(args.submit_one, args.out, args.cluster, args.ledger, args.policy)
-    if not 1 <= args.jobs <= 40:
-        print("live_replay: error: jobs: must be within 1..40", file=sys.stderr)
+        return submit_one(args.submit_one, args.out, args.cluster, args.ledger, args.policy, args.go, args.at)
+    if not 2 <= args.jobs <= 40:
+        print("live_replay: error: jobs: must be within 2..40", file=sys.stderr)
         return 2
     if not args.span_s > 0 or not args.tick_s > 0 or not 0 < args.job_s[0] <= args.job_s[1]:
         print("live_replay: error: span-s and tick-s must be > 0, job-s LO HI with 0 < LO <= HI", file=sys.stderr)
         return 2
 
+    # a SIGTERM (a timeout) still stops the server, the scheduler and the submissions (finally)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="frenzy-live-replay-"))
     cluster = str(work / "cluster.yaml")
     Path(cluster).write_text(CLUSTER_YAML)
@@ -156,7 +322,7 @@ def main(argv=None) -> int:
                                            "PREFECT_SERVER_ANALYTICS_ENABLED")})
     prefect_bin = str(Path(sys.executable).with_name("prefect"))
     procs: list[subprocess.Popen] = []
-    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
     t0 = time.time()
     try:
         server = subprocess.Popen([prefect_bin, "server", "start", "--host", "127.0.0.1", "--port", str(port),
@@ -165,7 +331,11 @@ def main(argv=None) -> int:
         procs.append(server)
         _wait_health(api, 180)
         from deployments.pools import sync_pools
+        from ledger.queue import JobQueue
         from scheduler.cluster import load_cluster
+        from scheduler.sim.engine import SimCluster
+        from scheduler.sim.jobs import StepTimes
+        from estimator.plan import Plan
 
         sync_pools(load_cluster(cluster))
         sched = subprocess.Popen([sys.executable, "-m", "frenzy_cli.main", "scheduler", "--ledger", ledger,
@@ -174,89 +344,105 @@ def main(argv=None) -> int:
                                  stderr=subprocess.STDOUT)
         procs.append(sched)
         say(f"prefect server {api}, scheduler pid {sched.pid}, work dir {work} ({time.time() - t0:.0f} s)")
-
-        # calibration: one job alone
-        calib = {**BASE_JOB, "name": "calibrate", "train_steps": 60}
-        p, out = _spawn_submit(work, calib, env, cluster, ledger, args.policy)
-        procs.append(p)
-        p.wait(timeout=args.timeout_s)
-        res = json.loads(out.read_text())
-        if res.get("status") != "completed":
-            raise RuntimeError(f"calibration job failed: {res.get('error')}")
-        from ledger.queue import JobQueue
         queue = JobQueue(ledger)
-        row = queue.get(res["job_id"])
-        plan = res["plan"]
-        measured = float(res["measured"]["step_time_s"])
-        # the simulator's own prediction for the plan the calibration job ran: its plan book's
-        # plan of the same shape (the simulator's jobs train in its default precision, so the
-        # live plan itself is not one it would run), through its throughput model call
-        from scheduler.sim.engine import SimCluster
-        from scheduler.sim.jobs import StepTimes
-
         sc = SimCluster.from_cluster(load_cluster(cluster))
-        book = sc.plan_book().plans(calib["model"], calib["seq_len"], calib["global_batch"])
-        shape = ("gpus", "zero", "act_ckpt", "micro_batch", "grad_accum")
-        twin = next((p for p in book if all(getattr(p, k) == plan[k] for k in shape)),
-                    min((p for p in book if p.gpus == plan["gpus"]), key=lambda p: p.step_time_s))
-        predicted = StepTimes(sc.gpus).at(calib["model"], calib["seq_len"], twin, 1, None)
-        factor = measured / predicted if predicted > 0 else 1.0
-        run_s = row.ended_at - row.started_at
-        startup = max(0.0, run_s - calib["train_steps"] * measured)
-        step_one = measured * plan["gpus"]           # a one-device step, for sizing the jobs
-        say(f"calibration: {plan['gpus']}xCPU step {measured:.4f} s measured vs {predicted:.4f} s "
-            f"predicted by the simulator (factor {factor:.3f}), start-up {startup:.1f} s")
+        model_steps = StepTimes(sc.gpus)
 
-        jobs = workload(args.jobs, args.span_s, step_one, startup, args.seed, tuple(args.job_s))
-        start = time.time()
+        def predicted(plan) -> float:            # the throughput model's step time (one node)
+            return model_steps.at(BASE_JOB["model"], BASE_JOB["seq_len"], plan, 1, None)
+
+        # --- calibration A: one job alone, placed by the scheduler
+        calib_a = {**BASE_JOB, "name": "calibrate", "train_steps": CALIB_A_STEPS}
+        res_a = _run_alone(work, calib_a, env, cluster, ledger, args.policy, args.timeout_s, procs)
+        row_a = queue.get(res_a["job_id"])
+        plans = row_a.plans                         # what the live submission queued
+        plan1 = Plan.model_validate(res_a["plan"])
+        t1 = float(res_a["measured"]["step_time_s"])
+        jct_a = row_a.ended_at - row_a.submitted_at
+        startup = max(0.0, jct_a - CALIB_A_STEPS * t1)
+        queued_a = row_a.started_at - row_a.submitted_at
+        say(f"calibration A: {plan1.short()}: step {t1:.4f} s measured vs {predicted(plan1):.4f} s predicted "
+            f"(plan {plan1.step_time_s:.4f} s); JCT {jct_a:.1f} s = queue {queued_a:.1f} s "
+            f"+ {CALIB_A_STEPS} steps + {jct_a - queued_a - CALIB_A_STEPS * t1:.1f} s "
+            f"launch and end: start-up {startup:.1f} s")
+
+        # the long job and the plan the policy grows it onto, asked of the policy itself
+        at_least = int(3 * args.job_s[1] / t1)
+        smallest, plan2 = long_job_steps(args.policy, plans, plan1, cluster, args.tick_s, at_least)
+        if args.long_steps:
+            long_steps = args.long_steps
+            say(f"long job: {long_steps} steps (--long-steps; the policy grows runs of >= {smallest})")
+        elif smallest is None:
+            long_steps, plan2 = at_least, next((p for p in plans if p.gpus > plan1.gpus), None)
+            say(f"the policy grows no run alone on the pool (up to {100 * at_least} steps): long job "
+                f"{long_steps} steps")
+        else:
+            long_steps = max(at_least, int(smallest * LONG_MARGIN))
+            say(f"long job: the policy grows a run of >= {smallest} steps at its first tick onto "
+                f"{plan2.short()}; long job {long_steps} steps (~{long_steps * t1:.0f} s on one device)")
+
+        # --- calibration B: alone, asked to grow onto plan2 after CALIB_B_GROW_AT steps
+        restart, t2 = startup, None
+        if plan2 is not None:
+            node = sc.nodes[0].node_id
+            asked: dict = {}
+
+            def grow(row) -> bool:
+                if row.steps_done < CALIB_B_GROW_AT or row.open_request:
+                    return False
+                asked["rid"] = queue.request(row.job_id, "grow", plan=plan2,
+                                             placement={node: list(range(plan2.gpus))},
+                                             reason="calibration: measure a re-size")
+                asked["at_step"] = row.steps_done
+                return True
+
+            calib_b = {**BASE_JOB, "name": "calibrate-resize", "train_steps": CALIB_B_STEPS}
+            res_b = _run_alone(work, calib_b, env, cluster, ledger, args.policy, args.timeout_s, procs, grow)
+            row_b = queue.get(res_b["job_id"])
+            att = res_b.get("attempts") or []
+            if asked.get("rid") and len(att) >= 2 and att[-1]["plan"]["gpus"] == plan2.gpus:
+                s0 = int(att[-1]["resumed_from_step"])
+                t2 = float(res_b["measured"]["step_time_s"])
+                jct_b = row_b.ended_at - row_b.submitted_at
+                restart = max(0.0, jct_b - startup - s0 * t1 - (CALIB_B_STEPS - s0) * t2)
+                say(f"calibration B: grow asked at step {asked['at_step']}, resumed from {s0} on {plan2.short()}: "
+                    f"step {t2:.4f} s measured vs {predicted(plan2):.4f} s predicted (plan {plan2.step_time_s:.4f} s); "
+                    f"JCT {jct_b:.1f} s = start-up {startup:.1f} + {s0} x {t1:.4f} + {CALIB_B_STEPS - s0} x {t2:.4f} "
+                    f"+ re-size {restart:.1f} s")
+            else:
+                say(f"calibration B: no re-size happened (attempts {[a['plan']['gpus'] for a in att]}); "
+                    f"the simulator's restart cost stays the start-up, its 2-device step the model's")
+        step_ratio = {(plan1.gpu_type, plan1.gpus): t1 / predicted(plan1)}
+        if t2 is not None:
+            step_ratio[(plan2.gpu_type, plan2.gpus)] = t2 / predicted(plan2)
+        say("step_ratio (measured / model): " + ", ".join(f"{n}x{g} {r:.3f}" for (g, n), r in step_ratio.items()))
+
+        # --- the workload
+        gap = GAP_TICKS * args.tick_s
+        jobs = workload(args.jobs, args.span_s, t1 * plan1.gpus, startup, args.seed, long_steps, gap,
+                        tuple(args.job_s))
+        go = work / "go"
         running = []
         for j in jobs:
-            delay = start + j["_at"] - time.time()
-            if delay > 0:
-                time.sleep(delay)
             spec = {k: v for k, v in j.items() if not k.startswith("_")}
-            running.append((j, *_spawn_submit(work, spec, env, cluster, ledger, args.policy)))
+            running.append((j, *_spawn_submit(work, spec, env, cluster, ledger, args.policy, go, j["_at"])))
             procs.append(running[-1][1])
+        time.sleep(min(60.0, 5.0 + 1.5 * len(jobs)))    # the submitting processes import meanwhile
+        start = time.time()
+        go.write_text(repr(start))
+        say(f"workload: {len(jobs)} jobs, arrivals over {jobs[-1]['_at']:.0f} s ({time.time() - t0:.0f} s)")
         for j, p, out in running:
             p.wait(timeout=max(1.0, args.timeout_s - (time.time() - start)))
-        results = {j["name"]: json.loads(out.read_text()) for j, _, out in running}
-        rows = {r.name: r for r in queue.jobs(("done", "failed", "pending", "running")) if r.name in results}
-        first = min(r.submitted_at for r in rows.values())
-        offsets = {n: r.submitted_at - first for n, r in rows.items()}
-        live_jct = {n: r.ended_at - r.submitted_at for n, r in rows.items()
-                    if r.state == "done" and r.ended_at is not None}
-        completed = [n for n, res in results.items() if res.get("status") == "completed"]
-        lost = sum(max(0, len(results[n].get("losses", [])) - j["train_steps"])
-                   for j in jobs for n in [j["name"]] if n in completed)
-        resizes = sum(r.resizes for r in rows.values())
-        preemptions = sum(r.preemptions for r in rows.values())
-
-        sim = simulate([j for j in jobs if j["name"] in offsets], offsets, cluster, args.policy, factor,
-                       startup, args.tick_s)
-        sim_jct = {pj["job_id"]: pj["end_s"] - pj["submit_s"] for pj in sim.per_job if pj["end_s"] is not None}
-        say(f"{'job':<11} {'steps':>6} {'live JCT s':>11} {'sim JCT s':>10} {'error':>7} "
-            f"{'resizes':>7} {'preempt':>7}")
-        for j in jobs:
-            n = j["name"]
-            lj, sj = live_jct.get(n), sim_jct.get(n)
-            err = f"{(lj - sj) / sj * 100:+.0f}%" if lj is not None and sj else "-"
-            r = rows.get(n)
-            say(f"{n:<11} {j['train_steps']:>6} {lj if lj is None else round(lj, 1)!s:>11} "
-                f"{sj if sj is None else round(sj, 1)!s:>10} {err:>7} {r.resizes if r else '-':>7} "
-                f"{r.preemptions if r else '-':>7}")
-        live_avg = sum(live_jct.values()) / len(live_jct) if live_jct else 0.0
-        sim_avg = sum(sim_jct[n] for n in live_jct if n in sim_jct) / max(1, sum(n in sim_jct for n in live_jct))
-        say(f"live avg JCT {live_avg:.1f} s, simulated {sim_avg:.1f} s "
-            f"({(live_avg - sim_avg) / sim_avg * 100 if sim_avg else 0:+.1f}%); {len(completed)}/{len(jobs)} "
-            f"completed, {resizes} re-sizes, {preemptions} preemptions, {lost} lost steps "
-            f"(wall {time.time() - t0:.0f} s)")
+        results = {j["name"]: json.loads(out.read_text()) if out.exists() else {"status": "failed"}
+                   for j, _, out in running}
+        summary = compare(jobs, results, queue, cluster, args.policy, plans, step_ratio, startup, restart,
+                          args.tick_s, say)
+        say(f"(wall {time.time() - t0:.0f} s)")
         say(f"command: PYTHONPATH=. python bench/live_replay.py --jobs {args.jobs} --span-s {args.span_s:g} "
             f"--tick-s {args.tick_s:g} --seed {args.seed} --job-s {args.job_s[0]:g} {args.job_s[1]:g} "
             f"--policy {args.policy}")
         if args.json:
-            print(json.dumps({"jobs": len(jobs), "completed": len(completed), "live_avg_jct_s": round(live_avg, 2),
-                              "sim_avg_jct_s": round(sim_avg, 2), "resizes": resizes,
-                              "preemptions": preemptions, "lost_steps": lost}))
+            print(json.dumps(summary), flush=True)
         return 0
     finally:
         for p in reversed(procs):

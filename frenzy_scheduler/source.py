@@ -54,6 +54,11 @@ class LedgerSource:
         self._static: dict[str, tuple[list, dict[str, Any]]] = {}     # job_id -> (plans, spec)
         self.rows: dict[str, QueueJob] = {}        # the last snapshot's rows (``JobQueue.round_view``)
         self._running_plans: dict[str, Any] = {}
+        # job_id -> (allocation id, steps done when this source first saw that run): a run's
+        # predicted end is its start plus the steps it had left then, as in the simulator (the
+        # heartbeat's steps_done moves on; started_at + what is left *now* would drift earlier
+        # than the run's real end as it progresses)
+        self._run_base: dict[str, tuple[str, int]] = {}
         self.counts = {"started": 0, "resized": 0, "preempted": 0, "skipped": 0, "reaped": 0,
                        "cancelled": 0}
 
@@ -99,10 +104,16 @@ class LedgerSource:
             rj.request = self.request_of(j)
             rj.resizes = j.resizes
             if j.started_at is not None and rj.plan.step_time_s > 0:
+                base = self._run_base.get(j.job_id)
+                if base is None or base[0] != j.allocation_id:
+                    base = self._run_base[j.job_id] = (j.allocation_id, j.steps_done)
                 rj.start_s = j.started_at
-                rj.expected_end_s = j.started_at + rj.request.steps_left * rj.plan.step_time_s
+                rj.expected_end_s = j.started_at + max(1, j.steps_total - base[1]) * rj.plan.step_time_s
             running.append(rj)
         state.running = running
+        live = {rj.job_id for rj in running}
+        for jid in [k for k in self._run_base if k not in live]:
+            del self._run_base[jid]
         self._running_plans = {rj.job_id: rj.plan for rj in running}
         pending = [self.request_of(j) for j in rows.values() if j.state == "pending"]
         version = (tuple(sorted((j.job_id, j.state, j.allocation_id or "", j.request_state)

@@ -362,3 +362,25 @@ def test_a_recall_is_a_preempt_request_published_as_recalled(url):
                               snap.pending, snap.state), 0.0)
     assert [k for k, _ in events] == ["recalled"] and events[0][1]["from_plan"]["gpus"] == 2
     assert JobQueue(led).get("r").request["kind"] == "preempt"
+
+
+def test_a_runs_predicted_end_stays_its_start_plus_the_steps_it_had_left_then(url):
+    """Heartbeats move steps_done on; the predicted end stays started_at + the steps left when
+    the run started times its step time (the simulator's prediction), not started_at + what is
+    left now, which would slide earlier than the run's real end as it progresses."""
+    from frenzy_scheduler.source import LedgerSource
+    from scheduler.round import check_decisions
+    from scheduler.types import Decision
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("run", "run", {"name": "run"}, plans(), steps=100)
+    src = LedgerSource(led)
+    snap = src.snapshot()
+    src.apply(check_decisions("t", [Decision("run", plans()[1], {"a100-0": [0]})], snap.pending, snap.state), 0.0)
+    rj = src.snapshot().state.running[0]
+    started = q.get("run").started_at
+    assert rj.expected_end_s - started == pytest.approx(100 * 1.0)
+    q.touch("run", steps_done=60)                     # the run's heartbeat, 60 steps on
+    rj = src.snapshot().state.running[0]
+    assert rj.request.steps_left == 40
+    assert rj.expected_end_s - started == pytest.approx(100 * 1.0)

@@ -244,3 +244,20 @@ def test_idle_gpu_hours_while_a_job_that_could_use_them_waits_are_counted():
     # a job that needs more GPUs than are free could not have used them: nothing counted
     _, res = run(jobs, clu, FifoUser(), [plan(A100, 2, 0.6, 8)], startup_s=0.0)
     assert res.idle_waiting_gpu_h == {}
+
+
+def test_measured_step_ratio_and_restart_cost_replace_the_models():
+    """What a live cluster measured (``bench/live_replay.py``): the step ratio scales the truth
+    per (GPU type, GPU count), not what the policy predicts; ``restart_s`` replaces start-up
+    plus checkpoint move for a start that resumes."""
+    clu = cluster({A100: (1, 1)})
+    jobs = [job("long", 0, 10_000, model="llama-3.2-1b"), job("new", 5_000, 100, model="llama-3.2-1b")]
+    sim, res = run(jobs, clu, Tiresias(), [plan(A100, 1, 1.0, 10)], startup_s=10.0, tick_s=60.0,
+                   ckpt_gbs_per_node=1.0, step_ratio={(A100, 1): 0.5, (A100, 2): 9.0}, restart_s=3.0)
+    long = sim.by_id["long"]
+    by = {r["job_id"]: r for r in res.per_job}
+    assert long.preemptions == 1 and long.starts == 2 and by["long"]["starts"] == 2
+    ran_new = by["new"]["end_s"] - by["new"]["first_start_s"]
+    assert ran_new == pytest.approx(10.0 + 100 * 0.5)
+    # 10,000 steps at half the table's step time, one start-up and one measured restart
+    assert by["long"]["end_s"] == pytest.approx(10_000 * 0.5 + 10.0 + 3.0 + ran_new, abs=0.01)

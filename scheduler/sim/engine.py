@@ -12,9 +12,11 @@ allocated-but-idle time: launch, model build. A preempted run keeps the optimize
 completed: it checkpoints when preempted and restores when it starts again; a start that has
 progress to restore pays the save and the restore of the training state
 (``scheduler.restart``: 14 bytes per parameter, at ``ckpt_gbs_per_node`` GB/s per node spanned) on top of
-``startup_s`` (the save is charged to the next start, so the preempted GPUs free at once). A run progresses at its real
-step time: the throughput model's step time for the placement it got (nodes spanned, slowest
-inter-node link among the pools it touches) times the job's noise factor (``truth.py``).
+``startup_s`` (the save is charged to the next start, so the preempted GPUs free at once), or,
+where it was measured, ``SimConfig.restart_s`` instead. A run progresses at its real step time:
+the throughput model's step time for the placement it got (nodes spanned, slowest inter-node
+link among the pools it touches) times the measured ``step_ratio`` of its GPU type and count
+(1 unless measured) times the job's noise factor (``truth.py``).
 
 ``SimConfig.world_round_s`` makes the world round-based, as Sia's simulator is (60 s): arrivals
 are seen and finished runs free their GPUs only at round boundaries (a job's JCT still ends at
@@ -59,6 +61,15 @@ class SimConfig:
     # GPUs only at multiples of this; a job's JCT still ends when its last step does. None: events
     # happen when they happen
     world_round_s: float | None = None
+    # What a real cluster measured (``bench/live_replay.py`` fills them from live runs; empty /
+    # None: the model's figures). ``step_ratio``: measured step time / the throughput model's
+    # prediction, per (GPU type, GPU count) -- the truth's step times only: policies still
+    # predict with the model, as they do live. ``restart_s``: the allocated-but-idle time of a
+    # start that restores a checkpoint (a re-size, a restart after preemption), measured from
+    # the stop request to the first step on the new plan; None: ``startup_s`` plus the
+    # checkpoint's save and restore (``scheduler.restart``)
+    step_ratio: dict[tuple[str, int], float] = field(default_factory=dict)
+    restart_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -316,13 +327,15 @@ class Simulator:
             known = [self.state.inter_node_gbps[p] for p in pools if p in self.state.inter_node_gbps]
             gbps = min(known) if known else None
         predicted = self.steps.at(wl.model, wl.seq_len, plan, span, gbps)
-        real_step = predicted * step_factor(self.cfg.seed, wl.job_id, plan.gpu_type, self.cfg.noise)
+        real_step = (predicted * self.cfg.step_ratio.get((plan.gpu_type, plan.gpus), 1.0)
+                     * step_factor(self.cfg.seed, wl.job_id, plan.gpu_type, self.cfg.noise))
         capacity = self.cluster.gpus[plan.gpu_type].memory_gib
         oom = plan.device_used_gib * sj.mem_factor > capacity
         steps_left = max(0.0, sj.steps_total - sj.steps_done)
         ready = t + self.cfg.startup_s
         if sj.steps_done > 0:                      # save (at preemption) + restore a checkpoint
-            ready += checkpoint_move_s(sj.req.checkpoint_gb, span, self.cfg.ckpt_gbs_per_node)
+            ready = (t + self.cfg.restart_s if self.cfg.restart_s is not None else
+                     ready + checkpoint_move_s(sj.req.checkpoint_gb, span, self.cfg.ckpt_gbs_per_node))
         end = ready if oom else ready + steps_left * real_step
         self._token += 1
         sj.run = _Run(plan=plan, placement={k: list(v) for k, v in d.placement.items()}, start_s=t,

@@ -80,7 +80,8 @@ def _lower_bound(sim) -> float:
         for p in sj.req.plans:
             if p.device_used_gib * sj.mem_factor > gpus[p.gpu_type].memory_gib:
                 continue
-            t = p.step_time_s * step_factor(cfg.seed, sj.wl.job_id, p.gpu_type, cfg.noise)
+            t = (p.step_time_s * cfg.step_ratio.get((p.gpu_type, p.gpus), 1.0)
+                 * step_factor(cfg.seed, sj.wl.job_id, p.gpu_type, cfg.noise))
             if best is None or t < best:
                 best = t
         if best is not None:
@@ -98,7 +99,8 @@ def summarise(sim, wall_s: float) -> SimResult:
     total = sim.cluster.total_gpus
     per_job = [{"job_id": sj.wl.job_id, "model": sj.wl.model, "state": sj.state,
                 "submit_s": sj.wl.submit_s, "first_start_s": sj.first_start, "end_s": sj.end_s,
-                "ooms": sj.ooms, "preemptions": sj.preemptions} for sj in sim.jobs]
+                "ooms": sj.ooms, "preemptions": sj.preemptions, "starts": sj.starts, "resizes": sj.resizes}
+               for sj in sim.jobs]
     return SimResult(
         policy=sim.policy.name, jobs=len(sim.jobs), completed=len(done),
         avg_jct_s=sum(jcts) / len(jcts) if jcts else 0.0,
