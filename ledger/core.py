@@ -12,7 +12,6 @@ alive; ``expire_leases`` frees the GPUs of runs that stopped renewing (a crashed
 """
 from __future__ import annotations
 
-import math
 import os
 import random
 import threading
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import bindparam, create_engine, event, func, insert, text, update
+from sqlalchemy import bindparam, create_engine, event, insert, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, select
@@ -34,7 +33,7 @@ from estimator.home import frenzy_home
 from estimator.job import steps_for_tokens
 from estimator.plan import Plan
 from scheduler.placement import FreeIndex
-from scheduler.types import ClusterState, Node, RunningJob
+from scheduler.types import ClusterState, Node
 
 from .migrations import LedgerSchemaError, ensure_schema
 from .tables import AllocationRow, GpuRow, JobRow, MeasurementRow, NodeRow, PlanRow, PoolRow
