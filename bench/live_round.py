@@ -2,7 +2,8 @@
 
 What the live scheduler (``frenzy_scheduler``) does per round, ledger reads and writes
 included: read the queue, the running allocations and the free GPUs from the ledger
-(``LedgerSource.snapshot``), run the policy over all of them (``scheduler.round.run_round``),
+(``LedgerSource.snapshot``: its ``ledger.mirror`` reads only the rows changed since the last
+round), run the policy over all of them (``scheduler.round.run_round``),
 and apply every decision in the ledger (``LedgerSource.apply``: re-size / stop requests, new
 allocations, the queue rows' wait reasons). The reaper (expired leases, abandoned jobs, overdue
 requests), which the service runs every few seconds rather than every round, is timed apart.
@@ -230,7 +231,8 @@ def main() -> None:
     print(f"per round: {statistics.mean(w['pending'] for w in warm):.0f} pending, "
           f"{statistics.mean(w['running'] for w in warm):.0f} running, "
           f"{statistics.mean(w['starts'] for w in warm):.1f} started, {statistics.mean(w['stops'] for w in warm):.1f} "
-          f"stop/re-size requests")
+          f"stop/re-size requests; the source's mirror read everything {source.mirror.full_reads} time(s), "
+          f"else only the rows changed since its last read")
     shown = "" if args.url is None else f" --url {args.url}"
     print(f"\nreproduce: python bench/live_round.py{shown} --policy {args.policy} --jobs {args.jobs} "
           f"--rounds {args.rounds} --busy {args.busy} --churn {args.churn} --seed {args.seed}")

@@ -18,6 +18,7 @@ import math
 from typing import Any, Callable
 
 from ledger import Ledger
+from ledger.mirror import LedgerMirror
 from ledger.queue import JobQueue, QueueJob
 from scheduler.loop import Snapshot
 from scheduler.round import RoundResult
@@ -51,8 +52,10 @@ class LedgerSource:
         self.publish = publish
         self.lease_s = lease_s
         self.cancel = cancel               # (flow run id, message) -> cancelled; None: never
-        self._static: dict[str, tuple[list, dict[str, Any]]] = {}     # job_id -> (plans, spec)
-        self.rows: dict[str, QueueJob] = {}        # the last snapshot's rows (``JobQueue.round_view``)
+        # the ledger rows a round reads, kept here and refreshed with what changed (ledger.mirror)
+        self.mirror = LedgerMirror(self.ledger)
+        self.rows: dict[str, QueueJob] = {}        # the last snapshot's active queue rows
+        self._requests: dict[str, tuple[QueueJob, JobRequest]] = {}   # job_id -> (its row, its request)
         self._running_plans: dict[str, Any] = {}
         # job_id -> (allocation id, steps done when this source first saw that run): a run's
         # predicted end is its start plus the steps it had left then, as in the simulator (the
@@ -64,27 +67,30 @@ class LedgerSource:
 
     # --- read -----------------------------------------------------------------------------
     def request_of(self, j: QueueJob) -> JobRequest:
-        hit = self._static.get(j.job_id)
-        if hit is None:
-            hit = self._static[j.job_id] = ((j.plans, j.job) if j.plans is not None else
-                                            self.queue.static_of([j.job_id]).get(j.job_id, ([], {})))
-        plans, spec = hit
-        return JobRequest(job_id=j.job_id, submit_s=j.submitted_at, plans=plans,
-                          steps_left=max(1, j.steps_total - j.steps_done),
-                          requested_gpu_type=(spec.get("allowed_gpu_types") or [None])[0],
-                          requested_gpus=spec.get("max_gpus"), attained_gpu_s=j.attained_gpu_s,
-                          restarts=j.restarts, model=j.model, checkpoint_gb=j.checkpoint_gb,
-                          preemptions=j.preemptions)
+        """The policy's view of queue row ``j`` (the same object while the row is unchanged: a
+        policy must not mutate its inputs)."""
+        hit = self._requests.get(j.job_id)
+        if hit is not None and hit[0] is j:
+            return hit[1]
+        plans, spec = self.mirror.static.get(j.job_id, ([], {}))
+        req = JobRequest(job_id=j.job_id, submit_s=j.submitted_at, plans=plans,
+                         steps_left=max(1, j.steps_total - j.steps_done),
+                         requested_gpu_type=(spec.get("allowed_gpu_types") or [None])[0],
+                         requested_gpus=spec.get("max_gpus"), attained_gpu_s=j.attained_gpu_s,
+                         restarts=j.restarts, model=j.model, checkpoint_gb=j.checkpoint_gb,
+                         preemptions=j.preemptions)
+        self._requests[j.job_id] = (j, req)
+        return req
 
     def snapshot(self) -> Snapshot:
-        state = self.ledger.cluster_state()
-        # a job's plans and spec never change once queued: read once per job, kept while it is
-        # active (the same plan list each round, which also keeps the policies' caches warm)
-        rows = {j.job_id: j for j in self.queue.round_view()}
-        self.rows = rows
-        for jid in [k for k in self._static if k not in rows]:
-            del self._static[jid]
-        self._static.update(self.queue.static_of([k for k in rows if k not in self._static]))
+        mirror = self.mirror
+        with mirror.lock:
+            mirror.refresh()
+            state = mirror.cluster_state()
+            rows = self.rows = dict(mirror.jobs)
+            version = mirror.version
+        if len(self._requests) > 2 * len(rows) + 256:        # ended jobs' requests
+            self._requests = {k: v for k, v in self._requests.items() if k in rows}
         reserved: dict[str, set[int]] = {}
         for j in rows.values():
             if j.open_request and j.request.get("kind") != "preempt":
@@ -115,10 +121,9 @@ class LedgerSource:
         for jid in [k for k in self._run_base if k not in live]:
             del self._run_base[jid]
         self._running_plans = {rj.job_id: rj.plan for rj in running}
-        pending = [self.request_of(j) for j in rows.values() if j.state == "pending"]
-        version = (tuple(sorted((j.job_id, j.state, j.allocation_id or "", j.request_state)
-                                for j in rows.values())),
-                   tuple(sorted((n.node_id, len(n.free)) for n in state.nodes)))
+        # oldest submission first, as the queue lists them
+        pending = sorted((self.request_of(j) for j in rows.values() if j.state == "pending"),
+                         key=lambda r: (r.submit_s, r.job_id))
         return Snapshot(pending=pending, state=state, version=version)
 
     # --- write ----------------------------------------------------------------------------
@@ -190,7 +195,7 @@ class LedgerSource:
         started = {d.job_id for d in result.starts}
         waits = {jid: {"predicted_start_s": w.predicted_start_s, "gpu_type": w.gpu_type, "gpus": w.gpus,
                        "reason": w.reason} for jid, w in result.waits.items() if jid not in started}
-        self.queue.set_waits(waits)
+        self.queue.set_waits(waits, known=self.rows)
 
     def _emit(self, event: str, job_id: str, **payload: Any) -> None:
         row = self.rows.get(job_id)

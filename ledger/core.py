@@ -12,7 +12,6 @@ alive; ``expire_leases`` frees the GPUs of runs that stopped renewing (a crashed
 """
 from __future__ import annotations
 
-import math
 import os
 import random
 import threading
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import bindparam, create_engine, event, func, insert, text, update
+from sqlalchemy import bindparam, create_engine, event, insert, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, select
@@ -34,7 +33,7 @@ from estimator.home import frenzy_home
 from estimator.job import steps_for_tokens
 from estimator.plan import Plan
 from scheduler.placement import FreeIndex
-from scheduler.types import ClusterState, Node, RunningJob
+from scheduler.types import ClusterState, Node
 
 from .migrations import LedgerSchemaError, ensure_schema
 from .tables import AllocationRow, GpuRow, JobRow, MeasurementRow, NodeRow, PlanRow, PoolRow
@@ -265,7 +264,7 @@ class Ledger:
         self.url = _normalise(url or default_url())
         self._write_engine, self._read_engine = _engines(self.url)
         self.is_postgres = self._write_engine.dialect.name == "postgresql"
-        self._alloc_plans: dict[str, Plan] = {}        # cluster_state's parsed plans, by allocation id
+        self._mirror = None                            # cluster_state's rows (ledger.mirror)
 
     # --- sessions -------------------------------------------------------------------------
     def _check_file(self) -> None:
@@ -486,7 +485,7 @@ class Ledger:
                                       .where(GpuRow.node_id.in_(nodes)).order_by(GpuRow.id))).all()
         gpus = {(r.node_id, r.device_index): r for r in rows}
         job_ids = sorted({j for j, _, _ in starts})
-        jobs = {j.job_id: j for j in s.exec(select(JobRow).where(JobRow.job_id.in_(job_ids))).all()}
+        steps = dict(s.execute(select(JobRow.job_id, JobRow.steps).where(JobRow.job_id.in_(job_ids))).all())
         taken: set[int] = set()
         allocs, claims = [], []
         for job_id, plan, placement in starts:
@@ -510,9 +509,9 @@ class Ledger:
             if why:
                 out.append(why)
                 continue
-            job = jobs.get(job_id)
-            if job is None:
-                job = jobs[job_id] = self._ensure_job(s, job_id)
+            if job_id not in steps:
+                steps[job_id] = self._ensure_job(s, job_id).steps
+            job_steps = steps[job_id]
             counts: dict[str, int] = {}
             for g in chosen:
                 counts[g.pool] = counts.get(g.pool, 0) + 1
@@ -521,11 +520,11 @@ class Ledger:
             row = dict(id=alloc_id, job_id=job_id, pool=max(counts, key=lambda k: (counts[k], k)),
                        gpu_type=plan.gpu_type, plan=plan.model_dump(mode="json"), placement=pl, status="active",
                        created_at=now, lease_expires_at=now + lease_s, ended_at=None,
-                       expected_end_at=now + plan.step_time_s * job.steps if job.steps and plan.step_time_s > 0 else None)
+                       expected_end_at=(now + plan.step_time_s * job_steps if job_steps and plan.step_time_s > 0
+                                        else None))
             allocs.append(row)
             claims.extend({"b_gpu": g.id, "b_alloc": alloc_id} for g in chosen)
             taken.update(g.id for g in chosen)
-            job.status = "placed"
             out.append(Allocation(id=alloc_id, job_id=job_id, pool=row["pool"], gpu_type=plan.gpu_type, plan=plan,
                                   placement=pl, devices=_devices(pl), created_at=now,
                                   lease_expires_at=row["lease_expires_at"], expected_end_at=row["expected_end_at"]))
@@ -537,6 +536,8 @@ class Ledger:
                             .values(alloc_id=bindparam("b_alloc")), claims)
             if res.rowcount not in (-1, len(claims)):
                 raise LedgerConflict("a GPU was claimed concurrently")
+            s.execute(update(JobRow).where(JobRow.job_id.in_(sorted({a["job_id"] for a in allocs})))
+                      .values(status="placed").execution_options(synchronize_session=False))
         return out
 
     def allocate_best_fit(self, job_id: str, plan: Plan, lease_s: float = DEFAULT_LEASE_S) -> Allocation | None:
@@ -752,46 +753,15 @@ class Ledger:
 
     # --- views ----------------------------------------------------------------------------
     def cluster_state(self) -> ClusterState:
-        """Free GPUs per node and the running allocations, as the policies see them."""
-        # plain column reads, not ORM objects: a round reads every GPU of the cluster (4,096 rows
-        # cost 150 ms as SQLModel instances, a few ms as tuples)
-        with self._read() as s:
-            pools = {p.name: p for p in s.exec(select(PoolRow).where(PoolRow.active == True)  # noqa: E712
-                                               .order_by(PoolRow.name)).all()}
-            node_rows = [n for n in s.execute(select(NodeRow.node_id, NodeRow.pool, NodeRow.idx)
-                                              .where(NodeRow.active == True)).all()  # noqa: E712
-                         if n.pool in pools]
-            # GPUs per node counted by the database, and only the free ones listed
-            counts = dict(s.execute(select(GpuRow.node_id, func.count()).where(GpuRow.active == True)  # noqa: E712
-                                    .group_by(GpuRow.node_id)).all())
-            free_rows = s.execute(select(GpuRow.node_id, GpuRow.device_index)
-                                  .where(GpuRow.active == True, GpuRow.alloc_id == None)).all()  # noqa: E711,E712
-            allocs = s.execute(select(AllocationRow.id, AllocationRow.job_id, AllocationRow.placement,
-                                      AllocationRow.created_at, AllocationRow.expected_end_at)
-                               .where(AllocationRow.status == "active")).all()
-            # an allocation's plan never changes: read and parsed once, kept while it is active
-            new = [a.id for a in allocs if a.id not in self._alloc_plans]
-            fresh = {i: Plan.model_validate(p) for i, p in s.execute(
-                select(AllocationRow.id, AllocationRow.plan).where(AllocationRow.id.in_(new))).all()} if new else {}
-        free_of: dict[str, list[int]] = {}
-        for node_id, dev in free_rows:
-            free_of.setdefault(node_id, []).append(dev)
-        pool_order = {name: i for i, name in enumerate(pools)}
-        nodes = []
-        for n in sorted(node_rows, key=lambda r: (pool_order[r.pool], r.idx)):
-            p = pools[n.pool]
-            nodes.append(Node(node_id=n.node_id, pool=n.pool, gpu_type=p.gpu_type,
-                              gpus=counts.get(n.node_id, 0), free=sorted(free_of.get(n.node_id, ())),
-                              intra_link=p.intra_link))
-        cache = {a.id: self._alloc_plans.get(a.id) or fresh[a.id] for a in allocs}
-        self._alloc_plans = cache
-        running = [RunningJob(job_id=a.job_id, plan=cache[a.id],
-                              placement={k: list(v) for k, v in a.placement.items()}, start_s=a.created_at,
-                              expected_end_s=a.expected_end_at if a.expected_end_at is not None else math.inf)
-                   for a in allocs]
-        return ClusterState(nodes=nodes, running=running,
-                            inter_node_gbps={p.name: p.inter_node_gbps for p in pools.values()},
-                            gpu_memory_gib={p.gpu_type: p.gpu_memory_gib for p in pools.values()})
+        """Free GPUs per node and the running allocations, as the policies see them: this
+        handle's mirror of the rows (``ledger.mirror``), refreshed with the rows that changed
+        since the last call (the first call reads them all)."""
+        if self._mirror is None:
+            from .mirror import LedgerMirror
+            self._mirror = LedgerMirror(self, queue=False)
+        with self._mirror.lock:
+            self._mirror.refresh()
+            return self._mirror.cluster_state()
 
     def holders(self) -> dict[tuple[str, int], str]:
         """(node, device) -> allocation id, for every held GPU."""

@@ -19,12 +19,11 @@ from __future__ import annotations
 import logging
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 import math
 from typing import Any, Callable, Iterator
 
-from pydantic import TypeAdapter
-from sqlalchemy import Text, bindparam, case, cast, exists, or_, text
+from sqlalchemy import bindparam, exists, or_, text
 from sqlalchemy.orm import defer
 from sqlmodel import Session, select
 
@@ -34,7 +33,6 @@ from .core import Ledger, db_now
 from .tables import AllocationRow, QueueJobRow, SchedulerLeaseRow
 
 log = logging.getLogger("frenzy.queue")
-_PLAN_LIST = TypeAdapter(list[Plan])
 
 # How long a submitter's heartbeat keeps its queue row alive. Its watcher beats every second
 # (training.REQUEST_POLL_S); 60 s survives a minute of database or process stalls before the
@@ -264,30 +262,25 @@ class JobQueue:
             row.request_state, row.updated_at = "pending", db_now(s)
             return rid
 
-    def set_waits(self, waits: dict[str, dict[str, Any]]) -> int:
+    def set_waits(self, waits: dict[str, dict[str, Any]], known: dict[str, Any] | None = None) -> int:
         """Record why each pending job waits: ``{job_id: {"predicted_start_s", "gpu_type",
         "gpus", "reason"}}`` (jobs left out keep their last answer). Only rows whose answer
         changed are written (a predicted start by more than ``PREDICTION_RESOLUTION_S``), in
-        one statement; returns how many."""
+        one statement; returns how many. ``known``: the rows as the caller last read them
+        (``QueueJob``s by id, e.g. a ``LedgerMirror``'s), compared instead of reading them
+        again; a job it does not hold as pending is left alone."""
         if not waits:
             return 0
         t = QueueJobRow.__table__
+        if known is not None:       # nothing to read: a transaction only when something changed
+            out = _wait_changes(waits, [j for j in map(known.get, waits) if j is not None and j.state == "pending"])
+            if not out:
+                return 0
         with self.ledger._tx() as s:
-            old = s.execute(select(t.c.job_id, t.c.predicted_start_s, t.c.wait_gpu_type, t.c.wait_gpus,
-                                   t.c.wait_reason).where(t.c.job_id.in_(list(waits)),
-                                                          t.c.state == "pending")).all()
-            out = []
-            for r in old:
-                w = waits[r.job_id]
-                p = w.get("predicted_start_s")
-                p = p if p is not None and math.isfinite(p) else None
-                new = (p, w.get("gpu_type"), w.get("gpus"), str(w.get("reason") or "")[:200])
-                same_p = (p is None) == (r.predicted_start_s is None) and (
-                    p is None or abs(p - r.predicted_start_s) < PREDICTION_RESOLUTION_S)
-                if same_p and new[1:] == (r.wait_gpu_type, r.wait_gpus, r.wait_reason):
-                    continue
-                out.append({"b_id": r.job_id, "predicted_start_s": new[0], "wait_gpu_type": new[1],
-                            "wait_gpus": new[2], "wait_reason": new[3]})
+            if known is None:
+                out = _wait_changes(waits, s.execute(
+                    select(t.c.job_id, t.c.predicted_start_s, t.c.wait_gpu_type, t.c.wait_gpus, t.c.wait_reason)
+                    .where(t.c.job_id.in_(list(waits)), t.c.state == "pending")).all())
             if out:
                 s.execute(t.update().where(t.c.job_id == bindparam("b_id"), t.c.state == "pending")
                           .values(predicted_start_s=bindparam("predicted_start_s"),
@@ -305,22 +298,23 @@ class JobQueue:
         out: list[tuple[str, Any, str]] = []
         if not starts:
             return out
+        t = QueueJobRow.__table__
         with self.ledger._tx() as s:
             now = db_now(s)
-            stmt = (select(QueueJobRow).options(defer(QueueJobRow.plans))
-                    .where(QueueJobRow.job_id.in_(sorted({j for j, _, _ in starts}))).order_by(QueueJobRow.job_id))
-            rows = {r.job_id: r for r in s.exec(self.ledger._locked(stmt)).all()}
+            ids = sorted({j for j, _, _ in starts})
+            state = dict(s.execute(self.ledger._locked(select(t.c.job_id, t.c.state).where(t.c.job_id.in_(ids))
+                                                       .order_by(t.c.job_id))).all())
             ok, seen = [], set()
             for job_id, plan, placement in starts:
-                r = rows.get(job_id)
-                if r is None or r.state != "pending" or job_id in seen:
-                    out.append((job_id, None, f"the job is {r.state if r is not None else 'unknown'}, "
-                                              "no longer pending"))
+                st = state.get(job_id)
+                if st != "pending" or job_id in seen:
+                    out.append((job_id, None, f"the job is {st or 'unknown'}, no longer pending"))
                     continue
                 seen.add(job_id)
                 ok.append((job_id, plan, placement))
                 out.append((job_id, None, ""))
             claimed = iter(self.ledger.claim_many(s, ok, lease_s, now))
+            rows = []
             for i, (job_id, _, why) in enumerate(out):
                 if why:
                     continue
@@ -329,11 +323,13 @@ class JobQueue:
                     out[i] = (job_id, None, got)
                     continue
                 a = assignment(got, got.plan)
-                r = rows[job_id]
-                r.state, r.allocation_id, r.allocation = "running", a["allocation_id"], dict(a)
-                r.started_at, r.updated_at = now, now
-                r.wait_reason, r.predicted_start_s, r.wait_gpu_type, r.wait_gpus = "", None, None, None
+                rows.append({"b_id": job_id, "allocation_id": a["allocation_id"], "allocation": dict(a)})
                 out[i] = (job_id, got, "")
+            if rows:              # one statement for every start (the rows are locked above)
+                s.execute(t.update().where(t.c.job_id == bindparam("b_id"))
+                          .values(state="running", allocation_id=bindparam("allocation_id"),
+                                  allocation=bindparam("allocation"), started_at=now, updated_at=now,
+                                  wait_reason="", predicted_start_s=None, wait_gpu_type=None, wait_gpus=None), rows)
         return out
 
     def reap(self) -> dict[str, list]:
@@ -428,37 +424,6 @@ class JobQueue:
             stmt = select(*cols).where(t.c.state.in_(list(states))).order_by(t.c.submitted_at, t.c.job_id)
             return [QueueJob.of(r, plans=plans) for r in s.execute(stmt).all()]
 
-    def round_view(self) -> list[QueueJob]:
-        """The active jobs as a scheduling round reads them, every round: without what never
-        changes once queued (``job`` and ``plans``, most of a row's bytes: about 80 KB for 120
-        plans; a round reads those of new jobs only, ``static_of``), without the allocation
-        JSON (a round takes running plans from the ledger's allocations), and with ``request``
-        only while it is open. ``job`` is {} and ``plans`` None in these views."""
-        t = QueueJobRow.__table__
-        names = [f.name for f in fields(QueueJob) if f.name not in ("job", "plans", "allocation", "request")]
-        open_request = case((t.c.request_state.in_(("pending", "acked")), t.c.request), else_=None)
-        with self.ledger._read() as s:
-            stmt = (select(*[t.c[n] for n in names], open_request).where(t.c.state.in_(list(ACTIVE)))
-                    .order_by(t.c.submitted_at, t.c.job_id))
-            rows = s.execute(stmt).all()
-        out = []
-        for r in rows:        # plain tuples: a Row's attribute access costs more than the query
-            out.append(QueueJob(job={}, plans=None, allocation={}, request=r[-1] or {}, **dict(zip(names, r))))
-        return out
-
-    def static_of(self, job_ids: list[str]) -> dict[str, tuple[list[Plan], dict[str, Any]]]:
-        """What never changes once a job is queued: ``{job_id: (candidate plans, job spec)}``
-        (unknown ids left out)."""
-        if not job_ids:
-            return {}
-        t = QueueJobRow.__table__
-        with self.ledger._read() as s:
-            # the plans as text, parsed and validated in one pass by pydantic-core: half the
-            # time of json.loads then Plan.model_validate per plan (~80 KB a job)
-            rows = s.execute(select(t.c.job_id, cast(t.c.plans, Text), t.c.job)
-                             .where(t.c.job_id.in_(list(job_ids)))).all()
-        return {r[0]: (_PLAN_LIST.validate_json(r[1]) if r[1] else [], dict(r[2] or {})) for r in rows}
-
     def now(self) -> float:
         with self.ledger._read() as s:
             return db_now(s)
@@ -496,6 +461,24 @@ class JobQueue:
         if row.started_at is not None and row.allocation:
             gpus = int((row.allocation.get("plan") or {}).get("gpus") or 0)
             row.attained_gpu_s += gpus * max(0.0, now - row.started_at)
+
+
+def _wait_changes(waits: dict[str, dict[str, Any]], old: list[Any]) -> list[dict[str, Any]]:
+    """``set_waits``' rows to write: the answers in ``waits`` that differ from ``old`` (rows with
+    ``job_id``, ``predicted_start_s``, ``wait_gpu_type``, ``wait_gpus``, ``wait_reason``)."""
+    out = []
+    for r in old:
+        w = waits[r.job_id]
+        p = w.get("predicted_start_s")
+        p = p if p is not None and math.isfinite(p) else None
+        new = (p, w.get("gpu_type"), w.get("gpus"), str(w.get("reason") or "")[:200])
+        same_p = (p is None) == (r.predicted_start_s is None) and (
+            p is None or abs(p - r.predicted_start_s) < PREDICTION_RESOLUTION_S)
+        if same_p and new[1:] == (r.wait_gpu_type, r.wait_gpus, r.wait_reason):
+            continue
+        out.append({"b_id": r.job_id, "predicted_start_s": new[0], "wait_gpu_type": new[1],
+                    "wait_gpus": new[2], "wait_reason": new[3]})
+    return out
 
 
 class Leadership:

@@ -8,8 +8,17 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from sqlalchemy import JSON, Column, Index, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Column, Index, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
+
+
+def change_column() -> Any:
+    """``chg``: the change marker of a row the scheduling round mirrors (``ledger.mirror``).
+    Never written by Python: the database's triggers (revision ``0005_change_markers``) set
+    it on every insert and on every update of a column a round reads, to the writing
+    transaction's id (PostgreSQL) or a counter bumped under the write lock (SQLite)."""
+    return Field(default=0, sa_column=Column("chg", BigInteger, nullable=False, default=0,
+                                             server_default=text("0"), index=True))
 
 
 class PoolRow(SQLModel, table=True):
@@ -23,6 +32,7 @@ class PoolRow(SQLModel, table=True):
     gpu_memory_gib: float
     intra_link: str = "pcie4"
     active: bool = True
+    chg: int = change_column()
 
 
 class NodeRow(SQLModel, table=True):
@@ -33,6 +43,7 @@ class NodeRow(SQLModel, table=True):
     idx: int
     address: Optional[str] = None
     active: bool = True
+    chg: int = change_column()
 
 
 class GpuRow(SQLModel, table=True):
@@ -47,6 +58,7 @@ class GpuRow(SQLModel, table=True):
     gpu_type: str
     alloc_id: Optional[str] = Field(default=None, index=True)
     active: bool = True
+    chg: int = change_column()
 
 
 class JobRow(SQLModel, table=True):
@@ -87,6 +99,7 @@ class AllocationRow(SQLModel, table=True):
     lease_expires_at: float
     expected_end_at: Optional[float] = None
     ended_at: Optional[float] = None
+    chg: int = change_column()
 
 
 class MeasurementRow(SQLModel, table=True):
@@ -149,6 +162,7 @@ class QueueJobRow(SQLModel, table=True):
     error: str = ""
     updated_at: float = 0.0
     ended_at: Optional[float] = None
+    chg: int = change_column()
 
 
 class SchedulerLeaseRow(SQLModel, table=True):
@@ -183,3 +197,15 @@ class GangNodeRow(SQLModel, table=True):
     error: str = ""
     alive_until: float = 0.0         # the node's heartbeat, by the database's clock
     updated_at: float = 0.0
+
+
+class LedgerChangesRow(SQLModel, table=True):
+    """One row (``id`` 1) the change triggers keep: ``counter`` (SQLite: the last change
+    marker handed out) and ``deletes`` (bumped by every DELETE on a mirrored table: a mirror
+    that sees it move reads everything again)."""
+
+    __tablename__ = "ledger_changes"
+
+    id: int = Field(primary_key=True)
+    counter: int = Field(default=0, sa_column=Column(BigInteger, nullable=False, default=0))
+    deletes: int = Field(default=0, sa_column=Column(BigInteger, nullable=False, default=0))

@@ -160,9 +160,16 @@ def test_new_ledger_is_at_the_head_and_the_head_equals_the_models(tmp_path):
 
 
 def test_baseline_is_exactly_the_pre_versioning_schema(tmp_path):
+    from alembic import command
+
     old, new = tmp_path / "old.db", tmp_path / "new.db"
     sqlite3.connect(old).executescript(PRE_ALEMBIC_SQLITE)
-    Ledger(f"sqlite:///{new}")
+    eng = sa.create_engine(f"sqlite:///{new}")
+    with eng.begin() as conn:              # the baseline revision alone (later ones add columns)
+        cfg = migrations.config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, migrations.BASELINE)
+    eng.dispose()
 
     def shape(path):
         insp = sa.inspect(sa.create_engine(f"sqlite:///{path}"))
