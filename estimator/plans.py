@@ -143,7 +143,7 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                 dp = n // (tp * pp * cp)
                 if global_batch % dp:
                     continue
-                if cpu and not cpu_kinds:
+                if dp_only:
                     zeros = (0, 2) if dp > 1 and shard_ok else (0,)
                 elif dp == 1 or not shard_ok:
                     zeros = (0,)
