@@ -22,6 +22,8 @@ from estimator.plan import Plan
 
 from deployments.pools import gpu_limit_name, train_deployment_name
 
+from .cancel import cancel_flow_run
+
 NO_WORKER_REPORT_EVERY_S = 30.0
 
 
@@ -299,19 +301,6 @@ def hold_gpu_slots(pool: str, occupy: int, *, timeout_s: float | None = None,
 
 # ---------------------------------------------------------------- dispatch
 
-def _cancel(flow_run_id: UUID, reason: str) -> None:
-    from prefect import get_client
-    from prefect.states import Cancelled
-
-    try:
-        with get_client(sync_client=True) as client:
-            fr = client.read_flow_run(flow_run_id)
-            if fr.state is None or not fr.state.is_final():
-                client.set_flow_run_state(flow_run_id, Cancelled(message=reason), force=True)
-    except Exception as err:  # best effort: never mask the original error
-        _logger().warning("could not cancel flow run %s: %s", flow_run_id, err)
-
-
 def _wait(flow_run_id: UUID, pool: str, deadline: float, poll_s: float):
     """Poll the run until final; explain a wait caused by a pool without workers."""
     from prefect import get_client
@@ -394,7 +383,7 @@ def _run_and_wait(deployment_id: UUID, pool: str, variables: dict[str, Any], tim
         final = _wait(fr.id, pool, deadline, poll_s)
         state = final.state
         if state is None or not state.is_final():
-            _cancel(fr.id, f"frenzy: no result within {timeout_s}s")
+            cancel_flow_run(fr.id, f"frenzy: no result within {timeout_s}s")
             raise DispatchError(f"training on pool {pool!r} did not finish within {timeout_s}s "
                                 f"(flow run {final.name} was {state.name if state else 'unscheduled'}; cancelled)",
                                 fr.id, state.name if state else None)
@@ -410,5 +399,5 @@ def _run_and_wait(deployment_id: UUID, pool: str, variables: dict[str, Any], tim
         return result if isinstance(result, dict) else {"result": result}
     except BaseException as err:
         if flow_run_id is not None and not isinstance(err, DispatchError):
-            _cancel(flow_run_id, f"frenzy: dispatcher stopped ({type(err).__name__})")
+            cancel_flow_run(flow_run_id, f"frenzy: dispatcher stopped ({type(err).__name__})")
         raise

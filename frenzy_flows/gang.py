@@ -38,6 +38,7 @@ from estimator.plan import Plan
 from deployments.pools import node_queue_name
 
 from frenzy_flows import dispatch
+from frenzy_flows.cancel import cancel_flow_run
 from frenzy_flows.results import Assignment
 
 # Relaunches of a failed gang: a lost node (a worker restarted, a network blip) is worth two
@@ -285,7 +286,7 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
                 log.info("gang %s completed on %d nodes", gang_id, len(runs))
                 return result if isinstance(result, dict) else {"result": result}
             for node_id, fr in runs:          # gang semantics: nobody trains on alone
-                stop_run(fr.id, f"frenzy: gang {gang_id} stopped: {why}")
+                cancel_flow_run(fr.id, f"frenzy: gang {gang_id} stopped: {why}")
         failures.append(f"launch {launch}: {why}")
         log.warning("gang %s failed (%s); every node's run cancelled, allocation %s released", gang_id, why,
                     assignment.allocation_id)
@@ -310,24 +311,6 @@ def _states(ids: list) -> list[Any]:
 STOP_WAIT_S = 45.0
 
 
-def stop_run(flow_run_id, reason: str) -> None:
-    """Ask a node's run to stop: a running one goes CANCELLING, which its worker acts on (it
-    kills the flow run's process, whose launcher kills the ranks); one not started yet is
-    CANCELLED at once."""
-    from prefect import get_client
-    from prefect.states import Cancelled, Cancelling
-
-    try:
-        with get_client(sync_client=True) as client:
-            st = client.read_flow_run(flow_run_id).state
-            if st is None or st.is_final():
-                return
-            new = Cancelling(message=reason) if st.is_running() else Cancelled(message=reason)
-            client.set_flow_run_state(flow_run_id, new, force=True)
-    except Exception as err:        # best effort: the gang is failed either way
-        dispatch._logger().warning("could not stop flow run %s: %s", flow_run_id, err)
-
-
 def _wait_stopped(ids: list, deadline: float, gone: Callable[[], dict[int, str]] = dict) -> None:
     """Until the stopped runs are final (their processes gone) or their node is ``gone`` (its
     heartbeat ran out: nothing is left there to stop), at most ``STOP_WAIT_S``; a run still
@@ -339,4 +322,4 @@ def _wait_stopped(ids: list, deadline: float, gone: Callable[[], dict[int, str]]
             break
         time.sleep(0.5)
     for i in ids:
-        dispatch._cancel(i, "frenzy: its worker did not stop it (gone)")
+        cancel_flow_run(i, "frenzy: its worker did not stop it (gone)")

@@ -24,7 +24,7 @@ from scheduler.loop import Snapshot
 from scheduler.round import RoundResult
 from scheduler.types import JobRequest
 
-from .cancel import cancel_flow_run
+from frenzy_flows.cancel import cancel_flow_run
 
 log = logging.getLogger("frenzy.scheduler")
 

@@ -26,7 +26,7 @@ def test_a_run_that_never_acknowledges_is_cancelled_through_prefect(tmp_path, mo
     led = ledger_with_cluster(f"sqlite:///{tmp_path / 'ledger.db'}")
     q = JobQueue(led)
     q.enqueue("j", "j", {"name": "j"}, plans(), steps=10)
-    svc = service(led, reap_s=0.01)          # the real canceller (frenzy_scheduler.cancel); reap every step
+    svc = service(led, reap_s=0.01)          # the real canceller (frenzy_flows.cancel); reap every step
     svc.step()
     first = q.get("j").allocation_id
     with get_client(sync_client=True) as client:
@@ -46,3 +46,32 @@ def test_a_run_that_never_acknowledges_is_cancelled_through_prefect(tmp_path, mo
     assert (job.restarts, job.preemptions) == (1, 1)
     # the same round placed the requeued job again (the reap runs before the snapshot)
     assert job.state == "running" and job.allocation_id not in (None, first)
+
+
+def test_cancel_flow_run_stops_a_running_run_through_its_worker_and_cancels_one_not_started():
+    """Running -> Cancelling (its worker kills the process; Cancelled would leave it running),
+    Scheduled -> Cancelled (no worker picks it up later), final -> left alone."""
+    from prefect import flow, get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Completed, Running, Scheduled
+
+    from frenzy_flows.cancel import cancel_flow_run
+
+    @flow(name="frenzy-test-cancel-target")
+    def target():
+        pass
+
+    with get_client(sync_client=True) as client:
+        runs = {s.type: client.create_flow_run(target, state=s) for s in (Running(), Scheduled(), Completed())}
+    assert cancel_flow_run(runs[StateType.RUNNING].id, "stop: running") is True
+    assert cancel_flow_run(str(runs[StateType.SCHEDULED].id), "stop: not started") is True
+    assert cancel_flow_run(runs[StateType.COMPLETED].id, "stop: done") is False
+    with get_client(sync_client=True) as client:
+        after = {t: client.read_flow_run(fr.id).state for t, fr in runs.items()}
+    assert after[StateType.RUNNING].type == StateType.CANCELLING and after[StateType.RUNNING].message == "stop: running"
+    assert after[StateType.SCHEDULED].type == StateType.CANCELLED
+    assert after[StateType.COMPLETED].type == StateType.COMPLETED
+    # a run stuck in Cancelling (its worker vanished with it) is marked Cancelled
+    assert cancel_flow_run(runs[StateType.RUNNING].id, "stop: gone") is True
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(runs[StateType.RUNNING].id).state.type == StateType.CANCELLED
