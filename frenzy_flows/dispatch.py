@@ -357,18 +357,39 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
     assignment = _assignment_dict(allocation)
     occupy = int(variables["num_processes"])
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
+    queue = node_work_queue(pool, assignment.get("placement") or {})
     # the slot wait has its own bound (a leak, not the run's length, is what it waits out)
     with hold_gpu_slots(pool, occupy, timeout_s=slot_timeout_s, ledger_url=ledger_url):
         return _run_and_wait(deployment_id, pool, variables, timeout_s, deadline, poll_s,
                              {"job": job_d, "plan": plan.model_dump(mode="json"),
                               "assignment": assignment, "job_id": job_id,
                               # only when set: train flows deployed before it keep working
-                              **({"settings": settings} if settings else {})})
+                              **({"settings": settings} if settings else {})}, queue)
+
+
+def node_work_queue(pool: str, placement: Mapping[str, Any]) -> str | None:
+    """The work queue a one-node placement must start on: its node's (``<pool>-<i>``) when the
+    pool has one per node (``frenzy pools sync`` makes them for a pool of several nodes), since
+    the devices of the placement are that node's and any other node's worker would train on
+    its own devices of those numbers; None (the pool's default queue) for a one-node pool."""
+    if len(placement) != 1:
+        return None
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    name = next(iter(placement))
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_queue_by_name(name, work_pool_name=pool)
+        except ObjectNotFound:
+            return None
+    return name
 
 
 def _run_and_wait(deployment_id: UUID, pool: str, variables: dict[str, Any], timeout_s: float | None,
-                  deadline: float, poll_s: float, parameters: dict[str, Any]) -> dict:
-    """Start the pool's run and wait for its result; cancel it when we stop waiting early."""
+                  deadline: float, poll_s: float, parameters: dict[str, Any], queue: str | None = None) -> dict:
+    """Start the pool's run (on the node's work ``queue`` when given) and wait for its result;
+    cancel it when we stop waiting early."""
     from prefect.deployments import run_deployment
 
     log = _logger()
@@ -376,7 +397,8 @@ def _run_and_wait(deployment_id: UUID, pool: str, variables: dict[str, Any], tim
     flow_run_id = None
     try:
         fr = run_deployment(deployment_id, parameters=parameters, job_variables=variables, timeout=0,
-                            tags=["frenzy", f"pool:{pool}", f"job:{job_name}"])
+                            tags=["frenzy", f"pool:{pool}", f"job:{job_name}"],
+                            **({"work_queue_name": queue} if queue else {}))
         flow_run_id = fr.id
         log.info("dispatched job %s to pool %r as flow run %s (%s)", job_name, pool, fr.name,
                  ", ".join(f"{k}={v}" for k, v in variables.items() if k != "env"))

@@ -18,8 +18,16 @@ node runs the same training program through ``accelerate launch --num_machines N
   a row there) and relaunches the whole gang under a new gang id; it resumes from the newest
   checkpoint in the shared run folder. ``GANG_RETRIES`` relaunches at most.
 
-Not here: live re-sizing of a multi-node run (a scheduler request is not forwarded; the run
-trains to its end) and out-of-memory fallbacks (a node's OOM fails the gang).
+Live re-sizing: while a gang trains, the dispatcher beats the job's queue row and writes the
+scheduler's request into the shared run folder's control file (``RequestWatcher``, as a
+one-node run's watcher does); every rank of every node stops after the same step with a
+checkpoint, the gang's GPUs are released, and the job relaunches where the request says
+(``answer_request``: a re-size's target, a preempted job's next allocation), as a gang again or
+as one run on one node (sent to that node's work queue), resuming from the checkpoint with the
+same global batch. An interrupted dispatcher (the submit flow cancelled by the scheduler when
+the gang stopped answering, a signal) cancels every node's run before it ends.
+
+Not here: out-of-memory fallbacks (a node's OOM fails the gang).
 """
 from __future__ import annotations
 
@@ -246,13 +254,17 @@ def _retake(ledger, queue, job_id: str, assignment: Assignment, why: str, log) -
 
 def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_id: str, timeout_s: float | None,
                   ledger_url: str | None = None, settings: str | None = None, env: Mapping[str, str] | None = None,
-                  poll_s: float = 2.0, retries: int = GANG_RETRIES) -> dict:
-    """Train a multi-node assignment as a gang (module docstring); returns node 0's result
-    (the train flow's dict). ``GangError`` after ``retries`` failed relaunches."""
+                  poll_s: float = 2.0, retries: int = GANG_RETRIES, wait_timeout_s: float = 3600.0) -> dict:
+    """Train a multi-node assignment as a gang (module docstring); returns the train flow's
+    dict of node 0 (losses and attempts of every launch, when the scheduler re-sized it).
+    ``GangError`` after ``retries`` failed relaunches. Interrupted (the submit flow cancelled,
+    a signal), it cancels every node's run before it re-raises: no node trains on alone."""
     from ledger import Ledger
     from ledger.gang import Gang
     from ledger.queue import JobQueue
     from trainer.resume import prepare_run_dir, shared_runs_root
+
+    from frenzy_flows.training import RequestWatcher, answer_request
 
     log = dispatch._logger()
     ledger = Ledger(ledger_url)
@@ -263,40 +275,83 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
                   **({"settings": settings} if settings else {})}
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
     failures: list[str] = []
-    for launch in range(1, retries + 2):
+    segments: list[dict] = []          # results of launches the scheduler stopped to re-size or preempt
+    launch = 0
+    while True:
+        launch += 1
         if not is_multi_node(assignment):        # the scheduler placed the relaunch on one node
             log.info("gang relaunch placed on one node (%s): dispatching one run", assignment.placement)
-            return dispatch.dispatch_to_pool(job, assignment.plan, assignment, job_id=job_id, ledger_url=ledger_url,
-                                             settings=settings, env=env, poll_s=poll_s,
-                                             timeout_s=None if timeout_s is None else max(1.0, deadline - time.monotonic()))
+            segments.append(dispatch.dispatch_to_pool(
+                job, assignment.plan, assignment, job_id=job_id, ledger_url=ledger_url, settings=settings, env=env,
+                poll_s=poll_s, timeout_s=None if timeout_s is None else max(1.0, deadline - time.monotonic())))
+            return merge_results(segments)
         plan = assignment.plan
         gang_id = f"{job_id[:40]}-g{launch}-{uuid.uuid4().hex[:6]}"
         params = {**parameters, "plan": plan.model_dump(mode="json"),
                   "assignment": assignment.model_dump(mode="json")}
-        with dispatch.hold_gpu_slots(assignment.pool, plan.gpus, ledger_url=ledger_url), \
-                ledger.lease(assignment.allocation_id):
-            runs = _start_nodes(deployment_id, assignment, plan, params, gang_id, run_dir, env)
-            ok, why = watch_gang(lambda: _states([fr.id for _, fr in runs]), lambda: gang.lost(gang_id, len(runs)),
-                                 deadline=deadline, poll_s=poll_s, beat=lambda: queue.touch(job_id))
-            if ok:
-                from prefect import get_client
-
-                with get_client(sync_client=True) as client:
-                    result = client.read_flow_run(runs[0][1].id).state.result(raise_on_failure=True)
-                log.info("gang %s completed on %d nodes", gang_id, len(runs))
-                return result if isinstance(result, dict) else {"result": result}
-            for node_id, fr in runs:          # gang semantics: nobody trains on alone
-                cancel_flow_run(fr.id, f"frenzy: gang {gang_id} stopped: {why}")
+        runs: list[tuple[str, Any]] = []
+        try:
+            with dispatch.hold_gpu_slots(assignment.pool, plan.gpus, ledger_url=ledger_url), \
+                    ledger.lease(assignment.allocation_id), \
+                    RequestWatcher(queue, job_id, run_dir, log.info) as watcher:
+                # the watcher beats the job's queue row and writes the scheduler's re-size or
+                # stop request into the shared run folder's control file: rank 0 (on node 0)
+                # reads it and every rank of every node stops after the same step
+                runs = _start_nodes(deployment_id, assignment, plan, params, gang_id, run_dir, env)
+                ok, why = watch_gang(lambda: _states([fr.id for _, fr in runs]),
+                                     lambda: gang.lost(gang_id, len(runs)), deadline=deadline, poll_s=poll_s)
+                if not ok:
+                    for node_id, fr in runs:          # gang semantics: nobody trains on alone
+                        cancel_flow_run(fr.id, f"frenzy: gang {gang_id} stopped: {why}")
+        except BaseException as err:
+            for _, fr in runs:
+                cancel_flow_run(fr.id, f"frenzy: gang {gang_id} dispatcher stopped ({type(err).__name__})")
+            raise
+        if ok:
+            result = _node_result(runs[0][1].id)
+            stop = result.get("stop") or {}
+            req = watcher.forwarded.get(stop.get("request_id", "")) if result.get("status") == "stopped" else None
+            segments.append(result)
+            if req is None:
+                log.info("gang %s ended %s on %d nodes", gang_id, result.get("status"), len(runs))
+                return merge_results(segments)
+            ledger.release(assignment.allocation_id)
+            new = answer_request(ledger, queue, job_id, req, int(stop.get("step", 0)), log=log.info,
+                                 wait_timeout_s=wait_timeout_s, what=job.name)
+            if new is None:
+                return merge_results(segments)
+            assignment = new
+            continue
         failures.append(f"launch {launch}: {why}")
         log.warning("gang %s failed (%s); every node's run cancelled, allocation %s released", gang_id, why,
                     assignment.allocation_id)
-        if launch > retries or time.monotonic() >= deadline:
+        if len(failures) > retries or time.monotonic() >= deadline:
             break
         _wait_stopped([fr.id for _, fr in runs], deadline, lambda: gang.lost(gang_id, len(runs)))
         assignment = _retake(ledger, queue, job_id, assignment, why, log.info)
         log.warning("relaunching the gang on %s (relaunch %d of %d), resuming from the newest checkpoint in %s",
-                    assignment.placement, launch, retries, run_dir)
+                    assignment.placement, len(failures), retries, run_dir)
     raise GangError(f"training on pool {assignment.pool!r} across nodes failed: " + "; ".join(failures))
+
+
+def _node_result(flow_run_id) -> dict:
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        result = client.read_flow_run(flow_run_id).state.result(raise_on_failure=True)
+    return result if isinstance(result, dict) else {"result": result}
+
+
+def merge_results(segments: list[dict]) -> dict:
+    """The train flow's dicts of consecutive launches of one job (re-sized between them) as
+    one: every launch's losses and attempts in order, the rest from the last."""
+    from frenzy_flows.training import merge_segments
+    from trainer.runner import TrainResult
+
+    if len(segments) == 1:
+        return segments[0]
+    return {**segments[-1], **merge_segments([TrainResult.model_validate(s) for s in segments]).model_dump(
+        mode="json", include={"losses", "attempts", "eval_losses"})}
 
 
 def _states(ids: list) -> list[Any]:

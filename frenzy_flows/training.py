@@ -147,6 +147,35 @@ class RequestWatcher:
         self.log(f"frenzy: GPU lease lost ({why}); stopping at the next step with a checkpoint")
 
 
+def answer_request(ledger, queue, job_id: str, req: dict[str, Any], done: int, *, log: Callable[[str], None],
+                   wait_timeout_s: float, what: str) -> Assignment | None:
+    """A run stopped after step ``done`` for the scheduler's request ``req`` and let its GPUs go:
+    the allocation it relaunches on. A preempted job waits in the queue for its next one; a
+    re-size takes its target (back to the queue when the target was taken meanwhile). None
+    when the scheduler gave up on the run before it re-sized (it answered too late and the job
+    was queued again): the target is released and the caller stops, the job resumes from the
+    checkpoint. One implementation for a single-node run and a gang."""
+    if req.get("kind") == "preempt":
+        queue.requeue(job_id, steps_done=done, preempted=True, reason="preempted")
+        log(f"frenzy: preempted after step {done}; waiting in the queue")
+        return wait_for_allocation(queue, job_id, timeout_s=wait_timeout_s, log=log, what=what)
+    target = Plan.model_validate(req["plan"])
+    placement = {k: [int(d) for d in v] for k, v in req["placement"].items()}
+    alloc = _take(ledger, job_id, target, placement, log)
+    if alloc is None:
+        queue.requeue(job_id, steps_done=done, preempted=False, reason="re-size target was taken")
+        return wait_for_allocation(queue, job_id, timeout_s=wait_timeout_s, log=log, what=what)
+    new = Assignment.from_allocation(alloc, target)
+    if not queue.resized(job_id, str(req["id"]), new.model_dump(mode="json"), done):
+        ledger.release(alloc.id)
+        log(f"frenzy: the scheduler cancelled this run before it re-sized (step {done}); "
+            f"stopping here, the job resumes from the checkpoint")
+        return None
+    log(f"frenzy: re-sized ({req.get('kind')}) after step {done} to {target.short()} "
+        f"on {placement}; resuming from the checkpoint")
+    return new
+
+
 def _take(ledger, job_id: str, plan: Plan, placement: dict[str, list[int]], log) -> Any:
     """The re-size target, retried while GPUs another stopping job holds free; None if not."""
     from ledger.core import LedgerConflict
@@ -171,7 +200,7 @@ def _fenced(result, why: str) -> Any:
                   f"may be another job's now; resubmitting the job resumes from that checkpoint")})
 
 
-def _merge(segments: list) -> Any:
+def merge_segments(segments: list) -> Any:
     """One TrainResult for a run that relaunched: losses and attempts of every segment in
     order (each segment resumes after the last step of the one before), the rest from the
     last one."""
@@ -195,7 +224,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     from ledger import Ledger, LedgerUnavailable
     from ledger.queue import JobQueue
     from trainer import interrupt
-    from trainer.resume import default_runs_root, prepare_run_dir
+    from trainer.resume import prepare_run_dir, shared_runs_root
     from trainer.loglines import readable_log
     from trainer.runner import run_training
 
@@ -240,7 +269,9 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
 
     ledger_errors: list[str] = []       # the ledger unreachable at the end: the training still counts
     try:
-        run_dir = prepare_run_dir(job, job_id, default_runs_root())  # a resubmission continues its last checkpoint
+        # on storage every node sees when the site has it: a preempted run, or a gang relaunched
+        # on one node, may resume on another node of the pool; a resubmission continues its last checkpoint
+        run_dir = prepare_run_dir(job, job_id, shared_runs_root())
         run_dir.mkdir(parents=True, exist_ok=True)
         with RequestWatcher(queue, job_id, run_dir, log, fence=fence) as watcher:
             def stepped(step: int, total: int, loss: float) -> None:
@@ -268,31 +299,13 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                     log(f"frenzy: not relaunching after step {done} ({interrupt.requested()})")
                     break
                 release()                                       # run_training released it; idempotent
-                if req.get("kind") == "preempt":
-                    queue.requeue(job_id, steps_done=done, preempted=True, reason="preempted")
-                    log(f"frenzy: preempted after step {done}; waiting in the queue")
-                    new = wait_for_allocation(queue, job_id, timeout_s=wait_timeout_s, log=log, what=job.name)
-                else:
-                    target = Plan.model_validate(req["plan"])
-                    placement = {k: [int(d) for d in v] for k, v in req["placement"].items()}
-                    alloc = _take(ledger, job_id, target, placement, log)
-                    if alloc is None:
-                        queue.requeue(job_id, steps_done=done, preempted=False, reason="re-size target was taken")
-                        new = wait_for_allocation(queue, job_id, timeout_s=wait_timeout_s, log=log, what=job.name)
-                    else:
-                        new = Assignment.from_allocation(alloc, target)
-                        if not queue.resized(job_id, str(req["id"]), new.model_dump(mode="json"), done):
-                            # the scheduler gave up on this run (it answered too late) and queued
-                            # the job again: the target is not ours to keep; the submitter resumes
-                            ledger.release(alloc.id)
-                            log(f"frenzy: the scheduler cancelled this run before it re-sized (step {done}); "
-                                f"stopping here, the job resumes from the checkpoint")
-                            break
-                        log(f"frenzy: re-sized ({req.get('kind')}) after step {done} to {target.short()} "
-                            f"on {placement}; resuming from the checkpoint")
+                new = answer_request(ledger, queue, job_id, req, done, log=log, wait_timeout_s=wait_timeout_s,
+                                     what=job.name)
+                if new is None:
+                    break
                 now_plan = new.plan
                 current.update(alloc_id=new.allocation_id, plan=now_plan, devices=list(new.devices), first=True)
-        result = _merge(segments)
+        result = merge_segments(segments)
         if watcher.fenced is not None and result.status == "stopped":
             result = _fenced(result, watcher.fenced["reason"])
             log(f"frenzy: {result.error}")

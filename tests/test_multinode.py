@@ -251,6 +251,35 @@ def test_a_gang_of_two_workers_on_two_node_queues_matches_one_node(weights, tmp_
     assert_matches(out["losses"], one_node.losses)
 
 
+def _dispatch_in_thread(j, p: Plan, assignment, job_id: str) -> tuple[threading.Thread, dict]:
+    """``dispatch_gang`` in a thread, as the submit flow runs it; its result or error in the dict."""
+    from frenzy_flows.gang import dispatch_gang
+
+    out: dict = {}
+
+    def go():
+        try:
+            out["result"] = dispatch_gang(j, p, assignment, job_id=job_id, timeout_s=900, poll_s=0.5)
+        except BaseException as err:          # shown by the assertion that reads it
+            out["error"] = err
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t, out
+
+
+def _completed(t: threading.Thread, out: dict, workers: list) -> dict:
+    """Wait for the dispatch thread, stop the workers, and return its result, which completed."""
+    try:
+        t.join(600)
+    finally:
+        logs = [_stop(w) for w in workers]
+    assert not t.is_alive()
+    assert "error" not in out, f"{out.get('error')!r}\n" + "\n".join(logs)
+    assert out["result"]["status"] == "completed"
+    return out["result"]
+
+
 def _checkpoints(log: Path) -> list[int]:
     """The steps node 0 saved so far (its attempt log, which may end in a half-written line)."""
     import json
@@ -272,7 +301,6 @@ def test_a_node_whose_worker_vanishes_stops_the_gang_frees_its_gpus_and_it_resum
     import uuid
 
     from deployments.pools import gpu_limit_name
-    from frenzy_flows.gang import dispatch_gang
     from prefect import get_client
 
     monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
@@ -282,16 +310,7 @@ def test_a_node_whose_worker_vanishes_stops_the_gang_frees_its_gpus_and_it_resum
     first_alloc = assignment.allocation_id
     run = tmp_path / "shared" / f"job-{pool}"
     workers = [_worker(pool, f"{pool}-{r}") for r in (0, 1)]
-    out: dict = {}
-
-    def go():
-        try:
-            out["result"] = dispatch_gang(j, p, assignment, job_id=f"job-{pool}", timeout_s=900, poll_s=0.5)
-        except BaseException as err:          # shown by the assertion below
-            out["error"] = err
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
+    t, out = _dispatch_in_thread(j, p, assignment, f"job-{pool}")
     killed_at = None
     end = time.monotonic() + 400
     while time.monotonic() < end and killed_at is None and t.is_alive():
@@ -307,15 +326,58 @@ def test_a_node_whose_worker_vanishes_stops_the_gang_frees_its_gpus_and_it_resum
         time.sleep(0.5)
     assert ledger.allocation(first_alloc).status == "released"
     workers.append(_worker(pool, f"{pool}-1"))      # node 1 comes back
-    try:
-        t.join(600)
-    finally:
-        logs = [_stop(w) for w in workers]
-    assert not t.is_alive()
-    assert "error" not in out, f"{out.get('error')!r}\n" + "\n".join(logs)
-    res = out["result"]
-    assert res["status"] == "completed"
+    res = _completed(t, out, workers)
     assert res["attempts"][0]["resumed_from_step"] >= killed_at - 2 > 0      # from a checkpoint, not step 0
     assert len(res["losses"]) == 60 - res["attempts"][0]["resumed_from_step"]
     with get_client(sync_client=True) as client:
         assert client.read_global_concurrency_limit_by_name(gpu_limit_name(pool)).active_slots == 0
+
+
+def _steps(log: Path) -> int:
+    """How many steps node 0 has logged so far."""
+    return sum(line.startswith("FRENZY_STEP ") for line in log.read_text().splitlines()) if log.is_file() else 0
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_the_scheduler_shrinks_a_gang_onto_one_node_and_it_resumes_with_the_same_losses(weights, tmp_path, monkeypatch):
+    """A shrink request for a 2-node run: every node stops after the same step with a
+    checkpoint, the gang's GPUs go back, the job takes its target (node 0 only) and resumes
+    there as one run sent to node 0's work queue, with the same global batch: the loss sequence
+    is that of an uninterrupted run."""
+    import uuid
+
+    from ledger.queue import JobQueue
+
+    from tests.test_parallel_plans import assert_matches, train
+
+    monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
+    pool = f"ms-{uuid.uuid4().hex[:6]}"
+    job_id = f"job-{pool}"
+    steps = 60
+    j, p, target = job(weights, train_steps=steps, seq_len=128, checkpoint_every=1000), plan(2), plan(1)
+    ledger, assignment = _gang_setup(pool, tmp_path, j, p)
+    queue = JobQueue(ledger)
+    queue.enqueue(job_id, job_id, {"name": job_id}, [p, target], steps=steps)
+    assert queue.mark_started(job_id, assignment.model_dump(mode="json"))
+    log0 = tmp_path / "shared" / job_id / "attempt-1.log"
+    workers = [_worker(pool, f"{pool}-{r}") for r in (0, 1)]
+    t, out = _dispatch_in_thread(j, p, assignment, job_id)
+    rid = None
+    end = time.monotonic() + 400
+    while time.monotonic() < end and rid is None and t.is_alive():
+        if _steps(log0) >= 3:
+            rid = queue.request(job_id, "shrink", plan=target, placement={f"{pool}-0": [0]}, reason="a test shrink")
+        time.sleep(0.1)
+    assert rid is not None, "the run ended before the shrink request: " + str(out)
+    res = _completed(t, out, workers)
+    first, last = res["attempts"][0], res["attempts"][-1]
+    assert (first["plan"]["gpus"], last["plan"]["gpus"]) == (2, 1)
+    assert 0 < last["resumed_from_step"] < steps                       # from the stop's checkpoint
+    assert res["final_plan"]["gpus"] == 1
+    row = queue.get(job_id)
+    assert row.request.get("id") == rid and row.allocation["placement"] == {f"{pool}-0": [0]}
+    assert ledger.allocation(assignment.allocation_id).status == "released"
+    reference, _ = train(j, target, tmp_path / "one-process")
+    assert_matches(res["losses"], reference.losses)

@@ -44,10 +44,11 @@ SHARED_RUNS_ENV = "FRENZY_SHARED_RUNS"
 
 
 def shared_runs_root() -> Path:
-    """Where multi-node runs keep their run folders: storage every node sees (an NFS or
-    Lustre mount), ``FRENZY_SHARED_RUNS`` on the control machine and on every worker; else the
-    runs folder of this Frenzy home, which is shared only when FRENZY_HOME itself is (nodes
-    standing in on one machine)."""
+    """Where the flows keep run folders: storage every node sees (an NFS or Lustre mount),
+    ``FRENZY_SHARED_RUNS`` on the control machine and on every worker, so a gang's nodes share
+    one folder and a run preempted or relaunched on another node resumes from its checkpoint;
+    else the runs folder of this Frenzy home, which is shared only when FRENZY_HOME itself is
+    (nodes standing in on one machine)."""
     import os
 
     path = os.environ.get(SHARED_RUNS_ENV)
