@@ -27,6 +27,9 @@ as one run on one node (sent to that node's work queue), resuming from the check
 same global batch. An interrupted dispatcher (the submit flow cancelled by the scheduler when
 the gang stopped answering, a signal) cancels every node's run before it ends.
 
+A completed gang records node 0's measurement (per-GPU peak memory, step time) beside its
+plan's prediction in the ledger, as a one-node run does.
+
 Not here: out-of-memory fallbacks (a node's OOM fails the gang).
 """
 from __future__ import annotations
@@ -264,7 +267,9 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
     from ledger.queue import JobQueue
     from trainer.resume import prepare_run_dir, shared_runs_root
 
-    from frenzy_flows.training import RequestWatcher, answer_request
+    from trainer.runner import TrainResult
+
+    from frenzy_flows.training import RequestWatcher, answer_request, record_measurement
 
     log = dispatch._logger()
     ledger = Ledger(ledger_url)
@@ -314,6 +319,10 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
             segments.append(result)
             if req is None:
                 log.info("gang %s ended %s on %d nodes", gang_id, result.get("status"), len(runs))
+                unrecorded = record_measurement(ledger, job_id, assignment.allocation_id,
+                                                TrainResult.model_validate(result))
+                if unrecorded:
+                    result["ledger_error"] = unrecorded
                 return merge_results(segments)
             ledger.release(assignment.allocation_id)
             new = answer_request(ledger, queue, job_id, req, int(stop.get("step", 0)), log=log.info,

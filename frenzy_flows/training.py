@@ -200,6 +200,20 @@ def _fenced(result, why: str) -> Any:
                   f"may be another job's now; resubmitting the job resumes from that checkpoint")})
 
 
+def record_measurement(ledger, job_id: str, alloc_id: str | None, result) -> str | None:
+    """What the run measured next to what its final plan predicted (``frenzy calibrate`` refits
+    from these); the reason when the ledger is unreachable (the training still counts)."""
+    from ledger import LedgerUnavailable
+
+    final = result.final_plan
+    try:
+        ledger.record_measurement(job_id, alloc_id, final.gpu_type, final, predicted=predicted_figures(final),
+                                  measured=result.measured.model_dump())
+    except LedgerUnavailable as err:
+        return str(err)
+    return None
+
+
 def merge_segments(segments: list) -> Any:
     """One TrainResult for a run that relaunched: losses and attempts of every segment in
     order (each segment resumes after the last step of the one before), the rest from the
@@ -309,13 +323,9 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
         if watcher.fenced is not None and result.status == "stopped":
             result = _fenced(result, watcher.fenced["reason"])
             log(f"frenzy: {result.error}")
-        final = result.final_plan
-        try:
-            ledger.record_measurement(job_id, current["alloc_id"], final.gpu_type, final,
-                                      predicted=predicted_figures(final),
-                                      measured=result.measured.model_dump())
-        except LedgerUnavailable as err:
-            ledger_errors.append(str(err))
+        unrecorded = record_measurement(ledger, job_id, current["alloc_id"], result)
+        if unrecorded:
+            ledger_errors.append(unrecorded)
     finally:
         try:
             release()

@@ -247,6 +247,9 @@ def test_a_gang_of_two_workers_on_two_node_queues_matches_one_node(weights, tmp_
     run = tmp_path / "shared" / f"job-{pool}"
     assert out["run_dir"] == str(run.resolve())
     assert (run / "attempt-1-node1.log").is_file()       # node 1 trained in the same shared folder
+    # the gang's measurement beside its prediction, for calibration, as a one-node run records
+    m = [m for m in ledger.measurements("CPU") if m.job_id == f"job-{pool}"]
+    assert len(m) == 1 and m[0].alloc_id == assignment.allocation_id
     one_node, _ = train(j, p, tmp_path / "one-node")
     assert_matches(out["losses"], one_node.losses)
 
