@@ -34,7 +34,7 @@ def test_contract_fields():
 def test_model_states_per_regime():
     """Phase C (optimizer step) holds exactly the documented bytes per parameter."""
     P = PRESETS["gpt2"].params
-    # AMP: fp32 weights + fp32 grads + 8 B Adam states + 4 B foreach temporaries
+    # AMP: fp32 weights + fp32 grads + 8 B Adam states (the trainer's fused AdamW: no step temporaries)
     e = estimate(model="gpt2", seq_len=8, micro_batch=1, gpu="A100-80GB")
     assert e.breakdown_gib["weights"] * GIB == pytest.approx(4 * P)
     assert e.breakdown_gib["optimizer"] * GIB == pytest.approx(8 * P)
