@@ -99,8 +99,10 @@ HELDOUT_CONFIGS = [
 
 
 def knobs_of(model, regime, b, s, attn, ck, opt, ga) -> dict:
+    # bench/estimator_gpu_measure.py steps torch's default AdamW/Adam (foreach): its step
+    # temporaries were measured, so the estimate names them (Frenzy's trainer runs fused)
     return dict(model=model, seq_len=s, micro_batch=b, grad_accum=ga, attention=attn,
-                act_ckpt=ck, optimizer=opt,
+                act_ckpt=ck, optimizer=opt, adamw_impl="foreach",
                 precision="fp32" if regime == "fp32" else "bf16",
                 zero=1 if regime == "master" else 0,
                 mp_style="master" if regime == "master" else "auto")

@@ -126,9 +126,12 @@ CAVEATS = {
     19: "reward model: chosen + rejected = 8 sequences per forward",
     # rows 22-24: one source, one config at 8K / 32K / 128K tokens; reserved only
     22: "reserved only (no allocated figure): the source's own fit puts 12.6 GiB at zero "
-        "tokens, above the modelled ZeRO-3 + offload states and buffers; the gap is not "
-        "attributed",
-    24: "128K is well beyond the data set's 512-8192 target range (SOURCES.md)",
+        "tokens, above the modelled ZeRO-3 + offload states and buffers (5.3 GiB allocated); "
+        "the gap is not attributed (a cached copy of the loaded model is ruled out: ZeRO-3 "
+        "empties the cache when it defragments its partitions)",
+    24: "128K is well beyond the data set's 512-8192 target range (SOURCES.md); the measured "
+        "reserved is below the modelled allocated: Liger's fused RMSNorm/SwiGLU (not credited, "
+        "see docs/benchmarks.md) match its per-token slope",
     28: "measurement method not stated (nvidia-smi likely); GB vs GiB ambiguous (2.4%)",
     29: "measurement method not stated (nvidia-smi likely); GB vs GiB ambiguous (2.4%)",
     30: "512 is the maximum (padded) length; the peak includes validation",

@@ -682,6 +682,12 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             optim = 0.0
             if k.offload == "optimizer+params":
                 grads = 0.0                            # gradients stream to the CPU too
+            elif k.zero == 3 and prof.overlap_comm:
+                # DeepSpeed ZeRO-3 with offload_optimizer keeps its gradient partitions on the
+                # host: stage3.py sets self.device to the CPU and allocates the partition
+                # buffer (grad_partitions_flat_buffer) and the fp32 gradients there, pinned;
+                # each reduced bucket is copied out (partition_grads) and its GPU grads freed
+                grads = 0.0
         g32_elems = Pt / (N if k.zero >= 1 else 1)
         if k.zero == 3 and prof.zero3_subgroup_elems:
             g32_elems = min(g32_elems, prof.zero3_subgroup_elems)   # one sub-group at a time

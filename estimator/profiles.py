@@ -61,8 +61,15 @@ class Profile:
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in [
+    # Frenzy's trainer never runs torch's default (foreach) AdamW: trainer/optim.py
+    # (optimizer_impl) builds torch.optim.AdamW/Adam(fused=True) without ZeRO (CUDA and CPU),
+    # DeepSpeed FusedAdam (multi-tensor apply, in place) at ZeRO 1-3, DeepSpeedCPUAdam with
+    # offload: none allocates a state-sized temporary at the step, so the profile is "fused".
+    # (The H200 runs in bench/estimator_measured_h200*.json were measured with torch's default
+    # foreach AdamW by bench/estimator_gpu_measure.py; bench/estimator_accuracy.py says so.)
     Profile("frenzy", "Frenzy's own trainer (Accelerate + HF models; DeepSpeed for ZeRO)",
-            overlap_comm="off", job_knobs_only=True, measured="54 H200 runs of the trainer (bench/estimator_measured_h200*.json)"),
+            adamw_impl="fused", overlap_comm="off", job_knobs_only=True,
+            measured="54 H200 runs of the trainer (bench/estimator_measured_h200*.json)"),
     Profile("hf", "Hugging Face Trainer or a plain PyTorch loop over HF/timm models "
                   "(torch AMP or a model loaded in 16 bits; DDP; torch AdamW)",
             torch_sharding=True, measured="PEFT method-comparison suite (L40S)"),

@@ -6,7 +6,7 @@ What is traced: the Hugging Face model built from ``ModelSpec.hf_config()`` (or 
 ``nn.Module`` factory), one optimizer step (states created beforehand, as after the first step), the trainer's
 mixed-precision regime:
 
-* fp32: fp32 model, foreach AdamW.
+* fp32: fp32 model, AdamW as the profile runs it (``adamw_impl``: fused for Frenzy's trainer).
 * AMP (bf16/fp16 with zero 0): fp32 model, forward + loss under ``torch.autocast``, fp32 grads.
 * master (zero >= 1, DeepSpeed-style): 16-bit model, optimizer over fp32 master copies, fp32
   gradient copies at the step.

@@ -34,7 +34,7 @@ def test_contract_fields():
 def test_model_states_per_regime():
     """Phase C (optimizer step) holds exactly the documented bytes per parameter."""
     P = PRESETS["gpt2"].params
-    # AMP: fp32 weights + fp32 grads + 8 B Adam states + 4 B foreach temporaries
+    # AMP: fp32 weights + fp32 grads + 8 B Adam states (the trainer's fused AdamW: no step temporaries)
     e = estimate(model="gpt2", seq_len=8, micro_batch=1, gpu="A100-80GB")
     assert e.breakdown_gib["weights"] * GIB == pytest.approx(4 * P)
     assert e.breakdown_gib["optimizer"] * GIB == pytest.approx(8 * P)
@@ -55,6 +55,27 @@ def test_offload_moves_optimizer_off_the_gpu():
     off = est(dp=4, zero=2, offload="optimizer")
     assert off.breakdown_gib["optimizer"] == 0 and on.breakdown_gib["optimizer"] > 0
     assert est(dp=4, zero=3, offload="optimizer+params").breakdown_gib["weights"] == 0
+
+
+def test_zero3_optimizer_offload_keeps_gradient_partitions_on_the_host():
+    # DeepSpeed ZeRO-3 with offload_optimizer: the gradient partition buffer and the fp32
+    # gradients live on the host, so the step holds the 16-bit parameter shard and no gradient
+    # shard on the GPU (without offload: 2 B per parameter / dp of bf16 gradient partitions)
+    P = PRESETS["llama-2-7b"].params
+    for framework in ("deepspeed", "frenzy"):
+        kw = dict(model="llama-2-7b", seq_len=8, micro_batch=1, dp=8, zero=3, framework=framework)
+        off = estimate(offload="optimizer", **kw)
+        shard = 2 * P / 8
+        # (what remains is the head's gradient partition in flight in the backward)
+        assert off.breakdown_gib["gradients"] * GIB < 0.05 * shard
+        assert off.breakdown_gib["weights"] * GIB == pytest.approx(shard)
+        # the step no longer holds a gradient shard beside the parameter shard and buffers
+        assert off.allocated_peak_gib * GIB < shard + shard + off.breakdown_gib["other"] * GIB
+        assert off.host_offload_gib > 0                    # the gradients are counted there
+        assert estimate(**kw).breakdown_gib["gradients"] * GIB >= 2 * P / 8
+    # ZeRO-2 offload keeps its terms (stage_1_and_2's GPU staging of gradients is not this path)
+    z2 = estimate(model="llama-2-7b", seq_len=8, dp=8, zero=2, offload="optimizer", framework="deepspeed")
+    assert z2.breakdown_gib["gradients"] > 0
 
 
 def test_tensor_and_sequence_parallel_divide():

@@ -126,6 +126,25 @@ def test_adamw_fused_drops_the_foreach_temporary():
     assert (foreach.allocated_peak_gib - fused.allocated_peak_gib) * GIB == pytest.approx(4 * P, rel=1e-6)
 
 
+def test_frenzy_profile_steps_adam_as_the_trainer_does():
+    # the trainer (trainer/optim.py) builds torch's fused AdamW/Adam, DeepSpeed FusedAdam or
+    # DeepSpeedCPUAdam, never torch's default foreach one: the frenzy profile models no step
+    # temporaries, and an explicit foreach (what bench/estimator_gpu_measure.py measured) does
+    from trainer.optim import optimizer_impl
+    for device in ("cuda", "cpu"):
+        for zero in (0, 1, 2, 3):
+            for offload in ("none", "optimizer"):
+                for name in ("adamw", "adam"):
+                    impl = optimizer_impl(name, device_type=device, zero=zero, offload=offload)
+                    assert "fused" in impl.lower() or impl.endswith("CPUAdam"), impl
+    assert validate_knobs(PRESETS["gpt2"], seq_len=8).adamw_impl == "fused"
+    P = PRESETS["gpt2"].params
+    default = estimate(model="gpt2", seq_len=8)
+    assert default.allocated_peak_gib == estimate(model="gpt2", seq_len=8, adamw_impl="fused").allocated_peak_gib
+    foreach = estimate(model="gpt2", seq_len=8, adamw_impl="foreach")
+    assert (foreach.allocated_peak_gib - default.allocated_peak_gib) * GIB == pytest.approx(4 * P, rel=1e-6)
+
+
 def test_paged_8bit_states_are_outside_the_allocator():
     kw = dict(model="llama-3.1-8b", seq_len=512, master_weights="none", framework="torchtune")
     plain = est(**kw, optimizer="adamw8bit", gpu="H100-80GB")
