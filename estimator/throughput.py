@@ -16,8 +16,10 @@ step = matmuls at the GPU's sustained tensor rate, plus the operand traffic they
 
 FLOPs follow the PaLM / Megatron accounting (forward = 1/3): ``6 x matmul params + 12 x
 layers x hidden x seq`` (attention scores and values); full activation recomputation adds a
-forward: ``8 x P + 16 x l h s``; selective recomputation only re-runs attention. Every other
-term is bytes over the GPU's own memory bandwidth or bits over a link.
+forward: ``8 x P + 16 x l h s``; selective recomputation only re-runs attention. Under sequence
+parallelism (DeepSpeed Ulysses) ``s`` stays the whole sequence: each rank attends over all of it
+for heads / cp heads. Every other term is bytes over the GPU's own memory bandwidth or bits over
+a link.
 
 Every factor is a field of ``Factors`` (defaults = the module constants below) so measured runs
 can recalibrate them without touching code; per-GPU utilisation lives in the catalog.
