@@ -388,11 +388,13 @@ def _cpu_sem(c: float) -> _Sem:
 def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attention: str,
                            act_ckpt: str, sem: _Sem = CUDA_SEM, *, compiled: bool = False,
                            repeat_kv: bool = False, hf_models: bool = True,
-                           score_clamp: bool = False) -> tuple[float, float]:
+                           score_clamp: bool = False, ulysses: bool = False) -> tuple[float, float]:
     """Bytes per token one block saves for backward: (replicated under TP, sharded under TP).
 
     ``c``: compute dtype bytes (2 for 16-bit, 4 for fp32); ``amp``: fp32 weights + autocast
-    (residual stream in fp32, one 16-bit cast of a norm output per consuming linear)."""
+    (residual stream in fp32, one 16-bit cast of a norm output per consuming linear);
+    ``ulysses``: sequence parallel through DeepSpeed Ulysses (cp > 1), per token of the rank's
+    slice (``s`` stays the whole sequence: each rank attends over all of it for heads / cp)."""
     h, f, a = spec.hidden, spec.f, spec.heads
     q = a * spec.d_head
     kvd = spec.n_kv * spec.d_head
@@ -413,6 +415,16 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
         # q, k, v, log-sum-exp, output; implementations that repeat k/v to every head before
         # SDPA (torchtune's attention at the measured versions) save the repeated copies
         attn = c * (q + 2 * (q if repeat_kv else kvd)) + 4.0 * a + c * q
+        if ulysses:
+            # Without cp the inventory above has one output tensor for SDPA's saved output and the
+            # output projection's saved input (one storage: the traces show one). Under Ulysses the
+            # projection's input is the all-to-all's output, a second tensor of q elements per
+            # token; SDPA's q, k, v and output are the gathered copies, heads / cp over all s
+            # positions: per token of the slice the same bytes as without cp. The all-to-all
+            # send/receive buffers are freed once exchanged; in the backward, dq, dk, dv and one
+            # exchange's pair (~3 q + 2 kv wide) stay below the MLP's gradient temporaries of the
+            # same layer that ``layer_backward_transient`` counts (2 h + 2 ffn wide)
+            attn += c * q
         if spec.arch == "gpt" and amp and sem.cuda and act_ckpt != "selective" and hf_models:
             # Measured on H200 (torch 2.11): HF GPT-2 under autocast hands SDPA its fp32 additive
             # mask, so CUDA picks the memory-efficient kernel, which saves the mask expanded to
@@ -571,14 +583,14 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float) -> tuple[float, 
 @lru_cache(maxsize=4096)       # pure in its (hashable) arguments: per shape, not per batch
 def _shape_terms(spec: ModelSpec, t: int, optimizer: str, s: int, c: float, act_amp: bool,
                  attention: str, act_ckpt: str, cpu: bool, fused: bool, repeat_kv: bool,
-                 hf_models: bool, score_clamp: bool) -> tuple[float, ...]:
+                 hf_models: bool, score_clamp: bool, ulysses: bool = False) -> tuple[float, ...]:
     """The per-shape facts stage_peaks needs, one cache lookup (the model is hashed once, not
     per fact): parameter split, optimizer-state bytes, the block's activation inventory and
     backward temporaries."""
     sem = _cpu_sem(c) if cpu else CUDA_SEM
     rep, shard = layer_activation_bytes(spec, s, c, act_amp, attention, act_ckpt, sem,
                                         compiled=fused, repeat_kv=repeat_kv, hf_models=hf_models,
-                                        score_clamp=score_clamp)
+                                        score_clamp=score_clamp, ulysses=ulysses)
     return (*_param_split(spec, t), _state_bytes_per_param(spec, optimizer), rep, shard,
             layer_backward_transient(spec, s, c, attention, t))
 
@@ -615,7 +627,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     (layer_p, emb_p, head_p, largest, st_b, rep, shard,
      transient_tok) = _shape_terms(spec, t, k.optimizer, k.seq_len, c, act_amp, k.attention,
                                    k.act_ckpt, cpu, k.fused, prof.repeat_kv, prof.hf_models,
-                                   k.score_clamp)
+                                   k.score_clamp, k.cp > 1)
     if pure and k.optimizer in ("adam", "adamw", "sgd"):
         st_b *= c / 4.0                                # states in the parameters' dtype
     # torch's foreach Adam/AdamW materialises sqrt(v): one state-sized copy; fused kernels none.

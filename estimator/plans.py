@@ -119,11 +119,11 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     then tp (DeepSpeed AutoTP), pp (the pipeline path), cp (Ulysses) and offload (ZeRO-Offload)
     too. All of them launch on CPU ranks, but none is faster there than data parallel (one
     process per core, gloo), so they are enumerated only when a ``--plan`` filter asks for one.
-    cp (Ulysses) plans only with ``with_cp`` (a filter asking for cp > 1), beside data parallel
-    (tp = pp = 1, the one layout the trainer runs Ulysses in:
-    ``trainer.launch_config.check_realisable``): the throughput model has no term yet for
-    Ulysses' all-to-alls (four per layer each way), so unasked it would predict cp free and
-    prefer it over plain data parallel for most jobs.
+    cp (Ulysses) plans with ``with_cp``: on every GPU type, on the CPU pseudo type only when a
+    filter asks for cp > 1; beside data parallel (tp = pp = 1, the one layout the trainer runs
+    Ulysses in: ``trainer.launch_config.check_realisable``). The throughput model charges them
+    their all-to-alls and full-sequence attention, so they win where memory binds the cp = 1
+    plans (long sequences), not by default.
 
     Entries: (knobs at micro_batch 1, gpus, ((micro_batch, allocated_bytes), ...),
     (allocated_bytes, ...))."""
@@ -191,7 +191,7 @@ def _layouts(spec: ModelSpec, n: int, tps: list[int], gpus_per_node: int, seq_le
             if n % (tp * pp):
                 continue
             cps = [1]
-            if with_cp and tp == 1 and pp == 1:
+            if with_cp and not dp_only and tp == 1 and pp == 1:
                 cps += [c for c in _pow2_upto(min(n, gpus_per_node))[1:]
                         if spec.heads % c == 0 and spec.n_kv % c == 0 and seq_len % c == 0]
             out.extend((tp, pp, cp) for cp in cps if n % (tp * pp * cp) == 0)
@@ -301,7 +301,8 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     keep_closest: list = []
     table = _memory_table(spec, seq_len, global_batch, precision, optimizer, attention,
                           max_gpus, gpus_per_node, gpu.is_cpu, tech,
-                          gpu.is_cpu and asks_for_parallel_kind(flt), bool(flt) and int(flt.get("cp", 1)) > 1)
+                          gpu.is_cpu and asks_for_parallel_kind(flt),
+                          not gpu.is_cpu or (bool(flt) and int(flt.get("cp", 1)) > 1))
     cap = gpu.memory_gib - margin
     by_count: dict[int, list[tuple]] = {}
     for base, n, allocs, alloc_values in table:

@@ -11,12 +11,15 @@ step = matmuls at the GPU's sustained tensor rate, plus the operand traffic they
      + exposed data-parallel communication (all-reduce, or ZeRO reduce-scatter / all-gather),
        over the slowest link the data-parallel group crosses, minus what overlaps compute
      + tensor-parallel all-reduces (on the critical path) + pipeline point-to-point
+     + sequence-parallel (DeepSpeed Ulysses) all-to-alls of q, k, v and the attention output
      + optimizer step (memory-bound) + CPU-offload traffic + a fixed per-micro-batch overhead
 
 FLOPs follow the PaLM / Megatron accounting (forward = 1/3): ``6 x matmul params + 12 x
 layers x hidden x seq`` (attention scores and values); full activation recomputation adds a
-forward: ``8 x P + 16 x l h s``; selective recomputation only re-runs attention. Every other
-term is bytes over the GPU's own memory bandwidth or bits over a link.
+forward: ``8 x P + 16 x l h s``; selective recomputation only re-runs attention. Under sequence
+parallelism (DeepSpeed Ulysses) ``s`` stays the whole sequence: each rank attends over all of it
+for heads / cp heads. Every other term is bytes over the GPU's own memory bandwidth or bits over
+a link.
 
 Every factor is a field of ``Factors`` (defaults = the module constants below) so measured runs
 can recalibrate them without touching code; per-GPU utilisation lives in the catalog.
@@ -68,6 +71,9 @@ NVLINK_EFF = 0.8                   # NCCL bus bandwidth over NVLink: nccl-tests 
                                    # GB/s (A100) and ~360-380 of 450 GB/s (H100) per GPU
 NETWORK_EFF = 0.9                  # ... and ~90% of InfiniBand / RoCE line rate between nodes
 TP_OVERLAP = 0.0                   # Megatron TP all-reduces sit on the critical path
+CP_OVERLAP = 0.0                   # Ulysses' all-to-alls too: attention needs the gathered q, k, v
+                                   # and the next projection the scattered output (the HF attention
+                                   # DeepSpeed registers issues them on the compute stream)
 PP_P2P_EXPOSED_FACTOR = 2.0        # fill + drain: activation sends on the critical path per stage boundary
 OPTIMIZER_BYTES_PER_PARAM = 32.0   # Adam step: read/write fp32 master, m, v + grads + 16-bit params
 OFFLOAD_PCIE_GBS = 12.0            # effective host<->device GB/s for ZeRO-Offload traffic
@@ -95,6 +101,7 @@ class Factors:
     dp_overlap: float = DP_OVERLAP
     dp_min_exposed: float = DP_MIN_EXPOSED
     tp_overlap: float = TP_OVERLAP
+    cp_overlap: float = CP_OVERLAP
     overlap_cost: float = OVERLAP_COST
     nvlink_eff: float = NVLINK_EFF
     network_eff: float = NETWORK_EFF
@@ -122,7 +129,8 @@ class StepTime:
     """Seconds per optimizer step, by part (``total`` is what the scheduler uses).
 
     ``compute``: matmuls and attention (tensor math plus the operand traffic GEMMs cannot hide);
-    ``memory``: memory-bound kernels (norms, activations, eager score traffic, loss).
+    ``memory``: memory-bound kernels (norms, activations, eager score traffic, loss);
+    ``cp_comm``: sequence-parallel (Ulysses) all-to-alls on the critical path.
     """
 
     compute: float
@@ -134,11 +142,12 @@ class StepTime:
     offload: float
     overhead: float
     memory: float = 0.0
+    cp_comm: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.compute + self.memory + self.bubble + self.dp_comm + self.tp_comm + self.pp_comm
-                + self.optimizer + self.offload + self.overhead)
+                + self.optimizer + self.offload + self.overhead + self.cp_comm)
 
     def as_dict(self) -> dict[str, float]:
         d = {k: getattr(self, k) for k in self.__slots__}
@@ -231,6 +240,7 @@ class _Ctx:
     gv1: float
     gv2: float
     attn_io: float       # per layer per token (before / tp): fused q,k,v,o traffic or eager scores
+    a2a: float           # per layer per token (before / tp): q, k, v and output elements (Ulysses)
     elem_h: float        # norms + residuals, per layer per token
     elem_ffn: float      # MLP activation, per layer per token (before / tp)
     loss: float          # cross entropy over the vocabulary, per token (before / (tp pp))
@@ -240,8 +250,8 @@ _ctx_cache: dict[tuple, tuple[Any, Any, Any, _Ctx]] = {}
 
 
 def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision: str, eager: bool,
-             cp: int, f: Factors) -> _Ctx:
-    key = (id(spec), id(gpu), seq_len, precision, matmul_precision, eager, cp, id(f))
+             f: Factors) -> _Ctx:
+    key = (id(spec), id(gpu), seq_len, precision, matmul_precision, eager, id(f))
     hit = _ctx_cache.get(key)
     if hit is not None and hit[0] is spec and hit[1] is gpu and hit[2] is f:
         return hit[3]
@@ -252,7 +262,10 @@ def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision
         util = f.fp32_util
     rate = gpu.peak_tflops(precision, matmul_precision) * 1e12 * util
     bw = gpu.mem_bw_gbs * 1e9 * f.mem_eff.get(gpu.name, f.mem_bw_eff)
-    s = seq_len / cp
+    # Every query attends to the whole sequence, also under sequence parallelism: Ulysses gives
+    # each of the cp ranks all s positions of heads / cp heads, so per token of its s / cp slice
+    # a rank does the attention FLOPs (and eager score traffic) of the full length s, not of s / cp
+    s = seq_len
     h = float(hidden)
     q_kv = h + 2 * kv * (hidden // heads)
     up = ffn * (2 if gated else 1)
@@ -273,7 +286,7 @@ def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision
     c = _Ctx(params=params, layers=layers, hidden=hidden, nbytes=nbytes, rate=rate, attn_rate=attn_rate, bw=bw,
              mm_flops=6.0 * mm_params,
              attn_flops=_attn_flops(layers, hidden, s, f), g0=g0, g1=g1, g2=g2, gv0=gv[0], gv1=gv[1], gv2=gv[2],
-             attn_io=attn_io, elem_h=f.norm_residual_bytes_per_h * h * half, elem_ffn=act * ffn * half,
+             attn_io=attn_io, a2a=q_kv + h, elem_h=f.norm_residual_bytes_per_h * h * half, elem_ffn=act * ffn * half,
              loss=vocab * f.loss_bytes_per_vocab)
     if len(_ctx_cache) > 8192:
         _ctx_cache.clear()
@@ -309,7 +322,7 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
     micro-batch, recomputation), per token or per byte, so that a plan only scales it by its
     data-parallel degree, ZeRO stage, accumulation and placement. Memoised: the planner asks for
     many dp / ZeRO / accumulation / node variants of each stage shape."""
-    c = _context(spec, gpu, seq_len, precision, matmul_precision, eager, cp, f)
+    c = _context(spec, gpu, seq_len, precision, matmul_precision, eager, f)
     nbytes, bw = c.nbytes, c.bw
     m = mb * seq_len / cp                           # GEMM rows per micro-batch
     # fwd, dgrad, wgrad = 3 passes; full recomputation adds a forward to everything, selective
@@ -334,13 +347,22 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
     # Gbit over the link (seconds = Gbit / link Gbit/s)
     n_ar = 4 + (2 if act_ckpt == "full" else 0)
     tp_gbit = lay * n_ar * (2.0 * _ring(tp) * act_bytes) * 8.0 / 1e9 * (1.0 - f.tp_overlap) if tp > 1 else 0.0
+    # sequence parallel (DeepSpeed Ulysses, cp ranks inside a node): per layer and micro-batch the
+    # forward trades each rank's s/cp tokens x all heads of q, k, v for all s tokens x heads/cp
+    # (three all-to-alls before attention) and the attention output back (one after); the backward
+    # sends the four gradients the same way, full recomputation repeats the forward ones. An
+    # all-to-all over n ranks keeps 1/n of the tensor and sends (n-1)/n of it, so per rank:
+    #   lay x (2 + full) x (cp-1)/cp x m x (q + 2 kv + o widths) / tp x bytes, as Gbit
+    n_a2a = 2 + (1 if act_ckpt == "full" else 0)
+    cp_gbit = (lay * n_a2a * _ring(cp) * m * c.a2a / tp * nbytes * 8.0 / 1e9 * (1.0 - f.cp_overlap)
+               if cp > 1 else 0.0)
     # pipeline point-to-point on the critical path (fill + drain), Gbit over the link
     pp_gbit = f.pp_p2p_exposed_factor * (pp - 1) * (act_bytes / tp) * 8.0 / 1e9 if pp > 1 else 0.0
     params_mp = c.params / mp                       # this rank's model-parallel slice
     pcie = f.offload_pcie_gbs * 1e9
     entry = (compute_tok, memory_tok,
              params_mp * nbytes * 8.0 / 1e9,                   # its gradients / ZeRO shard, Gbit
-             intra, gpu.inter_node_gbps * f.network_eff, tp_gbit, pp_gbit,
+             intra, gpu.inter_node_gbps * f.network_eff, tp_gbit, pp_gbit, cp_gbit,
              params_mp * f.optimizer_bytes_per_param / bw,     # Adam step on the GPU, unsharded
              params_mp / f.cpu_adam_params_per_s,              # ... on the CPU (offload)
              params_mp * 4.0 / pcie,                           # offload: 16-bit grads down, params up
@@ -358,9 +380,9 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
 
 
 def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_gbps: float | None,
-           f: Factors) -> tuple[float, float, float, float, float, float, float, float, float]:
+           f: Factors) -> tuple[float, float, float, float, float, float, float, float, float, float]:
     """The parts of ``StepTime`` in field order (compute, bubble, dp_comm, tp_comm, pp_comm,
-    optimizer, offload, overhead, memory); see ``step_time_breakdown``."""
+    optimizer, offload, overhead, memory, cp_comm); see ``step_time_breakdown``."""
     # plain attribute reads, no int() / max() / min() / id() calls on this path (the planner asks
     # for thousands of step times per job; each builtin call costs ~30-100 ns): Plan validates its
     # fields as positive integers; other plan-like objects may lack the optional fields
@@ -384,8 +406,8 @@ def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_
     s = stages.get(key)
     if s is None:
         s = _stage(stages, key, spec, gpu, f, seq_len, precision, matmul_precision, eager, cp, tp, pp, mb, act_ckpt)
-    compute_tok, memory_tok, shard_gbit, intra, inter, tp_gbit, pp_gbit, opt_s, cpu_opt_s, off_s, fetch_s, \
-        mb_over, step_over, dp_overlap, dp_min_exposed, overlap_cost = s
+    compute_tok, memory_tok, shard_gbit, intra, inter, tp_gbit, pp_gbit, cp_gbit, opt_s, cpu_opt_s, off_s, \
+        fetch_s, mb_over, step_over, dp_overlap, dp_min_exposed, overlap_cost = s
     if nodes < 1:
         nodes = 1
     per_node = -(-(dp * tp * pp * cp) // nodes)     # GPUs per node (ceil)
@@ -400,7 +422,10 @@ def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_
     bubble = t_mb * (pp - 1)             # 1F1B: (pp - 1) micro-batch slots idle per step
 
     # --- data parallel (gradients / ZeRO shards of this rank's model-parallel slice) --------
-    if dp > 1:
+    # Ulysses' ranks hold the same weights but different tokens: DeepSpeed reduces the gradients
+    # (and ZeRO shards the states) over the sequence-data-parallel group, dp x cp ranks
+    sdp = dp * cp
+    if sdp > 1:
         # ZeRO-3: gather fwd + gather bwd + reduce-scatter, per micro-batch; ZeRO-2: reduce-scatter
         # per micro-batch + one parameter all-gather; else one all-reduce per step (no_sync while
         # accumulating). Ring volumes: 2 (n-1)/n per all-reduce = twice a reduce-scatter's.
@@ -408,12 +433,12 @@ def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_
         if nodes > 1:
             # hierarchical: ring inside each node, then the node's NICs carry every DP group's
             # shard (one group per model-parallel slice on the node) across nodes
-            dp_nodes = nodes if nodes < dp else dp
-            g = dp // dp_nodes
+            dp_nodes = nodes if nodes < sdp else sdp
+            g = sdp // dp_nodes
             groups_on_node = tp * pp if tp * pp < per_node else per_node
             raw = shard_gbit * mult * ((g - 1) / g / intra + (dp_nodes - 1) / dp_nodes * groups_on_node / inter)
         else:
-            raw = shard_gbit * mult * (dp - 1) / dp / intra
+            raw = shard_gbit * mult * (sdp - 1) / sdp / intra
         # ZeRO-3 prefetches the next layer's gather during the current one's compute, forward and
         # backward; gradient reduction (DDP buckets, ZeRO-1/2) overlaps the backward only
         window = busy if zero >= 3 else (2.0 / 3.0) * (busy if zero == 2 else t_mb)
@@ -435,17 +460,19 @@ def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_
         pp_comm = pp_gbit / (inter / per_node if nodes > 1 and dp < nodes else intra)
     else:
         pp_comm = 0.0
+    # --- sequence-parallel all-to-alls (critical path; cp groups are consecutive ranks of a node)
+    cp_comm = ga * cp_gbit / intra if cp > 1 else 0.0
 
     # --- optimizer step (ZeRO shards it over dp), offload -----------------------------------------
     if offload == "none":
-        optimizer = opt_s / dp if zero >= 1 else opt_s
+        optimizer = opt_s / sdp if zero >= 1 else opt_s
         off = 0.0
     else:
-        optimizer = cpu_opt_s / dp if zero >= 1 else cpu_opt_s
-        off = off_s / dp if zero >= 1 else off_s
+        optimizer = cpu_opt_s / sdp if zero >= 1 else cpu_opt_s
+        off = off_s / sdp if zero >= 1 else off_s
         if offload == "optimizer+params":
             off += fetch_s * ga
-    return compute, bubble, dp_comm, tp_comm, pp_comm, optimizer, off, step_over + ga * mb_over, memory
+    return compute, bubble, dp_comm, tp_comm, pp_comm, optimizer, off, step_over + ga * mb_over, memory, cp_comm
 
 
 def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
@@ -468,9 +495,9 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
 def step_time(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
               inter_node_gbps: float | None = None, factors: Factors | None = None) -> float:
     """Predicted seconds per optimizer step (``step_time_breakdown(...).total``, without building it)."""
-    compute, bubble, dp_comm, tp_comm, pp_comm, optimizer, off, overhead, memory = _parts(
+    compute, bubble, dp_comm, tp_comm, pp_comm, optimizer, off, overhead, memory, cp_comm = _parts(
         spec, plan, gpu, seq_len, nodes, inter_node_gbps, factors if factors is not None else calibrated_factors())
-    return compute + memory + bubble + dp_comm + tp_comm + pp_comm + optimizer + off + overhead
+    return compute + memory + bubble + dp_comm + tp_comm + pp_comm + optimizer + off + overhead + cp_comm
 
 
 def tokens_per_s(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,

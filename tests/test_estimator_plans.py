@@ -196,3 +196,19 @@ def test_pipeline_plans_are_launchable_for_llama_decoders_only():
     gp = plans_for_job(gpt, {"A100-80GB": 8}, plan_filter={"pp": 2, "tp": 1})["A100-80GB"]
     assert gp and all(p.not_launchable and "built for llama decoders" in p.not_launchable
                       for p in gp if p.zero == 0)
+
+
+def test_sequence_parallel_is_enumerated_on_gpus_but_chosen_only_where_memory_binds():
+    """Unasked, the planner enumerates Ulysses (cp) plans on GPU types; a short-sequence job does
+    not pick one (it only adds all-to-alls), a long-sequence job whose cp = 1 plans must split
+    the layers over tp ranks or recompute the forward to fit does. The CPU pseudo type keeps
+    data parallel unless a filter asks."""
+    short = {"model": "gpt2", "seq_len": 512, "global_batch": 32, "train_steps": 1}
+    assert plans_for_job(short, {"A100-80GB": 16})["A100-80GB"][0].cp == 1
+    long = {"model": "llama-3.1-8b", "seq_len": 8192, "global_batch": 32, "train_steps": 1}
+    best = plans_for_job(long, {"H100-80GB": 8}, gpus_per_node=8)["H100-80GB"][0]
+    assert best.cp > 1 and best.tp == best.pp == 1 and best.not_launchable is None
+    flat = [p for p in plans_for_job(long, {"H100-80GB": 8}, gpus_per_node=8, plan_filter={"cp": 1})["H100-80GB"]
+            if p.not_launchable is None][0]
+    assert flat.step_time_s > best.step_time_s and (flat.tp > 1 or flat.act_ckpt == "full")
+    assert all(p.cp == 1 for p in plans_for_job(short, {"CPU": 2}, gpus_per_node=2)["CPU"])

@@ -175,3 +175,31 @@ def test_memoised_stage_terms_match_a_fresh_computation_and_follow_the_factors()
     assert step_time(L8, bare, g, seq_len=2048, factors=DEFAULT_FACTORS) == pytest.approx(again, rel=1e-12)
     # another GPU with the same plan is not served the H100's cached terms
     assert step_time(L8, p, get_gpu("A100-80GB"), seq_len=2048, factors=DEFAULT_FACTORS) > again * 1.5
+
+
+def test_ulysses_all_to_alls_grow_with_cp_and_the_sequence_and_recompute_repeats_them():
+    """cp (DeepSpeed Ulysses) pays four all-to-alls per layer forward and four backward (a third
+    set under full recomputation); nothing at cp = 1. Per rank a cp-way exchange sends (cp-1)/cp
+    of the rank's s/cp tokens, so the total over a step grows with cp (at a fixed global batch)
+    and with the sequence."""
+    def cp_comm(cp, seq=8192, ckpt="none", g="A100-80GB"):
+        p = Plan(gpu_type=g, gpus=8, dp=8 // cp, cp=cp, micro_batch=1, grad_accum=cp, act_ckpt=ckpt)
+        return st(p, spec=L8, seq=seq).cp_comm
+    assert cp_comm(1) == 0.0
+    assert 0 < cp_comm(2) < cp_comm(4) < cp_comm(8)
+    assert cp_comm(2, seq=16384) == pytest.approx(2 * cp_comm(2, seq=8192))
+    assert cp_comm(2, ckpt="full") == pytest.approx(1.5 * cp_comm(2))
+    assert cp_comm(2, g="A10-24GB") > cp_comm(2)           # PCIe is slower than NVLink
+
+
+def test_sequence_parallel_costs_what_data_parallel_costs_plus_its_all_to_alls():
+    """Each Ulysses rank attends over the whole sequence for heads / cp heads: per token of its
+    slice the attention work of the full length, not of s / cp. So dp=1 cp=2 at micro-batch 2
+    (2 x s/2 rows per GEMM) computes exactly what dp=2 at micro-batch 1 does, reduces its gradients
+    over the same two ranks, and adds only the all-to-alls."""
+    seq = 16384
+    cp = st(Plan(gpu_type="H100-80GB", gpus=2, dp=1, cp=2, micro_batch=2, grad_accum=4), spec=L8, seq=seq)
+    dp = st(Plan(gpu_type="H100-80GB", gpus=2, dp=2, micro_batch=1, grad_accum=4), spec=L8, seq=seq)
+    assert cp.compute == pytest.approx(dp.compute) and cp.memory == pytest.approx(dp.memory)
+    assert dp.dp_comm > 0 and cp.dp_comm == pytest.approx(dp.dp_comm)   # reduced over dp x cp ranks
+    assert cp.total == pytest.approx(dp.total + cp.cp_comm) and cp.cp_comm > 0
