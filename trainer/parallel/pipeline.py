@@ -15,13 +15,16 @@ Interleaved (``vpp > 1``): the layers are cut into ``pp x vpp`` equal chunks and
 ``s`` holds chunks ``s, s + pp, s + 2 pp, ...`` (Megatron-LM's virtual stages; embeddings in
 chunk 0 on the first rank, the head in the last chunk on the last rank), run by
 ``ScheduleInterleaved1F1B``: each warm-up and cool-down slot is one chunk's work, ``1/vpp`` of a
-rank's, so the bubble shrinks by ``vpp`` for ``vpp`` times the point-to-point sends. Then: gradients averaged over the
-data-parallel ranks of each stage, a tied embedding's two copies summed between the first and
-last stage, one global gradient norm over every stage for clipping, one optimizer per stage.
+rank's, so the bubble shrinks by ``vpp`` for ``vpp`` times the point-to-point sends.
 
-Checkpoints: one file per stage, i.e. per pipeline rank with all its chunks (its parameters under the whole model's names, and its
-optimizer state), then rank 0 writes ``consolidated.safetensors`` from them, so a run re-planned
-to another layout resumes from the full weights (optimizer restarted).
+Then: gradients averaged over the data-parallel ranks of each stage, a tied embedding's two
+copies summed between the first and last stage, one global gradient norm over every stage for
+clipping, one optimizer per stage (over all the rank's chunks).
+
+Checkpoints: one file per stage, i.e. per pipeline rank with all its chunks (its parameters
+under the whole model's names, and its optimizer state), then rank 0 writes
+``consolidated.safetensors`` from them, so a run re-planned to another layout resumes from the
+full weights (optimizer restarted).
 
 Llama-family decoders (``model.model.layers``, ``embed_tokens``, ``norm``, ``rotary_emb``,
 ``lm_head``) only; full fine-tuning, no evaluation split, no ZeRO/tp/cp beside it.
