@@ -526,6 +526,22 @@ def _param_split(spec: ModelSpec, t: int) -> tuple[float, float, float, float]:
     return layer_p, emb_p, head_p, spec.largest_layer_params() / t
 
 
+def _interleaved_inflight(pp: int, vpp: int, m: int, rank: int) -> float:
+    """Micro-batches' activations (in units of the rank's whole ``layers / pp``) that pipeline
+    rank ``rank`` of an interleaved 1F1B schedule holds at its peak.
+
+    torch 2.13's ``ScheduleInterleaved1F1B`` (as Megatron-LM) runs ``(vpp - 1) x mpr + 2 (pp -
+    1 - rank)`` chunk forwards before its first backward (``mpr`` micro-batches per round of
+    ``max(1, m // pp)``; at most all ``m x vpp``), then one forward per backward: one chunk more
+    at the peak, each chunk ``1 / vpp`` of the rank's layers. For the first rank with ``m`` a
+    multiple of ``pp`` that is ``pp (1 + (pp - 1) / (pp vpp))``, the factor of Korthikanti et
+    al. 2022 ("Reducing activation recomputation in large transformer models", 4.2.3); with
+    fewer micro-batches than ranks a rank runs all its chunks of every micro-batch first: ``m``."""
+    mpr = m // max(1, m // pp)
+    warmup = min((vpp - 1) * mpr + 2 * (pp - 1 - rank), m * vpp)
+    return min(warmup + 1, m * vpp) / vpp
+
+
 def _stage_layers(layers: int, pp: int) -> list[int]:
     base, extra = divmod(layers, pp)
     return [base + (1 if i < extra else 0) for i in range(pp)]
@@ -739,9 +755,10 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         if k.finetune == "qlora":
             other_fixed += c * h * spec.f / t          # one weight dequantised for its matmul
         # --- activations of the in-flight micro-batches ---
+        # 1F1B: stage i has started p - i micro-batches before its first backward
         inflight = min(m, p - i) if p > 1 else 1
         if k.vpp > 1:
-            inflight = inflight * (1 + (p - 1) / (p * k.vpp))
+            inflight = _interleaved_inflight(p, k.vpp, m, i)
         keep_tok = ckpt_keep_tok if k.act_ckpt == "full" else per_layer_tok
         # activation offloading copies each block's saved tensors to the CPU as the forward
         # moves on: the GPU holds the block in flight

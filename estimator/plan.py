@@ -16,7 +16,7 @@ MatmulPrecision = Literal["default", "tf32", "fp8"]   # fp32 GEMMs on TF32 tenso
 class Plan(BaseModel):
     """One candidate way to run a job: GPU type and count, parallel degrees, memory knobs.
 
-    ``gpus == dp * tp * pp * cp``; ``micro_batch * grad_accum * dp == global_batch``.
+    ``gpus == dp * tp * pp * cp`` (``vpp`` chunks per pipeline rank add no GPUs); ``micro_batch * grad_accum * dp == global_batch``.
     Predictions (``device_used_gib``, ``step_time_s``) are filled by the estimator and the
     throughput model; the scheduler never recomputes them.
     """
@@ -29,6 +29,13 @@ class Plan(BaseModel):
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)
+    # virtual pipeline stages per pp rank (interleaved 1F1B): each rank holds vpp non-adjacent
+    # chunks of layers; 1 = plain 1F1B
+    vpp: int = Field(1, ge=1)
+    # the nodes its GPUs span: the planner's count (GPUs over the GPU type's GPUs per node,
+    # rounded up: ``plan_filter.nodes_for``, what ``--plan nodes=N`` matches); in a run's result
+    # the nodes its placement spans (a gang runs one process group per node)
+    nodes: int = Field(1, ge=1)
     zero: int = Field(0, ge=0, le=3)
     offload: Offload = "none"
     act_ckpt: ActCkpt = "none"
@@ -52,7 +59,7 @@ class Plan(BaseModel):
         return self.micro_batch * self.grad_accum * self.dp
 
     def short(self) -> str:
-        return (f"{self.gpus}x{self.gpu_type} dp{self.dp} tp{self.tp} pp{self.pp} z{self.zero}"
+        return (f"{self.gpus}x{self.gpu_type} dp{self.dp} tp{self.tp} pp{self.pp}{'' if self.vpp == 1 else f' vpp{self.vpp}'} z{self.zero}"
                 f"{'' if self.offload == 'none' else ' off:' + self.offload} ckpt:{self.act_ckpt}"
                 f" mb{self.micro_batch}x{self.grad_accum}"
                 f"{'' if self.not_launchable is None else ' (not launchable here)'}")

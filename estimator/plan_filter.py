@@ -4,7 +4,8 @@ Pure (no torch, no Prefect): parse the filter text once, then keep the plans of 
 whose fields match every knob. Used by `frenzy run --plan` so anyone can launch one plan kind on
 purpose (a tensor-parallel run, an offload run, a two-node run).
 
-Knobs: the parallel degrees ``dp tp pp cp``, the GPU count ``gpus``, ``nodes`` (GPUs over the
+Knobs: the parallel degrees ``dp tp pp cp``, ``vpp`` (virtual pipeline stages per pp rank:
+interleaved 1F1B; the planner enumerates vpp > 1 only when asked), the GPU count ``gpus``, ``nodes`` (GPUs over the
 GPU type's GPUs per node, rounded up), ``zero`` (0-3), ``offload`` (none, optimizer,
 optimizer+params), ``act_ckpt`` (none, selective, full), ``micro_batch``, ``grad_accum`` and
 ``gpu`` (the GPU type name, case-insensitive).
@@ -17,7 +18,7 @@ from typing import get_args
 from .errors import FrenzyInputError
 from .plan import ActCkpt, Offload, Plan
 
-_INT_KNOBS = ("dp", "tp", "pp", "cp", "gpus", "nodes", "zero", "micro_batch", "grad_accum")
+_INT_KNOBS = ("dp", "tp", "pp", "vpp", "cp", "gpus", "nodes", "zero", "micro_batch", "grad_accum")
 _CHOICES: dict[str, tuple[str, ...]] = {"offload": get_args(Offload), "act_ckpt": get_args(ActCkpt)}
 KNOBS = (*_INT_KNOBS, *_CHOICES, "gpu")
 FIELD = "plan"          # the CLI flag the errors name
@@ -68,9 +69,15 @@ def parse_plan_filter(text: str) -> PlanFilter:
     return out
 
 
+def nodes_for(gpus: int, gpus_per_node: int) -> int:
+    """Nodes ``gpus`` GPUs span when each node holds ``gpus_per_node`` of them (the planner's
+    ``Plan.nodes``)."""
+    return max(1, math.ceil(gpus / max(1, int(gpus_per_node))))
+
+
 def plan_nodes(plan: Plan, gpus_per_node: int) -> int:
     """Nodes a plan spans when each node holds ``gpus_per_node`` GPUs of its type."""
-    return max(1, math.ceil(plan.gpus / max(1, int(gpus_per_node))))
+    return nodes_for(plan.gpus, gpus_per_node)
 
 
 def matches(plan: Plan, flt: PlanFilter, gpus_per_node: int = 8) -> bool:
@@ -133,4 +140,4 @@ def asks_for_parallel_kind(flt: PlanFilter | None) -> bool:
     offload): the planner then enumerates those kinds on the CPU pseudo GPU type too."""
     if not flt:
         return False
-    return any(int(flt.get(k, 1)) > 1 for k in ("tp", "pp", "cp")) or flt.get("offload", "none") != "none"
+    return any(int(flt.get(k, 1)) > 1 for k in ("tp", "pp", "vpp", "cp")) or flt.get("offload", "none") != "none"

@@ -61,6 +61,7 @@ class _PlanShape:
     grad_accum: int
     precision: str
     attention: str = "flash"    # eager kernels move the s x s scores: ~2x the step time of flash at seq 1024
+    vpp: int = 1                # interleaved pipeline chunks per rank: the bubble over vpp
 
 
 @lru_cache(maxsize=65536)
@@ -110,7 +111,7 @@ def _offloads(zero: int) -> tuple[str, ...]:
 def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, max_gpus: int, gpus_per_node: int,
                   cpu: bool, tech: _Technique = _Technique(), cpu_kinds: bool = False,
-                  with_cp: bool = False) -> tuple[
+                  with_cp: bool = False, vpp: int = 1) -> tuple[
                       tuple[Knobs, int, tuple[tuple[int, float], ...], tuple[float, ...]], ...]:
     """Every structure (gpu count, dp/tp/pp/cp, zero, offload, checkpointing) of a job shape
     with the allocated bytes of each candidate micro-batch (ascending: allocation grows with it).
@@ -124,6 +125,11 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     Ulysses in: ``trainer.launch_config.check_realisable``). The throughput model charges them
     their all-to-alls and full-sequence attention, so they win where memory binds the cp = 1
     plans (long sequences), not by default.
+    ``vpp`` (a filter asking for interleaved
+    pipelines) gives every pp > 1 structure that many virtual stages per rank (those whose layers
+    do not split into pp x vpp equal chunks drop out); unasked, pipelines are plain 1F1B: the
+    interleaved bubble term would make every pp plan prefer vpp = 2, and its extra
+    point-to-point cost is modelled from the paper, not measured on a GPU here.
 
     Entries: (knobs at micro_batch 1, gpus, ((micro_batch, allocated_bytes), ...),
     (allocated_bytes, ...))."""
@@ -159,7 +165,7 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                         try:
                             base = validate_knobs(spec, seq_len=seq_len, micro_batch=1,
                                                   grad_accum=per_rank, dp=dp, tp=tp, pp=pp, cp=cp,
-                                                  zero=zero, offload=off, precision=precision,
+                                                  vpp=vpp if pp > 1 else 1, zero=zero, offload=off, precision=precision,
                                                   optimizer=optimizer, act_ckpt=ck,
                                                   attention=attention, framework=tech.framework,
                                                   master_weights=tech.master_weights,
@@ -199,11 +205,12 @@ def _layouts(spec: ModelSpec, n: int, tps: list[int], gpus_per_node: int, seq_le
 
 
 def _plan(gpu: GPU, n: int, base: Knobs, mb: int, precision: str, optimizer: str, attention: str,
-          a: float, r: float, u: float, step_time_s: float, why: str | None) -> Plan:
-    """The Plan of a structure (``base``, at micro-batch 1) run at micro-batch ``mb``; ``why``:
-    the reason the trainer cannot launch it (``_launch_rule``), None when it can."""
+          a: float, r: float, u: float, step_time_s: float, why: str | None, nodes: int = 1) -> Plan:
+    """The Plan of a structure (``base``, at micro-batch 1) run at micro-batch ``mb`` on
+    ``nodes`` nodes; ``why``: the reason the trainer cannot launch it (``_launch_rule``), None
+    when it can."""
     return Plan.model_construct(
-        gpu_type=gpu.name, gpus=n, dp=base.dp, tp=base.tp, pp=base.pp, cp=base.cp, zero=base.zero,
+        gpu_type=gpu.name, gpus=n, nodes=nodes, dp=base.dp, tp=base.tp, pp=base.pp, vpp=base.vpp, cp=base.cp, zero=base.zero,
         offload=base.offload, act_ckpt=base.act_ckpt, micro_batch=mb,
         grad_accum=base.grad_accum // mb, precision=precision, optimizer=optimizer,
         attention=attention, allocated_peak_gib=a, reserved_peak_gib=r, device_used_gib=u,
@@ -212,19 +219,21 @@ def _plan(gpu: GPU, n: int, base: Knobs, mb: int, precision: str, optimizer: str
 
 @lru_cache(maxsize=4096)
 def _launch_rule(tp: int, pp: int, cp: int, gpus: int, dp: int, zero: int, offload: str,
-                 heads: int | None = None, kv_heads: int | None = None, arch: str | None = None) -> str | None:
+                 heads: int | None = None, kv_heads: int | None = None, arch: str | None = None, *,
+                 vpp: int = 1, grad_accum: int = 1, layers: int | None = None) -> str | None:
     """The trainer's own rules (no torch): the plan's layout, with ``heads`` how tp and cp
-    split the model's attention heads, with ``arch`` whether pp can cut the model into stages."""
+    split the model's attention heads, with ``arch`` (and ``layers``) whether pp (and vpp) can
+    cut the model into stages; ``grad_accum``: the micro-batches an interleaved schedule runs."""
     try:
         from trainer.launch_config import check_pipeline_model, check_realisable
     except ImportError:          # an estimator installed without the trainer: nothing to check
         return None
     probe = Plan.model_construct(gpu_type="probe", gpus=gpus, dp=dp, tp=tp, pp=pp, cp=cp,
-                                 zero=zero, offload=offload)
+                                 zero=zero, offload=offload, vpp=vpp, grad_accum=grad_accum)
     try:
         check_realisable(probe)
         if arch is not None:
-            check_pipeline_model(probe, arch)
+            check_pipeline_model(probe, arch, layers)
     except FrenzyInputError as err:
         return f"{err.field}: {err.rule}"
     return heads_rule(tp, cp, heads, kv_heads) if heads is not None else None
@@ -248,7 +257,9 @@ def not_launchable_reason(plan: Plan, spec: ModelSpec | None = None) -> str | No
     """Why this installation's trainer cannot launch ``plan`` (the trainer's realisability
     rules, in one line; with the model's ``spec`` also its heads rule), or None when it can."""
     return _launch_rule(plan.tp, plan.pp, plan.cp, plan.gpus, plan.dp, plan.zero, plan.offload,
-                        *((spec.heads, spec.n_kv, spec.arch) if spec is not None else ()))
+                        *((spec.heads, spec.n_kv, spec.arch) if spec is not None else ()),
+                        vpp=plan.vpp, grad_accum=plan.grad_accum,
+                        layers=spec.layers if spec is not None else None)
 
 
 def _host_rule(spec: ModelSpec, base: Knobs, n: int, gpus_per_node: int,
@@ -295,14 +306,15 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     offloaded states the nodes cannot hold are marked not launchable; with ``plan_filter``
     (``estimator.plan_filter`` items) only matching plans are kept, chosen before the best few
     per GPU count, so a slower plan kind asked for on purpose is not crowded out."""
-    from .plan_filter import asks_for_parallel_kind, matches
+    from .plan_filter import asks_for_parallel_kind, matches, nodes_for
 
     flt = dict(plan_filter) if plan_filter else None
     keep_closest: list = []
     table = _memory_table(spec, seq_len, global_batch, precision, optimizer, attention,
                           max_gpus, gpus_per_node, gpu.is_cpu, tech,
                           gpu.is_cpu and asks_for_parallel_kind(flt),
-                          not gpu.is_cpu or (bool(flt) and int(flt.get("cp", 1)) > 1))
+                          not gpu.is_cpu or (bool(flt) and int(flt.get("cp", 1)) > 1),
+                          int(flt.get("vpp", 1)) if flt else 1)
     cap = gpu.memory_gib - margin
     by_count: dict[int, list[tuple]] = {}
     for base, n, allocs, alloc_values in table:
@@ -315,12 +327,13 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
             continue
         mb, a_b = allocs[j - 1]
         a, r, u = _finish(a_b, ov, base)
-        nodes = max(1, math.ceil(n / gpus_per_node))
+        nodes = nodes_for(n, gpus_per_node)
         st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, base.cp, base.zero, base.offload,
-                                         base.act_ckpt, mb, base.grad_accum // mb, precision, attention),
+                                         base.act_ckpt, mb, base.grad_accum // mb, precision, attention,
+                                         base.vpp),
                         gpu, seq_len, nodes)
         why = (_launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads, spec.n_kv,
-                            spec.arch)
+                            spec.arch, vpp=base.vpp, grad_accum=base.grad_accum // mb, layers=spec.layers)
                or _host_rule(spec, base, n, gpus_per_node, host_ram_gib))
         by_count.setdefault(n, []).append((why, st, u, a, r, mb, base))
     plans = []
@@ -328,7 +341,8 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     for n, cands in by_count.items():
         if flt:
             cands = [c for c in cands if matches(_plan(gpu, n, c[6], c[5], precision, optimizer, attention,
-                                                       c[3], c[4], c[2], c[1], c[0]), flt, gpus_per_node)]
+                                                       c[3], c[4], c[2], c[1], c[0], nodes_for(n, gpus_per_node)),
+                                                 flt, gpus_per_node)]
         # every launchable plan is considered before the best few per count are kept, so
         # faster plans the trainer cannot launch never crowd out the ones it can; Plan objects
         # are built for the kept ones only
@@ -336,15 +350,17 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         kept = [c for c in cands if c[0] is None][:KEEP_PER_COUNT] + \
             [c for c in cands if c[0] is not None][:KEEP_PER_COUNT]
         plans.extend(_plan(gpu, n, base, mb, precision, optimizer, attention, round(a, 4),
-                           round(r, 4), round(u, 4), st, why) for why, st, u, a, r, mb, base in kept)
+                           round(r, 4), round(u, 4), st, why, nodes_for(n, gpus_per_node))
+                     for why, st, u, a, r, mb, base in kept)
     plans.sort(key=lambda p: (p.not_launchable is not None, p.step_time_s, p.gpus,
                               p.device_used_gib))
     closest = None
     if keep_closest and not n_fit:
         short, n, base, mb, a, r, u = min(keep_closest, key=lambda x: x[0])
-        closest = (short, _plan(gpu, n, base, mb, precision, optimizer, attention, a, r, u, 0.0,
-                                _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload,
-                                             spec.heads, spec.n_kv, spec.arch)))
+        why = _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads, spec.n_kv,
+                           spec.arch, vpp=base.vpp, grad_accum=base.grad_accum // mb, layers=spec.layers)
+        closest = (short, _plan(gpu, n, base, mb, precision, optimizer, attention, a, r, u, 0.0, why,
+                                nodes_for(n, gpus_per_node)))
     return tuple(plans), closest, n_fit
 
 
@@ -428,7 +444,7 @@ def estimate_plan(job: TrainingJob | dict, plan: Plan, *, gpus: dict[str, GPU] |
     t = _technique(j)
     return estimate(j.model, seq_len=j.seq_len, micro_batch=plan.micro_batch,
                     grad_accum=plan.grad_accum, dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp,
-                    zero=plan.zero, offload=plan.offload, precision=plan.precision,
+                    vpp=plan.vpp, zero=plan.zero, offload=plan.offload, precision=plan.precision,
                     optimizer=plan.optimizer, act_ckpt=plan.act_ckpt, attention=plan.attention,
                     gpu=get_gpu(plan.gpu_type, gpus), framework=t.framework,
                     master_weights=t.master_weights, finetune=t.finetune, lora_rank=t.lora_rank,

@@ -7,7 +7,7 @@ step = matmuls at the GPU's sustained tensor rate, plus the operand traffic they
        eager kernels as batched GEMMs plus the s x s score traffic (scale, mask, softmax,
        dropout) at memory bandwidth
      + memory-bound work: norms, residual adds, MLP activation, the loss over the vocabulary
-     + pipeline bubble
+     + pipeline bubble (interleaved 1F1B: divided by the virtual stages ``vpp``)
      + exposed data-parallel communication (all-reduce, or ZeRO reduce-scatter / all-gather),
        over the slowest link the data-parallel group crosses, minus what overlaps compute
      + tensor-parallel all-reduces (on the critical path) + pipeline point-to-point
@@ -388,12 +388,14 @@ def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_
     # fields as positive integers; other plan-like objects may lack the optional fields
     dp, tp, pp, mb, ga = plan.dp, plan.tp, plan.pp, plan.micro_batch, plan.grad_accum
     try:        # an exception costs ~1 us: only objects lacking these fields take that path
-        cp, precision, act_ckpt, zero, offload = plan.cp, plan.precision, plan.act_ckpt, plan.zero, plan.offload
+        cp, precision, act_ckpt, zero, offload, vpp = (plan.cp, plan.precision, plan.act_ckpt, plan.zero,
+                                                       plan.offload, plan.vpp)
     except AttributeError:
-        cp, precision, act_ckpt, zero, offload = (getattr(plan, "cp", 1), getattr(plan, "precision", "bf16"),
-                                                  getattr(plan, "act_ckpt", "none"), getattr(plan, "zero", 0),
-                                                  getattr(plan, "offload", "none"))
+        cp, precision, act_ckpt, zero, offload, vpp = (getattr(plan, "cp", 1), getattr(plan, "precision", "bf16"),
+                                                       getattr(plan, "act_ckpt", "none"), getattr(plan, "zero", 0),
+                                                       getattr(plan, "offload", "none"), getattr(plan, "vpp", 1))
         cp = cp or 1
+        vpp = vpp or 1
     matmul_precision = getattr(plan, "matmul_precision", "default") or "default"
     eager = getattr(plan, "attention", "flash") == "eager"
     # the stage cache of this (spec, GPU, factors): the last one asked, else by identity
@@ -419,7 +421,17 @@ def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_
     memory = tokens_gpu * memory_tok
     busy = compute + memory
     t_mb = busy / ga                     # one micro-batch through one stage (fwd + bwd)
-    bubble = t_mb * (pp - 1)             # 1F1B: (pp - 1) micro-batch slots idle per step
+    # 1F1B: (pp - 1) micro-batch slots idle per step (fill + drain), whatever ga. Interleaved
+    # 1F1B: a rank's vpp chunks each take 1/vpp of its per-micro-batch time and fill and drain
+    # advance one chunk at a time, so with ga >= pp the idle time is (pp - 1) chunk slots: bubble
+    # fraction (pp - 1) / (vpp ga) (Narayanan et al. 2021, "Efficient large-scale language model
+    # training on GPU clusters", 2.2.2). With fewer micro-batches than ranks a rank has nothing to
+    # run while its first micro-batch goes round the other ranks: pp - ga whole slots stay idle
+    # (ga = 1: no gain). At vpp = 1 both read pp - 1.
+    if vpp > 1 and ga < pp:
+        bubble = t_mb * ((pp - ga) + (ga - 1) / vpp)
+    else:
+        bubble = t_mb * (pp - 1) / vpp
 
     # --- data parallel (gradients / ZeRO shards of this rank's model-parallel slice) --------
     # Ulysses' ranks hold the same weights but different tokens: DeepSpeed reduces the gradients
@@ -458,6 +470,10 @@ def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_
     # --- pipeline point-to-point -----------------------------------------------------------------
     if pp > 1:
         pp_comm = pp_gbit / (inter / per_node if nodes > 1 and dp < nodes else intra)
+        if vpp > 1:
+            # fill and drain cross every chunk boundary, pp vpp - 1 of them instead of pp - 1
+            # (the same paper: interleaving multiplies the point-to-point volume by vpp)
+            pp_comm *= (pp * vpp - 1) / (pp - 1)
     else:
         pp_comm = 0.0
     # --- sequence-parallel all-to-alls (critical path; cp groups are consecutive ranks of a node)

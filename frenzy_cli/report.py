@@ -17,6 +17,10 @@ def print_result(result, console: Console | None = None) -> None:
     console = console or make_console()
     est = result.estimate
     plan = result.initial_plan
+    # the candidate it was: the result counts the nodes of its placement, which may be more
+    # than the planner's count
+    plan = next((p for ps in result.plans.values() for p in ps
+                 if p.model_copy(update={"nodes": plan.nodes}) == plan), plan)
 
     t = Table(title=f"Memory estimate per GPU: {result.job_name} on {plan.short()}",
               title_justify="left", min_width=72)
@@ -44,8 +48,8 @@ def print_result(result, console: Console | None = None) -> None:
             mark = CHOSEN_MARK if p == plan else ""
             if not mark and p.step_time_s < plan.step_time_s:
                 mark = why_not_chosen(p, plan, short=True)
-            t.add_row(gpu_type, str(p.gpus), f"{p.dp}/{p.tp}/{p.pp}", str(p.zero), p.offload,
-                      p.act_ckpt, f"{p.micro_batch} x {p.grad_accum}", format_memory(p.device_used_gib),
+            t.add_row(gpu_type, str(p.gpus), f"{p.dp}/{p.tp}/{p.pp}" + (f" vpp{p.vpp}" if p.vpp > 1 else ""), str(p.zero),
+                      p.offload, p.act_ckpt, f"{p.micro_batch} x {p.grad_accum}", format_memory(p.device_used_gib),
                       format_seconds(p.step_time_s), mark, style="bold green" if p == plan else None)
         if len(plans) > len(shown):
             t.add_row(gpu_type, f"(+{len(plans) - len(shown)} more)", "", "", "", "", "", "", "", "")

@@ -23,7 +23,7 @@ def register(sub) -> None:
                                       "safety margin, policy, fallback order)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--plan", help='only plans with these knobs, e.g. "tp=2", "offload=optimizer,zero=3", '
-                                  '"nodes=2" (knobs: dp tp pp cp gpus nodes zero offload act_ckpt '
+                                  '"nodes=2" (knobs: dp tp pp vpp cp gpus nodes zero offload act_ckpt '
                                   'micro_batch grad_accum gpu)')
     p.add_argument("--dry-run", action="store_true",
                    help="print what would launch (GPU type, count, plan, memory, predicted step time "

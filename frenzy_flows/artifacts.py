@@ -52,7 +52,7 @@ def _same_plan(a: Plan, b: Plan | None) -> bool:
     # Predictions may be refilled between enumeration and choice: compare the plan's knobs only.
     if b is None:
         return False
-    knobs = ("gpu_type", "gpus", "dp", "tp", "pp", "cp", "zero", "offload", "act_ckpt",
+    knobs = ("gpu_type", "gpus", "dp", "tp", "pp", "vpp", "cp", "zero", "offload", "act_ckpt",
              "micro_batch", "grad_accum", "precision", "optimizer", "attention")
     return all(getattr(a, k) == getattr(b, k) for k in knobs)
 
@@ -83,7 +83,7 @@ def _gpu_memory_gib(gpu_type: str) -> float | None:
 
 def _layout(p: Plan) -> str:
     """The plan's knobs in one short cell: 'dp4 tp2 ZeRO-1 ckpt:full mb 2x4'."""
-    par = " ".join(f"{k}{getattr(p, k)}" for k in ("dp", "tp", "pp", "cp") if k == "dp" or getattr(p, k) > 1)
+    par = " ".join(f"{k}{getattr(p, k)}" for k in ("dp", "tp", "pp", "vpp", "cp") if k == "dp" or getattr(p, k) > 1)
     zero = f"ZeRO-{p.zero}" + ("" if p.offload == "none" else f"+off:{p.offload}")
     ckpt = "" if p.act_ckpt == "none" else f" ckpt:{p.act_ckpt}"
     return f"{par} {zero}{ckpt} mb {p.micro_batch}x{p.grad_accum}"

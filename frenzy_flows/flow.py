@@ -19,7 +19,7 @@ from scheduler.discover import cluster_or_local, is_control_machine_pool
 from frenzy_flows import artifacts, dispatch, events
 from frenzy_flows.form import RunForm
 from frenzy_flows.lifetime import allocation_lifetime
-from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, training_fields
+from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, training_fields, with_placed_nodes
 from frenzy_flows.tasks import (as_secret, enqueue, estimate_memory, load_settings, new_job_id,
                                 secret_value, select_resources, wait_for_gpus, with_site_defaults)
 from frenzy_flows.train_flow import train_on_pool
@@ -209,6 +209,9 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
         queue.finish(job_id, "failed" if status == "failed" else "done", error=error or "")
 
     final = Plan.model_validate(trained["final_plan"]) if trained.get("final_plan") else chosen
+    # the plans as they ran: on the nodes of their placement (the JSON's plan.nodes)
+    final, chosen = (with_placed_nodes(p, assignment.placement) for p in (final, chosen))
+    assignment = assignment.model_copy(update={"plan": with_placed_nodes(assignment.plan, assignment.placement)})
     measured = trained.get("measured", {})
     artifacts.summary(final, predicted_figures(final), measured, trained)
     artifacts.training_record(trained)          # MLflow link and loss curve

@@ -25,6 +25,16 @@ class Assignment(BaseModel):
                    placement=alloc.placement, devices=list(alloc.devices))
 
 
+def with_placed_nodes(plan: Plan, placement: dict[str, list[int]]) -> Plan:
+    """``plan`` with ``nodes`` = the nodes of its placement, as many as a gang starts flow runs
+    (``gang.gang_nodes``): a scheduler that spreads a plan over more nodes than the planner
+    counted reports the nodes it ran on. A placement not holding the plan's GPUs (the plan of a
+    fallback to another count) leaves the plan as it is."""
+    if not placement or sum(len(v) for v in placement.values()) != plan.gpus:
+        return plan
+    return plan.model_copy(update={"nodes": len(placement)})
+
+
 def predicted_figures(plan: Plan) -> dict[str, float]:
     """What the estimator and throughput model predicted for ``plan``, as stored and shown
     next to the measurement."""

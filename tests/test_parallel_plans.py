@@ -27,12 +27,16 @@ def weights(tmp_path_factory) -> Path:
     """Tiny Llama weights saved once: every run starts from them (ZeRO-3's partitioned
     construction draws another random initialisation than a plain one, so a fair comparison
     starts from the same saved weights)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", TINY)
+
+
+def save_tiny_llama(out: Path, config: dict) -> Path:
+    """A Llama of ``config`` from seed 0, saved with save_pretrained to ``out``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("models") / "tiny-llama"
-    AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY)).save_pretrained(str(out))
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(str(out))
     return out
 
 

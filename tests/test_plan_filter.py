@@ -57,6 +57,28 @@ def test_nodes_count_gpus_per_node_of_the_type():
     assert matches(PLANS["RTX3090-24GB"][0], {"gpu": "rtx3090-24gb"}, 8)
 
 
+def test_plans_carry_the_nodes_the_filter_and_the_gang_count():
+    """``Plan.nodes`` in the JSON: the planner's count is what ``--plan nodes=N`` matches, and a
+    run's result reports the nodes of its placement (one gang flow run per node)."""
+    from estimator.plans import plans_for_job
+    from frenzy_flows.gang import gang_nodes
+    from frenzy_flows.results import with_placed_nodes
+
+    job = {"model": {"name": "tiny-llama", "arch": "llama", "layers": 2, "hidden": 64, "heads": 4,
+                     "kv_heads": 2, "vocab": 256}, "seq_len": 32, "global_batch": 4, "train_steps": 1}
+    plans = plans_for_job(job, {"CPU": 2}, gpus_per_node=1)["CPU"]
+    assert {(p.gpus, p.nodes) for p in plans} == {(1, 1), (2, 2)}
+    assert all(matches(p, {"nodes": p.nodes}, 1) for p in plans)
+    two = plans_for_job(job, {"CPU": 2}, gpus_per_node=1, plan_filter={"nodes": 2})["CPU"]
+    assert two and all(p.nodes == 2 and '"nodes":2' in p.model_dump_json() for p in two)
+    placement = {"cpu2-1": [0], "cpu2-0": [0]}
+    assert with_placed_nodes(two[0], placement).nodes == len(gang_nodes(placement)) == 2
+    # spread over more nodes than the planner counted: the result says where it ran
+    assert with_placed_nodes(P(gpus=2, dp=2), placement).nodes == 2
+    assert with_placed_nodes(P(gpus=4, dp=4), placement).nodes == 1      # another count: kept
+    assert Plan.model_validate({k: v for k, v in P(gpus=2, dp=2).model_dump().items() if k != "nodes"}).nodes == 1
+
+
 def test_no_match_names_the_filter():
     with pytest.raises(FrenzyInputError) as e:
         filter_plans(PLANS, parse_plan_filter("pp=4"), 8)

@@ -68,6 +68,22 @@ def test_pipeline_bubble_shrinks_with_more_microbatches():
     assert few.pp_comm > 0
 
 
+def test_interleaving_divides_the_bubble_and_multiplies_the_pipeline_sends():
+    """Interleaved 1F1B (vpp chunks per rank): bubble fraction (pp - 1) / (vpp m), and fill and
+    drain cross pp vpp - 1 chunk boundaries instead of pp - 1."""
+    plain = st(plan(pp=4, mb=1, ga=8), spec=L8, seq=2048)
+    inter = st(plan(pp=4, mb=1, ga=8, vpp=2), spec=L8, seq=2048)
+    assert inter.bubble / (inter.compute + inter.memory) == pytest.approx(3 / (2 * 8))
+    assert inter.compute == plain.compute and inter.bubble == pytest.approx(plain.bubble / 2)
+    assert inter.pp_comm == pytest.approx(plain.pp_comm * 7 / 3)
+    assert inter.total < plain.total
+    # one micro-batch goes round the ranks alone: nothing to interleave with
+    one, one_v = st(plan(pp=4, mb=8, ga=1), spec=L8, seq=2048), st(plan(pp=4, mb=8, ga=1, vpp=2), spec=L8, seq=2048)
+    assert one_v.bubble == pytest.approx(one.bubble)
+    two_v = st(plan(pp=4, mb=4, ga=2, vpp=2), spec=L8, seq=2048)      # (4 - 2) + 1 / 2 of 2 slots
+    assert two_v.bubble / (two_v.compute + two_v.memory) == pytest.approx(2.5 / 2)
+
+
 def test_offload_and_recompute_cost_time():
     base = st(plan(dp=2, zero=2, mb=2, ga=2), spec=L8, seq=2048).total
     off = st(plan(dp=2, zero=2, mb=2, ga=2, offload="optimizer"), spec=L8, seq=2048).total

@@ -65,7 +65,8 @@ def full_resume_possible(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     if saved.get("pp", 1) != now.get("pp", 1):
         return False                 # pipeline stages hold parts of the model: weights only
     if saved.get("pp", 1) > 1:
-        return saved.get("world") == now.get("world")
+        # a stage file holds its rank's chunks: another interleaving cuts other layer sets
+        return saved.get("world") == now.get("world") and saved.get("vpp", 1) == now.get("vpp", 1)
     if not saved.get("deepspeed") and not now.get("deepspeed"):
         return True
     return (all(saved.get(k) == now.get(k) for k in ("deepspeed", "zero", "world", "offload"))

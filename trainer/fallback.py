@@ -86,6 +86,7 @@ def fallback_plans(job: TrainingJob, plan: Plan, *, inventory: dict[str, int] | 
     the runner takes the next one only after another OOM.
     """
     from estimator.catalog import get_gpu
+    from estimator.plan_filter import nodes_for
     from estimator.plans import enumerate_plans
 
     inventory = dict(inventory or {plan.gpu_type: plan.gpus})
@@ -140,7 +141,8 @@ def fallback_plans(job: TrainingJob, plan: Plan, *, inventory: dict[str, int] | 
         if job.global_batch % n == 0:
             per_rank = job.global_batch // n
             mb = max(d for d in range(1, min(per_rank, plan.micro_batch) + 1) if per_rank % d == 0)
-            geometry = {"gpus": n, "dp": n, "micro_batch": mb, "grad_accum": per_rank // mb}
+            geometry = {"gpus": n, "dp": n, "micro_batch": mb, "grad_accum": per_rank // mb,
+                        "nodes": nodes_for(n, per_node(plan.gpu_type))}
             for knobs in ({"offload": "none"}, {}):
                 found = reestimate(job, current.model_copy(update={**geometry, **knobs}),
                                    safety_margin_gib=safety_margin_gib)

@@ -7,8 +7,10 @@ the files are saved in the run folder so a person can rerun exactly what Frenzy 
 The trainer realises data parallelism (+ ZeRO 1-3 and offload through DeepSpeed) and tensor
 parallelism through DeepSpeed's AutoTP (``tensor_parallel.autotp_size``, ZeRO 0-3 beside it;
 ``trainer.parallel``) and sequence parallelism (``cp``) through DeepSpeed Ulysses
-(``trainer.parallel.ulysses``). Plans with pipeline parallelism, or cp beside tp, are refused
-here with an error naming the setting, before anything starts.
+(``trainer.parallel.ulysses``) and pipeline parallelism (``pp``, interleaved where ``vpp > 1``)
+through ``trainer.parallel.pipeline``. Layouts it cannot run (pp beside ZeRO/tp/cp, cp beside
+tp, an interleaving torch refuses) are refused here with an error naming the setting, before
+anything starts.
 """
 from __future__ import annotations
 
@@ -43,6 +45,9 @@ def check_realisable(plan: Plan) -> None:
         raise FrenzyInputError(
             "plan.pp", f"pipeline parallel runs beside data parallel only, without ZeRO, offload, tp or cp "
                        f"(got pp={plan.pp}, tp={plan.tp}, cp={plan.cp}, zero={plan.zero}, offload={plan.offload})")
+    vpp_rule = interleave_rule(plan.pp, getattr(plan, "vpp", 1), plan.grad_accum)
+    if vpp_rule is not None:
+        raise FrenzyInputError("plan.vpp", vpp_rule)
     if plan.cp > 1 and plan.tp > 1:
         raise FrenzyInputError("plan.cp", f"sequence parallel (Ulysses) runs beside data parallel, not beside "
                                           f"tensor parallel (got cp={plan.cp}, tp={plan.tp})")
@@ -53,6 +58,24 @@ def check_realisable(plan: Plan) -> None:
         raise FrenzyInputError("plan.offload", f"{plan.offload!r} needs ZeRO (zero >= 1); got zero=0")
     if plan.offload == "optimizer+params" and plan.zero != 3:
         raise FrenzyInputError("plan.offload", f"'optimizer+params' needs zero=3 (got zero={plan.zero})")
+
+
+def interleave_rule(pp: int, vpp: int, grad_accum: int) -> str | None:
+    """Why ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` cannot run ``vpp`` chunks
+    per pipeline rank over ``grad_accum`` micro-batches (one line), or None.
+
+    torch 2.13 runs the micro-batches in rounds of ``max(1, grad_accum // pp)`` and raises
+    unless the rounds divide them (so pp=2: 1-4, 6, 8 micro-batches run, 5 and 7 do not);
+    Megatron-LM's stricter ``grad_accum % pp == 0`` is not needed."""
+    if vpp <= 1:
+        return None
+    if pp <= 1:
+        return f"interleaved pipeline stages (vpp={vpp}) need pp > 1 (got pp={pp})"
+    rounds = max(1, grad_accum // pp)
+    if grad_accum % rounds:
+        return (f"interleaved 1F1B runs grad_accum micro-batches in rounds of max(1, grad_accum // pp) = {rounds}, "
+                f"which must divide grad_accum (got grad_accum={grad_accum}, pp={pp}, vpp={vpp})")
+    return None
 
 
 def check_heads(plan: Plan, heads: int, kv_heads: int | None = None) -> None:
@@ -73,11 +96,18 @@ def check_heads(plan: Plan, heads: int, kv_heads: int | None = None) -> None:
 PIPELINE_ARCHS = ("llama",)
 
 
-def check_pipeline_model(plan: Plan, arch: str) -> None:
-    """A ``pp > 1`` plan needs a model the pipeline path can cut into stages."""
+def check_pipeline_model(plan: Plan, arch: str, layers: int | None = None) -> None:
+    """A ``pp > 1`` plan needs a model the pipeline path can cut into stages; with ``layers``
+    (the model's decoder layers) an interleaved one needs ``pp x vpp`` chunks of equal size
+    (each rank holds ``vpp`` chunks; the estimator's interleaved activation term assumes
+    equal chunks, as Megatron-LM does)."""
     if plan.pp > 1 and arch not in PIPELINE_ARCHS:
         raise FrenzyInputError("plan.pp", f"pipeline stages are built for {', '.join(PIPELINE_ARCHS)} decoders "
                                           f"(got a {arch} model)")
+    vpp = getattr(plan, "vpp", 1)
+    if layers is not None and vpp > 1 and layers % (plan.pp * vpp):
+        raise FrenzyInputError("plan.vpp", f"pp x vpp = {plan.pp * vpp} must divide the model's {layers} layers "
+                                           f"(every rank holds vpp equal chunks)")
 
 
 def accelerate_config(plan: Plan, *, num_machines: int = 1, machine_rank: int = 0,

@@ -167,7 +167,7 @@ def preflight(job: TrainingJob, plan: Plan) -> dict[str, Any]:
     check_realisable(plan)
     spec = resolve_model(job.model)
     check_heads(plan, spec.heads, spec.n_kv)
-    check_pipeline_model(plan, spec.arch)
+    check_pipeline_model(plan, spec.arch, spec.layers)
     if job.finetune.method == "qlora":
         if is_cpu_plan(plan):
             raise FrenzyInputError("finetune.method", "qlora needs a GPU (bitsandbytes' 4-bit kernels); "

@@ -9,13 +9,22 @@ on the first, ``layers[lo:hi]``, the final norm and the head on the last; rotary
 the causal mask recomputed on every stage) and drops the rest. A step feeds the data-parallel
 rank's ``micro_batch x grad_accum`` sequences as ``grad_accum`` micro-batches through 1F1B
 (GPipe when there are fewer micro-batches than stages), ``scale_grads`` averaging them, so the
-gradient is the one a single process accumulates. Then: gradients averaged over the
-data-parallel ranks of each stage, a tied embedding's two copies summed between the first and
-last stage, one global gradient norm over every stage for clipping, one optimizer per stage.
+gradient is the one a single process accumulates.
 
-Checkpoints: one file per stage (its parameters under the whole model's names, and its
-optimizer state), then rank 0 writes ``consolidated.safetensors`` from them, so a run re-planned
-to another layout resumes from the full weights (optimizer restarted).
+Interleaved (``vpp > 1``): the layers are cut into ``pp x vpp`` equal chunks and pipeline rank
+``s`` holds chunks ``s, s + pp, s + 2 pp, ...`` (Megatron-LM's virtual stages; embeddings in
+chunk 0 on the first rank, the head in the last chunk on the last rank), run by
+``ScheduleInterleaved1F1B``: each warm-up and cool-down slot is one chunk's work, ``1/vpp`` of a
+rank's, so the bubble shrinks by ``vpp`` for ``vpp`` times the point-to-point sends.
+
+Then: gradients averaged over the data-parallel ranks of each stage, a tied embedding's two
+copies summed between the first and last stage, one global gradient norm over every stage for
+clipping, one optimizer per stage (over all the rank's chunks).
+
+Checkpoints: one file per stage, i.e. per pipeline rank with all its chunks (its parameters
+under the whole model's names, and its optimizer state), then rank 0 writes
+``consolidated.safetensors`` from them, so a run re-planned to another layout resumes from the
+full weights (optimizer restarted).
 
 Llama-family decoders (``model.model.layers``, ``embed_tokens``, ``norm``, ``rotary_emb``,
 ``lm_head``) only; full fine-tuning, no evaluation split, no ZeRO/tp/cp beside it.
@@ -49,11 +58,19 @@ def pipe_layout(plan: dict[str, Any], rank: int) -> PipeLayout:
 
 
 def stage_layers(layers: int, pp: int, stage: int) -> tuple[int, int]:
-    """The decoder layers ``[lo, hi)`` of ``stage``: as even as the count allows, the first
-    stages one more (the estimator's ``_stage_layers`` split)."""
+    """The decoder layers ``[lo, hi)`` of ``stage`` of ``pp`` stages (interleaved: of the
+    ``pp x vpp`` chunks): as even as the count allows, the first stages one more (the
+    estimator's ``_stage_layers`` split)."""
     base, extra = divmod(layers, pp)
     lo = stage * base + min(stage, extra)
     return lo, lo + base + (1 if stage < extra else 0)
+
+
+def rank_chunks(pp: int, vpp: int, stage: int) -> list[int]:
+    """The chunks (global stage indices of ``pp x vpp``) pipeline rank ``stage`` holds: every
+    ``pp``-th from its own, the layout ``ScheduleInterleaved1F1B`` expects (a micro-batch goes
+    round the ranks ``vpp`` times)."""
+    return [stage + k * pp for k in range(vpp)]
 
 
 def check_pipeline(spec: dict[str, Any], model) -> None:
@@ -66,6 +83,10 @@ def check_pipeline(spec: dict[str, Any], model) -> None:
                            f"(model.layers, embed_tokens, norm, rotary_emb, lm_head); got {type(model).__name__}")
     if len(inner.layers) < int(plan["pp"]):
         raise InputProblem(f"plan.pp: {plan['pp']} stages but the model has {len(inner.layers)} layers")
+    n = int(plan["pp"]) * int(plan.get("vpp", 1))
+    if n > int(plan["pp"]) and len(inner.layers) % n:
+        raise InputProblem(f"plan.vpp: pp x vpp = {n} must divide the model's {len(inner.layers)} layers "
+                           f"(every rank holds vpp equal chunks)")
     if spec.get("finetune", {}).get("method", "full") != "full":
         raise InputProblem("plan.pp: pipeline parallel trains the full model (no LoRA/QLoRA adapters)")
     if spec.get("eval"):
@@ -73,8 +94,9 @@ def check_pipeline(spec: dict[str, Any], model) -> None:
 
 
 def build_stage_module(model, stage: int, pp: int):
-    """The ``torch.nn.Module`` of ``stage``: the model's own submodules (so parameter names map
-    back to the whole model's), the rest of the model dropped."""
+    """The ``torch.nn.Module`` of ``stage`` of ``pp`` (interleaved: chunk ``stage`` of
+    ``pp x vpp``): the model's own submodules (so parameter names map back to the whole
+    model's), the rest of the model dropped."""
     import torch
     from transformers.masking_utils import create_causal_mask
 
@@ -132,13 +154,22 @@ class Pipeline:
 
     def __init__(self, model, plan: dict[str, Any], rank: int, device, make_optimizer):
         import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        import torch
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
 
         self.lay = lay = pipe_layout(plan, rank)
         self.mb, self.ga = int(plan["micro_batch"]), int(plan["grad_accum"])
         self.first, self.last = lay.stage == 0, lay.stage == lay.pp - 1
         self.tied = tied(model)
-        self.module = build_stage_module(model, lay.stage, lay.pp).to(device)
+        self.vpp = int(plan.get("vpp", 1))
+        n_chunks = lay.pp * self.vpp
+        ids = rank_chunks(lay.pp, self.vpp, lay.stage)
+        # this rank's chunks in pipeline order: chunk 0 (embeddings) first on the first rank,
+        # the last chunk (head) last on the last rank
+        self.chunks = [build_stage_module(model, c, n_chunks).to(device) for c in ids]
+        # one module over the chunks: optimizer, gradients and checkpoint see them all
+        self.module = torch.nn.ModuleList(self.chunks)
         # every rank creates every group, in the same order (new_group is collective)
         self.pp_group = self.dp_group = self.tie_group = None
         for d in range(lay.dp):
@@ -154,13 +185,24 @@ class Pipeline:
                 g = dist.new_group([lay.rank_of(d, 0), lay.rank_of(d, lay.pp - 1)])
                 if d == lay.dp_rank and (self.first or self.last):
                     self.tie_group = g
-        stage = PipelineStage(self.module, lay.stage, lay.pp, device, group=self.pp_group)
-        kind = Schedule1F1B if self.ga >= lay.pp else ScheduleGPipe
-        self.schedule = kind(stage, n_microbatches=self.ga, loss_fn=causal_lm_loss, scale_grads=True)
+        stages = [PipelineStage(m, c, n_chunks, device, group=self.pp_group) for m, c in zip(self.chunks, ids)]
+        if self.vpp > 1:
+            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=self.ga, loss_fn=causal_lm_loss,
+                                                    scale_grads=True)
+        else:
+            kind = Schedule1F1B if self.ga >= lay.pp else ScheduleGPipe
+            self.schedule = kind(stages[0], n_microbatches=self.ga, loss_fn=causal_lm_loss, scale_grads=True)
         self.optimizer, self.optimizer_impl = make_optimizer(self.module)
 
     def tied_weight(self):
-        return self.module.embed_tokens.weight if self.first else self.module.lm_head.weight
+        return self.chunks[0].embed_tokens.weight if self.first else self.chunks[-1].lm_head.weight
+
+    def full_names(self) -> dict[str, Any]:
+        """Whole-model name -> parameter over this rank's chunks."""
+        out: dict[str, Any] = {}
+        for chunk in self.chunks:
+            out.update(chunk.full_names())
+        return out
 
     def step(self, x, clip: float | None, lr: float):
         """One optimizer step on the rank's ``mb x ga`` sequences ``x``; returns the sum of the
@@ -212,7 +254,7 @@ class Pipeline:
 
         if self.lay.dp_rank == 0:
             path.mkdir(parents=True, exist_ok=True)
-            torch.save({"params": {n: p.detach().cpu() for n, p in self.module.full_names().items()},
+            torch.save({"params": {n: p.detach().cpu() for n, p in self.full_names().items()},
                         "optimizer": self.optimizer.state_dict()},
                        path / STAGE_FILE.format(stage=self.lay.stage))
 
@@ -221,7 +263,7 @@ class Pipeline:
 
         state = torch.load(path / STAGE_FILE.format(stage=self.lay.stage), map_location="cpu", weights_only=False)
         with torch.no_grad():
-            for n, p in self.module.full_names().items():
+            for n, p in self.full_names().items():
                 p.copy_(state["params"][n])
         self.optimizer.load_state_dict(state["optimizer"])
 
