@@ -57,15 +57,13 @@ def test_hanging_progress_api_does_not_slow_the_reader(monkeypatch):
     hang = threading.Event()
     calls = []
 
-    def hanging_update(**kw):         # prefect.artifacts.update_progress_artifact against a dead API
-        calls.append(kw)
-        hang.wait(3600)
+    class HangingClient:              # the Prefect API client against a dead API
+        def update_artifact(self, **kw):
+            calls.append(kw)
+            hang.wait(3600)
 
-    import prefect.artifacts
-
-    monkeypatch.setattr(prefect.artifacts, "update_progress_artifact", hanging_update)
     monkeypatch.setattr(artifacts, "PROGRESS_MIN_INTERVAL_S", 0.0)
-    handle = artifacts.ProgressHandle(artifact_id=None, total=STEPS)
+    handle = artifacts.ProgressHandle(artifact_id=None, total=STEPS, client=HangingClient())
     child = [sys.executable, "-c", textwrap.dedent(f"""
         import json
         for s in range(1, {STEPS} + 1):
