@@ -65,7 +65,8 @@ class ProcCpu:
         self.per_root: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="proc-cpu", daemon=True)
-        self._busy0 = self._busy1 = 0.0
+        self._busy0 = self._busy1 = self._busy_prev = 0.0
+        self.series: list[tuple[float, float]] = []      # per period: (machine busy, ours) CPU-s
         self.samples = 0
 
     def _tree(self) -> dict[int, int]:
@@ -89,6 +90,7 @@ class ProcCpu:
     def sample(self) -> None:
         if self.before is not None:
             self.before()
+        ours = sum(self.totals.values())
         for pid, root in self._tree().items():
             st = _stat(pid)
             if st is None:
@@ -109,6 +111,11 @@ class ProcCpu:
                 group = f"{group} ({tag})"
             self.totals[group] += now - prev
             self.per_root[root][group] += now - prev
+        busy = machine_busy_s()
+        if self.samples:
+            # (machine busy, ours) over the period: what everyone else took meanwhile
+            self.series.append((busy - self._busy_prev, sum(self.totals.values()) - ours))
+        self._busy_prev = busy
         self.samples += 1
 
     def _run(self) -> None:
@@ -136,6 +143,14 @@ class ProcCpu:
     def report_of(self, root: int) -> dict[str, float]:
         """{group: CPU-seconds} of the processes under one root."""
         return {k: round(v, 1) for k, v in sorted(self.per_root.get(root, {}).items(), key=lambda kv: -kv[1])}
+
+    def others_peak(self, window: int = 10) -> float:
+        """The most CPU-seconds per second that other processes took over ``window`` periods."""
+        other = [max(0.0, b - o) for b, o in self.series]
+        if not other:
+            return 0.0
+        w = max(1, min(window, len(other)))
+        return round(max(sum(other[i:i + w]) for i in range(len(other) - w + 1)) / (w * self.period_s), 2)
 
     def machine_busy(self) -> float:
         """CPU-seconds the whole machine was busy in the window (ours and everyone else's)."""
