@@ -8,7 +8,9 @@ preemptions decided by the policy and carried out through the ledger and the con
 
 Calibration, before the workload, from two live jobs run alone (measured, never fitted to the
 workload's result):
-  A. a job the scheduler places (one device): its median step time, and its start-up overhead,
+  A. a job the scheduler places (one device): its mean step time (from its run log, the first
+     few steps left out; the trainer reports the median, which leaves out the stalls a run
+     really has and the simulator must charge), and its start-up overhead,
      everything in its JCT beyond its steps (enqueue -> allocation, launch and model build,
      the final save): the simulator's ``startup_s``;
   B. a job started the same way that the bench asks, through the ledger, to grow onto the
@@ -27,12 +29,28 @@ arrive over ``--span-s`` after that gap.
 
     PYTHONPATH=. python bench/live_replay.py --jobs 12 --span-s 120 --job-s 20 30 --json
 
+Calibration jobs, not the workload's first job: the long job is the first workload job, and its
+JCT is the largest term of the average the bench compares, so its own step times would make
+that comparison agree by construction. The calibration jobs run under the same control plane
+(Prefect server, scheduler, their own flow process) but without the waiting submissions, which
+cost ~1 ms of CPU a second each (below).
+
+Where the CPU goes: over the workload phase the bench samples, every second, the CPU-seconds
+the kernel charged (``/proc/<pid>/stat`` utime + stime; ``bench/proc_cpu.py``) to the Prefect
+server, the scheduler, each submitting flow process by its job's state (before its arrival,
+waiting, running, ended) and the trainings it launched, and prints them with what the whole
+machine was busy meanwhile (other sessions' processes included: CPU-seconds, unlike wall
+times, stay valid on a shared machine). Measured with ``--jobs 8 --span-s 20 --job-s 10 15
+--long-steps 6000`` (docs/benchmarks.md): the Prefect server ~0.07 cores, the scheduler ~0.01,
+a waiting submission ~0.002, a running job's flow process ~0.07 (MLflow's per-step metrics,
+the rank output pump, the progress artifact), the trainings' own processes the rest.
+
 `--json`: the last line is {"jobs", "completed", "live_avg_jct_s", "sim_avg_jct_s", "resizes",
 "preemptions", "lost_steps"} (workload jobs only, calibration jobs left out). Deviation from the
 full contract: trainings run in the submitting flow's process (no separate pool workers), to
-fit a 2-core machine; each submitting process starts (imports) before the calibration and
-waits for its arrival time, so process start-up does not steal the cores from running
-trainings.
+fit a 2-core machine; each submitting process starts before the calibration, imports what its
+flow imports lazily (``WARM_MODULES``), and waits for its arrival time, so process start-up does
+not steal the cores from running trainings.
 """
 from __future__ import annotations
 
