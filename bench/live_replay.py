@@ -33,7 +33,7 @@ Calibration jobs, not the workload's first job: the long job is the first worklo
 JCT is the largest term of the average the bench compares, so its own step times would make
 that comparison agree by construction. The calibration jobs run under the same control plane
 (Prefect server, scheduler, their own flow process) but without the waiting submissions, which
-cost ~1 ms of CPU a second each (below).
+cost ~7 ms of CPU a second each (below).
 
 Where the CPU goes: over the workload phase the bench samples, every second, the CPU-seconds
 the kernel charged (``/proc/<pid>/stat`` utime + stime; ``bench/proc_cpu.py``) to the Prefect
@@ -42,7 +42,7 @@ waiting, running, ended) and the trainings it launched, and prints them with wha
 machine was busy meanwhile (other sessions' processes included: CPU-seconds, unlike wall
 times, stay valid on a shared machine). Measured with ``--jobs 8 --span-s 20 --job-s 10 15
 --long-steps 6000`` (docs/benchmarks.md): the Prefect server ~0.07 cores, the scheduler ~0.01,
-a waiting submission ~0.002, a running job's flow process ~0.07 (MLflow's per-step metrics,
+a waiting submission ~0.007 (its wait task's start included), a running job's flow process ~0.07 (MLflow's per-step metrics,
 the rank output pump, the progress artifact), the trainings' own processes the rest.
 
 `--json`: the last line is {"jobs", "completed", "live_avg_jct_s", "sim_avg_jct_s", "resizes",
