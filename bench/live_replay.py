@@ -8,7 +8,9 @@ preemptions decided by the policy and carried out through the ledger and the con
 
 Calibration, before the workload, from two live jobs run alone (measured, never fitted to the
 workload's result):
-  A. a job the scheduler places (one device): its median step time, and its start-up overhead,
+  A. a job the scheduler places (one device): its mean step time (from its run log, the first
+     few steps left out; the trainer reports the median, which leaves out the stalls a run
+     really has and the simulator must charge), and its start-up overhead,
      everything in its JCT beyond its steps (enqueue -> allocation, launch and model build,
      the final save): the simulator's ``startup_s``;
   B. a job started the same way that the bench asks, through the ledger, to grow onto the
@@ -27,12 +29,28 @@ arrive over ``--span-s`` after that gap.
 
     PYTHONPATH=. python bench/live_replay.py --jobs 12 --span-s 120 --job-s 20 30 --json
 
+Calibration jobs, not the workload's first job: the long job is the first workload job, and its
+JCT is the largest term of the average the bench compares, so its own step times would make
+that comparison agree by construction. The calibration jobs run under the same control plane
+(Prefect server, scheduler, their own flow process) but without the waiting submissions, which
+cost ~7 ms of CPU a second each (below).
+
+Where the CPU goes: over the workload phase the bench samples, every second, the CPU-seconds
+the kernel charged (``/proc/<pid>/stat`` utime + stime; ``bench/proc_cpu.py``) to the Prefect
+server, the scheduler, each submitting flow process by its job's state (before its arrival,
+waiting, running, ended) and the trainings it launched, and prints them with what the whole
+machine was busy meanwhile (other sessions' processes included: CPU-seconds, unlike wall
+times, stay valid on a shared machine). Measured with ``--jobs 8 --span-s 20 --job-s 10 15
+--long-steps 6000`` (docs/benchmarks.md): the Prefect server ~0.07 cores, the scheduler ~0.01,
+a waiting submission ~0.007 (its wait task's start included), a running job's flow process ~0.07 (MLflow's per-step metrics,
+the rank output pump, the progress artifact), the trainings' own processes the rest.
+
 `--json`: the last line is {"jobs", "completed", "live_avg_jct_s", "sim_avg_jct_s", "resizes",
 "preemptions", "lost_steps"} (workload jobs only, calibration jobs left out). Deviation from the
 full contract: trainings run in the submitting flow's process (no separate pool workers), to
-fit a 2-core machine; each submitting process starts (imports) before the calibration and
-waits for its arrival time, so process start-up does not steal the cores from running
-trainings.
+fit a 2-core machine; each submitting process starts before the calibration, imports what its
+flow imports lazily (``WARM_MODULES``), and waits for its arrival time, so process start-up does
+not steal the cores from running trainings.
 """
 from __future__ import annotations
 
@@ -86,6 +104,27 @@ def _wait_health(url: str, timeout_s: float) -> None:
     raise RuntimeError(f"Prefect server at {url} did not answer within {timeout_s:.0f} s")
 
 
+# What a submission imports lazily once its flow runs (Prefect's parameter encoding pulls in
+# fastapi; the ledger, SQLAlchemy, the policies, the trainer's runner, MLflow's client and store):
+# ~3.6 CPU-s measured per process, which a process would otherwise take from the running trainings
+# at its arrival and its training's start. Every submission, calibration ones too, imports them
+# before its flow starts, so none of it is inside a JCT the bench compares
+WARM_MODULES = ("fastapi.encoders", "prefect.flow_engine", "prefect.task_engine", "prefect.artifacts",
+                "ledger", "ledger.queue", "scheduler.policies", "estimator.plan_filter", "frenzy_scheduler",
+                "frenzy_scheduler.publish", "frenzy_flows.training", "trainer.runner", "trainer.tracking", "mlflow.tracking",
+                "mlflow.store.tracking.sqlalchemy_store")
+
+
+def _warm_imports() -> None:
+    import importlib
+
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:           # an optional one missing: the flow imports what it needs
+            pass
+
+
 def submit_one(job_file: str, out_file: str, cluster: str, ledger: str, policy: str,
                go_file: str | None, at: float | None) -> int:
     """One submission (run in its own process): the frenzy-submit flow, result JSON to a file.
@@ -93,6 +132,7 @@ def submit_one(job_file: str, out_file: str, cluster: str, ledger: str, policy: 
     there, and submit ``at`` seconds after it."""
     from frenzy_flows import submit_training
 
+    _warm_imports()
     if go_file:
         go = Path(go_file)
         parent = os.getppid()
@@ -148,6 +188,36 @@ def _run_alone(work: Path, job: dict, env: dict, cluster: str, ledger: str, poli
     if res.get("status") != "completed":
         raise RuntimeError(f"calibration job {job['name']} failed: {res.get('error')}")
     return res
+
+
+# Steps at the start of a launch left out of its mean step time: the first iterations allocate
+# and warm up (their time is in the start-up or re-size cost the bench derives from the JCT)
+WARMUP_STEPS = 5
+
+
+def mean_step_s(res: dict) -> float | None:
+    """The mean step time of the last launch of a calibration job, from the step lines of its run
+    log (each step's own time, as the program measured it). The simulator charges a job steps x
+    this, so the stalls a run really has (interference, a slow step now and then) count; the
+    trainer's reported figure is the median, which leaves them out: the 2-rank median was 11%
+    under the mean in a calibration job measured (0.0128 vs 0.0140 s)."""
+    run_dir = res.get("run_dir")
+    logs = sorted(Path(run_dir).glob("attempt-*.log"), key=lambda p: p.stat().st_mtime) if run_dir else []
+    if not logs:
+        return None
+    times = []
+    for line in logs[-1].read_text(errors="replace").splitlines():
+        if line.startswith("FRENZY_MODEL "):       # a launch begins: only the last one counts
+            times = []
+        elif line.startswith("FRENZY_STEP "):
+            try:
+                dt = json.loads(line.split(" ", 1)[1]).get("step_time_s")
+            except ValueError:
+                continue
+            if dt:
+                times.append(float(dt))
+    times = times[WARMUP_STEPS:]
+    return sum(times) / len(times) if times else None
 
 
 def long_job_steps(policy_name: str, plans: list, start_plan, cluster_path: str, tick_s: float,
@@ -278,6 +348,56 @@ def compare(jobs: list[dict], results: dict[str, dict], queue, cluster: str, pol
             "sim_avg_jct_s": round(sim_avg, 2), "resizes": resizes, "preemptions": preemptions, "lost_steps": lost}
 
 
+def control_plane_cpu(server, sched, running, queue):
+    """Start sampling the CPU-seconds of every process of the workload phase (``bench.proc_cpu``):
+    the Prefect server, the scheduler, each submitting flow process by its job's state
+    (before its arrival, waiting, running, ended) and the trainings it launched, and this
+    bench itself."""
+    from bench.proc_cpu import ProcCpu
+
+    by_pid = {p.pid: j["name"] for j, p, _ in running}
+    states: dict[str, str] = {}
+    label = {"pending": "waiting", "running": "running", "done": "ended", "failed": "ended"}
+
+    def read_states() -> None:
+        try:
+            states.update({r.name: label.get(r.state, r.state)
+                           for r in queue.jobs(("pending", "running", "done", "failed"), plans=False)})
+        except Exception:            # a busy database: last sample's states stand
+            pass
+
+    def classify(pid: int, root: int, cmd: str) -> str:
+        if root == server.pid:
+            return "prefect server"
+        if root == sched.pid:
+            return "scheduler"
+        if root == os.getpid():
+            return "bench (sampler, this process)"
+        if pid == root:
+            return "submit flow process"
+        return "training launcher" if "torchrun" in cmd or "torch.distributed.run" in cmd else "training ranks"
+
+    def phase(root: int) -> str:
+        name = by_pid.get(root)
+        return "" if name is None else states.get(name, "before arrival")
+
+    return ProcCpu(lambda: [os.getpid(), server.pid, sched.pid, *by_pid], classify, period_s=1.0,
+                   phase=phase, before=read_states).start()
+
+
+def say_cpu(cpu, wall_s: float, say, jobs: dict[int, str]) -> None:
+    rep = cpu.report()
+    ours = sum(rep.values())
+    say(f"CPU-seconds in the workload phase ({wall_s:.0f} s wall, {cpu.samples} samples; "
+        f"machine busy {cpu.machine_busy():.0f} CPU-s, ours {ours:.0f}, others' {cpu.machine_busy() - ours:.0f}: "
+        f"{(cpu.machine_busy() - ours) / wall_s:.2f} cores on average, {cpu.others_peak()} over their busiest 10 s):")
+    for group, sec in rep.items():
+        say(f"  {group:<40} {sec:>8.1f} CPU-s  {sec / wall_s:>5.2f} cores")
+    say("  per job: " + "; ".join(f"{name} " + ", ".join(f"{g.removeprefix('submit ')} {s:.1f}"
+                                                        for g, s in cpu.report_of(pid).items())
+                                  for pid, name in jobs.items()))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=12)
@@ -357,11 +477,13 @@ def main(argv=None) -> int:
         row_a = queue.get(res_a["job_id"])
         plans = row_a.plans                         # what the live submission queued
         plan1 = Plan.model_validate(res_a["plan"])
-        t1 = float(res_a["measured"]["step_time_s"])
+        t1_median = float(res_a["measured"]["step_time_s"])
+        t1 = mean_step_s(res_a) or t1_median
         jct_a = row_a.ended_at - row_a.submitted_at
         startup = max(0.0, jct_a - CALIB_A_STEPS * t1)
         queued_a = row_a.started_at - row_a.submitted_at
-        say(f"calibration A: {plan1.short()}: step {t1:.4f} s measured vs {predicted(plan1):.4f} s predicted "
+        say(f"calibration A: {plan1.short()}: step {t1:.4f} s measured (mean; median {t1_median:.4f} s) "
+            f"vs {predicted(plan1):.4f} s predicted "
             f"(plan {plan1.step_time_s:.4f} s); JCT {jct_a:.1f} s = queue {queued_a:.1f} s "
             f"+ {CALIB_A_STEPS} steps + {jct_a - queued_a - CALIB_A_STEPS * t1:.1f} s "
             f"launch and end: start-up {startup:.1f} s")
@@ -402,11 +524,13 @@ def main(argv=None) -> int:
             att = res_b.get("attempts") or []
             if asked.get("rid") and len(att) >= 2 and att[-1]["plan"]["gpus"] == plan2.gpus:
                 s0 = int(att[-1]["resumed_from_step"])
-                t2 = float(res_b["measured"]["step_time_s"])
+                t2_median = float(res_b["measured"]["step_time_s"])
+                t2 = mean_step_s(res_b) or t2_median
                 jct_b = row_b.ended_at - row_b.submitted_at
                 restart = max(0.0, jct_b - startup - s0 * t1 - (CALIB_B_STEPS - s0) * t2)
                 say(f"calibration B: grow asked at step {asked['at_step']}, resumed from {s0} on {plan2.short()}: "
-                    f"step {t2:.4f} s measured vs {predicted(plan2):.4f} s predicted (plan {plan2.step_time_s:.4f} s); "
+                    f"step {t2:.4f} s measured (mean; median {t2_median:.4f} s) vs {predicted(plan2):.4f} s predicted "
+                    f"(plan {plan2.step_time_s:.4f} s); "
                     f"JCT {jct_b:.1f} s = start-up {startup:.1f} + {s0} x {t1:.4f} + {CALIB_B_STEPS - s0} x {t2:.4f} "
                     f"+ re-size {restart:.1f} s")
             else:
@@ -428,11 +552,14 @@ def main(argv=None) -> int:
             running.append((j, *_spawn_submit(work, spec, env, cluster, ledger, args.policy, go, j["_at"])))
             procs.append(running[-1][1])
         time.sleep(min(60.0, 5.0 + 1.5 * len(jobs)))    # the submitting processes import meanwhile
+        cpu = control_plane_cpu(server, sched, running, queue)
         start = time.time()
         go.write_text(repr(start))
         say(f"workload: {len(jobs)} jobs, arrivals over {jobs[-1]['_at']:.0f} s ({time.time() - t0:.0f} s)")
         for j, p, out in running:
             p.wait(timeout=max(1.0, args.timeout_s - (time.time() - start)))
+        cpu.stop()
+        say_cpu(cpu, time.time() - start, say, {p.pid: j["name"] for j, p, _ in running})
         results = {j["name"]: json.loads(out.read_text()) if out.exists() else {"status": "failed"}
                    for j, _, out in running}
         summary = compare(jobs, results, queue, cluster, args.policy, plans, step_ratio, startup, restart,

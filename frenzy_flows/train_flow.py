@@ -45,9 +45,12 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
         if assignment is None:
             raise ValueError("a gang node's run needs the gang's assignment")
         progress = artifacts.progress_start(job.steps) if int(node.get("rank", 0)) == 0 else None
-        return train_node(job, plan, assignment, job_id, node, ledger_url=ledger_url, log=log.info,
-                          on_step=(lambda step, total, loss: artifacts.progress_update(progress, step, total, loss))
-                          if progress is not None else None)
+        try:
+            return train_node(job, plan, assignment, job_id, node, ledger_url=ledger_url, log=log.info,
+                              on_step=(lambda step, total, loss: artifacts.progress_update(progress, step, total, loss))
+                              if progress is not None else None)
+        finally:
+            artifacts.progress_end(progress)
     with allocation_lifetime(ledger_url, job_id, log=log.warning):   # released however this ends
         return _train(job, plan, assignment, job_id, ledger_url, inventory, site, log)
 
@@ -74,7 +77,10 @@ def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log) -> d
         ordered = site.order_fallbacks(plan, fallback_plans(job, plan, inventory=inventory))
     fallbacks = events.announced_fallbacks(job, plan, inventory=inventory, plans=ordered,
                                            last_step=lambda: last["step"])
-    result = run_allocated_training(job, job_id, plan, assignment, ledger_url=ledger_url,
-                                    log=log.info, inventory=inventory, on_step=on_step,
-                                    fallbacks=fallbacks)
+    try:
+        result = run_allocated_training(job, job_id, plan, assignment, ledger_url=ledger_url,
+                                        log=log.info, inventory=inventory, on_step=on_step,
+                                        fallbacks=fallbacks)
+    finally:
+        artifacts.progress_end(progress)
     return result.model_dump(mode="json")

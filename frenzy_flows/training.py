@@ -22,6 +22,7 @@ Called in-process by the submit flow's `train` task (embedded default) and by th
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from pathlib import Path
@@ -38,8 +39,13 @@ REQUEST_POLL_S = 1.0
 # same round free when that job's own stop lands (one step plus a checkpoint on the tiny model
 # takes a few seconds; 60 s covers checkpoints of a few GB). Then it waits in the queue.
 RESIZE_TAKE_S = 60.0
-# How often a waiting submission looks at its queue row.
+# How often a waiting submission looks at its queue row (a read): its start reaches it within
+# this of the scheduler's round.
 WAIT_POLL_S = 0.5
+# How often a waiting submission beats its row (a write: 12 beats in the queue's 60 s alive
+# window, ``ledger.queue.DEFAULT_ALIVE_S``). A beat every poll was a write transaction per waiting
+# job every 0.5 s: 2,000 a second for 1,000 waiting jobs on one PostgreSQL
+WAIT_BEAT_S = 5.0
 
 
 def wait_for_allocation(queue, job_id: str, *, timeout_s: float, log: Callable[[str], None],
@@ -51,8 +57,13 @@ def wait_for_allocation(queue, job_id: str, *, timeout_s: float, log: Callable[[
 
     end = time.monotonic() + timeout_s
     said = None
+    beat_at = -math.inf
     while True:
-        row = queue.touch(job_id)
+        now = time.monotonic()
+        if now - beat_at >= WAIT_BEAT_S:
+            row, beat_at = queue.touch(job_id, plans=False), now
+        else:
+            row = queue.get(job_id, plans=False)
         if row is None:
             raise RuntimeError(f"job {job_id} is not in the scheduler's queue")
         if row.state == "running" and row.allocation_id:
@@ -115,7 +126,7 @@ class RequestWatcher:
             if not watched:
                 continue
             try:
-                row = self.queue.touch(self.job_id, steps_done=self.step)
+                row = self.queue.touch(self.job_id, steps_done=self.step, plans=False)
             except Exception as err:            # a transient database error: next period
                 self.log(f"frenzy: queue heartbeat failed: {err}")
                 continue

@@ -137,11 +137,12 @@ class JobQueue:
             return QueueJob.of(row)
 
     def touch(self, job_id: str, *, steps_done: int | None = None,
-              alive_s: float = DEFAULT_ALIVE_S) -> QueueJob | None:
+              alive_s: float = DEFAULT_ALIVE_S, plans: bool = True) -> QueueJob | None:
         """The submitter's (or its run's) heartbeat: keeps the row alive, records progress, and
-        returns the row (its state and any request). None for an unknown job."""
+        returns the row (its state and any request; ``plans=False``: without its candidate
+        plans, left unread). None for an unknown job."""
         with self.ledger._tx() as s:
-            row = self._row(s, job_id)
+            row = self._row(s, job_id, plans=plans)
             if row is None:
                 return None
             now = db_now(s)
@@ -149,7 +150,7 @@ class JobQueue:
             if steps_done is not None and steps_done > row.steps_done:
                 row.steps_done = int(steps_done)
             row.updated_at = now
-            return QueueJob.of(row)
+            return QueueJob.of(row, plans=plans)
 
     def note(self, job_id: str, reason: str) -> None:
         """What a placed job waits for before it trains (e.g. a worker of its pool), shown as
@@ -410,10 +411,16 @@ class JobQueue:
             return True
 
     # --- views ----------------------------------------------------------------------------
-    def get(self, job_id: str) -> QueueJob | None:
+    def get(self, job_id: str, *, plans: bool = True) -> QueueJob | None:
+        """The row of ``job_id`` (``plans=False``: without its candidate plans), None if unknown;
+        a read: it beats nothing."""
         with self.ledger._read() as s:
-            row = s.get(QueueJobRow, job_id)
-            return QueueJob.of(row) if row is not None else None
+            if plans:
+                row = s.get(QueueJobRow, job_id)
+            else:
+                row = s.exec(select(QueueJobRow).options(defer(QueueJobRow.plans))
+                             .where(QueueJobRow.job_id == job_id)).first()
+            return QueueJob.of(row, plans=plans) if row is not None else None
 
     def jobs(self, states: tuple[str, ...] = ACTIVE, *, plans: bool = True) -> list[QueueJob]:
         """Jobs in ``states``, oldest submission first. ``plans=False`` leaves the candidate

@@ -57,15 +57,13 @@ def test_hanging_progress_api_does_not_slow_the_reader(monkeypatch):
     hang = threading.Event()
     calls = []
 
-    def hanging_update(**kw):         # prefect.artifacts.update_progress_artifact against a dead API
-        calls.append(kw)
-        hang.wait(3600)
+    class HangingClient:              # the Prefect API client against a dead API
+        def update_artifact(self, **kw):
+            calls.append(kw)
+            hang.wait(3600)
 
-    import prefect.artifacts
-
-    monkeypatch.setattr(prefect.artifacts, "update_progress_artifact", hanging_update)
     monkeypatch.setattr(artifacts, "PROGRESS_MIN_INTERVAL_S", 0.0)
-    handle = artifacts.ProgressHandle(artifact_id=None, total=STEPS)
+    handle = artifacts.ProgressHandle(artifact_id=None, total=STEPS, client=HangingClient())
     child = [sys.executable, "-c", textwrap.dedent(f"""
         import json
         for s in range(1, {STEPS} + 1):
@@ -92,3 +90,37 @@ def test_hanging_progress_api_does_not_slow_the_reader(monkeypatch):
     assert box.dropped >= STEPS - ON_STEP_QUEUE_MAX - 1
     # with a synchronous update the child would still be blocked on its full pipe
     assert took_s < baseline_s + 5.0, (took_s, baseline_s)
+
+
+def test_progress_updates_of_a_run_share_one_api_client(monkeypatch):
+    """Every update of a run goes through one Prefect client (made at the first update, closed
+    by ``progress_end``), not a new client per update."""
+    made = []
+
+    class Client:
+        def __init__(self):
+            self.updates, self.closed = [], False
+            made.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.closed = True
+
+        def update_artifact(self, *, artifact_id, artifact):
+            self.updates.append((artifact_id, artifact.data, artifact.description))
+
+    import prefect
+
+    monkeypatch.setattr(prefect, "get_client", lambda sync_client=False: Client())
+    monkeypatch.setattr(artifacts, "PROGRESS_MIN_INTERVAL_S", 0.0)
+    handle = artifacts.ProgressHandle(artifact_id="a1", total=4)
+    sent = [artifacts.progress_update(handle, s, 4, loss=1.0) for s in range(1, 5)]
+    artifacts.progress_end(handle)
+    assert sent == [True] * 4
+    assert len(made) == 1 and made[0].closed
+    assert [u[1] for u in made[0].updates] == [25.0, 50.0, 75.0, 100.0]
+    assert made[0].updates[-1][2] == "training: step 4/4, loss 1.0000"
+    artifacts.progress_end(handle)              # a second end, or one without updates: no-op
+    artifacts.progress_end(None)
