@@ -154,11 +154,20 @@ def train_as_nodes(j, p: Plan, run_dir: Path, ledger_url: str, nodes: int = 2):
     return results, logs
 
 
-@pytest.mark.slow
-def test_two_nodes_of_one_process_match_one_node_of_two(weights, tmp_path):
-    from tests.test_parallel_plans import assert_matches, train
+@pytest.fixture(scope="module")
+def one_node(weights, tmp_path_factory):
+    """The one-node run of the two ranks (job(weights) on plan(2)) that every two-node launch of
+    the same job must reproduce: trained once for the module."""
+    from tests.test_parallel_plans import train
 
-    one_node, _ = train(job(weights), plan(2), tmp_path / "one-node")
+    res, _ = train(job(weights), plan(2), tmp_path_factory.mktemp("one-node") / "run")
+    return res
+
+
+@pytest.mark.slow
+def test_two_nodes_of_one_process_match_one_node_of_two(weights, one_node, tmp_path):
+    from tests.test_parallel_plans import assert_matches
+
     results, logs = train_as_nodes(job(weights), plan(2), tmp_path / "two-nodes", f"sqlite:///{tmp_path / 'l.db'}")
     assert results[1].losses == []                           # only node 0's rank 0 reports
     assert_matches(results[0].losses, one_node.losses)
@@ -228,11 +237,11 @@ def _gang_setup(pool: str, tmp_path: Path, j, p: Plan):
 @pytest.mark.slow
 @pytest.mark.prefect
 @pytest.mark.usefixtures("prefect_server")
-def test_a_gang_of_two_workers_on_two_node_queues_matches_one_node(weights, tmp_path, monkeypatch):
+def test_a_gang_of_two_workers_on_two_node_queues_matches_one_node(weights, one_node, tmp_path, monkeypatch):
     import uuid
 
     from frenzy_flows.gang import dispatch_gang
-    from tests.test_parallel_plans import assert_matches, train
+    from tests.test_parallel_plans import assert_matches
 
     monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
     pool = f"mn-{uuid.uuid4().hex[:6]}"
@@ -247,7 +256,6 @@ def test_a_gang_of_two_workers_on_two_node_queues_matches_one_node(weights, tmp_
     run = tmp_path / "shared" / f"job-{pool}"
     assert out["run_dir"] == str(run.resolve())
     assert (run / "attempt-1-node1.log").is_file()       # node 1 trained in the same shared folder
-    one_node, _ = train(j, p, tmp_path / "one-node")
     assert_matches(out["losses"], one_node.losses)
 
 
