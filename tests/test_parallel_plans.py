@@ -83,6 +83,13 @@ def tp_run(weights, tmp_path_factory):
     return train(job(weights), plan(2, tp=2, zero=0), tmp_path_factory.mktemp("tp") / "run")
 
 
+@pytest.fixture(scope="module")
+def pp_run(weights, tmp_path_factory):
+    """pp=2 over 2 micro-batches for the reference's 3 steps: the pp=2 check, and its step-2
+    checkpoint is the pipelined start of the re-plan to one process (as ``tp_run``'s)."""
+    return train(job(weights), plan(2, pp=2, micro_batch=2), tmp_path_factory.mktemp("pp") / "run")
+
+
 def assert_matches(losses: list[float], ref: list[float]) -> None:
     assert len(losses) == len(ref)
     worst = max(abs(a - b) for a, b in zip(losses, ref))
@@ -189,10 +196,10 @@ def test_sequence_parallel_2_through_ulysses_matches_one_process(weights, refere
 
 
 @pytest.mark.slow
-def test_pipeline_2_matches_one_process(weights, reference, tmp_path):
+def test_pipeline_2_matches_one_process(reference, pp_run):
     """pp=2 (torch.distributed.pipelining, 1F1B over 2 micro-batches): the single-process
     losses; one checkpoint file per stage and the consolidated weights beside them."""
-    res, lines = train(job(weights), plan(2, pp=2, micro_batch=2), tmp_path / "run")
+    res, lines = pp_run
     assert_matches(res.losses, reference)
     assert any("dp=1 pp=2" in line and "Schedule1F1B" in line for line in lines)
     ck = Path(res.checkpoint_dir)
@@ -211,15 +218,17 @@ def test_data_parallel_2_x_pipeline_2_matches_one_process(weights, reference, tm
 
 
 @pytest.mark.slow
-def test_a_pipeline_checkpoint_resumes_on_one_process(weights, reference_run, tmp_path):
-    """Re-plan pp=2 -> dp=1: two pipelined steps, then step 3 on one process from the
-    consolidated weights equals the single-process run re-planned the same way (optimizer
-    restarted in both)."""
-    first, _ = train(job(weights, train_steps=2), plan(2, pp=2, micro_batch=2), tmp_path / "pp")
-    assert_matches(first.losses, reference_run.losses[:2])
+def test_a_pipeline_checkpoint_resumes_on_one_process(weights, reference_run, pp_run, tmp_path):
+    """Re-plan pp=2 -> dp=1: two pipelined steps (``pp_run``'s step 2), then step 3 on one
+    process from the consolidated weights equals the single-process run re-planned the same way
+    (optimizer restarted in both)."""
+    first, _ = pp_run
+    assert_matches(first.losses[:2], reference_run.losses[:2])
+    pp_ck = Path(first.run_dir) / "checkpoints" / "step-00000002"
+    assert (pp_ck / "stage-00.pt").is_file() and (pp_ck / "consolidated.safetensors").is_file()
     # one process under ZeRO-1: a layout change for both checkpoints, so both restart the optimizer
     j, target = job(weights), plan(1, zero=1)
-    moved, lines = _resume_under(Path(first.checkpoint_dir), j, target, tmp_path / "from-pp")
+    moved, lines = _resume_under(pp_ck, j, target, tmp_path / "from-pp")
     assert any(line.startswith("FRENZY_RESUME") and '"mode": "weights"' in line for line in lines)
     ref_ck = Path(reference_run.run_dir) / "checkpoints" / "step-00000002"
     same, _ = _resume_under(ref_ck, j, target, tmp_path / "from-one")
