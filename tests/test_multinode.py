@@ -81,6 +81,10 @@ def test_a_node_whose_heartbeat_runs_out_or_that_failed_is_lost(tmp_path, monkey
     assert gang.lost("g", 3) == {}
     gang.finish("g", 2, "failed", "RuntimeError: gloo connection reset")
     assert set(gang.lost("g", 3)) == {2} and "gloo connection reset" in gang.lost("g", 3)[2]
+    # the heartbeat's lifetime a site (or a test) may set: never under two beats
+    assert gang_mod.node_alive_s(None) == gang_mod.node_alive_s("") == gang_mod.node_alive_s("x") == 30.0
+    assert gang_mod.node_alive_s("10") == 10.0 and gang_mod.node_alive_s("nan") == 30.0
+    assert gang_mod.node_alive_s("0") == 2 * gang_mod.NODE_BEAT_S
     monkeypatch.setattr(gang_mod, "NODE_ALIVE_S", -1.0)     # a beat that is already out of date
     gang.beat("g", 1)
     gang.finish("g", 0, "done")                             # done: never lost, beat or not
@@ -187,7 +191,7 @@ def _cluster(pool: str) -> dict:
     return {"pools": [{"name": pool, "gpu": "CPU", "nodes": 2, "gpus_per_node": 1}]}
 
 
-def _worker(pool: str, queue: str):
+def _worker(pool: str, queue: str, **extra_env: str):
     import os
     import subprocess
     import sys
@@ -195,7 +199,7 @@ def _worker(pool: str, queue: str):
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_WORKER_QUERY_SECONDS": "1",
-           "PYTHONPATH": str(ROOT), "FRENZY_NODE_ADDRESS": "127.0.0.1"}
+           "PYTHONPATH": str(ROOT), "FRENZY_NODE_ADDRESS": "127.0.0.1", **extra_env}
     return subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool,
                              "--work-queue", queue, "--type", "process"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -281,15 +285,20 @@ def test_a_node_whose_worker_vanishes_stops_the_gang_frees_its_gpus_and_it_resum
 
     from deployments.pools import gpu_limit_name
     from frenzy_flows.gang import dispatch_gang
+    from ledger import gang as gang_mod
     from prefect import get_client
 
     monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
+    # the nodes' heartbeats live 10 s (3 beats) instead of 30 s: the vanished node is found
+    # lost, and the gang stopped, 20 s sooner; the dispatcher here reads the same lifetime
+    alive = {gang_mod.NODE_ALIVE_ENV: "10"}
+    monkeypatch.setattr(gang_mod, "NODE_ALIVE_S", 10.0)
     pool = f"mv-{uuid.uuid4().hex[:6]}"
     j, p = job(weights, train_steps=60, seq_len=128, checkpoint_every=2), plan(2)
     ledger, assignment = _gang_setup(pool, tmp_path, j, p)
     first_alloc = assignment.allocation_id
     run = tmp_path / "shared" / f"job-{pool}"
-    workers = [_worker(pool, f"{pool}-{r}") for r in (0, 1)]
+    workers = [_worker(pool, f"{pool}-{r}", **alive) for r in (0, 1)]
     out: dict = {}
 
     def go():
@@ -314,7 +323,7 @@ def test_a_node_whose_worker_vanishes_stops_the_gang_frees_its_gpus_and_it_resum
     while time.monotonic() < end and ledger.allocation(first_alloc).status == "active":
         time.sleep(0.5)
     assert ledger.allocation(first_alloc).status == "released"
-    workers.append(_worker(pool, f"{pool}-1"))      # node 1 comes back
+    workers.append(_worker(pool, f"{pool}-1", **alive))      # node 1 comes back
     try:
         t.join(600)
     finally:
