@@ -81,6 +81,10 @@ def test_a_node_whose_heartbeat_runs_out_or_that_failed_is_lost(tmp_path, monkey
     assert gang.lost("g", 3) == {}
     gang.finish("g", 2, "failed", "RuntimeError: gloo connection reset")
     assert set(gang.lost("g", 3)) == {2} and "gloo connection reset" in gang.lost("g", 3)[2]
+    # the heartbeat's lifetime a site (or a test) may set: never under two beats
+    assert gang_mod.node_alive_s(None) == gang_mod.node_alive_s("") == gang_mod.node_alive_s("x") == 30.0
+    assert gang_mod.node_alive_s("10") == 10.0 and gang_mod.node_alive_s("nan") == 30.0
+    assert gang_mod.node_alive_s("0") == 2 * gang_mod.NODE_BEAT_S
     monkeypatch.setattr(gang_mod, "NODE_ALIVE_S", -1.0)     # a beat that is already out of date
     gang.beat("g", 1)
     gang.finish("g", 0, "done")                             # done: never lost, beat or not
@@ -154,11 +158,20 @@ def train_as_nodes(j, p: Plan, run_dir: Path, ledger_url: str, nodes: int = 2):
     return results, logs
 
 
-@pytest.mark.slow
-def test_two_nodes_of_one_process_match_one_node_of_two(weights, tmp_path):
-    from tests.test_parallel_plans import assert_matches, train
+@pytest.fixture(scope="module")
+def one_node(weights, tmp_path_factory):
+    """The one-node run of the two ranks (job(weights) on plan(2)) that every two-node launch of
+    the same job must reproduce: trained once for the module."""
+    from tests.test_parallel_plans import train
 
-    one_node, _ = train(job(weights), plan(2), tmp_path / "one-node")
+    res, _ = train(job(weights), plan(2), tmp_path_factory.mktemp("one-node") / "run")
+    return res
+
+
+@pytest.mark.slow
+def test_two_nodes_of_one_process_match_one_node_of_two(weights, one_node, tmp_path):
+    from tests.test_parallel_plans import assert_matches
+
     results, logs = train_as_nodes(job(weights), plan(2), tmp_path / "two-nodes", f"sqlite:///{tmp_path / 'l.db'}")
     assert results[1].losses == []                           # only node 0's rank 0 reports
     assert_matches(results[0].losses, one_node.losses)
@@ -198,7 +211,7 @@ def _cluster(pool: str) -> dict:
     return {"pools": [{"name": pool, "gpu": "CPU", "nodes": 2, "gpus_per_node": 1}]}
 
 
-def _worker(pool: str, queue: str):
+def _worker(pool: str, queue: str, **extra_env: str):
     import os
     import subprocess
     import sys
@@ -206,7 +219,7 @@ def _worker(pool: str, queue: str):
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_WORKER_QUERY_SECONDS": "1",
-           "PYTHONPATH": str(ROOT), "FRENZY_NODE_ADDRESS": "127.0.0.1"}
+           "PYTHONPATH": str(ROOT), "FRENZY_NODE_ADDRESS": "127.0.0.1", **extra_env}
     return subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool,
                              "--work-queue", queue, "--type", "process"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -248,11 +261,11 @@ def _gang_setup(pool: str, tmp_path: Path, j, p: Plan):
 @pytest.mark.slow
 @pytest.mark.prefect
 @pytest.mark.usefixtures("prefect_server")
-def test_a_gang_of_two_workers_on_two_node_queues_matches_one_node(weights, tmp_path, monkeypatch):
+def test_a_gang_of_two_workers_on_two_node_queues_matches_one_node(weights, one_node, tmp_path, monkeypatch):
     import uuid
 
     from frenzy_flows.gang import dispatch_gang
-    from tests.test_parallel_plans import assert_matches, train
+    from tests.test_parallel_plans import assert_matches
 
     monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
     pool = f"mn-{uuid.uuid4().hex[:6]}"
@@ -270,7 +283,6 @@ def test_a_gang_of_two_workers_on_two_node_queues_matches_one_node(weights, tmp_
     # the gang's measurement beside its prediction, for calibration, as a one-node run records
     m = [m for m in ledger.measurements("CPU") if m.job_id == f"job-{pool}"]
     assert len(m) == 1 and m[0].alloc_id == assignment.allocation_id
-    one_node, _ = train(j, p, tmp_path / "one-node")
     assert_matches(out["losses"], one_node.losses)
 
 
@@ -324,15 +336,20 @@ def test_a_node_whose_worker_vanishes_stops_the_gang_frees_its_gpus_and_it_resum
     import uuid
 
     from deployments.pools import gpu_limit_name
+    from ledger import gang as gang_mod
     from prefect import get_client
 
     monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
+    # the nodes' heartbeats live 10 s (3 beats) instead of 30 s: the vanished node is found
+    # lost, and the gang stopped, 20 s sooner; the dispatcher here reads the same lifetime
+    alive = {gang_mod.NODE_ALIVE_ENV: "10"}
+    monkeypatch.setattr(gang_mod, "NODE_ALIVE_S", 10.0)
     pool = f"mv-{uuid.uuid4().hex[:6]}"
     j, p = job(weights, train_steps=60, seq_len=128, checkpoint_every=2), plan(2)
     ledger, assignment = _gang_setup(pool, tmp_path, j, p)
     first_alloc = assignment.allocation_id
     run = tmp_path / "shared" / f"job-{pool}"
-    workers = [_worker(pool, f"{pool}-{r}") for r in (0, 1)]
+    workers = [_worker(pool, f"{pool}-{r}", **alive) for r in (0, 1)]
     t, out = _dispatch_in_thread(j, p, assignment, f"job-{pool}")
     killed_at = None
     end = time.monotonic() + 400
@@ -348,7 +365,7 @@ def test_a_node_whose_worker_vanishes_stops_the_gang_frees_its_gpus_and_it_resum
     while time.monotonic() < end and ledger.allocation(first_alloc).status == "active":
         time.sleep(0.5)
     assert ledger.allocation(first_alloc).status == "released"
-    workers.append(_worker(pool, f"{pool}-1"))      # node 1 comes back
+    workers.append(_worker(pool, f"{pool}-1", **alive))      # node 1 comes back
     res = _completed(t, out, workers)
     assert res["attempts"][0]["resumed_from_step"] >= killed_at - 2 > 0      # from a checkpoint, not step 0
     assert len(res["losses"]) == 60 - res["attempts"][0]["resumed_from_step"]

@@ -78,6 +78,22 @@ def reference(reference_run) -> list[float]:
     return reference_run.losses
 
 
+@pytest.fixture(scope="module")
+def tp_run(weights, tmp_path_factory):
+    """tp=2 without ZeRO for the reference's 3 steps (a checkpoint each step, the newest two
+    kept): the tp=2 check of that layout, and its step-2 checkpoint is the tensor-parallel start
+    of the re-plan to data parallel (the learning rate is constant, so a 2-step run's final
+    checkpoint is this run's step 2, as the reference's step 2 stands for its 2-step run)."""
+    return train(job(weights), plan(2, tp=2, zero=0), tmp_path_factory.mktemp("tp") / "run")
+
+
+@pytest.fixture(scope="module")
+def pp_run(weights, tmp_path_factory):
+    """pp=2 over 2 micro-batches for the reference's 3 steps: the pp=2 check, and its step-2
+    checkpoint is the pipelined start of the re-plan to one process (as ``tp_run``'s)."""
+    return train(job(weights), plan(2, pp=2, micro_batch=2), tmp_path_factory.mktemp("pp") / "run")
+
+
 def assert_matches(losses: list[float], ref: list[float]) -> None:
     assert len(losses) == len(ref)
     worst = max(abs(a - b) for a, b in zip(losses, ref))
@@ -121,8 +137,9 @@ def test_rank_layout_keeps_tensor_parallel_groups_consecutive():
 # ------------------------------------------------------------------------------- real runs
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [0, 3])
-def test_tensor_parallel_2_matches_one_process(weights, reference, tmp_path, zero):
-    res, lines = train(job(weights), plan(2, tp=2, zero=zero), tmp_path / "run")
+def test_tensor_parallel_2_matches_one_process(weights, reference, tmp_path, zero, request):
+    res, lines = request.getfixturevalue("tp_run") if zero == 0 else \
+        train(job(weights), plan(2, tp=2, zero=zero), tmp_path / "run")
     assert_matches(res.losses, reference)
     assert any("dp=1 tp=2" in line for line in lines)
     ck = Path(res.checkpoint_dir)
@@ -152,15 +169,18 @@ def _resume_under(ck: Path, j: TrainingJob, p: Plan, run_dir: Path):
 
 
 @pytest.mark.slow
-def test_a_tensor_parallel_checkpoint_resumes_under_data_parallel(weights, reference_run, tmp_path):
-    """Re-plan across layouts: tp=2 for 2 steps, then the same job (same global batch) goes on
-    under dp=2 (ZeRO-1) from the consolidated weights; its step 3 equals that of the
-    single-process run re-planned the same way at step 2 (both restart the optimizer state)."""
-    first, _ = train(job(weights, train_steps=2), plan(2, tp=2), tmp_path / "tp")
-    assert_matches(first.losses, reference_run.losses[:2])
+def test_a_tensor_parallel_checkpoint_resumes_under_data_parallel(weights, reference_run, tp_run, tmp_path):
+    """Re-plan across layouts: tp=2 for 2 steps (``tp_run``'s step 2), then the same job (same
+    global batch) goes on under dp=2 (ZeRO-1) from the consolidated weights; its step 3 equals
+    that of the single-process run re-planned the same way at step 2 (both restart the
+    optimizer state)."""
+    first, _ = tp_run
+    assert_matches(first.losses[:2], reference_run.losses[:2])
+    tp_ck = Path(first.run_dir) / "checkpoints" / "step-00000002"
+    assert (tp_ck / "consolidated.safetensors").is_file()
     j = job(weights)
     target = plan(2, zero=1)
-    moved, lines = _resume_under(Path(first.checkpoint_dir), j, target, tmp_path / "from-tp")
+    moved, lines = _resume_under(tp_ck, j, target, tmp_path / "from-tp")
     assert any(line.startswith("FRENZY_RESUME") and '"mode": "weights"' in line for line in lines)
     ref_ck = Path(reference_run.run_dir) / "checkpoints" / "step-00000002"
     same, _ = _resume_under(ref_ck, j, target, tmp_path / "from-one")
@@ -180,10 +200,10 @@ def test_sequence_parallel_2_through_ulysses_matches_one_process(weights, refere
 
 
 @pytest.mark.slow
-def test_pipeline_2_matches_one_process(weights, reference, tmp_path):
+def test_pipeline_2_matches_one_process(reference, pp_run):
     """pp=2 (torch.distributed.pipelining, 1F1B over 2 micro-batches): the single-process
     losses; one checkpoint file per stage and the consolidated weights beside them."""
-    res, lines = train(job(weights), plan(2, pp=2, micro_batch=2), tmp_path / "run")
+    res, lines = pp_run
     assert_matches(res.losses, reference)
     assert any("dp=1 pp=2" in line and "Schedule1F1B" in line for line in lines)
     ck = Path(res.checkpoint_dir)
@@ -202,15 +222,17 @@ def test_data_parallel_2_x_pipeline_2_matches_one_process(weights, reference, tm
 
 
 @pytest.mark.slow
-def test_a_pipeline_checkpoint_resumes_on_one_process(weights, reference_run, tmp_path):
-    """Re-plan pp=2 -> dp=1: two pipelined steps, then step 3 on one process from the
-    consolidated weights equals the single-process run re-planned the same way (optimizer
-    restarted in both)."""
-    first, _ = train(job(weights, train_steps=2), plan(2, pp=2, micro_batch=2), tmp_path / "pp")
-    assert_matches(first.losses, reference_run.losses[:2])
+def test_a_pipeline_checkpoint_resumes_on_one_process(weights, reference_run, pp_run, tmp_path):
+    """Re-plan pp=2 -> dp=1: two pipelined steps (``pp_run``'s step 2), then step 3 on one
+    process from the consolidated weights equals the single-process run re-planned the same way
+    (optimizer restarted in both)."""
+    first, _ = pp_run
+    assert_matches(first.losses[:2], reference_run.losses[:2])
+    pp_ck = Path(first.run_dir) / "checkpoints" / "step-00000002"
+    assert (pp_ck / "stage-00.pt").is_file() and (pp_ck / "consolidated.safetensors").is_file()
     # one process under ZeRO-1: a layout change for both checkpoints, so both restart the optimizer
     j, target = job(weights), plan(1, zero=1)
-    moved, lines = _resume_under(Path(first.checkpoint_dir), j, target, tmp_path / "from-pp")
+    moved, lines = _resume_under(pp_ck, j, target, tmp_path / "from-pp")
     assert any(line.startswith("FRENZY_RESUME") and '"mode": "weights"' in line for line in lines)
     ref_ck = Path(reference_run.run_dir) / "checkpoints" / "step-00000002"
     same, _ = _resume_under(ref_ck, j, target, tmp_path / "from-one")
