@@ -143,6 +143,10 @@ def job_variables(plan: Plan, allocation: Any, env: Mapping[str, str] | None = N
     if os.environ.get("FRENZY_HOME") and "FRENZY_HOME" not in extra:
         # a worker on this machine must find the same ledger and run folders
         extra["FRENZY_HOME"] = os.path.abspath(os.environ["FRENZY_HOME"])
+    if os.environ.get("FRENZY_SHARED_RUNS") and "FRENZY_SHARED_RUNS" not in extra:
+        # run folders on storage every node sees: a gang's nodes, and a run preempted or
+        # relaunched on another node, find the same checkpoints (trainer.resume.shared_runs_root)
+        extra["FRENZY_SHARED_RUNS"] = os.environ["FRENZY_SHARED_RUNS"]
     out["env"] = extra
     return out
 

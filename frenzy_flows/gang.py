@@ -186,18 +186,16 @@ def _node_variables(plan: Plan, assignment: Assignment, node_id: str,
     """The pool template variables of one node's run: that node's devices only."""
     one = assignment.model_copy(update={"placement": {node_id: assignment.placement[node_id]},
                                         "devices": [str(d) for d in assignment.placement[node_id]]})
-    out = dispatch.job_variables(plan, one, env)
-    if os.environ.get("FRENZY_SHARED_RUNS") and "FRENZY_SHARED_RUNS" not in out["env"]:
-        out["env"]["FRENZY_SHARED_RUNS"] = os.environ["FRENZY_SHARED_RUNS"]
-    return out
+    return dispatch.job_variables(plan, one, env)
 
 
 def _start_nodes(deployment_id, assignment: Assignment, plan: Plan, parameters: dict[str, Any], gang_id: str,
-                 run_dir: Path, env: Mapping[str, str] | None) -> list[tuple[str, Any]]:
+                 run_dir: Path, env: Mapping[str, str] | None, runs: list[tuple[str, Any]]) -> None:
+    """One flow run per node, each appended to ``runs`` as soon as it exists, so a dispatcher
+    interrupted half-way through still cancels the nodes already started."""
     from prefect.deployments import run_deployment
 
     nodes = gang_nodes(assignment.placement)
-    runs = []
     for rank, node_id in enumerate(nodes):
         node = {"gang_id": gang_id, "rank": rank, "nodes": len(nodes), "node_id": node_id, "run_dir": str(run_dir)}
         fr = run_deployment(deployment_id, parameters={**parameters, "node": node},
@@ -207,7 +205,6 @@ def _start_nodes(deployment_id, assignment: Assignment, plan: Plan, parameters: 
         runs.append((node_id, fr))
         dispatch._logger().info("gang %s: node %d (%s) dispatched to work queue %s as flow run %s", gang_id, rank,
                                 node_id, node_queue_name(assignment.pool, node_index(node_id)), fr.name)
-    return runs
 
 
 def watch_gang(states: Callable[[], list[Any]], lost: Callable[[], dict[int, str]], *, deadline: float,
@@ -266,7 +263,6 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
     from ledger.gang import Gang
     from ledger.queue import JobQueue
     from trainer.resume import prepare_run_dir, shared_runs_root
-
     from trainer.runner import TrainResult
 
     from frenzy_flows.training import RequestWatcher, answer_request, record_measurement
@@ -302,11 +298,11 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
                 # the watcher beats the job's queue row and writes the scheduler's re-size or
                 # stop request into the shared run folder's control file: rank 0 (on node 0)
                 # reads it and every rank of every node stops after the same step
-                runs = _start_nodes(deployment_id, assignment, plan, params, gang_id, run_dir, env)
+                _start_nodes(deployment_id, assignment, plan, params, gang_id, run_dir, env, runs)
                 ok, why = watch_gang(lambda: _states([fr.id for _, fr in runs]),
                                      lambda: gang.lost(gang_id, len(runs)), deadline=deadline, poll_s=poll_s)
                 if not ok:
-                    for node_id, fr in runs:          # gang semantics: nobody trains on alone
+                    for _, fr in runs:                # gang semantics: nobody trains on alone
                         cancel_flow_run(fr.id, f"frenzy: gang {gang_id} stopped: {why}")
         except BaseException as err:
             for _, fr in runs:

@@ -109,6 +109,7 @@ def test_job_variables_carry_devices_type_count_and_env(monkeypatch):
 
     job, plan = _plan_and_job()
     monkeypatch.delenv("FRENZY_HOME", raising=False)
+    monkeypatch.delenv("FRENZY_SHARED_RUNS", raising=False)
     v = job_variables(plan, {"pool": "cpu", "devices": [0, 1]}, env={"A": "1"})
     assert v == {"gpu_type": "CPU", "num_processes": 2, "gpu_ids": "0,1",
                  "env": {"A": "1", "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true"}}
@@ -116,6 +117,9 @@ def test_job_variables_carry_devices_type_count_and_env(monkeypatch):
     v = job_variables(plan, {"pool": "cpu"})     # no devices: the plan's GPU count, worker's own ids
     assert "gpu_ids" not in v and v["num_processes"] == 2
     assert v["env"]["FRENZY_HOME"] == os.path.abspath("rel/home")
+    # every pool run (a gang's node, a one-node run) finds run folders on the shared storage
+    monkeypatch.setenv("FRENZY_SHARED_RUNS", "/mnt/runs")
+    assert job_variables(plan, {"pool": "cpu"})["env"]["FRENZY_SHARED_RUNS"] == "/mnt/runs"
 
 
 @pytest.mark.slow
