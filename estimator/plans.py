@@ -253,6 +253,13 @@ def heads_rule(tp: int, cp: int, heads: int, kv_heads: int | None = None) -> str
     return None
 
 
+def _table_rule(spec: ModelSpec, base, n: int, mb: int) -> str | None:
+    """``_launch_rule`` of a memory-table entry (knobs at micro-batch 1) on ``n`` GPUs at
+    micro-batch ``mb``: its gradient accumulation is the table's over ``mb``."""
+    return _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads, spec.n_kv,
+                        spec.arch, vpp=base.vpp, grad_accum=base.grad_accum // mb, layers=spec.layers)
+
+
 def not_launchable_reason(plan: Plan, spec: ModelSpec | None = None) -> str | None:
     """Why this installation's trainer cannot launch ``plan`` (the trainer's realisability
     rules, in one line; with the model's ``spec`` also its heads rule), or None when it can."""
@@ -332,9 +339,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                                          base.act_ckpt, mb, base.grad_accum // mb, precision, attention,
                                          base.vpp),
                         gpu, seq_len, nodes)
-        why = (_launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads, spec.n_kv,
-                            spec.arch, vpp=base.vpp, grad_accum=base.grad_accum // mb, layers=spec.layers)
-               or _host_rule(spec, base, n, gpus_per_node, host_ram_gib))
+        why = _table_rule(spec, base, n, mb) or _host_rule(spec, base, n, gpus_per_node, host_ram_gib)
         by_count.setdefault(n, []).append((why, st, u, a, r, mb, base))
     plans = []
     n_fit = sum(len(c) for c in by_count.values())
@@ -357,8 +362,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     closest = None
     if keep_closest and not n_fit:
         short, n, base, mb, a, r, u = min(keep_closest, key=lambda x: x[0])
-        why = _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads, spec.n_kv,
-                           spec.arch, vpp=base.vpp, grad_accum=base.grad_accum // mb, layers=spec.layers)
+        why = _table_rule(spec, base, n, mb)
         closest = (short, _plan(gpu, n, base, mb, precision, optimizer, attention, a, r, u, 0.0, why,
                                 nodes_for(n, gpus_per_node)))
     return tuple(plans), closest, n_fit

@@ -428,7 +428,7 @@ def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_
     # training on GPU clusters", 2.2.2). With fewer micro-batches than ranks a rank has nothing to
     # run while its first micro-batch goes round the other ranks: pp - ga whole slots stay idle
     # (ga = 1: no gain). At vpp = 1 both read pp - 1.
-    if vpp > 1 and ga < pp:
+    if ga < pp:
         bubble = t_mb * ((pp - ga) + (ga - 1) / vpp)
     else:
         bubble = t_mb * (pp - 1) / vpp
