@@ -127,8 +127,9 @@ CAVEATS = {
     # rows 22-24: one source, one config at 8K / 32K / 128K tokens; reserved only
     22: "reserved only (no allocated figure): the source's own fit puts 12.6 GiB at zero "
         "tokens, above the modelled ZeRO-3 + offload states and buffers (5.3 GiB allocated); "
-        "the gap is not attributed (a cached copy of the loaded model is ruled out: ZeRO-3 "
-        "empties the cache when it defragments its partitions)",
+        "the gap is not attributed (the whole bf16 model's high-water at init, about 15.2 GiB "
+        "reserved, would count only if the model was loaded outside zero.Init and the peak "
+        "was not reset after init; the source states neither)",
     24: "128K is well beyond the data set's 512-8192 target range (SOURCES.md); the measured "
         "reserved is below the modelled allocated: Liger's fused RMSNorm/SwiGLU (not credited, "
         "see docs/benchmarks.md) match its per-token slope",
