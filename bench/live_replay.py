@@ -210,13 +210,14 @@ def submit_one(job_file: str, out_file: str, cluster: str, ledger: str, policy: 
 
     _warm_imports()
     if go_file:
+        Path(out_file + ".ready").write_text("")     # imported: the bench says go once all are
         go = Path(go_file)
         parent = os.getppid()
         while not go.exists():
             if os.getppid() != parent:          # the bench died: nobody will say go
                 return 1
             time.sleep(0.2)
-        start = float(go.read_text() or 0)
+        start = float(go.read_text())
         time.sleep(max(0.0, start + (at or 0.0) - time.time()))
     job = json.loads(Path(job_file).read_text())
     try:
@@ -664,10 +665,18 @@ def main(argv=None) -> int:
             spec = {k: v for k, v in j.items() if not k.startswith("_")}
             running.append((j, *_spawn_submit(work, spec, env, cluster, ledger, args.policy, go, j["_at"])))
             procs.append(running[-1][1])
-        time.sleep(min(60.0, 5.0 + 1.5 * len(jobs)))    # the submitting processes import meanwhile
+        # every submitting process has imported before the clock starts: one still importing
+        # would submit late (a loaded machine once delayed the long job's submission by 35 s,
+        # after short jobs due 30 s after it, so the policy never saw it alone)
+        ready_by = time.time() + 300.0
+        while not all(Path(str(out) + ".ready").exists() or p.poll() is not None for _, p, out in running):
+            if time.time() > ready_by:
+                raise RuntimeError("the submitting processes did not finish importing within 300 s")
+            time.sleep(0.5)
         cpu = control_plane_cpu(server, sched, workers, running, queue)
         start = time.time()
-        go.write_text(repr(start))
+        (work / "go.tmp").write_text(repr(start))
+        os.replace(work / "go.tmp", go)          # whole or absent: a reader never sees it empty
         say(f"workload: {len(jobs)} jobs, arrivals over {jobs[-1]['_at']:.0f} s ({time.time() - t0:.0f} s)")
         for j, p, out in running:
             p.wait(timeout=max(1.0, args.timeout_s - (time.time() - start)))
