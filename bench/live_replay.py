@@ -3,8 +3,11 @@
 
 Live path: a real Prefect server (`prefect server start`), a SQLite ledger, `frenzy scheduler`
 (the same round as the simulator), one `frenzy-submit` flow run per job started at its arrival
-time (each trains in its own process on the local CPU "GPUs": the tiny GPT-2), re-sizes and
-preemptions decided by the policy and carried out through the ledger and the control file.
+time, whose training is a flow run of the pool's `frenzy-train-<pool>` deployment executed by a
+process worker the bench starts for each pool of the cluster (`prefect worker start --pool
+<pool>`, as a site does; its own process tree, stopped at the end): the tiny GPT-2 on the local
+CPU "GPUs". Re-sizes and preemptions are decided by the policy and carried out through the
+ledger and the control file.
 
 Calibration, before the workload, from two live jobs run alone (measured, never fitted to the
 workload's result):
@@ -46,11 +49,13 @@ a waiting submission ~0.007 (its wait task's start included), a running job's fl
 the rank output pump, the progress artifact), the trainings' own processes the rest.
 
 `--json`: the last line is {"jobs", "completed", "live_avg_jct_s", "sim_avg_jct_s", "resizes",
-"preemptions", "lost_steps"} (workload jobs only, calibration jobs left out). Deviation from the
-full contract: trainings run in the submitting flow's process (no separate pool workers), to
-fit a 2-core machine; each submitting process starts before the calibration, imports what its
-flow imports lazily (``WARM_MODULES``), and waits for its arrival time, so process start-up does
-not steal the cores from running trainings.
+"preemptions", "lost_steps"} (workload jobs only, calibration jobs left out). The submissions
+themselves are not runs of the control pool's worker: each is a process of the bench that starts
+before the calibration, imports what its flow imports lazily (``WARM_MODULES``) and calls the
+`frenzy-submit` flow at its arrival time, so the arrival times are the workload's, and process
+start-up does not steal the cores from running trainings. Each training's flow-run process
+(started by the pool's worker at its pickup) is the real one: its start-up is in every JCT, the
+calibration job's included.
 """
 from __future__ import annotations
 
@@ -125,6 +130,77 @@ def _warm_imports() -> None:
             pass
 
 
+def start_workers(cluster, env: dict, work: Path, timeout_s: float = 120.0) -> list[subprocess.Popen]:
+    """One process worker per pool of ``cluster`` (one per node queue for a pool of several
+    nodes), each the command a site runs, in its own session so its flow-run processes and
+    their trainings can be stopped with it (``stop_tree``); returns once every pool has a worker
+    online."""
+    from deployments.pools import node_queue_name
+    from frenzy_flows import dispatch
+
+    prefect_bin = str(Path(sys.executable).with_name("prefect"))
+    workers = []
+    for pool in cluster.pools:
+        queues = [node_queue_name(pool.name, i) for i in range(pool.nodes)] if pool.nodes > 1 else [None]
+        for q in queues:
+            cmd = [prefect_bin, "worker", "start", "--pool", pool.name, *(["--work-queue", q] if q else [])]
+            workers.append(subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, stderr=subprocess.STDOUT,
+                                            stdout=open(work / f"worker-{q or pool.name}.log", "w")))
+    end = time.time() + timeout_s
+    for pool in cluster.pools:
+        while dispatch.workers_online(pool.name) < (pool.nodes if pool.nodes > 1 else 1):
+            if time.time() > end or any(w.poll() is not None for w in workers):
+                raise RuntimeError(f"no worker of pool {pool.name} came online within {timeout_s:.0f} s "
+                                   f"(logs in {work})")
+            time.sleep(0.5)
+    return workers
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process under ``pid`` (procfs)."""
+    from bench.proc_cpu import descendants
+
+    return [q for q in descendants({pid}) if q != pid]
+
+
+def stop_tree(p: subprocess.Popen, grace_s: float = 30.0) -> list[int]:
+    """Stop ``p`` and every process under it (its session's group and any descendant that left
+    it): SIGTERM, then SIGKILL after ``grace_s``. Returns the pids still alive after that."""
+    tree = [p.pid, *_descendants(p.pid)]
+
+    def signal_all(sig) -> None:
+        for pid in tree:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def running(pid: int) -> bool:          # a zombie (exited, not yet reaped) counts as stopped
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().decode(errors="replace").rsplit(")", 1)[-1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    def alive() -> list[int]:
+        p.poll()
+        return [pid for pid in tree if running(pid)]
+
+    signal_all(signal.SIGTERM)
+    end = time.time() + grace_s
+    while alive() and time.time() < end:
+        time.sleep(0.2)
+    if alive():
+        signal_all(signal.SIGKILL)
+        time.sleep(0.5)
+    p.poll()
+    return alive()
+
+
 def submit_one(job_file: str, out_file: str, cluster: str, ledger: str, policy: str,
                go_file: str | None, at: float | None) -> int:
     """One submission (run in its own process): the frenzy-submit flow, result JSON to a file.
@@ -134,13 +210,14 @@ def submit_one(job_file: str, out_file: str, cluster: str, ledger: str, policy: 
 
     _warm_imports()
     if go_file:
+        Path(out_file + ".ready").write_text("")     # imported: the bench says go once all are
         go = Path(go_file)
         parent = os.getppid()
         while not go.exists():
             if os.getppid() != parent:          # the bench died: nobody will say go
                 return 1
             time.sleep(0.2)
-        start = float(go.read_text() or 0)
+        start = float(go.read_text())
         time.sleep(max(0.0, start + (at or 0.0) - time.time()))
     job = json.loads(Path(job_file).read_text())
     try:
@@ -348,11 +425,11 @@ def compare(jobs: list[dict], results: dict[str, dict], queue, cluster: str, pol
             "sim_avg_jct_s": round(sim_avg, 2), "resizes": resizes, "preemptions": preemptions, "lost_steps": lost}
 
 
-def control_plane_cpu(server, sched, running, queue):
+def control_plane_cpu(server, sched, workers, running, queue):
     """Start sampling the CPU-seconds of every process of the workload phase (``bench.proc_cpu``):
     the Prefect server, the scheduler, each submitting flow process by its job's state
-    (before its arrival, waiting, running, ended) and the trainings it launched, and this
-    bench itself."""
+    (before its arrival, waiting, running, ended), the pool workers, their flow-run processes
+    and the trainings those launched, and this bench itself."""
     from bench.proc_cpu import ProcCpu
 
     by_pid = {p.pid: j["name"] for j, p, _ in running}
@@ -366,6 +443,8 @@ def control_plane_cpu(server, sched, running, queue):
         except Exception:            # a busy database: last sample's states stand
             pass
 
+    worker_pids = {w.pid for w in workers}
+
     def classify(pid: int, root: int, cmd: str) -> str:
         if root == server.pid:
             return "prefect server"
@@ -374,15 +453,45 @@ def control_plane_cpu(server, sched, running, queue):
         if root == os.getpid():
             return "bench (sampler, this process)"
         if pid == root:
-            return "submit flow process"
-        return "training launcher" if "torchrun" in cmd or "torch.distributed.run" in cmd else "training ranks"
+            return "pool worker" if root in worker_pids else "submit flow process"
+        if "torchrun" in cmd or "torch.distributed.run" in cmd:
+            return "training launcher"
+        if "prefect.engine" in cmd:             # what a process worker starts for each flow run
+            return "train flow-run processes (worker's)"
+        return "training ranks" if root in worker_pids else "submit flow children"
 
     def phase(root: int) -> str:
         name = by_pid.get(root)
         return "" if name is None else states.get(name, "before arrival")
 
-    return ProcCpu(lambda: [os.getpid(), server.pid, sched.pid, *by_pid], classify, period_s=1.0,
+    return ProcCpu(lambda: [os.getpid(), server.pid, sched.pid, *worker_pids, *by_pid], classify, period_s=1.0,
                    phase=phase, before=read_states).start()
+
+
+def worker_pickups() -> dict[str, list[float]]:
+    """Job name -> seconds from each of its training flow runs' scheduled start to its Running
+    state: the worker's poll (``PREFECT_WORKER_QUERY_SECONDS``, 10 s by default) plus the start of
+    the flow-run process up to the engine's first state, a part of every start-up a job pays."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    out: dict[str, list[float]] = {}
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["frenzy"])),
+                                     limit=200)
+    for fr in runs:
+        name = next((t.removeprefix("job:") for t in fr.tags if t.startswith("job:")), None)
+        if name and fr.start_time and fr.expected_start_time:
+            out.setdefault(name, []).append((fr.start_time - fr.expected_start_time).total_seconds())
+    return out
+
+
+def say_pickups(pickups: dict[str, list[float]], names: list[str], say) -> None:
+    calib = [f"{n} {v:.1f} s" for n in ("calibrate", "calibrate-resize") for v in pickups.get(n, [])]
+    work = [v for n in names for v in pickups.get(n, [])]
+    if work:
+        say(f"worker pickup (scheduled -> Running) per training flow run: workload mean {sum(work) / len(work):.1f} s "
+            f"(min {min(work):.1f}, max {max(work):.1f}, {len(work)} runs); calibration {', '.join(calib) or '-'}")
 
 
 def say_cpu(cpu, wall_s: float, say, jobs: dict[int, str]) -> None:
@@ -436,12 +545,15 @@ def main(argv=None) -> int:
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(work / "prefect"),
-           "FRENZY_HOME": str(work / "frenzy"), "PREFECT_API_URL": api,
+           # the ledger as a site gives it to its workers (docs/fleet.md): a pool run gets no
+           # ledger URL from its dispatcher, since a run's parameters would show a password
+           "FRENZY_HOME": str(work / "frenzy"), "FRENZY_LEDGER_URL": ledger, "PREFECT_API_URL": api,
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
     os.environ.update({k: env[k] for k in ("PREFECT_HOME", "FRENZY_HOME", "PREFECT_API_URL",
                                            "PREFECT_SERVER_ANALYTICS_ENABLED")})
     prefect_bin = str(Path(sys.executable).with_name("prefect"))
     procs: list[subprocess.Popen] = []
+    workers: list[subprocess.Popen] = []
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
     t0 = time.time()
     try:
@@ -458,12 +570,14 @@ def main(argv=None) -> int:
         from estimator.plan import Plan
 
         sync_pools(load_cluster(cluster))
+        workers += start_workers(load_cluster(cluster), env, work)
         sched = subprocess.Popen([sys.executable, "-m", "frenzy_cli.main", "scheduler", "--ledger", ledger,
                                   "--cluster", cluster, "--policy", args.policy, "--tick-s", str(args.tick_s)],
                                  env=env, cwd=ROOT, stdout=open(work / "scheduler.log", "w"),
                                  stderr=subprocess.STDOUT)
         procs.append(sched)
-        say(f"prefect server {api}, scheduler pid {sched.pid}, work dir {work} ({time.time() - t0:.0f} s)")
+        say(f"prefect server {api}, scheduler pid {sched.pid}, {len(workers)} pool worker(s) pid "
+            f"{', '.join(str(w.pid) for w in workers)}, work dir {work} ({time.time() - t0:.0f} s)")
         queue = JobQueue(ledger)
         sc = SimCluster.from_cluster(load_cluster(cluster))
         model_steps = StepTimes(sc.gpus)
@@ -551,10 +665,18 @@ def main(argv=None) -> int:
             spec = {k: v for k, v in j.items() if not k.startswith("_")}
             running.append((j, *_spawn_submit(work, spec, env, cluster, ledger, args.policy, go, j["_at"])))
             procs.append(running[-1][1])
-        time.sleep(min(60.0, 5.0 + 1.5 * len(jobs)))    # the submitting processes import meanwhile
-        cpu = control_plane_cpu(server, sched, running, queue)
+        # every submitting process has imported before the clock starts: one still importing
+        # would submit late (a loaded machine once delayed the long job's submission by 35 s,
+        # after short jobs due 30 s after it, so the policy never saw it alone)
+        ready_by = time.time() + 300.0
+        while not all(Path(str(out) + ".ready").exists() or p.poll() is not None for _, p, out in running):
+            if time.time() > ready_by:
+                raise RuntimeError("the submitting processes did not finish importing within 300 s")
+            time.sleep(0.5)
+        cpu = control_plane_cpu(server, sched, workers, running, queue)
         start = time.time()
-        go.write_text(repr(start))
+        (work / "go.tmp").write_text(repr(start))
+        os.replace(work / "go.tmp", go)          # whole or absent: a reader never sees it empty
         say(f"workload: {len(jobs)} jobs, arrivals over {jobs[-1]['_at']:.0f} s ({time.time() - t0:.0f} s)")
         for j, p, out in running:
             p.wait(timeout=max(1.0, args.timeout_s - (time.time() - start)))
@@ -564,6 +686,10 @@ def main(argv=None) -> int:
                    for j, _, out in running}
         summary = compare(jobs, results, queue, cluster, args.policy, plans, step_ratio, startup, restart,
                           args.tick_s, say)
+        try:
+            say_pickups(worker_pickups(), [j["name"] for j in jobs], say)
+        except Exception as err:        # only a diagnostic
+            say(f"worker pickups unreadable: {type(err).__name__}: {err}")
         say(f"(wall {time.time() - t0:.0f} s)")
         say(f"command: PYTHONPATH=. python bench/live_replay.py --jobs {args.jobs} --span-s {args.span_s:g} "
             f"--tick-s {args.tick_s:g} --seed {args.seed} --job-s {args.job_s[0]:g} {args.job_s[1]:g} "
@@ -572,6 +698,10 @@ def main(argv=None) -> int:
             print(json.dumps(summary), flush=True)
         return 0
     finally:
+        left = [pid for w in workers for pid in stop_tree(w)]     # the trainings under them too
+        if workers:
+            say(f"pool workers stopped with their flow runs and trainings; "
+                f"{'left running: pids ' + str(left) if left else 'no process left'}")
         for p in reversed(procs):
             if p.poll() is None:
                 p.terminate()

@@ -41,6 +41,25 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def descendants(roots: set[int]) -> dict[int, int]:
+    """pid -> the root of ``roots`` it descends from, for every live process under them (the
+    roots themselves included)."""
+    parent: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None:
+                parent[int(name)] = st[0]
+    out = {}
+    for pid in parent:
+        p, seen = pid, 0
+        while p not in roots and p in parent and seen < 64:
+            p, seen = parent[p], seen + 1
+        if p in roots:
+            out[pid] = p
+    return out
+
+
 def machine_busy_s() -> float:
     """CPU-seconds every core of the machine spent busy since boot (all processes, ours or not)."""
     with open("/proc/stat") as f:
@@ -71,21 +90,7 @@ class ProcCpu:
 
     def _tree(self) -> dict[int, int]:
         """pid -> the tracked root it descends from, for every live descendant."""
-        roots = set(self.roots())
-        parent: dict[int, int] = {}
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                st = _stat(int(name))
-                if st is not None:
-                    parent[int(name)] = st[0]
-        out = {}
-        for pid in parent:
-            p, seen = pid, 0
-            while p not in roots and p in parent and seen < 64:
-                p, seen = parent[p], seen + 1
-            if p in roots:
-                out[pid] = p
-        return out
+        return descendants(set(self.roots()))
 
     def sample(self) -> None:
         if self.before is not None:
