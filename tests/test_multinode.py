@@ -434,7 +434,7 @@ def test_the_scheduler_shrinks_a_gang_onto_one_node_and_it_resumes_with_the_same
     monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
     pool = f"ms-{uuid.uuid4().hex[:6]}"
     job_id = f"job-{pool}"
-    steps = 60
+    steps = 150        # long enough that node 0's beat (every 3 s) reports progress before the end
     j, p, target = job(weights, train_steps=steps, seq_len=128, checkpoint_every=1000), plan(2), plan(1)
     ledger, assignment = _gang_setup(pool, tmp_path, j, p)
     queue = JobQueue(ledger)
