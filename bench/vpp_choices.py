@@ -25,33 +25,38 @@ def fastest(plans, launchable: bool):
     return min(ok, key=lambda p: p.step_time_s) if ok else None
 
 
-t0 = time.time()
-pairs = changed_launchable = changed_any = with_vpp = 0
-examples = []
-for model, gpu, seq, gb in itertools.product(MODELS, GPUS, SEQS, BATCHES):
-    job = {"model": model, "seq_len": seq, "global_batch": gb, "train_steps": 1}
-    try:
-        free = plans_for_job(job, {gpu: MAX_GPUS}, gpus_per_node=PER_NODE)[gpu]
-    except (DoesNotFitError, FrenzyInputError):
-        continue
-    if not free:
-        continue
-    pairs += 1
-    try:
-        inter = plans_for_job(job, {gpu: MAX_GPUS}, gpus_per_node=PER_NODE, plan_filter={"vpp": 2})[gpu]
-    except (DoesNotFitError, FrenzyInputError):
-        continue
-    with_vpp += bool(inter)
-    for launchable in (True, False):
-        a, b = fastest(free, launchable), fastest(inter, launchable)
-        if a is not None and b is not None and b.step_time_s < a.step_time_s:
-            if launchable:
-                changed_launchable += 1
-                if len(examples) < 3:
-                    examples.append(f"{model} seq {seq} on {gpu}: {a.short()} {a.step_time_s:.3f}s -> "
-                                    f"{b.short()} {b.step_time_s:.3f}s")
-            else:
-                changed_any += 1
-print(json.dumps({"pairs": pairs, "pairs_with_a_vpp2_plan": with_vpp,
-                  "fastest_launchable_becomes_vpp2": changed_launchable, "fastest_any_becomes_vpp2": changed_any,
-                  "examples": examples, "wall_s": round(time.time() - t0, 1)}, indent=1))
+def main() -> None:
+    t0 = time.time()
+    pairs = changed_launchable = changed_any = with_vpp = 0
+    examples = []
+    for model, gpu, seq, gb in itertools.product(MODELS, GPUS, SEQS, BATCHES):
+        job = {"model": model, "seq_len": seq, "global_batch": gb, "train_steps": 1}
+        try:
+            free = plans_for_job(job, {gpu: MAX_GPUS}, gpus_per_node=PER_NODE)[gpu]
+        except (DoesNotFitError, FrenzyInputError):
+            continue
+        if not free:
+            continue
+        pairs += 1
+        try:
+            inter = plans_for_job(job, {gpu: MAX_GPUS}, gpus_per_node=PER_NODE, plan_filter={"vpp": 2})[gpu]
+        except (DoesNotFitError, FrenzyInputError):
+            continue
+        with_vpp += bool(inter)
+        for launchable in (True, False):
+            a, b = fastest(free, launchable), fastest(inter, launchable)
+            if a is not None and b is not None and b.step_time_s < a.step_time_s:
+                if launchable:
+                    changed_launchable += 1
+                    if len(examples) < 3:
+                        examples.append(f"{model} seq {seq} on {gpu}: {a.short()} {a.step_time_s:.3f}s -> "
+                                        f"{b.short()} {b.step_time_s:.3f}s")
+                else:
+                    changed_any += 1
+    print(json.dumps({"pairs": pairs, "pairs_with_a_vpp2_plan": with_vpp,
+                      "fastest_launchable_becomes_vpp2": changed_launchable, "fastest_any_becomes_vpp2": changed_any,
+                      "examples": examples, "wall_s": round(time.time() - t0, 1)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

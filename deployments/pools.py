@@ -44,6 +44,14 @@ def node_queue_name(pool: str, index: int) -> str:
     return f"{pool}-{index}"
 
 
+def node_index(node_id: str) -> int:
+    """``<pool>-<i>`` -> i (the node order of the pool): the inverse of ``node_queue_name``."""
+    try:
+        return int(node_id.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        raise FrenzyInputError("placement", f"node id {node_id!r} is not <pool>-<index>") from None
+
+
 def node_queue_names(spec: "PoolSpec") -> list[str]:
     """A multi-node pool's per-node work queues (none for a one-node pool: its default queue)."""
     return [node_queue_name(spec.name, i) for i in range(spec.nodes)] if spec.nodes > 1 else []

@@ -13,6 +13,11 @@ Attention = Literal["flash", "eager"]
 MatmulPrecision = Literal["default", "tf32", "fp8"]   # fp32 GEMMs on TF32 tensor cores; FP8 GEMMs
 
 
+# The fields that say how a plan runs (not what was predicted of it, nor where it was placed).
+PLAN_KNOBS = ("gpu_type", "gpus", "dp", "tp", "pp", "vpp", "cp", "zero", "offload", "act_ckpt",
+              "micro_batch", "grad_accum", "precision", "optimizer", "attention", "matmul_precision")
+
+
 class Plan(BaseModel):
     """One candidate way to run a job: GPU type and count, parallel degrees, memory knobs.
 
@@ -53,6 +58,12 @@ class Plan(BaseModel):
     # why this machine's trainer cannot launch the plan (None: it can); the planner shows such
     # plans after the launchable ones, marked
     not_launchable: str | None = None
+
+    def same_knobs(self, other: "Plan | None") -> bool:
+        """The same way to run (GPU type, count, degrees, memory knobs), whatever the predictions
+        filled in, the node count the placement gave it or the launch verdict: a chosen plan
+        found again among the candidates, whose predictions may have been refilled."""
+        return other is not None and all(getattr(self, k) == getattr(other, k) for k in PLAN_KNOBS)
 
     @property
     def global_batch(self) -> int:

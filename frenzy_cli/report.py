@@ -19,8 +19,7 @@ def print_result(result, console: Console | None = None) -> None:
     plan = result.initial_plan
     # the candidate it was: the result counts the nodes of its placement, which may be more
     # than the planner's count
-    plan = next((p for ps in result.plans.values() for p in ps
-                 if p.model_copy(update={"nodes": plan.nodes}) == plan), plan)
+    plan = next((p for ps in result.plans.values() for p in ps if p.same_knobs(plan)), plan)
 
     t = Table(title=f"Memory estimate per GPU: {result.job_name} on {plan.short()}",
               title_justify="left", min_width=72)

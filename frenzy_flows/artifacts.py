@@ -48,15 +48,6 @@ def _as_dict(obj: Any) -> dict[str, Any]:
     return {k: getattr(obj, k) for k in dir(obj) if not k.startswith("_") and not callable(getattr(obj, k))}
 
 
-def _same_plan(a: Plan, b: Plan | None) -> bool:
-    # Predictions may be refilled between enumeration and choice: compare the plan's knobs only.
-    if b is None:
-        return False
-    knobs = ("gpu_type", "gpus", "dp", "tp", "pp", "vpp", "cp", "zero", "offload", "act_ckpt",
-             "micro_batch", "grad_accum", "precision", "optimizer", "attention")
-    return all(getattr(a, k) == getattr(b, k) for k in knobs)
-
-
 def _is_cpu(gpu_type: str) -> bool:
     try:
         from estimator.catalog import get_gpu
@@ -134,7 +125,7 @@ def plan_rows(plans_by_type: Mapping[str, list[Plan]], chosen: Plan, *, steps: i
     seen_chosen = False
     for plans in plans_by_type.values():
         for p in plans:
-            is_chosen = not seen_chosen and _same_plan(p, chosen)
+            is_chosen = not seen_chosen and p.same_knobs(chosen)
             seen_chosen = seen_chosen or is_chosen
             choice = CHOSEN_MARK if is_chosen else ""
             if not is_chosen and p.step_time_s < chosen.step_time_s:
@@ -166,7 +157,7 @@ def plans_description(plans_by_type: Mapping[str, list[Plan]], chosen: Plan, *, 
             "fastest first. "
             f"Chosen: {chosen.short()} (row {idx + 1}), predicted done by {done:%Y-%m-%d %H:%M} UTC.")
     faster = sorted({why_not_chosen(p, chosen) for p in plans
-                     if p.step_time_s < chosen.step_time_s and not _same_plan(p, chosen)})
+                     if p.step_time_s < chosen.step_time_s and not p.same_knobs(chosen)})
     if faster:
         text += " Faster plans not taken: " + "; ".join(faster) + "."
     if pool_notes:

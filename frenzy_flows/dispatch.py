@@ -375,19 +375,34 @@ def node_work_queue(pool: str, placement: Mapping[str, Any]) -> str | None:
     """The work queue a one-node placement must start on: its node's (``<pool>-<i>``) when the
     pool has one per node (``frenzy pools sync`` makes them for a pool of several nodes), since
     the devices of the placement are that node's and any other node's worker would train on
-    its own devices of those numbers; None (the pool's default queue) for a one-node pool."""
+    its own devices of those numbers; None (the pool's default queue) for a one-node pool.
+    ``FrenzyInputError`` when the pool has per-node queues but not this node's (the cluster
+    grew since the last sync): the pool's default queue would let any node's worker take it."""
     if len(placement) != 1:
         return None
     from prefect import get_client
     from prefect.exceptions import ObjectNotFound
 
-    name = next(iter(placement))
-    with get_client(sync_client=True) as client:
+    from deployments.pools import node_index, node_queue_name
+
+    node = next(iter(placement))
+    name = node_queue_name(pool, node_index(node))
+    first = node_queue_name(pool, 0)        # a sync of a multi-node pool makes queues 0, 1, ...
+
+    def exists(client, queue: str) -> bool:
         try:
-            client.read_work_queue_by_name(name, work_pool_name=pool)
+            client.read_work_queue_by_name(queue, work_pool_name=pool)
+            return True
         except ObjectNotFound:
-            return None
-    return name
+            return False
+
+    with get_client(sync_client=True) as client:
+        if exists(client, name):
+            return name
+        if name != first and exists(client, first):
+            raise FrenzyInputError("placement", f"work pool {pool!r} has per-node work queues but none for node "
+                                                f"{node!r} ({name}); run `frenzy pools sync` with the cluster file")
+    return None
 
 
 def _run_and_wait(deployment_id: UUID, pool: str, variables: dict[str, Any], timeout_s: float | None,

@@ -208,9 +208,11 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
     finally:
         queue.finish(job_id, "failed" if status == "failed" else "done", error=error or "")
 
+    chosen = with_placed_nodes(chosen, assignment.placement)   # the plans as they ran: on their placement's nodes
+    if trained.get("assignment"):       # the run moved (a re-size, a fallback): where it ended
+        assignment = Assignment.model_validate(trained["assignment"])
     final = Plan.model_validate(trained["final_plan"]) if trained.get("final_plan") else chosen
-    # the plans as they ran: on the nodes of their placement (the JSON's plan.nodes)
-    final, chosen = (with_placed_nodes(p, assignment.placement) for p in (final, chosen))
+    final = with_placed_nodes(final, assignment.placement)       # the JSON's plan.nodes
     assignment = assignment.model_copy(update={"plan": with_placed_nodes(assignment.plan, assignment.placement)})
     measured = trained.get("measured", {})
     artifacts.summary(final, predicted_figures(final), measured, trained)

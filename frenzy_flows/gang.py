@@ -30,6 +30,10 @@ the gang stopped answering, a signal) cancels every node's run before it ends.
 A completed gang records node 0's measurement (per-GPU peak memory, step time) beside its
 plan's prediction in the ledger, as a one-node run does.
 
+A gang whose lease is lost (the ledger freed its GPUs: a database outage past the lease's
+TTL, the reaper) is fenced as a one-node run is: every rank stops after the next step with a
+checkpoint and the result is failed, naming the reason.
+
 Not here: out-of-memory fallbacks (a node's OOM fails the gang).
 """
 from __future__ import annotations
@@ -42,11 +46,10 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
-from deployments.pools import node_queue_name
+from deployments.pools import node_index, node_queue_name
 
 from frenzy_flows import dispatch
 from frenzy_flows.cancel import cancel_flow_run
@@ -67,14 +70,6 @@ NODE_ADDRESS_ENV = "FRENZY_NODE_ADDRESS"
 
 class GangError(dispatch.DispatchError):
     """The gang did not complete after its relaunches."""
-
-
-def node_index(node_id: str) -> int:
-    """``<pool>-<i>`` -> i (the node order of the pool)."""
-    try:
-        return int(node_id.rsplit("-", 1)[1])
-    except (IndexError, ValueError):
-        raise FrenzyInputError("placement", f"node id {node_id!r} is not <pool>-<index>") from None
 
 
 def gang_nodes(placement: Mapping[str, list[int]]) -> list[str]:
@@ -115,19 +110,21 @@ def node_endpoint(gang, gang_id: str, node_rank: int, address: str,
 
 
 class _Beat:
-    """Beats the node's ledger row every ``NODE_BEAT_S`` while the block runs."""
+    """Beats the node's ledger row every ``NODE_BEAT_S`` while the block runs, with the last
+    finished step the training reported (``step``)."""
 
     def __init__(self, gang, gang_id: str, rank: int, log: Callable[[str], None]):
         from ledger.gang import NODE_BEAT_S
 
         self.gang, self.gang_id, self.rank, self.log, self.every = gang, gang_id, rank, log, NODE_BEAT_S
+        self.step: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"frenzy-gang-beat-{rank}", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
             try:
-                self.gang.beat(self.gang_id, self.rank)
+                self.gang.beat(self.gang_id, self.rank, step=self.step)
             except Exception as err:     # a database hiccup: the next beat may pass
                 self.log(f"frenzy: node heartbeat failed: {err}")
 
@@ -165,9 +162,14 @@ def train_node(job: TrainingJob, plan: Plan, assignment: Assignment, job_id: str
                         endpoint=node_endpoint(gang, gang_id, rank, address,
                                                float(node.get("rendezvous_wait_s") or RENDEZVOUS_WAIT_S)))
         log(f"frenzy: node {rank} of {n} ({node_id}, {address}) of gang {gang_id}, devices {','.join(devices)}")
-        with _Beat(gang, gang_id, rank, log):
+        with _Beat(gang, gang_id, rank, log) as beat:
+            def stepped(step: int, total: int, loss: float) -> None:
+                beat.step = step
+                if on_step is not None:
+                    on_step(step, total, loss)
+
             result = run_training(job, plan, run_dir=run_dir, acquire=lambda _p: devices, release=lambda: None,
-                                  log=readable_log(log), on_step=on_step, deadline_s=job.deadline_s,
+                                  log=readable_log(log), on_step=stepped, deadline_s=job.deadline_s,
                                   max_transient_retries=0, fallbacks=iter(()), node=role)
     except BaseException as err:
         gang.finish(gang_id, rank, "failed", f"{type(err).__name__}: {err}")
@@ -265,7 +267,8 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
     from trainer.resume import prepare_run_dir, shared_runs_root
     from trainer.runner import TrainResult
 
-    from frenzy_flows.training import RequestWatcher, answer_request, record_measurement
+    from frenzy_flows.training import (RequestWatcher, answer_request, fenced_result, lease_fence,
+                                       record_measurement)
 
     log = dispatch._logger()
     ledger = Ledger(ledger_url)
@@ -293,14 +296,16 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
         runs: list[tuple[str, Any]] = []
         try:
             with dispatch.hold_gpu_slots(assignment.pool, plan.gpus, ledger_url=ledger_url), \
-                    ledger.lease(assignment.allocation_id), \
-                    RequestWatcher(queue, job_id, run_dir, log.info) as watcher:
-                # the watcher beats the job's queue row and writes the scheduler's re-size or
-                # stop request into the shared run folder's control file: rank 0 (on node 0)
-                # reads it and every rank of every node stops after the same step
+                    ledger.lease(assignment.allocation_id) as lease, \
+                    RequestWatcher(queue, job_id, run_dir, log.info, fence=lease_fence(ledger, lambda: lease)) as watcher:
+                # the watcher beats the job's queue row (with node 0's last step) and writes the
+                # scheduler's re-size or stop request, or a stop when the lease is lost, into the
+                # shared run folder's control file: rank 0 (on node 0) reads it and every rank
+                # of every node stops after the same step
                 _start_nodes(deployment_id, assignment, plan, params, gang_id, run_dir, env, runs)
                 ok, why = watch_gang(lambda: _states([fr.id for _, fr in runs]),
-                                     lambda: gang.lost(gang_id, len(runs)), deadline=deadline, poll_s=poll_s)
+                                     lambda: gang.lost(gang_id, len(runs)), deadline=deadline, poll_s=poll_s,
+                                     beat=lambda: setattr(watcher, "step", gang.step(gang_id)))
                 if not ok:
                     for _, fr in runs:                # gang semantics: nobody trains on alone
                         cancel_flow_run(fr.id, f"frenzy: gang {gang_id} stopped: {why}")
@@ -312,7 +317,12 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
             result = _node_result(runs[0][1].id)
             stop = result.get("stop") or {}
             req = watcher.forwarded.get(stop.get("request_id", "")) if result.get("status") == "stopped" else None
+            if watcher.fenced is not None and result.get("status") == "stopped":
+                result = fenced_result(TrainResult.model_validate(result), watcher.fenced["reason"]).model_dump(
+                    mode="json")
+                log.warning("gang %s: %s", gang_id, result["error"])
             segments.append(result)
+            result["assignment"] = assignment.model_dump(mode="json")     # where it ended
             if req is None:
                 log.info("gang %s ended %s on %d nodes", gang_id, result.get("status"), len(runs))
                 unrecorded = record_measurement(ledger, job_id, assignment.allocation_id,

@@ -77,10 +77,12 @@ def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log) -> d
         ordered = site.order_fallbacks(plan, fallback_plans(job, plan, inventory=inventory))
     fallbacks = events.announced_fallbacks(job, plan, inventory=inventory, plans=ordered,
                                            last_step=lambda: last["step"])
+    placed = [assignment]
     try:
         result = run_allocated_training(job, job_id, plan, assignment, ledger_url=ledger_url,
                                         log=log.info, inventory=inventory, on_step=on_step,
-                                        fallbacks=fallbacks)
+                                        fallbacks=fallbacks, on_placed=placed.append)
     finally:
         artifacts.progress_end(progress)
-    return result.model_dump(mode="json")
+    # where the job ended (a fallback's or a re-size's allocation): the submit flow reports it
+    return {**result.model_dump(mode="json"), "assignment": placed[-1].model_dump(mode="json")}

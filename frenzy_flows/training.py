@@ -158,6 +158,27 @@ class RequestWatcher:
         self.log(f"frenzy: GPU lease lost ({why}); stopping at the next step with a checkpoint")
 
 
+def lease_fence(ledger, lease: Callable[[], Any]) -> Callable[[], str | None]:
+    """``RequestWatcher``'s fence for the lease ``lease()`` returns (a ``LeaseState``, or None
+    while no lease is held on purpose): why it is lost, or None while it holds. Two signals:
+    the lease thread's verdict, and one indexed read of the allocation by the database's clock."""
+    def fence() -> str | None:
+        state = lease()
+        if state is None:
+            return None
+        if state.lost:
+            return str(state["error"])
+        try:
+            valid = ledger.lease_valid(state.alloc_id)
+        except Exception:           # the database away: the lease thread decides after a whole lease
+            return None
+        if valid or lease() is not state:   # released meanwhile on purpose
+            return None
+        return f"allocation {state.alloc_id} is no longer active by the ledger's clock"
+
+    return fence
+
+
 def answer_request(ledger, queue, job_id: str, req: dict[str, Any], done: int, *, log: Callable[[str], None],
                    wait_timeout_s: float, what: str) -> Assignment | None:
     """A run stopped after step ``done`` for the scheduler's request ``req`` and let its GPUs go:
@@ -202,7 +223,7 @@ def _take(ledger, job_id: str, plan: Plan, placement: dict[str, list[int]], log)
             time.sleep(WAIT_POLL_S)
 
 
-def _fenced(result, why: str) -> Any:
+def fenced_result(result, why: str) -> Any:
     """The result of a run stopped because its lease was lost: failed, with the reason."""
     step = result.stop.step if result.stop is not None else 0
     return result.model_copy(update={
@@ -242,10 +263,13 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                            ledger_url: str | None, log: Callable[[str], None],
                            inventory: dict[str, int] | None = None,
                            on_step: Callable[[int, int, float], None] | None = None,
-                           fallbacks=None, wait_timeout_s: float = 3600.0):
+                           fallbacks=None, wait_timeout_s: float = 3600.0,
+                           on_placed: Callable[[Assignment], None] | None = None):
     """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``. ``fallbacks``:
     the out-of-memory fallback plans to try (default: the trainer's own ladder).
-    ``wait_timeout_s``: how long a preempted run waits in the queue for new GPUs."""
+    ``wait_timeout_s``: how long a preempted run waits in the queue for new GPUs.
+    ``on_placed``: told each allocation the run moves to (a fallback's, a re-size's target),
+    so the caller reports where the job ended, not where it started."""
     from ledger import Ledger, LedgerUnavailable
     from ledger.queue import JobQueue
     from trainer import interrupt
@@ -269,6 +293,8 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                 raise RuntimeError(f"no free GPUs for fallback plan {p.short()}")
             current.update(alloc_id=str(alloc.id), plan=p, devices=list(alloc.devices))
             log(f"fallback allocation {alloc.id}: {p.short()} on {alloc.placement}")
+            if on_placed is not None:
+                on_placed(Assignment.from_allocation(alloc, p))
         current["lease"] = leases.enter_context(ledger.lease(current["alloc_id"]))
         return list(current["devices"])
 
@@ -278,27 +304,13 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
         if current["alloc_id"]:
             ledger.release(current["alloc_id"])
 
-    def fence() -> str | None:
-        state = current["lease"]
-        if state is None:
-            return None
-        if state.lost:
-            return str(state["error"])
-        try:
-            valid = ledger.lease_valid(state.alloc_id)
-        except Exception:           # the database away: the lease thread decides after a whole lease
-            return None
-        if valid or current["lease"] is not state:   # released meanwhile on purpose
-            return None
-        return f"allocation {state.alloc_id} is no longer active by the ledger's clock"
-
     ledger_errors: list[str] = []       # the ledger unreachable at the end: the training still counts
     try:
         # on storage every node sees when the site has it: a preempted run, or a gang relaunched
         # on one node, may resume on another node of the pool; a resubmission continues its last checkpoint
         run_dir = prepare_run_dir(job, job_id, shared_runs_root())
         run_dir.mkdir(parents=True, exist_ok=True)
-        with RequestWatcher(queue, job_id, run_dir, log, fence=fence) as watcher:
+        with RequestWatcher(queue, job_id, run_dir, log, fence=lease_fence(ledger, lambda: current["lease"])) as watcher:
             def stepped(step: int, total: int, loss: float) -> None:
                 watcher.step = step
                 if on_step is not None:
@@ -330,9 +342,11 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                     break
                 now_plan = new.plan
                 current.update(alloc_id=new.allocation_id, plan=now_plan, devices=list(new.devices), first=True)
+                if on_placed is not None:
+                    on_placed(new)
         result = merge_segments(segments)
         if watcher.fenced is not None and result.status == "stopped":
-            result = _fenced(result, watcher.fenced["reason"])
+            result = fenced_result(result, watcher.fenced["reason"])
             log(f"frenzy: {result.error}")
         unrecorded = record_measurement(ledger, job_id, current["alloc_id"], result)
         if unrecorded:

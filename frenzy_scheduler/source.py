@@ -153,7 +153,7 @@ class LedgerSource:
             return                         # the run answered meanwhile
         self.counts["cancelled"] += 1
         log.warning("job %s: %s; flow run %s %s, GPUs freed, job queued again", j.job_id, why,
-                    j.flow_run_id or "(none recorded)", "set to Cancelling" if cancelled else "not cancelled")
+                    j.flow_run_id or "(none recorded)", "cancelled through Prefect" if cancelled else "not cancelled")
         self._emit("cancelled", j.job_id, request_id=rid, kind=kind, flow_run_id=j.flow_run_id,
                    reason=why)
 

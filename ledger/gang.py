@@ -7,7 +7,8 @@ them needed. ``gang_nodes`` holds one row per node of a gang launch (``GangNodeR
   ``wait_rendezvous``es for that row (bounded), so the address and port come from the machine
   whose store listens there, never from the orchestrator (a port free on the control machine
   means nothing on node 0);
-* each node ``beat``s its row while it trains and ``finish``es it (done / failed);
+* each node ``beat``s its row while it trains (with its last finished step) and ``finish``es
+  it (done / failed);
 * the dispatcher reads ``nodes`` and calls a node ``lost`` when its heartbeat ran out by the
   database's clock (its worker vanished with the flow run) or its row says failed.
 
@@ -66,11 +67,12 @@ class GangNode:
     state: str
     error: str
     alive_until: float
+    step: int = 0
 
     @classmethod
     def of(cls, r: GangNodeRow) -> "GangNode":
         return cls(r.gang_id, r.node_rank, r.job_id, r.node_id, r.address, r.port, r.state, r.error,
-                   r.alive_until)
+                   r.alive_until, r.step)
 
 
 class Gang:
@@ -99,8 +101,16 @@ class Gang:
         """Node 0: the address and port its rendezvous store listens on."""
         self._upsert(gang_id, 0, address=address, port=int(port), state="running")
 
-    def beat(self, gang_id: str, node_rank: int, state: str = "running") -> None:
-        self._upsert(gang_id, node_rank, state=state)
+    def beat(self, gang_id: str, node_rank: int, state: str = "running", step: int | None = None) -> None:
+        """The node is alive; ``step``: its last finished training step, when it knows one."""
+        self._upsert(gang_id, node_rank, state=state, **({"step": int(step)} if step is not None else {}))
+
+    def step(self, gang_id: str) -> int:
+        """Node 0's last finished step (0 before its first beat): the gang's progress, which its
+        dispatcher reports on the job's queue row (every node trains the same steps)."""
+        with self.ledger._read() as s:
+            row = s.get(GangNodeRow, (gang_id, 0))
+            return int(row.step) if row is not None else 0
 
     def finish(self, gang_id: str, node_rank: int, state: str, error: str = "") -> None:
         self._upsert(gang_id, node_rank, state=state, error=error[:500])

@@ -197,6 +197,7 @@ class GangNodeRow(SQLModel, table=True):
     error: str = ""
     alive_until: float = 0.0         # the node's heartbeat, by the database's clock
     updated_at: float = 0.0
+    step: int = 0                    # the node's last finished step (node 0's is the job's progress)
 
 
 class LedgerChangesRow(SQLModel, table=True):

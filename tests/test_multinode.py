@@ -98,6 +98,20 @@ def _state(name: str):
                            is_completed=lambda: name == "COMPLETED")
 
 
+def test_node_0s_beat_carries_the_gangs_progress(tmp_path):
+    from ledger import Ledger
+    from ledger.gang import Gang
+
+    gang = Gang(Ledger(f"sqlite:///{tmp_path / 'l.db'}"))
+    assert gang.step("g") == 0                              # no row yet: nothing done
+    gang.join("g", 0, "job-a", "p-0")
+    gang.join("g", 1, "job-a", "p-1")
+    gang.beat("g", 0, step=7)
+    gang.beat("g", 1)                                       # a node that reports no step keeps its own
+    gang.beat("g", 0)                                       # nor does a beat without one reset node 0's
+    assert gang.step("g") == 7 and [n.step for n in gang.nodes("g")] == [7, 0]
+
+
 def test_watch_gang_stops_at_the_first_failed_or_lost_node_and_completes_only_with_all():
     from frenzy_flows.gang import watch_gang
 
@@ -286,6 +300,31 @@ def test_a_gang_of_two_workers_on_two_node_queues_matches_one_node(weights, one_
     assert_matches(out["losses"], one_node.losses)
 
 
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_a_one_node_run_of_a_multi_node_pool_goes_to_its_nodes_queue_or_is_refused():
+    """Any node's worker polls the pool's default queue and would train on its own devices of
+    the placement's numbers: a one-node run goes to its node's queue, and a node without one
+    (the cluster grew since the last sync) is refused naming the fix, never sent anywhere."""
+    import uuid
+
+    from deployments.pools import sync_pools
+    from estimator.errors import FrenzyInputError
+
+    from frenzy_flows.dispatch import node_work_queue
+
+    pool = f"nq-{uuid.uuid4().hex[:6]}"
+    sync_pools(_cluster(pool), control_pool=False, log=lambda *_: None)
+    assert node_work_queue(pool, {f"{pool}-1": [0]}) == f"{pool}-1"
+    assert node_work_queue(pool, {f"{pool}-0": [0], f"{pool}-1": [0]}) is None     # a gang: per node
+    with pytest.raises(FrenzyInputError, match=f"no.*{pool}-5.*frenzy pools sync"):
+        node_work_queue(pool, {f"{pool}-5": [0]})
+    one = f"n1-{uuid.uuid4().hex[:6]}"
+    sync_pools({"pools": [{"name": one, "gpu": "CPU", "nodes": 1, "gpus_per_node": 1}]}, control_pool=False,
+               log=lambda *_: None)
+    assert node_work_queue(one, {f"{one}-0": [0]}) is None                          # its default queue
+
+
 def _dispatch_in_thread(j, p: Plan, assignment, job_id: str) -> tuple[threading.Thread, dict]:
     """``dispatch_gang`` in a thread, as the submit flow runs it; its result or error in the dict."""
     from frenzy_flows.gang import dispatch_gang
@@ -395,7 +434,7 @@ def test_the_scheduler_shrinks_a_gang_onto_one_node_and_it_resumes_with_the_same
     monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
     pool = f"ms-{uuid.uuid4().hex[:6]}"
     job_id = f"job-{pool}"
-    steps = 60
+    steps = 150        # long enough that node 0's beat (every 3 s) reports progress before the end
     j, p, target = job(weights, train_steps=steps, seq_len=128, checkpoint_every=1000), plan(2), plan(1)
     ledger, assignment = _gang_setup(pool, tmp_path, j, p)
     queue = JobQueue(ledger)
@@ -405,13 +444,19 @@ def test_the_scheduler_shrinks_a_gang_onto_one_node_and_it_resumes_with_the_same
     workers = [_worker(pool, f"{pool}-{r}") for r in (0, 1)]
     t, out = _dispatch_in_thread(j, p, assignment, job_id)
     rid = None
+    reported = 0                 # the steps done the dispatcher reports on the queue row (node 0's beat)
     end = time.monotonic() + 400
     while time.monotonic() < end and rid is None and t.is_alive():
         if _steps(log0) >= 3:
-            rid = queue.request(job_id, "shrink", plan=target, placement={f"{pool}-0": [0]}, reason="a test shrink")
+            reported = queue.get(job_id).steps_done
+            if reported > 0:
+                rid = queue.request(job_id, "shrink", plan=target, placement={f"{pool}-0": [0]},
+                                    reason="a test shrink")
         time.sleep(0.1)
     assert rid is not None, "the run ended before the shrink request: " + str(out)
+    assert 0 < reported < steps
     res = _completed(t, out, workers)
+    assert res["assignment"]["placement"] == {f"{pool}-0": [0]}        # where it ended, not where it began
     first, last = res["attempts"][0], res["attempts"][-1]
     assert (first["plan"]["gpus"], last["plan"]["gpus"]) == (2, 1)
     assert 0 < last["resumed_from_step"] < steps                       # from the stop's checkpoint
