@@ -9,7 +9,7 @@ from estimator.plan import Plan
 from scheduler.cluster import parse_cluster
 from scheduler.policies import POLICIES, get_policy
 from scheduler.policies.frenzy import FrenzyPolicy
-from scheduler.types import JobRequest, RunningJob
+from scheduler.types import Decision, JobRequest, RunningJob
 
 NOW = 1000.0
 
@@ -510,6 +510,24 @@ def test_a_stopgap_run_moves_up_when_its_plan_frees_while_others_wait():
         # moving up inside the queue pass also frees j's RTX cards for w in the same round
         assert got[:2] == ([("preempt", "j", None), ("start", "j", "A100-80GB")] if moves else []), got
         assert got[2:] == ([("start", "w", "RTX3090-24GB")] if "stopgap_move_up" in kw else []), got
+
+
+def test_a_stopgap_keeps_its_place_in_the_fast_types_queue_when_it_reserves():
+    fast, slow = plan("A100-80GB", 8, 15, 1.0), plan("RTX3090-24GB", 8, 15, 2.5)
+    j = job("j", [fast, slow], steps=36_000)
+    big = job("big", [plan("A100-80GB", 8, 15, 1.0)], steps=100_000)   # more work: queued behind j
+    starts = {}
+    for reserve in (False, True):
+        st = cluster(MIXED)
+        occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 1800)
+        running(st, j, Decision(job_id="j", plan=slow, placement={"rtx-0": list(range(8))}), NOW - 600,
+                NOW + 36_000 * 2.5)
+        pol = FrenzyPolicy(stopgap=True, stopgap_move_up=True, stopgap_reserve=reserve, preempt_yields=False)
+        assert [d.job_id for d in pol.schedule([big], st, NOW) if d.action == "start"] == []
+        starts[reserve] = pol.waits()["big"].predicted_start_s
+    # without the reservation big is due when the A100s free; with it, after j's move onto them
+    assert starts[False] == pytest.approx(NOW + 1800, abs=120)
+    assert starts[True] > NOW + 1800 + 30_000
 
 
 def test_waits_say_why_each_job_waits():

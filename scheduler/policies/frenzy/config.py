@@ -80,6 +80,21 @@ class Stopgap:
                                      # the queue pass, in SRPT order, for a faster plan that starts
                                      # now (its remaining time, restart included, must drop by the
                                      # growth gain): Sia's re-allocation, without its churn
+    reserve: bool = False             # (measured, off) a mover whose faster plan starts later keeps a
+                                     # reservation there (one of Backfill.max_reservations), when the
+                                     # move, restart included and the steps it makes meanwhile counted,
+                                     # is predicted to finish it by the growth gain sooner: a stopgap
+                                     # keeps its place on the fast type and moves when that comes due.
+                                     # With stopgap + move_up: idle-while-waiting 297-308 -> 2-6 GPU-h on
+                                     # cluster07, itp01 small -18% at seed 0, but cluster02's round world
+                                     # +11-14% (every seed, held out too), cluster04 +2-7%: off
+                                     # (docs/benchmarks.md, "stopgaps that keep their reservation")
+    yield_first: bool = False         # (measured, off) step 6 may preempt a mover (a run slower than
+                                     # its fastest queue plan) for a head job with less work than the
+                                     # mover has left (ratio 1, plain SRPT, not Preemption.ratio's 4),
+                                     # movers first: the stopgap is the first to make room for a burst.
+                                     # On top of ``reserve``: identical results on every row run (no head
+                                     # preempted a mover), so off
 
 
 @dataclass(frozen=True, slots=True)

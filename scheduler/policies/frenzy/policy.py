@@ -135,7 +135,8 @@ class FrenzyPolicy(Policy):
                 pre = []
                 if cfg.preempt.enabled and pick.start - now >= cfg.preempt.min_wait_s:
                     if eligible is None:
-                        eligible = preemptible(state, now, node_type, cfg)
+                        eligible = preemptible(state, now, node_type, cfg,
+                                               set(movers) if cfg.stopgap.yield_first else set())
                     pre, victims, got = preempt_for(head.job, head.menu, pick, eligible, idx, now, cfg, preempted)
                 if not pre and cfg.shrink.enabled:
                     pre, victims, got = shrink_for(head.job, head.menu, pick, runs, idx, now, per_node, cfg,
@@ -149,8 +150,8 @@ class FrenzyPolicy(Policy):
                     for d in out:
                         if d.action == "start":
                             profiles[d.plan.gpu_type].add_release(ends[d.job_id], d.plan.gpus)
-            if started:
-                keyed = [k for k in keyed if k.job_id not in started]
+            if started:                           # (a mover preempted for a head is no longer running)
+                keyed = [k for k in keyed if k.job_id not in started and k.job_id not in preempted]
 
         # steps 3-5: plan choice, backfilling and queued load, in queue order
         bf = cfg.backfill
@@ -162,7 +163,10 @@ class FrenzyPolicy(Policy):
         for q in keyed:
             job, menu = q.job, q.menu
             if q.job_id in movers:
-                out.extend(self._move_up(movers[q.job_id], profiles, idx, now, per_node))
+                moved, held = self._move_up(movers[q.job_id], profiles, idx, now, per_node,
+                                            cfg.stopgap.reserve and reservations < bf.max_reservations)
+                out.extend(moved)
+                reservations += held
                 continue
             depth += 1
             if reservations >= bf.max_reservations:
@@ -249,27 +253,40 @@ class FrenzyPolicy(Policy):
         return out
 
     def _move_up(self, mover: tuple[Run, float, float], profiles, idx: FreeIndex, now: float,
-                 per_node: GpuCounts) -> list[Decision]:
+                 per_node: GpuCounts, reserve: bool = False) -> tuple[list[Decision], bool]:
         """A mover takes the plan it would choose if it were queued, when that plan starts now and
-        its remaining time, restart included, drops by the growth gain."""
+        its remaining time, restart included, drops by the growth gain. ``reserve``
+        (``Stopgap.reserve``): when that plan starts later, the mover reserves it if moving then,
+        with the steps it makes meanwhile, still gains as much. The decisions, and whether it
+        holds a reservation."""
         cfg = self.config
         run, rem, steps = mover
         rj = run.rj
         pick = choose(run.menu.queue, max(1, int(steps)), profiles, idx.total, now, cfg.choice)
-        if pick is None or pick.start > now or pick.cand.plan == rj.plan:
-            return []
+        if pick is None or pick.cand.plan == rj.plan:
+            return [], False
         c = pick.cand
         cost = restart_cost(run.ckpt_gb, c.gpu_type, c.gpus, per_node, cfg.restart)
-        if rem - (pick.dur + cost) < max(cfg.growth.min_gain * rem, cfg.growth.min_s):
-            return []
+        need = max(cfg.growth.min_gain * rem, cfg.growth.min_s)
+        if pick.start > now:
+            if not reserve:
+                return [], False
+            wait = pick.start - now
+            dur = c.step_s * max(1.0, steps - wait / max(rj.plan.step_time_s, 1e-9)) + cost
+            if rem - (wait + dur) < need:
+                return [], False
+            profiles[c.gpu_type].reserve(pick.start, pick.start + dur, c.gpus)
+            return [], True
+        if rem - (pick.dur + cost) < need:
+            return [], False
         placement = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
         if placement is None:
-            return []
+            return [], False
         idx.commit(placement)
         idx.release(rj.placement)
         profiles[c.gpu_type].add_release(now + pick.dur + cost, c.gpus)
         return [Decision(job_id=rj.job_id, plan=None, placement={}, action="preempt", reason="move up"),
-                Decision(job_id=rj.job_id, plan=c.plan, placement=placement, reason="move up")]
+                Decision(job_id=rj.job_id, plan=c.plan, placement=placement, reason="move up")], False
 
     def _stopgaps(self, waiting: list[Waiter], profiles, idx: FreeIndex, now: float,
                   per_node: GpuCounts) -> list[Decision]:

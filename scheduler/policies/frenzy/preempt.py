@@ -13,15 +13,18 @@ from .records import Cand, GpuCounts, Menu, Pick, Run, Waiter
 from .resize import restart_cost, shrink_to_fit, steps_left
 
 INF = math.inf
-Eligible = dict[str, list[tuple[float, object]]]   # gpu_type -> (remaining s, RunningJob), longest first
+Eligible = dict[str, list[tuple[float, object, float]]]   # gpu_type -> (remaining s, RunningJob, ratio):
+                                                          # movers first, then longest remaining first
 Got = tuple[list[Decision], set[str], Pick | None]  # decisions, runs stopped, what the job got
 NOTHING: Got = ([], set(), None)
 
 
-def preemptible(state: ClusterState, now: float, node_type: dict[str, str], cfg: FrenzyConfig) -> Eligible:
+def preemptible(state: ClusterState, now: float, node_type: dict[str, str], cfg: FrenzyConfig,
+                first: set[str] = frozenset()) -> Eligible:
     """Runs a waiter may preempt, per GPU type, longest remaining first: past their grace
     period, preempted fewer than ``max_per_job`` times (``JobRequest.preemptions``), with a
-    known end."""
+    known end. ``first`` (``Stopgap.yield_first``): runs listed before the others, preemptible
+    for any waiter with less work than they have left (ratio 1)."""
     eligible: Eligible = {}
     for rj in state.running:
         times = rj.request.preemptions if rj.request is not None else 0
@@ -31,9 +34,10 @@ def preemptible(state: ClusterState, now: float, node_type: dict[str, str], cfg:
         if remaining == INF:
             continue                         # unknown end (live run without a step count)
         g = node_type.get(next(iter(rj.placement)), "")
-        eligible.setdefault(g, []).append((remaining, rj))
+        mover = rj.job_id in first
+        eligible.setdefault(g, []).append((remaining, rj, min(1.0, cfg.preempt.ratio) if mover else cfg.preempt.ratio))
     for v in eligible.values():
-        v.sort(key=lambda x: -x[0])
+        v.sort(key=lambda x: (x[2], -x[0]))
     return eligible
 
 
@@ -53,11 +57,15 @@ def preempt_for(job: JobRequest, menu: Menu, pick: Pick, eligible: Eligible, idx
         d = c.step_s * steps
         if d * (1.0 + cfg.choice.tolerance) + pc.min_wait_s > wait_rel or (best and d >= best[0]):
             continue                             # not clearly better than waiting
-        need = pc.ratio * (d + pc.min_wait_s)
+        need = d + pc.min_wait_s
         chosen, freed = [], idx.free_gpus(c.gpu_type)
-        for remaining, rj in eligible.get(c.gpu_type, ()):
-            if freed >= c.gpus or remaining <= need:
+        for remaining, rj, ratio in eligible.get(c.gpu_type, ()):
+            if freed >= c.gpus:
                 break
+            if remaining <= ratio * need:
+                if ratio < pc.ratio:
+                    continue                     # a mover too close to its end: the others next
+                break                            # longest first: the rest have less left
             if rj.job_id in skip:
                 continue
             chosen.append(rj)
