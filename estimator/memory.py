@@ -616,8 +616,10 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     prof = get_profile(k.framework)
     c = 4.0 if k.precision == "fp32" else 2.0
     pure = c < 4 and k.master == "none"
+    # ZeRO as torch runs it (the profile's, or its pipelines'): fp32 parameters stay
+    torch_zero = prof.torch_sharding or (k.pp > 1 and prof.pipeline_torch_zero)
     if k.mp_style == "auto":
-        amp = (c < 4 and not pure and (k.zero == 0 or prof.torch_sharding)
+        amp = (c < 4 and not pure and (k.zero == 0 or torch_zero)
                and prof.zero0_regime == "amp")
     else:
         amp = c < 4 and k.mp_style == "amp"
@@ -731,7 +733,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
                 # reduce_bucket_size elements after the backward (engine.allreduce_gradients ->
                 # buffered_allreduce_fallback): the activations are gone by then
                 after_bwd = c * min(Pt, bucket_elems)
-        elif k.zero in (1, 2) and not prof.torch_sharding and (k.dp > 1 or not cpu):
+        elif k.zero in (1, 2) and not torch_zero and (k.dp > 1 or not cpu):
             # DeepSpeed's reduce (ipg) buffer of reduce_bucket_size elements, allocated in
             # engine.backward() before loss.backward() (stage_1_and_2.py: self.ipg_buffer), at
             # any world size on GPUs; a second one with overlap_comm (double buffering). The

@@ -154,7 +154,9 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                 elif dp == 1 or not shard_ok:
                     zeros = (0,)
                 elif pp > 1:
-                    zeros = (0, 1)            # DeepSpeed's pipeline engine supports ZeRO-0/1 only
+                    # the trainer's pipeline path shards optimizer states only (ZeRO-1, torch's
+                    # ZeroRedundancyOptimizer per stage); DeepSpeed's pipeline engine stops there too
+                    zeros = (0, 1)
                 else:
                     zeros = (0, 1, 2, 3)
                 per_rank = global_batch // dp

@@ -17,6 +17,7 @@ both (``check_knobs``).
 | ``zero3_subgroup_elems`` | ZeRO-3 fp32 gradient copy made per optimizer sub-group, not for the whole partition |
 | ``master_copy_when_pure`` | a 16-bit run without fp32 master still keeps a separate 16-bit master partition |
 | ``lora`` / ``qlora`` | the profile runs adapters (PEFT / its own LoRA) |
+| ``pipeline_torch_zero`` | a pipeline's ZeRO is torch's ZeroRedundancyOptimizer (its zero 0 states, optimizer states sharded), not DeepSpeed's |
 | ``fsdp2_copy_in`` | FSDP2 copies a unit's unsharded gradients into one reduce-scatter input before freeing them |
 | ``job_knobs_only`` | the profile runs only what a Frenzy job can ask for (no loss kernel, activation offloading, optimizer in backward, fused kernels, paged optimizer) |
 Pure: no torch.
@@ -45,6 +46,11 @@ class Profile:
     hf_models: bool = True               # runs the Hugging Face modelling code (its quirks apply)
     torch_sharding: bool = False         # ZeRO stages are torch's (ZeroRedundancyOptimizer, FSDP):
     #                                      fp32 parameters stay, as at zero 0 (AMP regime)
+    # pipelines (pp > 1) run their ZeRO as torch's: Frenzy's pipeline path is its own program
+    # beside DeepSpeed, and shards the optimizer states with ZeroRedundancyOptimizer over each
+    # stage's data-parallel replicas (trainer/parallel/pipeline.py, zero1): the model states of
+    # its zero 0, optimizer states divided by dp, no DeepSpeed reduce bucket
+    pipeline_torch_zero: bool = False
     # FSDP2 (fully_shard): foreach_reduce allocates the reduce-scatter input (the unit's size, in
     # the reduce dtype), copies the unsharded gradients in, and only then frees them
     # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: "Only after the copy-in
@@ -68,7 +74,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
     # (The H200 runs in bench/estimator_measured_h200*.json were measured with torch's default
     # foreach AdamW by bench/estimator_gpu_measure.py; bench/estimator_accuracy.py says so.)
     Profile("frenzy", "Frenzy's own trainer (Accelerate + HF models; DeepSpeed for ZeRO)",
-            adamw_impl="fused", overlap_comm="off", job_knobs_only=True,
+            adamw_impl="fused", overlap_comm="off", job_knobs_only=True, pipeline_torch_zero=True,
             measured="54 H200 runs of the trainer (bench/estimator_measured_h200*.json)"),
     Profile("hf", "Hugging Face Trainer or a plain PyTorch loop over HF/timm models "
                   "(torch AMP or a model loaded in 16 bits; DDP; torch AdamW)",

@@ -191,11 +191,12 @@ def test_pipeline_plans_are_launchable_for_llama_decoders_only():
     from estimator.plans import plans_for_job
 
     lp = plans_for_job(llama, {"A100-80GB": 8}, plan_filter={"pp": 2, "tp": 1})["A100-80GB"]
-    assert any(p.not_launchable is None and p.zero == 0 for p in lp)
-    assert all(p.not_launchable and "plan.pp" in p.not_launchable for p in lp if p.zero > 0)
+    # ZeRO 0 and 1 (ZeroRedundancyOptimizer over each stage's replicas) launch; offload does not
+    assert any(p.not_launchable is None and p.zero == 1 and p.dp > 1 for p in lp)
+    assert all((p.not_launchable is None) == (p.offload == "none") for p in lp)
+    assert all("plan.pp" in p.not_launchable for p in lp if p.not_launchable)
     gp = plans_for_job(gpt, {"A100-80GB": 8}, plan_filter={"pp": 2, "tp": 1})["A100-80GB"]
-    assert gp and all(p.not_launchable and "built for llama decoders" in p.not_launchable
-                      for p in gp if p.zero == 0)
+    assert gp and all(p.not_launchable and "built for llama decoders" in p.not_launchable for p in gp)
 
 
 def test_sequence_parallel_is_enumerated_on_gpus_but_chosen_only_where_memory_binds():

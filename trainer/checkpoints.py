@@ -65,8 +65,10 @@ def full_resume_possible(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     if saved.get("pp", 1) != now.get("pp", 1):
         return False                 # pipeline stages hold parts of the model: weights only
     if saved.get("pp", 1) > 1:
-        # a stage file holds its rank's chunks: another interleaving cuts other layer sets
-        return saved.get("world") == now.get("world") and saved.get("vpp", 1) == now.get("vpp", 1)
+        # a stage file holds its rank's chunks: another interleaving cuts other layer sets; its
+        # optimizer state is ZeroRedundancyOptimizer's (ZeRO-1) or the plain optimizer's
+        return (saved.get("world") == now.get("world")
+                and all(saved.get(k, d) == now.get(k, d) for k, d in (("vpp", 1), ("zero", 0))))
     if not saved.get("deepspeed") and not now.get("deepspeed"):
         return True
     return (all(saved.get(k) == now.get(k) for k in ("deepspeed", "zero", "world", "offload"))

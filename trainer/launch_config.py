@@ -8,8 +8,9 @@ The trainer realises data parallelism (+ ZeRO 1-3 and offload through DeepSpeed)
 parallelism through DeepSpeed's AutoTP (``tensor_parallel.autotp_size``, ZeRO 0-3 beside it;
 ``trainer.parallel``) and sequence parallelism (``cp``) through DeepSpeed Ulysses
 (``trainer.parallel.ulysses``) and pipeline parallelism (``pp``, interleaved where ``vpp > 1``)
-through ``trainer.parallel.pipeline``. Layouts it cannot run (pp beside ZeRO/tp/cp, cp beside
-tp, an interleaving torch refuses) are refused here with an error naming the setting, before
+through ``trainer.parallel.pipeline`` (ZeRO-1 beside it: torch's ``ZeroRedundancyOptimizer``
+over each stage's data-parallel group). Layouts it cannot run (pp beside ZeRO-2/3, offload, tp
+or cp, cp beside tp, an interleaving torch refuses) are refused here with an error naming the setting, before
 anything starts.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
-from .parallel import plan_world, uses_deepspeed
+from .parallel import pipeline_layers_rule, plan_world, uses_deepspeed
 
 ACCELERATE_FILE = "accelerate.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
@@ -41,10 +42,11 @@ def is_cpu_plan(plan: Plan) -> bool:
 
 def check_realisable(plan: Plan) -> None:
     """Refuse what the trainer cannot run, naming the setting."""
-    if plan.pp > 1 and (plan.tp > 1 or plan.cp > 1 or plan.zero > 0 or plan.offload != "none"):
+    if plan.pp > 1 and (plan.tp > 1 or plan.cp > 1 or plan.zero > 1 or plan.offload != "none"):
         raise FrenzyInputError(
-            "plan.pp", f"pipeline parallel runs beside data parallel only, without ZeRO, offload, tp or cp "
-                       f"(got pp={plan.pp}, tp={plan.tp}, cp={plan.cp}, zero={plan.zero}, offload={plan.offload})")
+            "plan.pp", f"pipeline parallel runs beside data parallel and ZeRO-1 only, without ZeRO-2/3, offload, "
+                       f"tp or cp (got pp={plan.pp}, tp={plan.tp}, cp={plan.cp}, zero={plan.zero}, "
+                       f"offload={plan.offload})")
     vpp_rule = interleave_rule(plan.pp, getattr(plan, "vpp", 1), plan.grad_accum)
     if vpp_rule is not None:
         raise FrenzyInputError("plan.vpp", vpp_rule)
@@ -98,16 +100,14 @@ PIPELINE_ARCHS = ("llama",)
 
 def check_pipeline_model(plan: Plan, arch: str, layers: int | None = None) -> None:
     """A ``pp > 1`` plan needs a model the pipeline path can cut into stages; with ``layers``
-    (the model's decoder layers) an interleaved one needs ``pp x vpp`` chunks of equal size
-    (each rank holds ``vpp`` chunks; the estimator's interleaved activation term assumes
-    equal chunks, as Megatron-LM does)."""
+    (the model's decoder layers) the stages and chunks must fit them
+    (``trainer.parallel.pipeline_layers_rule``, which the training program asks too)."""
     if plan.pp > 1 and arch not in PIPELINE_ARCHS:
         raise FrenzyInputError("plan.pp", f"pipeline stages are built for {', '.join(PIPELINE_ARCHS)} decoders "
                                           f"(got a {arch} model)")
-    vpp = getattr(plan, "vpp", 1)
-    if layers is not None and vpp > 1 and layers % (plan.pp * vpp):
-        raise FrenzyInputError("plan.vpp", f"pp x vpp = {plan.pp * vpp} must divide the model's {layers} layers "
-                                           f"(every rank holds vpp equal chunks)")
+    rule = pipeline_layers_rule(layers, plan.pp, getattr(plan, "vpp", 1)) if layers is not None else None
+    if rule is not None:
+        raise FrenzyInputError(*rule)
 
 
 def accelerate_config(plan: Plan, *, num_machines: int = 1, machine_rank: int = 0,

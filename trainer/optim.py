@@ -11,6 +11,8 @@ adamw, adam       CUDA, ZeRO 1-3         DeepSpeed ``FusedAdam`` (multi-tensor a
                                          cannot be built on that box, torch's fused AdamW/Adam
 adamw, adam       ZeRO + offload         DeepSpeed ``DeepSpeedCPUAdam`` (SIMD, on the host)
 adamw, adam       CPU (gloo)             ``torch.optim.AdamW/Adam(fused=True)`` (torch's CPU kernel)
+adamw, adam, sgd  pipeline (pp), ZeRO-1  torch's ``ZeroRedundancyOptimizer`` over the no-ZeRO
+                                         choice of the row (``trainer.parallel.pipeline.zero1``)
 sgd               any                    ``torch.optim.SGD`` (momentum 0.9, foreach)
 adafactor         any                    transformers ``Adafactor`` (fixed lr, no relative step)
 adamw8bit         CUDA                   bitsandbytes ``AdamW8bit``

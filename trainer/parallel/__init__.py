@@ -22,8 +22,25 @@ def _get(plan: Any, key: str, default: int = 1) -> Any:
 def uses_deepspeed(plan: Any) -> bool:
     """Whether the plan runs under DeepSpeed's engine: ZeRO 1-3, or tensor parallel through
     AutoTP (which is DeepSpeed's, with ZeRO 0-3 beside it), or sequence parallel through
-    DeepSpeed Ulysses (``trainer.parallel.ulysses``)."""
+    DeepSpeed Ulysses (``trainer.parallel.ulysses``). Never a pipeline (``pp > 1``): it runs the
+    program's own path (``trainer.parallel.pipeline``), ZeRO-1 through torch's
+    ``ZeroRedundancyOptimizer``."""
+    if int(_get(plan, "pp")) > 1:
+        return False
     return int(_get(plan, "zero", 0)) > 0 or int(_get(plan, "tp")) > 1 or int(_get(plan, "cp")) > 1
+
+
+def pipeline_layers_rule(layers: int, pp: int, vpp: int = 1) -> tuple[str, str] | None:
+    """Why a model of ``layers`` decoder layers cannot be cut into ``pp`` pipeline stages of
+    ``vpp`` chunks each, as (plan field, one line), or None: every stage needs a layer, and an
+    interleaved pipeline's ``pp x vpp`` chunks must be equal (each rank holds ``vpp`` of them;
+    the estimator's interleaved activation term assumes equal chunks, as Megatron-LM does)."""
+    if pp > 1 and layers < pp:
+        return "plan.pp", f"{pp} stages but the model has {layers} layers"
+    if vpp > 1 and layers % (pp * vpp):
+        return "plan.vpp", (f"pp x vpp = {pp * vpp} must divide the model's {layers} layers "
+                            f"(every rank holds vpp equal chunks)")
+    return None
 
 
 class Layout(NamedTuple):

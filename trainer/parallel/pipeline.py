@@ -19,7 +19,8 @@ rank's, so the bubble shrinks by ``vpp`` for ``vpp`` times the point-to-point se
 
 Then: gradients averaged over the data-parallel ranks of each stage, a tied embedding's two
 copies summed between the first and last stage, one global gradient norm over every stage for
-clipping, one optimizer per stage (over all the rank's chunks).
+clipping, one optimizer per stage (over all the rank's chunks); ZeRO-1 (``zero: 1``) shards that
+optimizer's states over the stage's data-parallel replicas (``zero1``).
 
 Checkpoints: one file per stage, i.e. per pipeline rank with all its chunks (its parameters
 under the whole model's names, and its optimizer state), then rank 0 writes
@@ -27,7 +28,7 @@ under the whole model's names, and its optimizer state), then rank 0 writes
 full weights (optimizer restarted).
 
 Llama-family decoders (``model.model.layers``, ``embed_tokens``, ``norm``, ``rotary_emb``,
-``lm_head``) only; full fine-tuning, no evaluation split, no ZeRO/tp/cp beside it.
+``lm_head``) only; full fine-tuning, no evaluation split, no ZeRO-2/3, offload, tp or cp beside it.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from trainer.parallel import pipeline_layers_rule
 from trainer.problems import InputProblem
 
 STAGE_FILE = "stage-{stage:02d}.pt"
@@ -81,12 +83,9 @@ def check_pipeline(spec: dict[str, Any], model) -> None:
             or not hasattr(model, "lm_head"):
         raise InputProblem(f"plan.pp: pipeline stages are built for Llama-family decoders "
                            f"(model.layers, embed_tokens, norm, rotary_emb, lm_head); got {type(model).__name__}")
-    if len(inner.layers) < int(plan["pp"]):
-        raise InputProblem(f"plan.pp: {plan['pp']} stages but the model has {len(inner.layers)} layers")
-    n = int(plan["pp"]) * int(plan.get("vpp", 1))
-    if n > int(plan["pp"]) and len(inner.layers) % n:
-        raise InputProblem(f"plan.vpp: pp x vpp = {n} must divide the model's {len(inner.layers)} layers "
-                           f"(every rank holds vpp equal chunks)")
+    rule = pipeline_layers_rule(len(inner.layers), int(plan["pp"]), int(plan.get("vpp", 1)))
+    if rule is not None:
+        raise InputProblem(f"{rule[0]}: {rule[1]}")
     if spec.get("finetune", {}).get("method", "full") != "full":
         raise InputProblem("plan.pp: pipeline parallel trains the full model (no LoRA/QLoRA adapters)")
     if spec.get("eval"):
@@ -192,7 +191,10 @@ class Pipeline:
         else:
             kind = Schedule1F1B if self.ga >= lay.pp else ScheduleGPipe
             self.schedule = kind(stages[0], n_microbatches=self.ga, loss_fn=causal_lm_loss, scale_grads=True)
+        self.zero = int(plan.get("zero", 0))
         self.optimizer, self.optimizer_impl = make_optimizer(self.module)
+        if self.zero == 1:
+            self.optimizer, self.optimizer_impl = zero1(self.optimizer, self.optimizer_impl, self.dp_group)
 
     def tied_weight(self):
         return self.chunks[0].embed_tokens.weight if self.first else self.chunks[-1].lm_head.weight
@@ -249,9 +251,13 @@ class Pipeline:
     # -------------------------------------------------------------- checkpoints
     def save(self, path: Path) -> None:
         """This stage's weights (whole-model names) and optimizer state; the first data-parallel
-        replica of each stage writes."""
+        replica of each stage writes. Every rank calls it: under ZeRO-1 the stage's optimizer
+        shards are first gathered to that replica (a collective over the stage's dp group), so
+        the file holds the whole stage's state, which each replica's partition loads back."""
         import torch
 
+        if self.zero == 1:
+            self.optimizer.consolidate_state_dict(to=0)   # rank 0 of the dp group: dp_rank 0
         if self.lay.dp_rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             torch.save({"params": {n: p.detach().cpu() for n, p in self.full_names().items()},
@@ -266,6 +272,27 @@ class Pipeline:
             for n, p in self.full_names().items():
                 p.copy_(state["params"][n])
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def zero1(optimizer, impl: str, dp_group):
+    """ZeRO-1 over a stage's data-parallel replicas: torch's ``ZeroRedundancyOptimizer`` with the
+    job's optimizer class and settings, each replica keeping the states of its share of the
+    stage's parameters (partitioned by size) and broadcasting its updated parameters after the
+    step. Gradients stay whole and all-reduced (ZeRO-1), so the pipeline's own averaging, tied
+    embedding sum and global norm are unchanged. It needs only broadcasts (gloo has them);
+    FSDP2 would be ZeRO-2/3, which the planner does not enumerate for pipelines."""
+    import inspect
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    # the defaults the class's constructor takes (AdamW's carry decoupled_weight_decay, which
+    # its constructor does not accept)
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    groups = [{k: v for k, v in g.items()} for g in optimizer.param_groups]
+    return (ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=dp_group, **kwargs),
+            f"torch.distributed.optim.ZeroRedundancyOptimizer({impl})")
 
 
 def consolidate(path: Path, pp: int, out_name: str) -> None:
