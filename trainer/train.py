@@ -218,7 +218,7 @@ def train(run_dir: Path) -> None:
     from trainer import checkpoints as ck
     from trainer import control
     from trainer.data import TokenSource, eval_source
-    from trainer.modeling import add_adapters, build_model, count_params, export, uses_adapters
+    from trainer.modeling import add_adapters, build_model, count_params, export, unwrap, uses_adapters
     from trainer.optim import make_optimizer
     from trainer.parallel import layout_of, plan_world, uses_deepspeed, without_partitioned_build
 
@@ -290,7 +290,7 @@ def train(run_dir: Path) -> None:
         if deepspeed:
             save_kw, load_kw = {"exclude_frozen_parameters": True}, {"load_module_strict": False}
         else:
-            register_adapter_state(accelerator, accelerator.unwrap_model(model), main)
+            register_adapter_state(accelerator, unwrap(accelerator, model, deepspeed=False), main)
     if latest is not None and resume_mode is None:
         accelerator.load_state(str(latest.path), **load_kw)
         resume_mode = "full"
