@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .parallel import uses_deepspeed
 from .problems import InputProblem
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -122,21 +121,6 @@ def count_params(model) -> tuple[int, int]:
     return total, trainable
 
 
-def unwrap(accelerator, model, *, deepspeed: bool):
-    """The model inside the wrapper ``accelerator.prepare`` put around it. A plan without DeepSpeed
-    has DistributedDataParallel's at most (its Accelerate config is ``NO`` or ``MULTI_GPU``),
-    unwrapped here: Accelerate's ``unwrap_model`` imports DeepSpeed whenever it is installed, only
-    for an isinstance check, and that import (which pulls in MLflow) took 2.8-3 s per rank on 2
-    CPU cores - longer than a tiny run's training."""
-    if deepspeed:
-        return accelerator.unwrap_model(model)
-    from torch.nn.parallel import DistributedDataParallel
-
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    return model
-
-
 def export(accelerator, model, spec: dict[str, Any], out: Path, *, step: int, main: bool) -> Path | None:
     """Write ``model`` to ``out`` in Hugging Face format (every rank calls: under ZeRO-3 the full
     weights are gathered from the shards, module by module, to rank 0's host memory).
@@ -146,14 +130,12 @@ def export(accelerator, model, spec: dict[str, Any], out: Path, *, step: int, ma
     ``init_from``); with ``merge_adapters`` the merged model goes to ``out`` and the adapters to
     ``out/adapter``. Tokenizer files of ``init_from`` or of the data's tokenizer come along.
     Returns ``out`` on rank 0, None elsewhere."""
-    deepspeed = uses_deepspeed(spec["plan"])
-    unwrapped = unwrap(accelerator, model, deepspeed=deepspeed)
+    unwrapped = accelerator.unwrap_model(model)
     if not hasattr(unwrapped, "save_pretrained"):
         if main:
             print("frenzy: export skipped: the entry point's model has no save_pretrained", flush=True)
         return None
-    # collective under ZeRO-3; without DeepSpeed, Accelerate's get_state_dict is unwrap + state_dict
-    state = accelerator.get_state_dict(model) if deepspeed else unwrapped.state_dict()
+    state = accelerator.get_state_dict(model)         # collective under ZeRO-3
     if not main:
         return None
     t0 = time.perf_counter()

@@ -210,7 +210,27 @@ def check_device(plan: dict[str, Any], device_type: str) -> None:
                            f"it runs only on a worker of a {gpu} pool")
 
 
+def without_deepspeed_unless_planned(plan: dict[str, Any]) -> None:
+    """A plan that does not run under DeepSpeed runs as if DeepSpeed were not installed: Accelerate
+    and transformers check whether it is installed and then import it for an isinstance test
+    (``save_pretrained`` of the export unwraps the model that way); that import, which pulls in
+    MLflow, took 2.7-2.9 s on rank 0 of a tiny CPU run on 2 cores, longer than its training.
+    Call before Accelerate is imported. ``allow_deepspeed`` lifts it (a resume that consolidates
+    a ZeRO checkpoint)."""
+    from trainer.parallel import uses_deepspeed
+
+    if not uses_deepspeed(plan):
+        sys.modules.setdefault("deepspeed", None)   # importlib.util.find_spec then answers None
+
+
+def allow_deepspeed() -> None:
+    if "deepspeed" in sys.modules and sys.modules["deepspeed"] is None:
+        del sys.modules["deepspeed"]
+
+
 def train(run_dir: Path) -> None:
+    spec = json.loads((run_dir / "train_spec.json").read_text())
+    without_deepspeed_unless_planned(spec["plan"])
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
@@ -218,11 +238,10 @@ def train(run_dir: Path) -> None:
     from trainer import checkpoints as ck
     from trainer import control
     from trainer.data import TokenSource, eval_source
-    from trainer.modeling import add_adapters, build_model, count_params, export, unwrap, uses_adapters
+    from trainer.modeling import add_adapters, build_model, count_params, export, uses_adapters
     from trainer.optim import make_optimizer
     from trainer.parallel import layout_of, plan_world, uses_deepspeed, without_partitioned_build
 
-    spec = json.loads((run_dir / "train_spec.json").read_text())
     plan = spec["plan"]
     rank, world, _local = dist_info()
     main = rank == 0
@@ -290,7 +309,7 @@ def train(run_dir: Path) -> None:
         if deepspeed:
             save_kw, load_kw = {"exclude_frozen_parameters": True}, {"load_module_strict": False}
         else:
-            register_adapter_state(accelerator, unwrap(accelerator, model, deepspeed=False), main)
+            register_adapter_state(accelerator, accelerator.unwrap_model(model), main)
     if latest is not None and resume_mode is None:
         accelerator.load_state(str(latest.path), **load_kw)
         resume_mode = "full"
@@ -629,6 +648,7 @@ def load_weights_only(model, latest) -> None:
 
         state = load_file(str(path / files[0]))
     else:
+        allow_deepspeed()                             # a ZeRO checkpoint resumed by a plan without it
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(path))
