@@ -210,16 +210,16 @@ def check_device(plan: dict[str, Any], device_type: str) -> None:
                            f"it runs only on a worker of a {gpu} pool")
 
 
-def without_deepspeed_unless_planned(plan: dict[str, Any]) -> None:
+def without_deepspeed_unless_planned(spec: dict[str, Any]) -> None:
     """A plan that does not run under DeepSpeed runs as if DeepSpeed were not installed: Accelerate
     and transformers check whether it is installed and then import it for an isinstance test
     (``save_pretrained`` of the export unwraps the model that way); that import, which pulls in
     MLflow, took 2.7-2.9 s on rank 0 of a tiny CPU run on 2 cores, longer than its training.
     Call before Accelerate is imported. ``allow_deepspeed`` lifts it (a resume that consolidates
-    a ZeRO checkpoint)."""
+    a ZeRO checkpoint). A user's entry point may import DeepSpeed itself: its runs keep it."""
     from trainer.parallel import uses_deepspeed
 
-    if not uses_deepspeed(plan):
+    if not uses_deepspeed(spec["plan"]) and not spec.get("entry_point"):
         sys.modules.setdefault("deepspeed", None)   # importlib.util.find_spec then answers None
 
 
@@ -230,7 +230,7 @@ def allow_deepspeed() -> None:
 
 def train(run_dir: Path) -> None:
     spec = json.loads((run_dir / "train_spec.json").read_text())
-    without_deepspeed_unless_planned(spec["plan"])
+    without_deepspeed_unless_planned(spec)
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
