@@ -311,7 +311,7 @@ def test_example_finetune_cli_exports_adapters_tracks_and_reloads(tmp_path, exam
 
     from trainer.data import TokenSource
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "FRENZY_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "FRENZY_", "MLFLOW_"))}
     env.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(ROOT), FRENZY_HOME=str(tmp_path / "home"))
     proc = subprocess.run([sys.executable, "-m", "frenzy_cli.main", "run", str(EXAMPLE.relative_to(ROOT)), "--json"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -210,7 +210,27 @@ def check_device(plan: dict[str, Any], device_type: str) -> None:
                            f"it runs only on a worker of a {gpu} pool")
 
 
+def without_deepspeed_unless_planned(spec: dict[str, Any]) -> None:
+    """A plan that does not run under DeepSpeed runs as if DeepSpeed were not installed: Accelerate
+    and transformers check whether it is installed and then import it for an isinstance test
+    (``save_pretrained`` of the export unwraps the model that way); that import, which pulls in
+    MLflow, took 2.7-2.9 s on rank 0 of a tiny CPU run on 2 cores, longer than its training.
+    Call before Accelerate is imported. ``allow_deepspeed`` lifts it (a resume that consolidates
+    a ZeRO checkpoint). A user's entry point may import DeepSpeed itself: its runs keep it."""
+    from trainer.parallel import uses_deepspeed
+
+    if not uses_deepspeed(spec["plan"]) and not spec.get("entry_point"):
+        sys.modules.setdefault("deepspeed", None)   # importlib.util.find_spec then answers None
+
+
+def allow_deepspeed() -> None:
+    if "deepspeed" in sys.modules and sys.modules["deepspeed"] is None:
+        del sys.modules["deepspeed"]
+
+
 def train(run_dir: Path) -> None:
+    spec = json.loads((run_dir / "train_spec.json").read_text())
+    without_deepspeed_unless_planned(spec)
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
@@ -222,7 +242,6 @@ def train(run_dir: Path) -> None:
     from trainer.optim import make_optimizer
     from trainer.parallel import layout_of, plan_world, uses_deepspeed, without_partitioned_build
 
-    spec = json.loads((run_dir / "train_spec.json").read_text())
     plan = spec["plan"]
     rank, world, _local = dist_info()
     main = rank == 0
@@ -629,6 +648,7 @@ def load_weights_only(model, latest) -> None:
 
         state = load_file(str(path / files[0]))
     else:
+        allow_deepspeed()                             # a ZeRO checkpoint resumed by a plan without it
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(path))
@@ -735,5 +755,24 @@ def is_transient(e: BaseException) -> bool:
                                    "ecc error", "unspecified launch failure"))
 
 
+def exit_now(code: int) -> None:
+    """Exit as the interpreter would, without its module teardown: wait for non-daemon threads,
+    run the atexit handlers, flush stdio, then ``os._exit``. A rank that imported torch spent
+    1.4-2.4 s (2 CPU cores) in that teardown after its last line, and the launcher waits for it."""
+    import atexit
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
