@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
@@ -259,6 +260,25 @@ def merge_segments(segments: list) -> Any:
         "eval_losses": [e for s in segments for e in s.eval_losses]})
 
 
+def _check_same_ledger(ledger, alloc_id: str | None) -> None:
+    """Before anything starts: the allocation the run was given is in the ledger it opened. A
+    pool's worker gets no ledger URL from its dispatcher (it is a secret); without
+    ``FRENZY_LEDGER_URL`` it opens its own default ledger, where the allocation is unknown."""
+    if not alloc_id:
+        return
+    try:
+        ledger.allocation(alloc_id)
+    except FrenzyInputError:
+        from sqlalchemy.engine import make_url
+
+        shown = make_url(ledger.url).render_as_string(hide_password=True)
+        raise FrenzyInputError("FRENZY_LEDGER_URL", f"allocation {alloc_id} is not in this run's ledger ({shown}): "
+                                                    "a pool's worker must open the scheduler's ledger; set "
+                                                    "FRENZY_LEDGER_URL on the worker (docs/fleet.md)") from None
+    except Exception:                 # the database away: the lease thread decides, as for a running run
+        pass
+
+
 def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment, *,
                            ledger_url: str | None, log: Callable[[str], None],
                            inventory: dict[str, int] | None = None,
@@ -278,6 +298,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     from trainer.runner import run_training
 
     ledger = Ledger(ledger_url)
+    _check_same_ledger(ledger, assignment.allocation_id)
     queue = JobQueue(ledger)
     current = {"alloc_id": assignment.allocation_id, "plan": plan, "devices": assignment.devices,
                "first": True, "lease": None}

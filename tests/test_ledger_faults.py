@@ -165,3 +165,30 @@ def test_a_completed_training_stays_completed_when_the_ledger_is_down_at_the_end
     assert any(line.startswith("ledger: ") for line in logs)
     monkeypatch.undo()
     assert Ledger(url).allocation(alloc.id).status == "active"   # its lease, no longer renewed, frees it
+
+
+def test_a_run_given_an_allocation_its_ledger_does_not_hold_is_refused_before_it_starts(tmp_path, frenzy_home,
+                                                                                       monkeypatch):
+    """A pool's worker without FRENZY_LEDGER_URL opens its own default ledger, where the
+    scheduler's allocation is unknown: one line naming the setting, and nothing is trained."""
+    import trainer.runner
+    from estimator.errors import FrenzyInputError
+    from estimator.job import TrainingJob
+    from frenzy_flows.results import Assignment
+    from frenzy_flows.training import run_allocated_training
+
+    scheduler_ledger = Ledger(f"sqlite:///{tmp_path / 'scheduler.db'}")
+    scheduler_ledger.sync_cluster(CLUSTER)
+    plan = A(1)
+    alloc = scheduler_ledger.allocate("j", plan, {"a100-0": [0]})
+    started = []
+    monkeypatch.setattr(trainer.runner, "run_training", lambda *a, **k: started.append(1))
+    job = TrainingJob.model_validate({"name": "j", "model": "gpt2-tiny", "seq_len": 16, "global_batch": 2,
+                                      "train_steps": 2})
+    worker_ledger = f"sqlite:///{tmp_path / 'worker-default.db'}"
+    with pytest.raises(FrenzyInputError, match=f"FRENZY_LEDGER_URL.*allocation {alloc.id} is not in this run's "
+                                               "ledger.*set FRENZY_LEDGER_URL on the worker"):
+        run_allocated_training(job, "j", plan, Assignment.from_allocation(alloc, plan), ledger_url=worker_ledger,
+                               log=lambda _l: None)
+    assert started == []
+    assert scheduler_ledger.allocation(alloc.id).status == "active"      # not the worker's to touch
