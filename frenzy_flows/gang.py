@@ -303,9 +303,14 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
                 # shared run folder's control file: rank 0 (on node 0) reads it and every rank
                 # of every node stops after the same step
                 _start_nodes(deployment_id, assignment, plan, params, gang_id, run_dir, env, runs)
-                ok, why = watch_gang(lambda: _states([fr.id for _, fr in runs]),
-                                     lambda: gang.lost(gang_id, len(runs)), deadline=deadline, poll_s=poll_s,
-                                     beat=lambda: setattr(watcher, "step", gang.step(gang_id)))
+
+                def lost() -> dict[int, str]:      # one read of the rows: who is gone, node 0's step
+                    nodes = gang.nodes(gang_id)
+                    watcher.step = next((n.step for n in nodes if n.node_rank == 0), watcher.step)
+                    return gang.lost(gang_id, len(runs), nodes)
+
+                ok, why = watch_gang(lambda: _states([fr.id for _, fr in runs]), lost, deadline=deadline,
+                                     poll_s=poll_s)
                 if not ok:
                     for _, fr in runs:                # gang semantics: nobody trains on alone
                         cancel_flow_run(fr.id, f"frenzy: gang {gang_id} stopped: {why}")

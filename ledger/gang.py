@@ -105,13 +105,6 @@ class Gang:
         """The node is alive; ``step``: its last finished training step, when it knows one."""
         self._upsert(gang_id, node_rank, state=state, **({"step": int(step)} if step is not None else {}))
 
-    def step(self, gang_id: str) -> int:
-        """Node 0's last finished step (0 before its first beat): the gang's progress, which its
-        dispatcher reports on the job's queue row (every node trains the same steps)."""
-        with self.ledger._read() as s:
-            row = s.get(GangNodeRow, (gang_id, 0))
-            return int(row.step) if row is not None else 0
-
     def finish(self, gang_id: str, node_rank: int, state: str, error: str = "") -> None:
         self._upsert(gang_id, node_rank, state=state, error=error[:500])
 
@@ -142,13 +135,13 @@ class Gang:
                                         f"{timeout_s:.0f} s")
             time.sleep(poll_s)
 
-    def lost(self, gang_id: str, ranks: int) -> dict[int, str]:
+    def lost(self, gang_id: str, ranks: int, nodes: list[GangNode] | None = None) -> dict[int, str]:
         """Nodes of the gang that are gone: rank -> why (its row failed, or its heartbeat ran
         out). A node without a row yet (its flow run not started) is not lost: the dispatcher
-        bounds that wait itself."""
+        bounds that wait itself. ``nodes``: the gang's rows when the caller has just read them."""
         now = self.now()
         out: dict[int, str] = {}
-        for n in self.nodes(gang_id):
+        for n in self.nodes(gang_id) if nodes is None else nodes:
             if n.node_rank >= ranks:
                 continue
             if n.state == "failed":

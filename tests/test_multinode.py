@@ -103,13 +103,15 @@ def test_node_0s_beat_carries_the_gangs_progress(tmp_path):
     from ledger.gang import Gang
 
     gang = Gang(Ledger(f"sqlite:///{tmp_path / 'l.db'}"))
-    assert gang.step("g") == 0                              # no row yet: nothing done
     gang.join("g", 0, "job-a", "p-0")
     gang.join("g", 1, "job-a", "p-1")
+    assert [n.step for n in gang.nodes("g")] == [0, 0]       # nothing done yet
     gang.beat("g", 0, step=7)
     gang.beat("g", 1)                                       # a node that reports no step keeps its own
     gang.beat("g", 0)                                       # nor does a beat without one reset node 0's
-    assert gang.step("g") == 7 and [n.step for n in gang.nodes("g")] == [7, 0]
+    nodes = gang.nodes("g")
+    assert [n.step for n in nodes] == [7, 0]
+    assert gang.lost("g", 2, nodes) == gang.lost("g", 2) == {}     # the rows the caller read serve
 
 
 def test_watch_gang_stops_at_the_first_failed_or_lost_node_and_completes_only_with_all():
