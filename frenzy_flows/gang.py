@@ -232,6 +232,15 @@ def watch_gang(states: Callable[[], list[Any]], lost: Callable[[], dict[int, str
         sleep(poll_s)
 
 
+def poll_nodes(gang, gang_id: str, nodes: int, watcher) -> dict[int, str]:
+    """One read of the gang's rows: node 0's last step goes to ``watcher.step`` (the watcher
+    reports it on the job's queue row, the scheduler's view of its progress); returns the
+    nodes lost (``Gang.lost``)."""
+    rows = gang.nodes(gang_id)
+    watcher.step = next((n.step for n in rows if n.node_rank == 0), watcher.step)
+    return gang.lost(gang_id, nodes, rows)
+
+
 def _retake(ledger, queue, job_id: str, assignment: Assignment, why: str, log) -> Assignment:
     """The failed gang's GPUs go back; the job takes GPUs again for its relaunch: from the
     scheduler when it has a queue row (it may place it elsewhere), else the same placement."""
@@ -304,12 +313,8 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
                 # of every node stops after the same step
                 _start_nodes(deployment_id, assignment, plan, params, gang_id, run_dir, env, runs)
 
-                def lost() -> dict[int, str]:      # one read of the rows: who is gone, node 0's step
-                    nodes = gang.nodes(gang_id)
-                    watcher.step = next((n.step for n in nodes if n.node_rank == 0), watcher.step)
-                    return gang.lost(gang_id, len(runs), nodes)
-
-                ok, why = watch_gang(lambda: _states([fr.id for _, fr in runs]), lost, deadline=deadline,
+                ok, why = watch_gang(lambda: _states([fr.id for _, fr in runs]),
+                                     lambda: poll_nodes(gang, gang_id, len(runs), watcher), deadline=deadline,
                                      poll_s=poll_s)
                 if not ok:
                     for _, fr in runs:                # gang semantics: nobody trains on alone

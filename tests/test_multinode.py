@@ -114,6 +114,33 @@ def test_node_0s_beat_carries_the_gangs_progress(tmp_path):
     assert gang.lost("g", 2, nodes) == gang.lost("g", 2) == {}     # the rows the caller read serve
 
 
+def test_the_dispatchers_poll_reports_node_0s_step_on_the_jobs_queue_row(tmp_path):
+    """The path of a gang's progress to the scheduler: node 0's beat, the dispatcher's one read
+    of the gang's rows, its queue heartbeat."""
+    from ledger import Ledger
+    from ledger.gang import Gang
+    from ledger.queue import JobQueue
+
+    from frenzy_flows.gang import poll_nodes
+    from frenzy_flows.training import REQUEST_POLL_S, RequestWatcher
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
+    gang, queue = Gang(ledger), JobQueue(ledger)
+    queue.enqueue("job-a", "job-a", {"name": "job-a"}, [plan(2)], steps=60)
+    gang.join("g", 0, "job-a", "p-0")
+    gang.join("g", 1, "job-a", "p-1")
+    gang.beat("g", 0, step=12)
+    with RequestWatcher(queue, "job-a", tmp_path, lambda _m: None) as watcher:
+        assert poll_nodes(gang, "g", 2, watcher) == {} and watcher.step == 12
+        end = time.monotonic() + 10 * REQUEST_POLL_S
+        while queue.get("job-a").steps_done != 12 and time.monotonic() < end:
+            time.sleep(0.05)
+    assert queue.get("job-a").steps_done == 12
+    gang.finish("g", 1, "failed", "boom")
+    watcher.step = 3                         # each read takes node 0's step from its row again
+    assert 1 in poll_nodes(gang, "g", 2, watcher) and watcher.step == 12
+
+
 def test_watch_gang_stops_at_the_first_failed_or_lost_node_and_completes_only_with_all():
     from frenzy_flows.gang import watch_gang
 
@@ -436,7 +463,7 @@ def test_the_scheduler_shrinks_a_gang_onto_one_node_and_it_resumes_with_the_same
     monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
     pool = f"ms-{uuid.uuid4().hex[:6]}"
     job_id = f"job-{pool}"
-    steps = 150        # long enough that node 0's beat (every 3 s) reports progress before the end
+    steps = 150        # the request lands within a second or two of step 3, well before the end
     j, p, target = job(weights, train_steps=steps, seq_len=128, checkpoint_every=1000), plan(2), plan(1)
     ledger, assignment = _gang_setup(pool, tmp_path, j, p)
     queue = JobQueue(ledger)
@@ -446,17 +473,13 @@ def test_the_scheduler_shrinks_a_gang_onto_one_node_and_it_resumes_with_the_same
     workers = [_worker(pool, f"{pool}-{r}") for r in (0, 1)]
     t, out = _dispatch_in_thread(j, p, assignment, job_id)
     rid = None
-    reported = 0                 # the steps done the dispatcher reports on the queue row (node 0's beat)
     end = time.monotonic() + 400
     while time.monotonic() < end and rid is None and t.is_alive():
         if _steps(log0) >= 3:
-            reported = queue.get(job_id).steps_done
-            if reported > 0:
-                rid = queue.request(job_id, "shrink", plan=target, placement={f"{pool}-0": [0]},
-                                    reason="a test shrink")
+            rid = queue.request(job_id, "shrink", plan=target, placement={f"{pool}-0": [0]},
+                                reason="a test shrink")
         time.sleep(0.1)
     assert rid is not None, "the run ended before the shrink request: " + str(out)
-    assert 0 < reported < steps
     res = _completed(t, out, workers)
     assert res["assignment"]["placement"] == {f"{pool}-0": [0]}        # where it ended, not where it began
     first, last = res["attempts"][0], res["attempts"][-1]
