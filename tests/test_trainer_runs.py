@@ -166,7 +166,10 @@ def test_killed_rank_is_retried_and_resumes_from_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_deadline_stops_the_run_and_leaves_nothing(tmp_path):
     j = job(train_steps=100000, checkpoint_every=100000)
-    res, dev, *_ = train(j, cpu_plan(j, gpus=1), tmp_path, deadline_s=6)
+    # 1 s: the deadline passes before the program has even imported torch, so it cannot act on
+    # the deadline's stop request (with 6 s a quick start did, and the run ended "stopped": the
+    # case test_deadline_stops_with_checkpoint_and_export_then_resubmission_resumes covers)
+    res, dev, *_ = train(j, cpu_plan(j, gpus=1), tmp_path, deadline_s=1)
     assert res.status == "timeout" and [a.outcome for a in res.attempts] == ["timeout"]
     assert dev.released == 1 and no_training_processes_left()
 
