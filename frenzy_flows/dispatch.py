@@ -1,10 +1,10 @@
 """Send a placed training job to its GPU pool's deployment and wait for it.
 
 The submit flow has already chosen the plan and recorded the allocation in the ledger. Here we
-hold the pool's GPU slots in Prefect's own accounting (global concurrency limit ``gpu:<pool>``,
-``strict=True`` so a missing limit is an error, not a silent pass) for as long as the training
-run lives, start the pool's ``frenzy-train-<pool>`` deployment with the devices as job variables,
-and wait. A run that sits unclaimed because the pool has no workers online is reported in the
+check that the pool has its ``gpu:<pool>`` concurrency limit (the slots the training run holds
+in Prefect's own accounting, `hold_gpu_slots`, taken by the run itself for each allocation it
+trains on, so the count follows fallbacks, re-sizes and preemptions), start the pool's
+``frenzy-train-<pool>`` deployment with the devices as job variables, and wait. A run that sits unclaimed because the pool has no workers online is reported in the
 log with the command that fixes it, never waited on silently; on timeout, error or interrupt
 the child run is cancelled (Prefect does not cascade cancellation to ``run_deployment`` runs).
 """
@@ -249,12 +249,31 @@ def _slot_count(name: str) -> str:
         return f"count unreadable: {type(err).__name__}"
 
 
+def _no_limit(name: str) -> FrenzyInputError:
+    return FrenzyInputError("pool", f"no concurrency limit {name!r}; run `frenzy pools sync --cluster <file>` first")
+
+
+def require_gpu_limit(pool: str) -> None:
+    """``FrenzyInputError`` when the pool has no ``gpu:<pool>`` limit: its train flow could not
+    hold its slots, so nothing is started there."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    name = gpu_limit_name(pool)
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            raise _no_limit(name) from None
+
+
 @contextlib.contextmanager
 def hold_gpu_slots(pool: str, occupy: int, *, timeout_s: float | None = None,
                    ledger_url: str | None = None):
     """Hold ``occupy`` slots of the pool's ``gpu:<pool>`` limit (strict: a missing limit is an
     error) for the duration of the block, so Prefect's count of busy GPUs matches the ledger's.
-    Used around a dispatched run here, and around in-process training by the submit flow.
+    Used by the train flow around each allocation it trains on
+    (`frenzy_flows.training.run_allocated_training`), and around each launch of a gang.
 
     The slots are a lease of ``SLOT_LEASE_S`` renewed while held; a renewal that fails (the API
     down) does not stop the training: the ledger's lease fences the GPUs. The wait for them is
@@ -294,8 +313,7 @@ def hold_gpu_slots(pool: str, occupy: int, *, timeout_s: float | None = None,
                             f"({_slot_count(name)})") from err
     except Exception as err:
         if "must be created" in str(err):    # strict=True and no gpu:<pool> limit
-            raise FrenzyInputError("pool", f"no concurrency limit {name!r}; run "
-                                           f"`frenzy pools sync --cluster <file>` first") from err
+            raise _no_limit(name) from err
         raise
     try:
         yield
@@ -337,18 +355,17 @@ def _wait(flow_run_id: UUID, pool: str, deadline: float, poll_s: float):
 def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float | None,
                      job_id: str | None = None, settings: str | None = None,
                      env: Mapping[str, str] | None = None,
-                     poll_s: float = 2.0, slot_timeout_s: float | None = None,
-                     ledger_url: str | None = None) -> dict:
+                     poll_s: float = 2.0) -> dict:
     """Run ``job`` with ``plan`` on ``allocation.pool`` through its ``frenzy-train-<pool>``
     deployment and return that flow's result (a dict; the train flow persists its result).
 
     ``allocation``: the submit flow's ``Assignment`` (or a ledger Allocation / dict with
     ``pool``, ``devices``, ``allocation_id`` or ``id``); it is passed on as the train flow's
     ``assignment`` parameter, with ``job`` and ``job_id``. ``timeout_s=None`` waits as long as
-    it takes. ``settings``: the FrenzySettings block the train flow applies. Holds
-    ``concurrency("gpu:<pool>", occupy=<devices>, strict=True)`` for the whole run.
-    ``slot_timeout_s``: the bound on the wait for the slots (default ``SLOT_WAIT_S``);
-    ``ledger_url``: the ledger the slots are reconciled with when they do not come.
+    it takes. ``settings``: the FrenzySettings block the train flow applies. The train flow
+    holds ``concurrency("gpu:<pool>", occupy=<devices>, strict=True)`` for each allocation it
+    trains on (not this dispatcher: a preempted run waiting for GPUs must hold none, a re-sized
+    one its new count); here the limit is only required to exist before anything starts.
     Raises ``DispatchError`` when the run ends other than COMPLETED or outlives ``timeout_s``
     (the run is cancelled then), ``FrenzyInputError`` when the pool was never synced.
     """
@@ -359,16 +376,14 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
     variables = job_variables(plan, allocation, env)
     job_d = _job_dict(job)
     assignment = _assignment_dict(allocation)
-    occupy = int(variables["num_processes"])
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
     queue = node_work_queue(pool, assignment.get("placement") or {})
-    # the slot wait has its own bound (a leak, not the run's length, is what it waits out)
-    with hold_gpu_slots(pool, occupy, timeout_s=slot_timeout_s, ledger_url=ledger_url):
-        return _run_and_wait(deployment_id, pool, variables, timeout_s, deadline, poll_s,
-                             {"job": job_d, "plan": plan.model_dump(mode="json"),
-                              "assignment": assignment, "job_id": job_id,
-                              # only when set: train flows deployed before it keep working
-                              **({"settings": settings} if settings else {})}, queue)
+    require_gpu_limit(pool)
+    return _run_and_wait(deployment_id, pool, variables, timeout_s, deadline, poll_s,
+                         {"job": job_d, "plan": plan.model_dump(mode="json"),
+                          "assignment": assignment, "job_id": job_id,
+                          # only when set: train flows deployed before it keep working
+                          **({"settings": settings} if settings else {})}, queue)
 
 
 def node_work_queue(pool: str, placement: Mapping[str, Any]) -> str | None:

@@ -41,14 +41,13 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
     (``own_pool``, `scheduler.discover.is_control_machine_pool`). Any other pool without a
     worker is waited for up to ``worker_wait_s`` (the queue and the log say so, with the command
     that starts one), keeping the allocation's lease; then `dispatch.NoWorkerError`, and the
-    submit flow releases the GPUs. Either way the run holds the pool's `gpu:<pool>` slots, so
-    Prefect's count of busy GPUs agrees with the ledger."""
+    submit flow releases the GPUs. Either way the train flow holds the pool's `gpu:<pool>` slots
+    for each allocation it trains on, so Prefect's count of busy GPUs follows the ledger's."""
     pool, url = assignment.pool, secret_value(ledger_url)
     if not dispatch.has_workers(pool):
-        if own_pool:
-            with dispatch.hold_gpu_slots(pool, plan.gpus, ledger_url=url):
-                return train_on_pool(job, plan, assignment=assignment, job_id=job_id,
-                                     ledger_url=ledger_url, inventory=inventory, settings=settings)
+        if own_pool:            # the train flow holds the pool's slots for each allocation it trains on
+            return train_on_pool(job, plan, assignment=assignment, job_id=job_id,
+                                 ledger_url=ledger_url, inventory=inventory, settings=settings)
         _wait_for_worker(pool, job_id, assignment, url, worker_wait_s)
     if len(assignment.placement) > 1:       # one flow run per node, trained as a gang
         from frenzy_flows.gang import dispatch_gang
@@ -57,8 +56,8 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
         return dispatch_gang(job, plan, assignment, job_id=job_id, ledger_url=url, settings=settings,
                              timeout_s=job.deadline_s)
     dispatch._logger().info("dispatching to work pool %s", pool)
-    return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id, ledger_url=url,
-                                     settings=settings, timeout_s=job.deadline_s)
+    return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id, settings=settings,
+                                     timeout_s=job.deadline_s)
 
 
 def _wait_for_worker(pool: str, job_id: str, assignment: Assignment, ledger_url: str | None,

@@ -295,7 +295,7 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
         if not is_multi_node(assignment):        # the scheduler placed the relaunch on one node
             log.info("gang relaunch placed on one node (%s): dispatching one run", assignment.placement)
             segments.append(dispatch.dispatch_to_pool(
-                job, assignment.plan, assignment, job_id=job_id, ledger_url=ledger_url, settings=settings, env=env,
+                job, assignment.plan, assignment, job_id=job_id, settings=settings, env=env,
                 poll_s=poll_s, timeout_s=None if timeout_s is None else max(1.0, deadline - time.monotonic())))
             return merge_results(segments)
         plan = assignment.plan

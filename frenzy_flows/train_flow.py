@@ -13,7 +13,7 @@ from pydantic import SecretStr
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
-from frenzy_flows import artifacts, events
+from frenzy_flows import artifacts, dispatch, events
 from frenzy_flows.results import Assignment
 from frenzy_flows.lifetime import allocation_lifetime
 from frenzy_flows.tasks import load_settings, new_job_id, secret_value
@@ -81,7 +81,9 @@ def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log) -> d
     try:
         result = run_allocated_training(job, job_id, plan, assignment, ledger_url=ledger_url,
                                         log=log.info, inventory=inventory, on_step=on_step,
-                                        fallbacks=fallbacks, on_placed=placed.append)
+                                        fallbacks=fallbacks, on_placed=placed.append,
+                                        slots=lambda pool, gpus: dispatch.hold_gpu_slots(pool, gpus,
+                                                                                         ledger_url=ledger_url))
     finally:
         artifacts.progress_end(progress)
     # where the job ended (a fallback's or a re-size's allocation): the submit flow reports it

@@ -284,12 +284,17 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                            inventory: dict[str, int] | None = None,
                            on_step: Callable[[int, int, float], None] | None = None,
                            fallbacks=None, wait_timeout_s: float = 3600.0,
-                           on_placed: Callable[[Assignment], None] | None = None):
+                           on_placed: Callable[[Assignment], None] | None = None,
+                           slots: Callable[[str, int], contextlib.AbstractContextManager] | None = None):
     """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``. ``fallbacks``:
     the out-of-memory fallback plans to try (default: the trainer's own ladder).
     ``wait_timeout_s``: how long a preempted run waits in the queue for new GPUs.
     ``on_placed``: told each allocation the run moves to (a fallback's, a re-size's target),
-    so the caller reports where the job ended, not where it started."""
+    so the caller reports where the job ended, not where it started.
+    ``slots(pool, gpus)``: a context held for as long as each allocation is (the train flow
+    passes `dispatch.hold_gpu_slots`, Prefect's ``gpu:<pool>`` count), so that count follows
+    the run through fallbacks, re-sizes and preemptions: a preempted run waiting in the queue
+    holds none, a grown one holds its new GPUs. None: nothing counts them but the ledger."""
     from ledger import Ledger, LedgerUnavailable
     from ledger.queue import JobQueue
     from trainer import interrupt
@@ -301,7 +306,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     _check_same_ledger(ledger, assignment.allocation_id)
     queue = JobQueue(ledger)
     current = {"alloc_id": assignment.allocation_id, "plan": plan, "devices": assignment.devices,
-               "first": True, "lease": None}
+               "pool": assignment.pool, "first": True, "lease": None}
     leases = contextlib.ExitStack()
 
     def acquire(p: Plan) -> list[str]:
@@ -312,11 +317,14 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
             alloc = ledger.allocate_best_fit(job_id, p)
             if alloc is None:
                 raise RuntimeError(f"no free GPUs for fallback plan {p.short()}")
-            current.update(alloc_id=str(alloc.id), plan=p, devices=list(alloc.devices))
+            current.update(alloc_id=str(alloc.id), plan=p, devices=list(alloc.devices), pool=alloc.pool)
             log(f"fallback allocation {alloc.id}: {p.short()} on {alloc.placement}")
             if on_placed is not None:
                 on_placed(Assignment.from_allocation(alloc, p))
         current["lease"] = leases.enter_context(ledger.lease(current["alloc_id"]))
+        if slots is not None and current["pool"]:
+            # as many as the pool's run is given (dispatch.job_variables' num_processes)
+            leases.enter_context(slots(current["pool"], len(current["devices"] or []) or current["plan"].gpus))
         return list(current["devices"])
 
     def release() -> None:
@@ -362,7 +370,8 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                 if new is None:
                     break
                 now_plan = new.plan
-                current.update(alloc_id=new.allocation_id, plan=now_plan, devices=list(new.devices), first=True)
+                current.update(alloc_id=new.allocation_id, plan=now_plan, devices=list(new.devices), pool=new.pool,
+                               first=True)
                 if on_placed is not None:
                     on_placed(new)
         result = merge_segments(segments)

@@ -1,6 +1,7 @@
 """Dispatch to a GPU pool: a real process worker picks the run up with the devices as job
-variables while the dispatcher holds the pool's GPU slots; a pool without workers times out
-with a visible reason, the run is cancelled and the slots come back.
+variables; a pool without workers times out with a visible reason and the run is cancelled.
+The pool's GPU slots are held by the training itself, for each allocation it trains on: a
+preempted run waiting in the queue holds none.
 
 The module is also the entrypoint of the stand-in training flow (`fake_train`) that the worker
 runs, so keep its top-level imports light."""
@@ -23,7 +24,7 @@ ENTRYPOINT = "tests/test_pools_dispatch.py:fake_train"
 
 @flow(name="frenzy-train-standin")   # no persist_result: the dispatcher asks for it
 def fake_train(job: dict, plan: dict, assignment: dict | None = None, job_id: str | None = None) -> dict:
-    """Reports what the pool's worker handed it, and the GPU slots held while it runs."""
+    """Reports what the pool's worker handed it, and the GPU slots busy while it runs."""
     from prefect import get_client
 
     pool = (assignment or {}).get("pool")
@@ -125,7 +126,7 @@ def test_job_variables_carry_devices_type_count_and_env(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.prefect
 @pytest.mark.usefixtures("prefect_server")
-def test_dispatch_runs_on_a_real_worker_with_devices_and_holds_the_gpu_slots():
+def test_dispatch_runs_on_a_real_worker_with_devices_and_leaves_the_slots_to_the_run():
     from prefect.settings import PREFECT_API_URL
 
     from frenzy_flows import dispatch
@@ -169,8 +170,8 @@ def test_dispatch_runs_on_a_real_worker_with_devices_and_holds_the_gpu_slots():
     assert r["cuda"] == "1,0" and r["gpu_type"] == "CPU" and r["num_processes"] == "2"
     assert r["extra"] == "yes" and r["job_id"] == "job-9" and r["job_name"] == "dispatch-test"
     assert r["allocation_id"] == "alloc-9" and r["plan_gpus"] == 2
-    assert r["slots_held"] == 2            # the dispatcher held gpu:<pool> while training ran
-    assert _slots(pool) == 0               # and gave the slots back
+    assert r["slots_held"] == 0            # the dispatcher holds none: the train flow takes them
+    assert _slots(pool) == 0
 
 
 @pytest.mark.prefect
@@ -193,20 +194,19 @@ def test_dispatch_refuses_a_pool_whose_gpu_limit_is_gone():
 
 @pytest.mark.prefect
 @pytest.mark.usefixtures("prefect_server")
-def test_dispatch_waits_for_gpu_slots_and_gives_up_clearly_when_they_stay_busy():
+def test_the_slot_wait_gives_up_clearly_when_the_slots_stay_busy():
     from prefect.concurrency.sync import concurrency
 
     from frenzy_flows import dispatch
 
     pool = f"bz-{uuid.uuid4().hex[:6]}"
     _sync(pool)
-    job, plan = _plan_and_job()
     with concurrency(f"gpu:{pool}", occupy=2, strict=True):      # another job holds both GPUs
         t0 = time.monotonic()
         with pytest.raises(dispatch.DispatchError, match=f"1 GPU slot\\(s\\) of gpu:{pool} did not free up"):
-            dispatch.dispatch_to_pool(job, plan, {"pool": pool, "devices": ["0"]}, timeout_s=60, slot_timeout_s=2)
+            with dispatch.hold_gpu_slots(pool, 1, timeout_s=2):
+                pytest.fail("the block ran without its slot")
         assert 1.5 < time.monotonic() - t0 < 30
-    assert _runs(pool) == []             # nothing started while the GPUs were busy
     assert _slots(pool) == 0
 
 
@@ -217,7 +217,7 @@ def test_hold_gpu_slots_counts_in_prefect_and_frees_on_errors_of_the_block():
 
     pool = f"hs-{uuid.uuid4().hex[:6]}"
     _sync(pool)
-    with dispatch.hold_gpu_slots(pool, 2):          # in-process training holds them the same way
+    with dispatch.hold_gpu_slots(pool, 2):
         assert _slots(pool) == 2
     assert _slots(pool) == 0
     with pytest.raises(TimeoutError, match="inside"):   # the block's own error, untranslated
@@ -286,3 +286,80 @@ def test_slot_waits_are_bounded_apart_from_the_job_deadline():
 
     # a dead holder's lease runs out within the wait, and reconciling starts well before the end
     assert dispatch.SLOT_WAIT_S > dispatch.SLOT_LEASE_S > dispatch.SLOT_RECONCILE_AFTER_S > 0
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_a_runs_slots_follow_its_allocations_and_a_preempted_run_waiting_holds_none(tmp_path, frenzy_home):
+    """A real (tiny) training holds 2 slots on its 2-GPU allocation; preempted, it waits in the
+    queue holding none (the GPUs are someone else's to take, on the ledger and in Prefect);
+    placed again on 1 GPU it holds 1; ended, 0."""
+    from estimator.job import TrainingJob
+    from estimator.plans import plans_for_job
+    from ledger import Ledger
+    from ledger.queue import JobQueue
+    from scheduler.cluster import cluster_from_dict
+    from trainer.fallback import realisable
+
+    from frenzy_flows import dispatch
+    from frenzy_flows.results import Assignment
+    from frenzy_flows.training import run_allocated_training
+
+    pool = f"fs-{uuid.uuid4().hex[:6]}"
+    _sync(pool)
+    cluster = cluster_from_dict(_cluster(pool))
+    led = Ledger(f"sqlite:///{tmp_path / 'slots.db'}")
+    led.sync_cluster(cluster)
+    q = JobQueue(led)
+    # about 5 ms a step here: 1,500 steps outlast the watcher's 1 s poll of the request many times over
+    job = TrainingJob(name="slots", model="gpt2-tiny", seq_len=32, global_batch=4, train_steps=1500,
+                      precision="fp32", checkpoint_every=1000)
+    plans = [p for p in plans_for_job(job, cluster.inventory(), gpus_per_node=cluster.gpus_per_node(),
+                                      gpus=cluster.gpu_catalog())["CPU"] if realisable(p)]
+    two = next(p for p in plans if p.gpus == 2 and p.zero == 0 and p.act_ckpt == "none")
+    one = next(p for p in plans if p.gpus == 1 and p.zero == 0 and p.act_ckpt == "none")
+    node = next(cluster.nodes())[0]
+    q.enqueue("s", "slots", job.model_dump(mode="json"), [two, one], steps=job.steps)
+    alloc = led.allocate("s", two, {node: [0, 1]})
+    first = Assignment.from_allocation(alloc, two)
+    assert q.mark_started("s", first.model_dump(mode="json"))
+    steps: list[int] = []
+    seen: dict[str, int] = {}
+    lines: list[str] = []
+    out: dict = {}
+
+    def on_step(step: int, total: int, loss: float) -> None:
+        steps.append(step)
+
+    def go():
+        try:
+            out["result"] = run_allocated_training(job, "s", two, first, ledger_url=led.url, log=lines.append,
+                                                   on_step=on_step, wait_timeout_s=120,
+                                                   slots=lambda p, n: dispatch.hold_gpu_slots(p, n, ledger_url=led.url))
+        except BaseException as err:        # surfaced by the assertions below
+            out["error"] = err
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    end = time.monotonic() + 180
+    while len(steps) < 3 and time.monotonic() < end and t.is_alive():
+        time.sleep(0.05)
+    seen["training on 2"] = _slots(pool)
+    assert q.request("s", "preempt", reason="test")
+    while (q.get("s").state != "pending") and time.monotonic() < end and t.is_alive():
+        time.sleep(0.1)
+    assert q.get("s").state == "pending", (out, lines[-10:])
+    seen["preempted, waiting"] = _slots(pool)
+    again = led.allocate("s", one, {node: [1]})
+    assert q.mark_started("s", Assignment.from_allocation(again, one).model_dump(mode="json"))
+    n_before = len(steps)
+    while len(steps) <= n_before + 2 and time.monotonic() < end and t.is_alive():
+        time.sleep(0.05)
+    seen["training on 1"] = _slots(pool)
+    t.join(180)
+    assert not t.is_alive() and "error" not in out, (out.get("error"), lines[-10:])
+    seen["ended"] = _slots(pool)
+    res = out["result"]
+    assert res.status == "completed" and [a.plan.gpus for a in res.attempts] == [2, 1], lines[-10:]
+    assert seen == {"training on 2": 2, "preempted, waiting": 0, "training on 1": 1, "ended": 0}
