@@ -28,9 +28,10 @@ same workload (same arrival offsets, steps, plans and policy) and the per-job JC
 The workload: the first job is long, sized by asking the policy itself (the smallest run it
 would grow onto the idle second device at its first tick, times a margin), alone for a few
 ticks so the policy can decide that growth; the others (``--job-s`` seconds on one device)
-arrive over ``--span-s`` after that gap.
+arrive over ``--span-s`` after that gap. ``--job-s`` includes the start-up, ~23 s a launch
+through a worker on a quiet 2-core machine, so the contract's 20-90 s jobs are:
 
-    PYTHONPATH=. python bench/live_replay.py --jobs 12 --span-s 120 --job-s 20 30 --json
+    PYTHONPATH=. python bench/live_replay.py --jobs 12 --span-s 150 --job-s 60 90 --json
 
 Calibration jobs, not the workload's first job: the long job is the first workload job, and its
 JCT is the largest term of the average the bench compares, so its own step times would make
