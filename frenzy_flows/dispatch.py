@@ -355,7 +355,7 @@ def _wait(flow_run_id: UUID, pool: str, deadline: float, poll_s: float):
 def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float | None,
                      job_id: str | None = None, settings: str | None = None,
                      env: Mapping[str, str] | None = None,
-                     poll_s: float = 2.0) -> dict:
+                     poll_s: float = 2.0, first_attempt: int = 1) -> dict:
     """Run ``job`` with ``plan`` on ``allocation.pool`` through its ``frenzy-train-<pool>``
     deployment and return that flow's result (a dict; the train flow persists its result).
 
@@ -368,6 +368,7 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
     one its new count); here the limit is only required to exist before anything starts.
     Raises ``DispatchError`` when the run ends other than COMPLETED or outlives ``timeout_s``
     (the run is cancelled then), ``FrenzyInputError`` when the pool was never synced.
+    ``first_attempt``: the number of the run's first launch (a gang relaunched on one node).
     """
     pool = _get(allocation, "pool")
     if not pool:
@@ -383,7 +384,8 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
                          {"job": job_d, "plan": plan.model_dump(mode="json"),
                           "assignment": assignment, "job_id": job_id,
                           # only when set: train flows deployed before it keep working
-                          **({"settings": settings} if settings else {})}, queue)
+                          **({"settings": settings} if settings else {}),
+                          **({"first_attempt": first_attempt} if first_attempt > 1 else {})}, queue)
 
 
 def node_work_queue(pool: str, placement: Mapping[str, Any]) -> str | None:

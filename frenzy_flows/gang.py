@@ -34,10 +34,22 @@ A gang whose lease is lost (the ledger freed its GPUs: a database outage past th
 TTL, the reaper) is fenced as a one-node run is: every rank stops after the next step with a
 checkpoint and the result is failed, naming the reason.
 
-Not here: out-of-memory fallbacks (a node's OOM fails the gang).
+Out-of-memory fallback: a node whose training ran out of memory (``FRENZY_OOM``, the launcher's
+``OOM_MARKERS``) finishes its row ``oom``. The dispatcher stops the whole gang as for any
+failure, and once its runs have stopped it records the launch's ``oom`` attempt (the node's
+own record in the shared run folder), releases the allocation and takes the next plan of the
+job's out-of-memory ladder, the one a one-node run takes (``training.oom_fallbacks``: the
+trainer's ``fallback_plans`` over the cluster's inventory, in the settings block's order, each
+announced), with GPUs wherever the ledger has them free (``training.fallback_allocation``, best
+fit); it relaunches as a gang when they span nodes, else as one run on that node, resuming from
+the newest checkpoint with the same global batch. The ladder's length bounds these relaunches
+(``GANG_RETRIES`` counts the other failures). Launches are numbered across relaunches (the
+nodes' ``attempt-<n>`` logs, ``FRENZY_ATTEMPT``), so a rehearsed failure
+(``FRENZY_INJECT_OOM_AT_STEP``) fires on the first launch only.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -70,6 +82,10 @@ NODE_ADDRESS_ENV = "FRENZY_NODE_ADDRESS"
 
 class GangError(dispatch.DispatchError):
     """The gang did not complete after its relaunches."""
+
+
+class NodeOutOfMemory(RuntimeError):
+    """A node's training ran out of memory (its flow run fails; the dispatcher falls back)."""
 
 
 def gang_nodes(placement: Mapping[str, list[int]]) -> list[str]:
@@ -143,7 +159,8 @@ def train_node(job: TrainingJob, plan: Plan, assignment: Assignment, job_id: str
     """One node's share of a gang (the `frenzy-train` flow with a ``node`` parameter): train
     ``plan.gpus / nodes`` processes of the launch on this node's devices of the allocation.
     The allocation, its lease and its release are the dispatcher's. Raises when the node's
-    training did not complete (its flow run fails, which fails the gang)."""
+    training did not complete (its flow run fails, which fails the gang): ``NodeOutOfMemory``,
+    with the row ``oom``, when it ran out of memory."""
     from ledger import Ledger
     from ledger.gang import Gang
     from trainer.loglines import readable_log
@@ -170,10 +187,17 @@ def train_node(job: TrainingJob, plan: Plan, assignment: Assignment, job_id: str
 
             result = run_training(job, plan, run_dir=run_dir, acquire=lambda _p: devices, release=lambda: None,
                                   log=readable_log(log), on_step=stepped, deadline_s=job.deadline_s,
-                                  max_transient_retries=0, fallbacks=iter(()), node=role)
+                                  max_transient_retries=0, fallbacks=iter(()), node=role,
+                                  first_attempt=int(node.get("attempt") or 1))
     except BaseException as err:
         gang.finish(gang_id, rank, "failed", f"{type(err).__name__}: {err}")
         raise
+    last = result.attempts[-1] if result.attempts else None
+    if result.status == "failed" and last is not None and last.outcome == "oom":
+        # told apart from other failures: the dispatcher answers it with a roomier plan
+        gang.finish(gang_id, rank, "oom", last.error or result.error or "out of memory")
+        raise NodeOutOfMemory(f"node {rank} ({node_id}) of gang {gang_id} ran out of memory on "
+                              f"{plan.short()}: {last.error}")
     if result.status not in ("completed", "stopped"):
         gang.finish(gang_id, rank, "failed", result.error or result.status)
         raise RuntimeError(f"node {rank} ({node_id}) of gang {gang_id}: {result.error or result.status}")
@@ -192,14 +216,16 @@ def _node_variables(plan: Plan, assignment: Assignment, node_id: str,
 
 
 def _start_nodes(deployment_id, assignment: Assignment, plan: Plan, parameters: dict[str, Any], gang_id: str,
-                 run_dir: Path, env: Mapping[str, str] | None, runs: list[tuple[str, Any]]) -> None:
+                 run_dir: Path, env: Mapping[str, str] | None, runs: list[tuple[str, Any]], attempt: int = 1) -> None:
     """One flow run per node, each appended to ``runs`` as soon as it exists, so a dispatcher
-    interrupted half-way through still cancels the nodes already started."""
+    interrupted half-way through still cancels the nodes already started. ``attempt``: the
+    launch's number (the nodes' attempt number)."""
     from prefect.deployments import run_deployment
 
     nodes = gang_nodes(assignment.placement)
     for rank, node_id in enumerate(nodes):
-        node = {"gang_id": gang_id, "rank": rank, "nodes": len(nodes), "node_id": node_id, "run_dir": str(run_dir)}
+        node = {"gang_id": gang_id, "rank": rank, "nodes": len(nodes), "node_id": node_id, "run_dir": str(run_dir),
+                "attempt": attempt}
         fr = run_deployment(deployment_id, parameters={**parameters, "node": node},
                             job_variables=_node_variables(plan, assignment, node_id, env), timeout=0,
                             work_queue_name=node_queue_name(assignment.pool, node_index(node_id)),
@@ -265,19 +291,24 @@ def _retake(ledger, queue, job_id: str, assignment: Assignment, why: str, log) -
 
 def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_id: str, timeout_s: float | None,
                   ledger_url: str | None = None, settings: str | None = None, env: Mapping[str, str] | None = None,
-                  poll_s: float = 2.0, retries: int = GANG_RETRIES, wait_timeout_s: float = 3600.0) -> dict:
+                  poll_s: float = 2.0, retries: int = GANG_RETRIES, wait_timeout_s: float = 3600.0,
+                  inventory: dict[str, int] | None = None) -> dict:
     """Train a multi-node assignment as a gang (module docstring); returns the train flow's
-    dict of node 0 (losses and attempts of every launch, when the scheduler re-sized it).
-    ``GangError`` after ``retries`` failed relaunches. Interrupted (the submit flow cancelled,
-    a signal), it cancels every node's run before it re-raises: no node trains on alone."""
+    dict of node 0 (losses and attempts of every launch, when the scheduler re-sized it or a
+    node ran out of memory). ``GangError`` after ``retries`` failed relaunches, or when out of
+    memory with no fallback plan left. ``inventory`` (GPU type -> count) widens the
+    out-of-memory fallbacks to more GPUs and other types, as for a one-node run. Interrupted
+    (the submit flow cancelled, a signal), it cancels every node's run before it re-raises: no
+    node trains on alone."""
     from ledger import Ledger
     from ledger.gang import Gang
     from ledger.queue import JobQueue
     from trainer.resume import prepare_run_dir, shared_runs_root
     from trainer.runner import TrainResult
 
-    from frenzy_flows.training import (RequestWatcher, answer_request, fenced_result, lease_fence,
-                                       record_measurement)
+    from frenzy_flows.tasks import load_settings
+    from frenzy_flows.training import (RequestWatcher, answer_request, fallback_allocation, fenced_result,
+                                       lease_fence, oom_fallbacks, record_measurement)
 
     log = dispatch._logger()
     ledger = Ledger(ledger_url)
@@ -288,7 +319,9 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
                   **({"settings": settings} if settings else {})}
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
     failures: list[str] = []
-    segments: list[dict] = []          # results of launches the scheduler stopped to re-size or preempt
+    segments: list[dict] = []          # results of launches stopped to re-size or preempt, or out of memory
+    fallbacks = None                   # the out-of-memory ladder, made at the first OOM (as the runner does)
+    watcher = None                     # each launch's; the fallbacks' events read the newest's step
     launch = 0
     while True:
         launch += 1
@@ -296,7 +329,8 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
             log.info("gang relaunch placed on one node (%s): dispatching one run", assignment.placement)
             segments.append(dispatch.dispatch_to_pool(
                 job, assignment.plan, assignment, job_id=job_id, settings=settings, env=env,
-                poll_s=poll_s, timeout_s=None if timeout_s is None else max(1.0, deadline - time.monotonic())))
+                poll_s=poll_s, timeout_s=None if timeout_s is None else max(1.0, deadline - time.monotonic()),
+                first_attempt=launch))
             return merge_results(segments)
         plan = assignment.plan
         gang_id = f"{job_id[:40]}-g{launch}-{uuid.uuid4().hex[:6]}"
@@ -311,7 +345,7 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
                 # scheduler's re-size or stop request, or a stop when the lease is lost, into the
                 # shared run folder's control file: rank 0 (on node 0) reads it and every rank
                 # of every node stops after the same step
-                _start_nodes(deployment_id, assignment, plan, params, gang_id, run_dir, env, runs)
+                _start_nodes(deployment_id, assignment, plan, params, gang_id, run_dir, env, runs, attempt=launch)
 
                 ok, why = watch_gang(lambda: _states([fr.id for _, fr in runs]),
                                      lambda: poll_nodes(gang, gang_id, len(runs), watcher), deadline=deadline,
@@ -347,16 +381,63 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
                 return merge_results(segments)
             assignment = new
             continue
+        # the runs stopped before the failure is told apart: a node's row says oom once its
+        # runner has seen the failure, which may come after another node's lost rendezvous
+        _wait_stopped([fr.id for _, fr in runs], deadline, lambda: gang.lost(gang_id, len(runs)))
+        ooms = {n.node_rank: n.error for n in gang.nodes(gang_id) if n.state == "oom"}
+        if ooms and time.monotonic() < deadline:
+            segments.append(_oom_segment(run_dir, plan, launch, ooms))
+            ledger.release(assignment.allocation_id)
+            if fallbacks is None:        # the events say node 0's last step of the launch that ran out
+                fallbacks = oom_fallbacks(job, plan, inventory=inventory, site=load_settings(settings),
+                                          last_step=lambda: watcher.step)
+            nxt = next(fallbacks, None)
+            if nxt is None:
+                raise GangError(f"training on pool {assignment.pool!r} across nodes ran out of memory on "
+                                f"{plan.short()} and no fallback plan is left ({why})")
+            log.warning("gang %s ran out of memory on %s (%s); allocation %s released, falling back to %s "
+                        "(global batch %d kept), resuming from the newest checkpoint in %s", gang_id, plan.short(),
+                        why, assignment.allocation_id, nxt.short(), nxt.global_batch, run_dir)
+            assignment = fallback_allocation(ledger, job_id, nxt, log.info)
+            continue
         failures.append(f"launch {launch}: {why}")
         log.warning("gang %s failed (%s); every node's run cancelled, allocation %s released", gang_id, why,
                     assignment.allocation_id)
         if len(failures) > retries or time.monotonic() >= deadline:
             break
-        _wait_stopped([fr.id for _, fr in runs], deadline, lambda: gang.lost(gang_id, len(runs)))
         assignment = _retake(ledger, queue, job_id, assignment, why, log.info)
         log.warning("relaunching the gang on %s (relaunch %d of %d), resuming from the newest checkpoint in %s",
                     assignment.placement, len(failures), retries, run_dir)
     raise GangError(f"training on pool {assignment.pool!r} across nodes failed: " + "; ".join(failures))
+
+
+def _oom_segment(run_dir: Path, plan: Plan, launch: int, ooms: dict[int, str]) -> dict:
+    """What launch ``launch``, which ran out of memory on the nodes ``ooms`` (rank -> error),
+    adds to the job's result (a train flow's dict, failed): its ``oom`` attempt, the first such
+    node's own record of it in the shared run folder (the step it resumed from, its devices, its
+    duration; else what the dispatcher knows), and node 0's losses up to the newest checkpoint,
+    which the relaunch resumes after, so the job's losses run on without a gap or a repeat."""
+    from trainer.checkpoints import latest_checkpoint
+    from trainer.runner import Attempt, Measured, TrainResult, attempt_log, attempts_path, logged_losses
+
+    oom = None
+    for rank in sorted(ooms):
+        try:
+            recorded = json.loads(attempts_path(run_dir, rank).read_text())
+        except (OSError, ValueError):      # not written (the node was killed first), or half-written
+            continue
+        mine = [a for a in recorded if a.get("number") == launch and a.get("outcome") == "oom"]
+        if mine:
+            oom = Attempt.model_validate(mine[-1])
+            break
+    if oom is None:
+        rank = min(ooms)
+        oom = Attempt(plan=plan, outcome="oom", error=ooms[rank] or "out of memory", number=launch)
+    kept = latest_checkpoint(run_dir)
+    losses = logged_losses(attempt_log(run_dir, launch))
+    return TrainResult(status="failed", losses=[losses[s] for s in sorted(losses) if kept and s <= kept.step],
+                       attempts=[oom], measured=Measured(), checkpoint_dir=str(kept.path) if kept else None,
+                       final_plan=plan, error=oom.error).model_dump(mode="json")
 
 
 def _node_result(flow_run_id) -> dict:

@@ -13,23 +13,25 @@ from pydantic import SecretStr
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
-from frenzy_flows import artifacts, dispatch, events
+from frenzy_flows import artifacts, dispatch
 from frenzy_flows.results import Assignment
 from frenzy_flows.lifetime import allocation_lifetime
 from frenzy_flows.tasks import load_settings, new_job_id, secret_value
-from frenzy_flows.training import run_allocated_training
+from frenzy_flows.training import oom_fallbacks, run_allocated_training
 
 
 @flow(name="frenzy-train")
 def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = None,
                   job_id: str | None = None, ledger_url: SecretStr | None = None,
                   inventory: dict[str, int] | None = None, settings: str | None = None,
-                  node: dict[str, Any] | None = None) -> dict[str, Any]:
+                  node: dict[str, Any] | None = None, first_attempt: int = 1) -> dict[str, Any]:
     """``inventory`` (GPU type -> count) widens the out-of-memory fallbacks to more GPUs and
     other GPU types; without it they stay on the plan's GPU type. ``settings``: a
     `FrenzySettings` block whose fallback order (and ledger URL, when none is given) apply.
     ``node``: this run is one node of a multi-node gang (``frenzy_flows.gang``: gang id, rank,
-    nodes, node id, shared run folder); the dispatcher owns the allocation then."""
+    nodes, node id, shared run folder, launch number); the dispatcher owns the allocation then.
+    ``first_attempt``: the number of the first launch, when the run goes on from a gang's
+    launches (a gang relaunched on one node)."""
     from trainer import allowlist
     from trainer.tracking import with_tracking_default
 
@@ -52,10 +54,10 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
         finally:
             artifacts.progress_end(progress)
     with allocation_lifetime(ledger_url, job_id, log=log.warning):   # released however this ends
-        return _train(job, plan, assignment, job_id, ledger_url, inventory, site, log)
+        return _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt)
 
 
-def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log) -> dict[str, Any]:
+def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt=1) -> dict[str, Any]:
     from ledger import Ledger
 
     if assignment is None:
@@ -70,20 +72,15 @@ def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log) -> d
         last["step"] = step
         artifacts.progress_update(progress, step, total, loss)
 
-    ordered = None
-    if site is not None:
-        from trainer.fallback import fallback_plans
-
-        ordered = site.order_fallbacks(plan, fallback_plans(job, plan, inventory=inventory))
-    fallbacks = events.announced_fallbacks(job, plan, inventory=inventory, plans=ordered,
-                                           last_step=lambda: last["step"])
+    fallbacks = oom_fallbacks(job, plan, inventory=inventory, site=site, last_step=lambda: last["step"])
     placed = [assignment]
     try:
         result = run_allocated_training(job, job_id, plan, assignment, ledger_url=ledger_url,
                                         log=log.info, inventory=inventory, on_step=on_step,
                                         fallbacks=fallbacks, on_placed=placed.append,
                                         slots=lambda pool, gpus: dispatch.hold_gpu_slots(pool, gpus,
-                                                                                         ledger_url=ledger_url))
+                                                                                         ledger_url=ledger_url),
+                                        first_attempt=first_attempt)
     finally:
         artifacts.progress_end(progress)
     # where the job ended (a fallback's or a re-size's allocation): the submit flow reports it

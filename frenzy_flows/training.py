@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
@@ -224,6 +224,32 @@ def _take(ledger, job_id: str, plan: Plan, placement: dict[str, list[int]], log)
             time.sleep(WAIT_POLL_S)
 
 
+def oom_fallbacks(job: TrainingJob, plan: Plan, *, inventory: dict[str, int] | None, site,
+                  last_step: Callable[[], int]) -> Iterator[Plan]:
+    """The out-of-memory fallback plans of a run that starts on ``plan``, in the order it takes
+    them: the trainer's ladder (``trainer.fallback.fallback_plans`` over ``inventory``), in the
+    `FrenzySettings` block's order when ``site`` has one, each announced as it is taken
+    (``events.announced_fallbacks``). One ladder for a one-node run and a gang."""
+    from frenzy_flows import events
+
+    ordered = None
+    if site is not None:
+        from trainer.fallback import fallback_plans
+
+        ordered = site.order_fallbacks(plan, fallback_plans(job, plan, inventory=inventory))
+    return events.announced_fallbacks(job, plan, inventory=inventory, plans=ordered, last_step=last_step)
+
+
+def fallback_allocation(ledger, job_id: str, plan: Plan, log: Callable[[str], None]) -> Assignment:
+    """GPUs for an out-of-memory fallback plan, wherever the ledger has them free now (best fit,
+    fewest nodes: several nodes make the relaunch a gang); ``RuntimeError`` when none are."""
+    alloc = ledger.allocate_best_fit(job_id, plan)
+    if alloc is None:
+        raise RuntimeError(f"no free GPUs for fallback plan {plan.short()}")
+    log(f"fallback allocation {alloc.id}: {plan.short()} on {alloc.placement}")
+    return Assignment.from_allocation(alloc, plan)
+
+
 def fenced_result(result, why: str) -> Any:
     """The result of a run stopped because its lease was lost: failed, with the reason."""
     step = result.stop.step if result.stop is not None else 0
@@ -285,7 +311,8 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                            on_step: Callable[[int, int, float], None] | None = None,
                            fallbacks=None, wait_timeout_s: float = 3600.0,
                            on_placed: Callable[[Assignment], None] | None = None,
-                           slots: Callable[[str, int], contextlib.AbstractContextManager] | None = None):
+                           slots: Callable[[str, int], contextlib.AbstractContextManager] | None = None,
+                           first_attempt: int = 1):
     """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``. ``fallbacks``:
     the out-of-memory fallback plans to try (default: the trainer's own ladder).
     ``wait_timeout_s``: how long a preempted run waits in the queue for new GPUs.
@@ -294,7 +321,9 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     ``slots(pool, gpus)``: a context held for as long as each allocation is (the train flow
     passes `dispatch.hold_gpu_slots`, Prefect's ``gpu:<pool>`` count), so that count follows
     the run through fallbacks, re-sizes and preemptions: a preempted run waiting in the queue
-    holds none, a grown one holds its new GPUs. None: nothing counts them but the ledger."""
+    holds none, a grown one holds its new GPUs. None: nothing counts them but the ledger.
+    ``first_attempt``: the number of the first launch (a gang relaunched on one node goes on
+    counting its launches, ``trainer.runner.run_training``)."""
     from ledger import Ledger, LedgerUnavailable
     from ledger.queue import JobQueue
     from trainer import interrupt
@@ -314,13 +343,10 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
             current["first"] = False
         else:
             release()
-            alloc = ledger.allocate_best_fit(job_id, p)
-            if alloc is None:
-                raise RuntimeError(f"no free GPUs for fallback plan {p.short()}")
-            current.update(alloc_id=str(alloc.id), plan=p, devices=list(alloc.devices), pool=alloc.pool)
-            log(f"fallback allocation {alloc.id}: {p.short()} on {alloc.placement}")
+            placed = fallback_allocation(ledger, job_id, p, log)
+            current.update(alloc_id=placed.allocation_id, plan=p, devices=list(placed.devices), pool=placed.pool)
             if on_placed is not None:
-                on_placed(Assignment.from_allocation(alloc, p))
+                on_placed(placed)
         current["lease"] = leases.enter_context(ledger.lease(current["alloc_id"]))
         if slots is not None and current["pool"]:
             # as many as the pool's run is given (dispatch.job_variables' num_processes)
@@ -352,7 +378,8 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                 result = run_training(job, now_plan, run_dir=run_dir, acquire=acquire, release=release,
                                       log=training_log,
                                       on_step=stepped, inventory=inventory,
-                                      deadline_s=job.deadline_s, fallbacks=fallbacks)
+                                      deadline_s=job.deadline_s, fallbacks=fallbacks,
+                                      first_attempt=first_attempt)
                 segments.append(result)
                 if watcher.fenced is not None:
                     break

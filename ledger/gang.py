@@ -8,7 +8,8 @@ them needed. ``gang_nodes`` holds one row per node of a gang launch (``GangNodeR
   whose store listens there, never from the orchestrator (a port free on the control machine
   means nothing on node 0);
 * each node ``beat``s its row while it trains (with its last finished step) and ``finish``es
-  it (done / failed);
+  it (done / failed / oom: failed because it ran out of memory, which the dispatcher answers
+  with an out-of-memory fallback instead of a plain retry);
 * the dispatcher reads ``nodes`` and calls a node ``lost`` when its heartbeat ran out by the
   database's clock (its worker vanished with the flow run) or its row says failed.
 
@@ -50,6 +51,11 @@ NODE_ALIVE_S = node_alive_s(os.environ.get(NODE_ALIVE_ENV))
 # How often a waiting node reads node 0's row: the wait lasts as long as node 0's flow run takes
 # to start (seconds), so a quarter second adds little.
 RENDEZVOUS_POLL_S = 0.25
+
+
+# The states of a node that ended without completing: "oom" is a failure the dispatcher tells
+# apart (its answer is a roomier plan, not the same plan again).
+FAILED_STATES = ("failed", "oom")
 
 
 class RendezvousTimeout(TimeoutError):
@@ -127,7 +133,7 @@ class Gang:
                 row = s.get(GangNodeRow, (gang_id, 0))
                 if row is not None and row.address and row.port:
                     return row.address, int(row.port)
-                if row is not None and row.state == "failed":
+                if row is not None and row.state in FAILED_STATES:
                     raise RendezvousTimeout(f"node 0 of gang {gang_id} failed before it published its address: "
                                             f"{row.error or 'no reason given'}")
             if time.monotonic() >= end:
@@ -144,8 +150,9 @@ class Gang:
         for n in self.nodes(gang_id) if nodes is None else nodes:
             if n.node_rank >= ranks:
                 continue
-            if n.state == "failed":
-                out[n.node_rank] = f"node {n.node_rank} ({n.node_id or '?'}) failed: {n.error or 'no reason given'}"
+            if n.state in FAILED_STATES:
+                how = "ran out of memory" if n.state == "oom" else "failed"
+                out[n.node_rank] = f"node {n.node_rank} ({n.node_id or '?'}) {how}: {n.error or 'no reason given'}"
             elif n.state != "done" and n.alive_until < now:
                 out[n.node_rank] = (f"node {n.node_rank} ({n.node_id or '?'}) stopped answering "
                                     f"{now - n.alive_until + NODE_ALIVE_S:.0f} s ago (its worker is gone)")

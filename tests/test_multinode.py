@@ -92,6 +92,46 @@ def test_a_node_whose_heartbeat_runs_out_or_that_failed_is_lost(tmp_path, monkey
     assert set(lost) == {1, 2} and "stopped answering" in lost[1]
 
 
+def test_a_node_out_of_memory_is_lost_and_its_launch_counts_up_to_the_checkpoint(tmp_path):
+    """The dispatcher's view of a launch that ran out of memory: the node's row (``oom``, lost
+    at once, node 0's stops the rendezvous) and what the launch adds to the result: the node's
+    own record of the attempt, node 0's losses up to the checkpoint the relaunch resumes from."""
+    import json
+
+    from ledger import Ledger
+    from ledger.gang import Gang, RendezvousTimeout
+
+    from frenzy_flows.gang import _oom_segment
+    from trainer.checkpoints import MARKER, checkpoint_path
+
+    gang = Gang(Ledger(f"sqlite:///{tmp_path / 'l.db'}"))
+    gang.join("g", 0, "job-a", "p-0")
+    gang.join("g", 1, "job-a", "p-1")
+    gang.finish("g", 1, "oom", "OutOfMemoryError: CUDA out of memory")
+    assert gang.lost("g", 2) == {1: "node 1 (p-1) ran out of memory: OutOfMemoryError: CUDA out of memory"}
+    gang.finish("g", 0, "oom", "OutOfMemoryError: CUDA out of memory")
+    with pytest.raises(RendezvousTimeout, match="failed before it published.*out of memory"):
+        gang.wait_rendezvous("g", 30)
+
+    run, p = tmp_path / "run", plan(2)
+    ck = checkpoint_path(run, 2)
+    ck.mkdir(parents=True)
+    (ck / MARKER).write_text("{}")
+    (run / "attempt-3.log").write_text("".join(f'FRENZY_STEP {{"step": {s}, "loss": {5 - s / 10}}}\n' for s in (2, 3))
+                                       + 'FRENZY_STEP {"step": 4, "lo')      # cut short by the kill
+    mine = {"plan": p.model_dump(mode="json"), "outcome": "oom", "number": 3, "resumed_from_step": 1,
+            "error": "OutOfMemoryError: at step 4", "devices": ["0"], "duration_s": 2.5}
+    (run / "attempts-node1.json").write_text(json.dumps([mine]))
+    seg = _oom_segment(run, p, 3, {1: "OutOfMemoryError: row", 0: "OutOfMemoryError: row 0"})
+    assert (seg["status"], seg["losses"]) == ("failed", [4.8])     # step 2 only: step 3 is redone
+    assert seg["attempts"][0] == {**mine, "plan": seg["attempts"][0]["plan"]} and seg["error"] == mine["error"]
+    assert seg["checkpoint_dir"] == str(ck)
+    # another launch's record is not this one's: what the dispatcher knows instead
+    seg = _oom_segment(run, p, 4, {1: "OutOfMemoryError: row"})
+    assert [(a["number"], a["outcome"], a["error"]) for a in seg["attempts"]] == [(4, "oom", "OutOfMemoryError: row")]
+    assert seg["losses"] == []                             # launch 4 logged nothing
+
+
 def _state(name: str):
     final = name in ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
     return SimpleNamespace(name=name, message="boom" if name == "FAILED" else "", is_final=lambda: final,
@@ -491,3 +531,55 @@ def test_the_scheduler_shrinks_a_gang_onto_one_node_and_it_resumes_with_the_same
     assert ledger.allocation(assignment.allocation_id).status == "released"
     reference, _ = train(j, target, tmp_path / "one-process")
     assert_matches(res["losses"], reference.losses)
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_a_gang_that_runs_out_of_memory_falls_back_and_resumes_with_the_same_losses(weights, one_node, tmp_path,
+                                                                                    monkeypatch):
+    """Every rank of both nodes runs out of memory at step 3 (the rehearsal fires on the first
+    launch only): the gang stops, its allocation goes back, the ladder's next plan (same two
+    GPUs, more activation checkpointing) is placed across both nodes again and the gang
+    resumes from the step-2 checkpoint; the losses are those of an uninterrupted run."""
+    import uuid
+
+    from deployments.pools import gpu_limit_name
+    from prefect import get_client
+
+    from frenzy_flows.gang import dispatch_gang
+    from frenzy_flows.lifetime import allocation_lifetime
+    from tests.test_parallel_plans import assert_matches
+
+    monkeypatch.setenv("FRENZY_SHARED_RUNS", str(tmp_path / "shared"))
+    pool = f"mo-{uuid.uuid4().hex[:6]}"
+    job_id = f"job-{pool}"
+    j, p = job(weights), plan(2)              # 3 steps, a checkpoint every step: one_node's job
+    ledger, assignment = _gang_setup(pool, tmp_path, j, p)
+    workers = [_worker(pool, f"{pool}-{r}", FRENZY_INJECT_OOM_AT_STEP="3") for r in (0, 1)]
+    try:
+        with allocation_lifetime(None, job_id):        # as the submit flow ends every allocation of the job
+            out = dispatch_gang(j, p, assignment, job_id=job_id, timeout_s=600, poll_s=0.5,
+                                inventory={"CPU": 2})
+            held = [a.id for a in ledger.allocations() if a.job_id == job_id]
+    finally:
+        logs = [_stop(w) for w in workers]
+    assert out["status"] == "completed", logs
+    oom, ok = out["attempts"]
+    assert (oom["outcome"], oom["number"], oom["resumed_from_step"]) == ("oom", 1, 0)
+    assert "OutOfMemoryError" in oom["error"] and "FRENZY_INJECT_OOM_AT_STEP=3" in oom["error"]
+    assert (ok["outcome"], ok["number"], ok["resumed_from_step"]) == ("ok", 2, 2)
+    fb = Plan.model_validate(ok["plan"])
+    assert fb.act_ckpt != p.act_ckpt and (fb.gpus, fb.global_batch) == (2, p.global_batch)
+    assert out["final_plan"]["act_ckpt"] == fb.act_ckpt
+    # the fallback took GPUs of its own on both nodes, the first allocation went back at the OOM
+    new = out["assignment"]
+    assert new["allocation_id"] != assignment.allocation_id and sorted(new["placement"]) == [f"{pool}-0", f"{pool}-1"]
+    assert ledger.allocation(assignment.allocation_id).status == "released"
+    assert held == [new["allocation_id"]]
+    assert [a for a in ledger.allocations() if a.job_id == job_id] == []
+    run = tmp_path / "shared" / job_id
+    assert (run / "attempt-2.log").is_file() and (run / "attempt-2-node1.log").is_file()   # launch 2's own logs
+    assert_matches(out["losses"], one_node.losses)          # steps 1-2 of launch 1, step 3 of launch 2
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name(gpu_limit_name(pool)).active_slots == 0

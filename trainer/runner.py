@@ -93,7 +93,19 @@ class NodeRole(BaseModel):
     @property
     def suffix(self) -> str:
         """What tells this node's files in the shared run folder from the others'."""
-        return f"-node{self.machine_rank}"
+        return node_suffix(self.machine_rank)
+
+
+def node_suffix(machine_rank: int) -> str:
+    """What tells node ``machine_rank``'s files in a shared run folder from the others' (node 0's
+    have none, as a one-node run's)."""
+    return f"-node{machine_rank}" if machine_rank else ""
+
+
+def attempts_path(run_dir: Path, machine_rank: int = 0) -> Path:
+    """Where a run records its attempts as they end (``attempts<suffix>.json``): the gang's
+    dispatcher reads a node's record of the attempt that ran out of memory there."""
+    return Path(run_dir) / f"attempts{node_suffix(machine_rank)}.json"
 
 
 class Attempt(BaseModel):
@@ -265,6 +277,34 @@ def launch_command(paths: Paths) -> list[str]:
 _SIGNAL_DEATH = re.compile(r"exitcode\s*:\s*-\d+|Signal \d+ \(SIG[A-Z]+\) received by PID")
 
 
+def parse_line(line: str) -> tuple[str, dict[str, Any]] | None:
+    """``(tag, payload)`` of the training program's ``FRENZY_<TAG> {json}`` line, else None."""
+    tag, _, rest = line.partition(" ")
+    if not tag.startswith("FRENZY_"):
+        return None
+    try:
+        payload = json.loads(rest)
+    except json.JSONDecodeError:        # a line cut short (the process killed while it printed)
+        return None
+    return (tag, payload) if isinstance(payload, dict) else None
+
+
+def logged_losses(log: Path) -> dict[int, float]:
+    """Step -> loss from an attempt's log file (``attempt-<n>.log``, rank 0's step lines): what
+    a gang's dispatcher keeps of a launch whose node 0 never returned a result."""
+    out: dict[int, float] = {}
+    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
+        parsed = parse_line(line)
+        if parsed is not None and parsed[0] == "FRENZY_STEP":
+            out[int(parsed[1]["step"])] = float(parsed[1]["loss"])
+    return out
+
+
+def attempt_log(run_dir: Path, number: int, machine_rank: int = 0) -> Path:
+    """The log file of attempt ``number`` (of node ``machine_rank`` in a gang's shared folder)."""
+    return Path(run_dir) / f"attempt-{number}{node_suffix(machine_rank)}.log"
+
+
 class _Listener:
     """Turns the program's lines into losses, the result and errors, and forwards every line."""
 
@@ -289,13 +329,10 @@ class _Listener:
         self.log(line)
         if _SIGNAL_DEATH.search(line):
             self.signalled = True
-        tag, _, rest = line.partition(" ")
-        if not tag.startswith("FRENZY_"):
+        parsed = parse_line(line)
+        if parsed is None:
             return
-        try:
-            payload = json.loads(rest)
-        except json.JSONDecodeError:
-            return
+        tag, payload = parsed
         if self.tracker is not None:
             self.tracker.on_line(tag, payload)
         if tag == "FRENZY_STEP":
@@ -398,7 +435,8 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                  on_attempt: Callable[[Attempt], None] | None = None,
                  inventory: dict[str, int] | None = None, deadline_s: float | None = None,
                  max_transient_retries: int = 3, backoff_s: float = 2.0, grace_s: float = 30.0,
-                 fallbacks: Iterator[Plan] | None = None, node: NodeRole | None = None) -> TrainResult:
+                 fallbacks: Iterator[Plan] | None = None, node: NodeRole | None = None,
+                 first_attempt: int = 1) -> TrainResult:
     """Train ``job`` starting on ``plan``; see the module docstring. ``deadline_s`` bounds the
     whole run (all attempts); ``fallbacks`` overrides the OOM fallback sequence (default:
     ``fallback_plans(job, plan, inventory=inventory)``, computed lazily at the first OOM).
@@ -406,7 +444,13 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
     ``node``: this runner trains one node of a multi-node launch (``acquire`` gives that node's
     devices, ``plan.gpus / num_machines`` of them); only node 0's ranks report losses and the
     result, so another node's attempt is ``ok`` when its processes exit 0. Gang retries are the
-    dispatcher's: give ``max_transient_retries=0`` and no fallbacks."""
+    dispatcher's: give ``max_transient_retries=0`` and no fallbacks.
+
+    ``first_attempt``: the number of this call's first attempt (``FRENZY_ATTEMPT``, the
+    ``attempt-<n>`` log), when launches before it were another call's: a gang's relaunch
+    continues the numbering, so a rehearsed out-of-memory failure fires on the first launch only."""
+    if first_attempt < 1:
+        raise ValueError(f"first_attempt must be 1 or more, not {first_attempt}")
     run_dir = Path(run_dir)
     started = time.monotonic()
     preflight(job, plan)                                # nothing acquired yet: nothing to release
@@ -417,7 +461,7 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
     external = start_ck if start_ck is not None and run_dir.resolve() not in start_ck.path.resolve().parents else None
     tracker = None
     lead = node is None or node.machine_rank == 0      # the node whose rank 0 reports
-    suffix = node.suffix if node is not None and node.machine_rank else ""
+    machine_rank = node.machine_rank if node is not None else 0       # names this node's files
     machines = node.num_machines if node is not None else 1
     if job.tracking.enabled and lead:
         from .tracking import Tracker
@@ -444,7 +488,7 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
     registered = interrupt.active(run_dir)      # a stop asked for (a signal) reaches this run too
     registered.__enter__()
     try:
-        for number in range(1, 10 ** 6):
+        for number in range(first_attempt, first_attempt + 10 ** 6):
             if interrupt.requested():
                 status, error = "failed", f"interrupted ({interrupt.requested()}) before attempt {number}"
                 log(f"frenzy: {error}")
@@ -460,7 +504,7 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                 address, port = node.endpoint() if node is not None else (None, free_port())
                 paths = write_launch_files(run_dir, current, job, main_port=port, main_address=address,
                                            num_machines=machines,
-                                           machine_rank=node.machine_rank if node is not None else 0,
+                                           machine_rank=machine_rank,
                                            resume_from=str(external.path) if external is not None else None)
             except BaseException:
                 release()
@@ -475,7 +519,7 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
             left = remaining()
             t0 = time.monotonic()
             # line-buffered: the log is current on disk (tail -f; what is left after a kill -9)
-            with open(run_dir / f"attempt-{number}{suffix}.log", "w", buffering=1) as logfile:
+            with open(attempt_log(run_dir, number, machine_rank), "w", buffering=1) as logfile:
                 listener = _Listener(log, steps.post if steps is not None else None, losses, logfile,
                                      evals, tracker)
                 try:
@@ -511,7 +555,7 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
             att = Attempt(plan=current, outcome=outcome, resumed_from_step=resumed, error=err, number=number,
                           devices=devices[:local], duration_s=round(time.monotonic() - t0, 3))
             attempts.append(att)
-            (run_dir / f"attempts{suffix}.json").write_text(json.dumps([a.model_dump(mode="json") for a in attempts], indent=2))
+            attempts_path(run_dir, machine_rank).write_text(json.dumps([a.model_dump(mode="json") for a in attempts], indent=2))
             if on_attempt is not None:
                 on_attempt(att)
             if outcome not in ("ok", "stopped") and interrupt.requested():
@@ -544,7 +588,10 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                     fallbacks = fallback_plans(job, current, inventory=inventory)
                 nxt = next(fallbacks, None)
                 if nxt is None:
-                    status, error = "failed", f"out of memory on {current.short()} and no fallback plan is left"
+                    # a gang's node gets no fallbacks: its dispatcher falls back for the whole gang
+                    status, error = "failed", (f"out of memory on {current.short()}" + (
+                        " (the gang's dispatcher falls back)" if node is not None else
+                        " and no fallback plan is left"))
                     log(f"frenzy: {error}")
                     break
                 log(f"frenzy: out of memory on {current.short()}; falling back to {nxt.short()} "
