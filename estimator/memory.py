@@ -698,10 +698,11 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             if first and spec.arch in ("gpt", "opt", "bert"):
                 cast_P -= spec.positions * h
         # --- model states (persistent) ---
-        # FSDP SHARD_GRAD_OP (torch's ZeRO-2) keeps sharded parameters between steps and the
-        # unsharded ones from the forward until each unit's post-backward reshard: the step
-        # sees only the shards, the forward and backward the whole model (``unsharded``)
-        fsdp_sgo = k.zero == 2 and prof.torch_sharding and N > 1
+        # FSDP SHARD_GRAD_OP (torch's ZeRO-2; a pipeline's ZeRO-2 is FSDP2 without resharding
+        # after the forward) keeps sharded parameters between steps and the unsharded ones from
+        # the forward until each unit's post-backward reshard: the step sees only the shards,
+        # the forward and backward the whole model (``unsharded``)
+        fsdp_sgo = k.zero == 2 and torch_zero and N > 1
         weights = (frozen_w + w_b * Pt) / (N if k.zero >= 3 or fsdp_sgo else 1)
         unsharded = (frozen_w + w_b * Pt) if fsdp_sgo else 0.0
         if k.offload == "optimizer+params":

@@ -153,11 +153,9 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                     zeros = (0, 2) if dp > 1 and shard_ok else (0,)
                 elif dp == 1 or not shard_ok:
                     zeros = (0,)
-                elif pp > 1:
-                    # the trainer's pipeline path shards optimizer states only (ZeRO-1, torch's
-                    # ZeroRedundancyOptimizer per stage); DeepSpeed's pipeline engine stops there too
-                    zeros = (0, 1)
                 else:
+                    # pipelines too: the trainer's pipeline path runs ZeRO-1 with torch's
+                    # ZeroRedundancyOptimizer and ZeRO-2/3 with FSDP2, over each stage's replicas
                     zeros = (0, 1, 2, 3)
                 per_rank = global_batch // dp
                 mbs = _divisors(per_rank)

@@ -17,7 +17,7 @@ both (``check_knobs``).
 | ``zero3_subgroup_elems`` | ZeRO-3 fp32 gradient copy made per optimizer sub-group, not for the whole partition |
 | ``master_copy_when_pure`` | a 16-bit run without fp32 master still keeps a separate 16-bit master partition |
 | ``lora`` / ``qlora`` | the profile runs adapters (PEFT / its own LoRA) |
-| ``pipeline_torch_zero`` | a pipeline's ZeRO is torch's ZeroRedundancyOptimizer (its zero 0 states, optimizer states sharded), not DeepSpeed's |
+| ``pipeline_torch_zero`` | a pipeline's ZeRO is torch's (ZeroRedundancyOptimizer at 1: its zero 0 states, optimizer states sharded; FSDP2 at 2/3), not DeepSpeed's |
 | ``fsdp2_copy_in`` | FSDP2 copies a unit's unsharded gradients into one reduce-scatter input before freeing them |
 | ``job_knobs_only`` | the profile runs only what a Frenzy job can ask for (no loss kernel, activation offloading, optimizer in backward, fused kernels, paged optimizer) |
 Pure: no torch.
@@ -49,7 +49,8 @@ class Profile:
     # pipelines (pp > 1) run their ZeRO as torch's: Frenzy's pipeline path is its own program
     # beside DeepSpeed, and shards the optimizer states with ZeroRedundancyOptimizer over each
     # stage's data-parallel replicas (trainer/parallel/pipeline.py, zero1): the model states of
-    # its zero 0, optimizer states divided by dp, no DeepSpeed reduce bucket
+    # its zero 0, optimizer states divided by dp, no DeepSpeed reduce bucket; ZeRO-2/3 with
+    # FSDP2 over the same replicas (pipeline.fsdp; ZeRO-2 as FSDP's SHARD_GRAD_OP)
     pipeline_torch_zero: bool = False
     # FSDP2 (fully_shard): foreach_reduce allocates the reduce-scatter input (the unit's size, in
     # the reduce dtype), copies the unsharded gradients in, and only then frees them

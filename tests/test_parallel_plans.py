@@ -261,20 +261,52 @@ def test_dp2_x_pp2_with_zero1_matches_one_process_and_resumes(weights, reference
     assert res.optimizer_impl.startswith("torch.distributed.optim.ZeroRedundancyOptimizer(")
     step2 = Path(res.run_dir) / "checkpoints" / "step-00000002"
     assert json.loads((step2 / "frenzy_ckpt.json").read_text())["format"]["zero"] == 1
-    again, lines = _resume_under(step2, job(weights), p, tmp_path / "again")
-    assert any(line.startswith("FRENZY_RESUME") and '"mode": "full"' in line for line in lines)
-    assert_matches(again.losses, res.losses[2:])
-    # step 3's loss is that of step 2's weights; step 3's update needs the optimizer states
-    # restored from the shards (a restarted Adam moves every weight by ~lr instead)
+    assert_resumes_fully(res, step2, job(weights), p, tmp_path / "again")
+    moved, lines = _resume_under(step2, job(weights), plan(1, zero=1), tmp_path / "one")
+    assert any(line.startswith("FRENZY_RESUME") and '"mode": "weights"' in line for line in lines)
+    assert_matches(moved.losses, one_process_replanned.losses)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [2, 3])
+def test_dp2_x_pp2_with_fsdp2_zero_matches_one_process(weights, reference, tmp_path, zero):
+    """dp=2 x pp=2 with ZeRO-2/3 (4 ranks; FSDP2 over each stage's two replicas, reducing and
+    resharding after every micro-batch's backward): the single-process losses, and the stage files hold
+    whole tensors gathered from the shards. ZeRO-3's step-2 checkpoint resumes fully under the
+    same plan (weights and optimizer states scattered back to the shards) to the uninterrupted
+    run's step 3, weights and all (a restarted Adam moves every weight by ~lr instead)."""
+    import torch
     from safetensors.torch import load_file
 
+    p = plan(4, pp=2, zero=zero, micro_batch=1)
+    res, lines = train(job(weights), p, tmp_path / "run")
+    assert_matches(res.losses, reference)
+    assert any(f"dp=2 pp=2 vpp=1 zero={zero}" in line for line in lines)
+    assert res.optimizer_impl.startswith("torch.distributed.fsdp.fully_shard(")
+    step2 = Path(res.run_dir) / "checkpoints" / "step-00000002"
+    whole = load_file(str(step2 / "consolidated.safetensors"))       # what another layout loads
+    shapes = {"model.embed_tokens.weight": (256, 64), "lm_head.weight": (256, 64),
+              "model.layers.1.mlp.down_proj.weight": (64, 172)}
+    assert {k: tuple(whole[k].shape) for k in shapes} == shapes
+    states = torch.load(step2 / "stage-01.pt", weights_only=False)["optimizer"]["state"]
+    assert tuple(states["0.lm_head.weight"]["exp_avg"].shape) == (256, 64)
+    if zero == 3:
+        assert_resumes_fully(res, step2, job(weights), p, tmp_path / "again")
+
+
+def assert_resumes_fully(res, step2: Path, j: TrainingJob, p: Plan, run_dir: Path) -> None:
+    """The run ``res``'s step-2 checkpoint, resumed under its own plan, gives the uninterrupted
+    run's step 3: its loss is that of step 2's weights; its update needs the optimizer states
+    restored from the shards (a restarted Adam moves every weight by ~lr instead)."""
+    from safetensors.torch import load_file
+
+    again, lines = _resume_under(step2, j, p, run_dir)
+    assert any(line.startswith("FRENZY_RESUME") and '"mode": "full"' in line for line in lines)
+    assert_matches(again.losses, res.losses[2:])
     ends = [load_file(str(Path(r.checkpoint_dir) / "consolidated.safetensors")) for r in (res, again)]
     worst = max(float((ends[0][k] - ends[1][k]).abs().max()) for k in ends[0])
     print(f"step-3 weights, resumed vs uninterrupted: max |difference| {worst:.2e}")
     assert set(ends[0]) == set(ends[1]) and worst <= 1e-6
-    moved, lines = _resume_under(step2, job(weights), plan(1, zero=1), tmp_path / "one")
-    assert any(line.startswith("FRENZY_RESUME") and '"mode": "weights"' in line for line in lines)
-    assert_matches(moved.losses, one_process_replanned.losses)
 
 
 def test_pipeline_stages_reproduce_the_whole_model_and_its_loss():
@@ -306,9 +338,13 @@ def test_pipeline_plans_the_trainer_launches_and_refuses():
     check_realisable(zero1)
     assert not uses_deepspeed(zero1) and accelerate_config(zero1, cpu=True)["distributed_type"] == "MULTI_GPU"
     assert deepspeed_config(zero1, job(Path("unused"))) is None
-    for bad in (plan(4, pp=2, zero=2, micro_batch=1), plan(4, pp=2, tp=2, micro_batch=4),
-                plan(4, pp=2, zero=2, offload="optimizer", micro_batch=1)):
-        with pytest.raises(FrenzyInputError, match="pipeline parallel runs beside data parallel and ZeRO-1 only") as e:
+    for zero in (2, 3):                                              # ... with ZeRO-2/3: FSDP2 per stage
+        sharded = plan(4, pp=2, zero=zero, micro_batch=1)
+        check_realisable(sharded)
+        assert not uses_deepspeed(sharded) and deepspeed_config(sharded, job(Path("unused"))) is None
+    for bad in (plan(4, pp=2, tp=2, micro_batch=4), plan(4, pp=2, zero=2, offload="optimizer", micro_batch=1),
+                plan(4, pp=2, cp=2, micro_batch=4)):
+        with pytest.raises(FrenzyInputError, match="pipeline parallel runs beside data parallel and ZeRO 0-3 only") as e:
             check_realisable(bad)
         assert e.value.field == "plan.pp" and "\n" not in str(e.value)
     with pytest.raises(FrenzyInputError, match="built for llama decoders"):
@@ -338,3 +374,23 @@ def test_the_planner_launches_pipelines_beside_zero1_and_counts_the_sharded_stat
     z0, z1 = (estimate_plan(big, Plan(**at, zero=z)).breakdown_gib for z in (0, 1))
     assert z1["weights"] == pytest.approx(z0["weights"]) and z1["gradients"] == pytest.approx(z0["gradients"])
     assert z1["optimizer"] == pytest.approx(z0["optimizer"] / 2) and z1["other"] == pytest.approx(z0["other"])
+
+
+def test_the_planner_launches_pipelines_beside_fsdp2_zero_and_counts_its_shards():
+    """ZeRO-2/3 pp plans (FSDP2 over each stage's replicas) are enumerated and launchable. Their
+    estimate shards over dp: ZeRO-3 divides the ZeRO-1 pipeline's weights and gradients by dp
+    (its optimizer states already are); ZeRO-2 is FSDP's SHARD_GRAD_OP, the weights' shards
+    plus the whole stage unsharded at the forward/backward peak, gradients divided by dp."""
+    from estimator.plan_filter import parse_plan_filter
+    from estimator.plans import estimate_plan, plans_for_job
+
+    big = {"model": "llama-3.2-1b", "seq_len": 2048, "global_batch": 16, "train_steps": 1}
+    for zero in (2, 3):
+        found = plans_for_job(big, {"H100-80GB": 8}, plan_filter=parse_plan_filter(f"pp=2,zero={zero}"))["H100-80GB"]
+        assert found and all(p.pp == 2 and p.zero == zero for p in found)
+        assert any(p.not_launchable is None and p.dp > 1 for p in found)
+    at = dict(gpu_type="H100-80GB", gpus=4, dp=2, pp=2, micro_batch=1, grad_accum=8, precision="bf16")
+    z1, z2, z3 = (estimate_plan(big, Plan(**at, zero=z)).breakdown_gib for z in (1, 2, 3))
+    assert z3["weights"] == pytest.approx(z1["weights"] / 2) and z3["gradients"] == pytest.approx(z1["gradients"] / 2)
+    assert z3["optimizer"] == pytest.approx(z1["optimizer"]) == pytest.approx(z2["optimizer"])
+    assert z2["weights"] == pytest.approx(z1["weights"] * 1.5) and z2["gradients"] == pytest.approx(z3["gradients"])

@@ -81,7 +81,7 @@ def test_deepspeeds_own_config_class_accepts_ours_and_rejects_broken_ones():
 @pytest.mark.parametrize("bad,field", [
     (dict(cp=2, tp=2, gpus=4, dp=1, grad_accum=16), "plan.cp"),  # Ulysses beside TP: not launched
     (dict(tp=2, gpus=2, dp=2, grad_accum=8), "plan.gpus"),       # gpus must be dp x tp
-    (dict(pp=2, gpus=4, dp=2, grad_accum=8, zero=2), "plan.pp"),   # ZeRO-2 beside pipeline parallel
+    (dict(pp=2, gpus=4, dp=2, grad_accum=8, zero=2, offload="optimizer"), "plan.pp"),   # offload beside pipeline parallel
     (dict(offload="optimizer", zero=0), "plan.offload"),
     (dict(offload="optimizer+params", zero=2), "plan.offload"),
 ])

@@ -85,7 +85,7 @@ def test_nothing_left_when_the_job_fits_nowhere_bigger():
     assert seq == []
 
 
-@pytest.mark.parametrize("bad", [dict(cp=2, tp=2, dp=1), dict(pp=2, dp=2, zero=2), dict(tp=2, dp=4), dict(offload="optimizer", zero=0),
+@pytest.mark.parametrize("bad", [dict(cp=2, tp=2, dp=1), dict(pp=2, dp=2, zero=2, offload="optimizer"), dict(tp=2, dp=4), dict(offload="optimizer", zero=0),
                                  dict(offload="optimizer+params", zero=2)])
 def test_unrealisable_plans_are_never_proposed(bad):
     p = Plan(gpu_type="A100-80GB", gpus=4, grad_accum=8, **{"dp": 4, **bad})
@@ -93,6 +93,7 @@ def test_unrealisable_plans_are_never_proposed(bad):
 
 
 @pytest.mark.parametrize("good", [dict(), dict(zero=1), dict(zero=2, offload="optimizer"),
-                                  dict(zero=3, offload="optimizer+params"), dict(dp=2, tp=2, zero=3), dict(dp=2, cp=2, zero=1)])
+                                  dict(zero=3, offload="optimizer+params"), dict(dp=2, tp=2, zero=3), dict(dp=2, cp=2, zero=1),
+                                  dict(dp=2, pp=2, zero=3)])
 def test_data_parallel_zero_plans_are_realisable(good):
     assert realisable(Plan(gpu_type="A100-80GB", gpus=4, grad_accum=8, **{"dp": 4, **good}))

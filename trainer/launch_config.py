@@ -9,8 +9,8 @@ parallelism through DeepSpeed's AutoTP (``tensor_parallel.autotp_size``, ZeRO 0-
 ``trainer.parallel``) and sequence parallelism (``cp``) through DeepSpeed Ulysses
 (``trainer.parallel.ulysses``) and pipeline parallelism (``pp``, interleaved where ``vpp > 1``)
 through ``trainer.parallel.pipeline`` (ZeRO-1 beside it: torch's ``ZeroRedundancyOptimizer``
-over each stage's data-parallel group). Layouts it cannot run (pp beside ZeRO-2/3, offload, tp
-or cp, cp beside tp, an interleaving torch refuses) are refused here with an error naming the setting, before
+over each stage's data-parallel group; ZeRO-2/3: FSDP2 over that group). Layouts it cannot run
+(pp beside offload, tp or cp, cp beside tp, an interleaving torch refuses) are refused here with an error naming the setting, before
 anything starts.
 """
 from __future__ import annotations
@@ -42,9 +42,9 @@ def is_cpu_plan(plan: Plan) -> bool:
 
 def check_realisable(plan: Plan) -> None:
     """Refuse what the trainer cannot run, naming the setting."""
-    if plan.pp > 1 and (plan.tp > 1 or plan.cp > 1 or plan.zero > 1 or plan.offload != "none"):
+    if plan.pp > 1 and (plan.tp > 1 or plan.cp > 1 or plan.offload != "none"):
         raise FrenzyInputError(
-            "plan.pp", f"pipeline parallel runs beside data parallel and ZeRO-1 only, without ZeRO-2/3, offload, "
+            "plan.pp", f"pipeline parallel runs beside data parallel and ZeRO 0-3 only, without offload, "
                        f"tp or cp (got pp={plan.pp}, tp={plan.tp}, cp={plan.cp}, zero={plan.zero}, "
                        f"offload={plan.offload})")
     vpp_rule = interleave_rule(plan.pp, getattr(plan, "vpp", 1), plan.grad_accum)

@@ -13,6 +13,8 @@ adamw, adam       ZeRO + offload         DeepSpeed ``DeepSpeedCPUAdam`` (SIMD, o
 adamw, adam       CPU (gloo)             ``torch.optim.AdamW/Adam(fused=True)`` (torch's CPU kernel)
 adamw, adam, sgd  pipeline (pp), ZeRO-1  torch's ``ZeroRedundancyOptimizer`` over the no-ZeRO
                                          choice of the row (``trainer.parallel.pipeline.zero1``)
+adamw, adam, sgd  pipeline, ZeRO-2/3     the no-ZeRO choice over FSDP2's sharded parameters
+                                         (``trainer.parallel.pipeline.fsdp``)
 sgd               any                    ``torch.optim.SGD`` (momentum 0.9, foreach)
 adafactor         any                    transformers ``Adafactor`` (fixed lr, no relative step)
 adamw8bit         CUDA                   bitsandbytes ``AdamW8bit``

@@ -24,7 +24,7 @@ def uses_deepspeed(plan: Any) -> bool:
     AutoTP (which is DeepSpeed's, with ZeRO 0-3 beside it), or sequence parallel through
     DeepSpeed Ulysses (``trainer.parallel.ulysses``). Never a pipeline (``pp > 1``): it runs the
     program's own path (``trainer.parallel.pipeline``), ZeRO-1 through torch's
-    ``ZeroRedundancyOptimizer``."""
+    ``ZeroRedundancyOptimizer``, ZeRO-2/3 through FSDP2."""
     if int(_get(plan, "pp")) > 1:
         return False
     return int(_get(plan, "zero", 0)) > 0 or int(_get(plan, "tp")) > 1 or int(_get(plan, "cp")) > 1

@@ -20,15 +20,17 @@ rank's, so the bubble shrinks by ``vpp`` for ``vpp`` times the point-to-point se
 Then: gradients averaged over the data-parallel ranks of each stage, a tied embedding's two
 copies summed between the first and last stage, one global gradient norm over every stage for
 clipping, one optimizer per stage (over all the rank's chunks); ZeRO-1 (``zero: 1``) shards that
-optimizer's states over the stage's data-parallel replicas (``zero1``).
+optimizer's states over the stage's data-parallel replicas (``zero1``); ZeRO-2/3 (``zero: 2, 3``)
+shard the stage's weights, gradients and optimizer states over them with FSDP2 (``fsdp``), whose
+reduce-scatter replaces the gradient averaging.
 
 Checkpoints: one file per stage, i.e. per pipeline rank with all its chunks (its parameters
 under the whole model's names, and its optimizer state), then rank 0 writes
 ``consolidated.safetensors`` from them, so a run re-planned to another layout resumes from the
-full weights (optimizer restarted).
+full weights (optimizer restarted). Sharded states are gathered whole into the stage file.
 
 Llama-family decoders (``model.model.layers``, ``embed_tokens``, ``norm``, ``rotary_emb``,
-``lm_head``) only; full fine-tuning, no evaluation split, no ZeRO-2/3, offload, tp or cp beside it.
+``lm_head``) only; full fine-tuning, no evaluation split, no offload, tp or cp beside it.
 """
 from __future__ import annotations
 
@@ -112,8 +114,10 @@ def build_stage_module(model, stage: int, pp: int):
             self.norm = inner.norm if last else None
             self.lm_head = model.lm_head if last else None
             self.config = model.config
-            # the whole model's name of each parameter this stage holds
-            self.names = {id(p): n for n, p in model.named_parameters()}
+            # the whole model's name of each of this stage's parameters, by the stage's own
+            # name (FSDP2 replaces the parameter objects but keeps their names)
+            whole = {id(p): n for n, p in model.named_parameters()}
+            self.names = {n: whole[id(p)] for n, p in self.named_parameters()}
 
         def forward(self, x):
             h = self.embed_tokens(x) if first else x
@@ -129,10 +133,7 @@ def build_stage_module(model, stage: int, pp: int):
 
         def full_names(self) -> dict[str, Any]:
             """Whole-model name -> parameter, for the checkpoint."""
-            out = {}
-            for p in self.parameters():
-                out[self.names[id(p)]] = p
-            return out
+            return {self.names[n]: p for n, p in self.named_parameters()}
 
     return Stage()
 
@@ -184,17 +185,25 @@ class Pipeline:
                 g = dist.new_group([lay.rank_of(d, 0), lay.rank_of(d, lay.pp - 1)])
                 if d == lay.dp_rank and (self.first or self.last):
                     self.tie_group = g
-        stages = [PipelineStage(m, c, n_chunks, device, group=self.pp_group) for m, c in zip(self.chunks, ids)]
+        self.zero = int(plan.get("zero", 0))
+        # ZeRO-2/3: each chunk sharded over its stage's replicas before the optimizer is built
+        # (over the shards), and handed to its stage behind a holder (``fsdp``)
+        self.sharded = self.zero >= 2
+        if self.sharded:
+            fsdp(self.chunks, self.dp_group, self.zero, device)
+        units = [holder(m) if self.sharded else m for m in self.chunks]
+        stages = [PipelineStage(m, c, n_chunks, device, group=self.pp_group) for m, c in zip(units, ids)]
         if self.vpp > 1:
             self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=self.ga, loss_fn=causal_lm_loss,
                                                     scale_grads=True)
         else:
             kind = Schedule1F1B if self.ga >= lay.pp else ScheduleGPipe
             self.schedule = kind(stages[0], n_microbatches=self.ga, loss_fn=causal_lm_loss, scale_grads=True)
-        self.zero = int(plan.get("zero", 0))
         self.optimizer, self.optimizer_impl = make_optimizer(self.module)
         if self.zero == 1:
             self.optimizer, self.optimizer_impl = zero1(self.optimizer, self.optimizer_impl, self.dp_group)
+        elif self.sharded:
+            self.optimizer_impl = f"torch.distributed.fsdp.fully_shard({self.optimizer_impl})"
 
     def tied_weight(self):
         return self.chunks[0].embed_tokens.weight if self.first else self.chunks[-1].lm_head.weight
@@ -222,12 +231,15 @@ class Pipeline:
         else:
             self.schedule.step()
         params = [p for p in self.module.parameters() if p.grad is not None]
-        if self.lay.dp > 1:
+        # FSDP2 has reduce-scattered them already: each replica holds its shard, averaged
+        if self.lay.dp > 1 and not self.sharded:
             for p in params:
                 dist.all_reduce(p.grad, group=self.dp_group)
                 p.grad.div_(self.lay.dp)
         if self.tied and self.tie_group is not None and self.lay.pp > 1:
-            dist.all_reduce(self.tied_weight().grad, group=self.tie_group)
+            # sharded: the first and last stage shard the same shape over the same dp size, so
+            # the two copies' shards line up
+            dist.all_reduce(local(self.tied_weight().grad), group=self.tie_group)
         if clip:
             # one norm over the whole model: every stage's squares summed over the pipeline
             # (a tied weight counted once: on the first stage)
@@ -235,8 +247,10 @@ class Pipeline:
                                              and p is self.tied_weight())]
             sq = torch.zeros((), dtype=torch.float64, device=x.device)
             for p in own:
-                sq += p.grad.detach().double().pow(2).sum()
-            dist.all_reduce(sq, group=self.pp_group)
+                sq += local(p.grad).detach().double().pow(2).sum()
+            # sharded: every element lives on one replica of one stage, so the sum runs over all
+            # ranks; otherwise the replicas hold equal gradients and one pipeline's sum is all
+            dist.all_reduce(sq, group=None if self.sharded else self.pp_group)
             coef = clip / (math.sqrt(float(sq)) + 1e-6)
             if coef < 1.0:
                 for p in params:
@@ -253,16 +267,26 @@ class Pipeline:
         """This stage's weights (whole-model names) and optimizer state; the first data-parallel
         replica of each stage writes. Every rank calls it: under ZeRO-1 the stage's optimizer
         shards are first gathered to that replica (a collective over the stage's dp group), so
-        the file holds the whole stage's state, which each replica's partition loads back."""
+        the file holds the whole stage's state, which each replica's partition loads back.
+        Under ZeRO-2/3 (FSDP2) every weight and optimizer state is gathered from its shards the
+        same way, one tensor at a time to the host (the optimizer state keyed by parameter name,
+        torch.distributed.checkpoint's layout), so the file holds whole tensors too."""
         import torch
 
+        writer = self.lay.dp_rank == 0
         if self.zero == 1:
             self.optimizer.consolidate_state_dict(to=0)   # rank 0 of the dp group: dp_rank 0
-        if self.lay.dp_rank == 0:
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            params = {n: gathered(p, writer) for n, p in self.full_names().items()}
+            optimizer = gathered(get_optimizer_state_dict(self.module, self.optimizer), writer)
+        elif writer:
+            params = {n: p.detach().cpu() for n, p in self.full_names().items()}
+            optimizer = self.optimizer.state_dict()
+        if writer:
             path.mkdir(parents=True, exist_ok=True)
-            torch.save({"params": {n: p.detach().cpu() for n, p in self.full_names().items()},
-                        "optimizer": self.optimizer.state_dict()},
-                       path / STAGE_FILE.format(stage=self.lay.stage))
+            torch.save({"params": params, "optimizer": optimizer}, path / STAGE_FILE.format(stage=self.lay.stage))
 
     def load(self, path: Path) -> None:
         import torch
@@ -270,8 +294,80 @@ class Pipeline:
         state = torch.load(path / STAGE_FILE.format(stage=self.lay.stage), map_location="cpu", weights_only=False)
         with torch.no_grad():
             for n, p in self.full_names().items():
-                p.copy_(state["params"][n])
-        self.optimizer.load_state_dict(state["optimizer"])
+                if self.sharded:    # every replica read the whole tensor: each keeps its shard
+                    from torch.distributed.tensor import distribute_tensor
+
+                    whole = state["params"][n].to(p.device)
+                    p.to_local().copy_(distribute_tensor(whole, p.device_mesh, p.placements,
+                                                         src_data_rank=None).to_local())
+                else:
+                    p.copy_(state["params"][n])
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+def fsdp(chunks, dp_group, zero: int, device) -> None:
+    """ZeRO-2/3 over a stage's data-parallel replicas: FSDP2 (``fully_shard``) on each decoder
+    layer and on each chunk (embeddings, norm and head in the chunk's own unit) over the stage's
+    dp group. Parameters, gradients and optimizer states are sharded between steps; ZeRO-3
+    (``reshard_after_forward``) frees each unit's gathered weights after its forward and gathers
+    them again for its backward, ZeRO-2 keeps them from the forward to the backward.
+
+    Each chunk reaches its ``PipelineStage`` inside a ``holder``: given an FSDP module itself,
+    the stage (torch 2.13, ``backward_maybe_with_nosync`` and ``perform_reduce_grad``) runs
+    every micro-batch's backward without gradient sync and without resharding and
+    reduce-scatters once after the last, so the stage would hold its whole weights and whole
+    gradients through the step's backward: ZeRO-1's memory plus the shards. Behind the holder
+    FSDP2's own backward hooks run: each unit reduce-scatters its gradients (accumulated into
+    the sharded ones) and reshards after every micro-batch's backward, the memory ZeRO-2/3 stand
+    for (and the estimator counts), for one reduce-scatter per unit and micro-batch."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(dp_group, device.type)
+    for chunk in chunks:
+        for layer in chunk.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=zero == 3)
+        fully_shard(chunk, mesh=mesh, reshard_after_forward=zero == 3)
+
+
+def holder(module):
+    """``module`` behind a plain module that only calls it (``fsdp`` says why)."""
+    import torch
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = module
+
+        def forward(self, x):
+            return self.inner(x)
+
+    return Holder()
+
+
+def local(t):
+    """A gradient's part on this rank: its shard under FSDP2 (a DTensor), the tensor otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def gathered(obj, keep: bool):
+    """``obj`` (a tensor, or dicts/lists of them) with every sharded tensor gathered whole, on the
+    host where ``keep`` (the replica that writes; the others drop each whole tensor at once). A
+    collective over each tensor's mesh: every replica calls it in the same order."""
+    if hasattr(obj, "detach"):
+        whole = obj.full_tensor() if hasattr(obj, "full_tensor") else obj
+        return whole.detach().cpu() if keep else None
+    if isinstance(obj, dict):
+        return {k: gathered(v, keep) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(gathered(v, keep) for v in obj)
+    return obj
 
 
 def zero1(optimizer, impl: str, dp_group):
@@ -279,8 +375,8 @@ def zero1(optimizer, impl: str, dp_group):
     job's optimizer class and settings, each replica keeping the states of its share of the
     stage's parameters (partitioned by size) and broadcasting its updated parameters after the
     step. Gradients stay whole and all-reduced (ZeRO-1), so the pipeline's own averaging, tied
-    embedding sum and global norm are unchanged. It needs only broadcasts (gloo has them);
-    FSDP2 would be ZeRO-2/3, which the planner does not enumerate for pipelines."""
+    embedding sum and global norm are unchanged. It needs only broadcasts (gloo has them).
+    ZeRO-2/3 are FSDP2's (``fsdp``)."""
     import inspect
 
     from torch.distributed.optim import ZeroRedundancyOptimizer
