@@ -398,7 +398,7 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
             log.warning("gang %s ran out of memory on %s (%s); allocation %s released, falling back to %s "
                         "(global batch %d kept), resuming from the newest checkpoint in %s", gang_id, plan.short(),
                         why, assignment.allocation_id, nxt.short(), nxt.global_batch, run_dir)
-            assignment = fallback_allocation(ledger, job_id, nxt, log.info)
+            assignment = fallback_allocation(ledger, job_id, nxt, log.info, pool=assignment.pool)
             continue
         failures.append(f"launch {launch}: {why}")
         log.warning("gang %s failed (%s); every node's run cancelled, allocation %s released", gang_id, why,

@@ -240,10 +240,15 @@ def oom_fallbacks(job: TrainingJob, plan: Plan, *, inventory: dict[str, int] | N
     return events.announced_fallbacks(job, plan, inventory=inventory, plans=ordered, last_step=last_step)
 
 
-def fallback_allocation(ledger, job_id: str, plan: Plan, log: Callable[[str], None]) -> Assignment:
-    """GPUs for an out-of-memory fallback plan, wherever the ledger has them free now (best fit,
-    fewest nodes: several nodes make the relaunch a gang); ``RuntimeError`` when none are."""
-    alloc = ledger.allocate_best_fit(job_id, plan)
+def fallback_allocation(ledger, job_id: str, plan: Plan, log: Callable[[str], None],
+                        pool: str | None = None) -> Assignment:
+    """GPUs for an out-of-memory fallback plan (best fit, fewest nodes: several nodes make the
+    relaunch a gang): on the run's own ``pool`` first, whose workers already train it, then
+    wherever the ledger has them free now (another GPU type's pool: the relaunch goes to that
+    pool's workers); ``RuntimeError`` when none are."""
+    alloc = ledger.allocate_best_fit(job_id, plan, pool=pool) if pool else None
+    if alloc is None:
+        alloc = ledger.allocate_best_fit(job_id, plan)
     if alloc is None:
         raise RuntimeError(f"no free GPUs for fallback plan {plan.short()}")
     log(f"fallback allocation {alloc.id}: {plan.short()} on {alloc.placement}")
@@ -343,7 +348,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
             current["first"] = False
         else:
             release()
-            placed = fallback_allocation(ledger, job_id, p, log)
+            placed = fallback_allocation(ledger, job_id, p, log, pool=current["pool"])
             current.update(alloc_id=placed.allocation_id, plan=p, devices=list(placed.devices), pool=placed.pool)
             if on_placed is not None:
                 on_placed(placed)

@@ -118,6 +118,24 @@ def test_best_fit_uses_the_policies_placement(ledger):
     assert rtx.devices == ["0", "1"]
 
 
+def test_best_fit_on_one_pool_leaves_another_pools_gpus_of_the_type(ledger):
+    from scheduler.cluster import parse_cluster
+    ledger.sync_cluster(parse_cluster("""
+pools:
+  - {name: a100, gpu: A100-80GB, nodes: 2, gpus_per_node: 4}
+  - {name: a100b, gpu: A100-80GB, nodes: 1, gpus_per_node: 4}
+  - {name: rtx, gpu: RTX3090-24GB, nodes: 1, gpus_per_node: 2}
+"""))
+    ledger.allocate("j0", A(4), {"a100-0": [0, 1, 2, 3]})
+    ledger.allocate("j1", A(3), {"a100-1": [0, 1, 2]})
+    anywhere = ledger.allocate_best_fit("j2", A(1))
+    assert anywhere.placement == {"a100-1": [3]}                 # the exact fit
+    ledger.release(anywhere.id)
+    own = ledger.allocate_best_fit("j2", A(1), pool="a100b")
+    assert own.pool == "a100b" and own.placement == {"a100b-0": [0]}
+    assert ledger.allocate_best_fit("j3", A(4), pool="a100") is None   # a100 has 1 free GPU left
+
+
 def test_expired_lease_frees_gpus_and_heartbeat_keeps_them(ledger):
     crashed = ledger.allocate("crashed", A(4), {"a100-0": [0, 1, 2, 3]}, lease_s=0.2)
     alive = ledger.allocate("alive", A(4), {"a100-1": [0, 1, 2, 3]}, lease_s=0.6)
