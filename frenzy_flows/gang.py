@@ -40,8 +40,8 @@ failure, and once its runs have stopped it records the launch's ``oom`` attempt 
 own record in the shared run folder), releases the allocation and takes the next plan of the
 job's out-of-memory ladder, the one a one-node run takes (``training.oom_fallbacks``: the
 trainer's ``fallback_plans`` over the cluster's inventory, in the settings block's order, each
-announced), with GPUs wherever the ledger has them free (``training.fallback_allocation``, best
-fit); it relaunches as a gang when they span nodes, else as one run on that node, resuming from
+announced), with GPUs on the gang's own pool first, else wherever the ledger has them free
+(``training.fallback_allocation``, best fit); it relaunches as a gang when they span nodes, else as one run on that node, resuming from
 the newest checkpoint with the same global batch. The ladder's length bounds these relaunches
 (``GANG_RETRIES`` counts the other failures). Launches are numbered across relaunches (the
 nodes' ``attempt-<n>`` logs, ``FRENZY_ATTEMPT``), so a rehearsed failure
