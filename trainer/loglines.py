@@ -30,6 +30,19 @@ _LIBRARY = re.compile(r"^(?:\[transformers\] |\[RANK \d+\] |\[\d{4}-\d\d-\d\d [\
 _PROGRESS_BAR = re.compile(r"\d+%\|.*\|")
 
 
+def parse_line(line: str) -> tuple[str, dict[str, Any]] | None:
+    """``(tag, payload)`` of the training program's ``FRENZY_<TAG> {json}`` line, else None (any
+    other line, or one cut short: the process killed while it printed)."""
+    tag, _, rest = line.partition(" ")
+    if not tag.startswith("FRENZY_"):
+        return None
+    try:
+        payload = json.loads(rest)
+    except ValueError:
+        return None
+    return (tag, payload) if isinstance(payload, dict) else None
+
+
 def _ms(s: Any) -> str:
     return f"{float(s) * 1000:.1f} ms" if float(s) < 1 else f"{float(s):.2f} s"
 
@@ -85,14 +98,13 @@ class RunLog:
         self._in_warning = False
         if not line.strip() or _LIBRARY.match(line) or _PROGRESS_BAR.search(line):
             return None
-        tag, _, rest = line.partition(" ")
-        if not tag.startswith("FRENZY_"):
+        parsed = parse_line(line)
+        if parsed is None:
             return line
         try:
-            payload = json.loads(rest)
-            return _sentence(tag, payload) if isinstance(payload, dict) else line
+            return _sentence(*parsed)
         except (ValueError, KeyError, TypeError):
-            return line              # not ours after all, or a field missing: as printed
+            return line              # a field missing or malformed: as printed
 
 
 def readable_log(log: Callable[[str], None]) -> Callable[[str], None]:

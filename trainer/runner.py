@@ -53,6 +53,7 @@ from estimator.plan import Plan
 
 from . import allowlist, checkpoints, control, interrupt, resume
 from .data import check_data, check_eval
+from .loglines import parse_line
 from .fallback import fallback_plans
 from .launch_config import (Paths, check_heads, check_pipeline_model, check_realisable, is_cpu_plan, training_spec,
                             write_launch_files)
@@ -89,11 +90,6 @@ class NodeRole(BaseModel):
     machine_rank: int = Field(ge=0)
     num_machines: int = Field(ge=2)
     endpoint: Callable[[], tuple[str, int]]
-
-    @property
-    def suffix(self) -> str:
-        """What tells this node's files in the shared run folder from the others'."""
-        return node_suffix(self.machine_rank)
 
 
 def node_suffix(machine_rank: int) -> str:
@@ -275,18 +271,6 @@ def launch_command(paths: Paths) -> list[str]:
 
 # torch elastic's failure report for a rank killed by a signal ("exitcode  : -9", "Signal 9 (SIGKILL)")
 _SIGNAL_DEATH = re.compile(r"exitcode\s*:\s*-\d+|Signal \d+ \(SIG[A-Z]+\) received by PID")
-
-
-def parse_line(line: str) -> tuple[str, dict[str, Any]] | None:
-    """``(tag, payload)`` of the training program's ``FRENZY_<TAG> {json}`` line, else None."""
-    tag, _, rest = line.partition(" ")
-    if not tag.startswith("FRENZY_"):
-        return None
-    try:
-        payload = json.loads(rest)
-    except json.JSONDecodeError:        # a line cut short (the process killed while it printed)
-        return None
-    return (tag, payload) if isinstance(payload, dict) else None
 
 
 def logged_losses(log: Path) -> dict[int, float]:
