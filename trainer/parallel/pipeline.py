@@ -3,8 +3,9 @@ own path beside Accelerate (Accelerate and transformers offer no trainable pipel
 ``pp_size`` is forward-only, ``prepare_pippy`` inference-only, DeepSpeed's ``PipelineModule``
 wants a LayerSpec list).
 
-Layout: ``dp x pp`` ranks, the ranks of one pipeline consecutive (``rank = dp_rank * pp +
-stage``). Every rank builds the whole model from the same weights, keeps its stage (embeddings
+Layout: ``dp x pp x tp`` ranks, the (dp, pp, tp) device mesh in row-major order (``rank =
+(dp_rank * pp + stage) * tp + tp_rank``: a tensor-parallel group is consecutive ranks, one
+pipeline's stages ``tp`` ranks apart; without tp one pipeline is consecutive). Every rank builds the whole model from the same weights, keeps its stage (embeddings
 on the first, ``layers[lo:hi]``, the final norm and the head on the last; rotary embeddings and
 the causal mask recomputed on every stage) and drops the rest. A step feeds the data-parallel
 rank's ``micro_batch x grad_accum`` sequences as ``grad_accum`` micro-batches through 1F1B
@@ -24,13 +25,21 @@ optimizer's states over the stage's data-parallel replicas (``zero1``); ZeRO-2/3
 shard the stage's weights, gradients and optimizer states over them with FSDP2 (``fsdp``), whose
 reduce-scatter replaces the gradient averaging.
 
+Tensor parallel (``tp > 1``): inside each stage torch's DTensor tensor parallel over the
+stage's tp ranks (``tensor_parallel``: the decoder layers by the model's own plan, embeddings
+over the hidden size, head over the vocabulary with a vocab-parallel loss); each tp rank sends
+``1/tp`` of a boundary's activations to the same tp rank of the next stage and the receiver
+all-gathers them (``holder``); every rank of a tp group is fed the same micro-batches. Beside
+ZeRO-2/3 FSDP2 shards the tp shards over dp (2-D DTensors). ZeRO-1 beside it is refused
+(``trainer.launch_config.check_realisable``).
+
 Checkpoints: one file per stage, i.e. per pipeline rank with all its chunks (its parameters
 under the whole model's names, and its optimizer state), then rank 0 writes
 ``consolidated.safetensors`` from them, so a run re-planned to another layout resumes from the
 full weights (optimizer restarted). Sharded states are gathered whole into the stage file.
 
 Llama-family decoders (``model.model.layers``, ``embed_tokens``, ``norm``, ``rotary_emb``,
-``lm_head``) only; full fine-tuning, no evaluation split, no offload, tp or cp beside it.
+``lm_head``) only; full fine-tuning, no evaluation split, no offload or cp beside it.
 """
 from __future__ import annotations
 
