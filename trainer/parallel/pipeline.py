@@ -5,9 +5,10 @@ wants a LayerSpec list).
 
 Layout: ``dp x pp x tp`` ranks, the (dp, pp, tp) device mesh in row-major order (``rank =
 (dp_rank * pp + stage) * tp + tp_rank``: a tensor-parallel group is consecutive ranks, one
-pipeline's stages ``tp`` ranks apart; without tp one pipeline is consecutive). Every rank builds the whole model from the same weights, keeps its stage (embeddings
-on the first, ``layers[lo:hi]``, the final norm and the head on the last; rotary embeddings and
-the causal mask recomputed on every stage) and drops the rest. A step feeds the data-parallel
+pipeline's stages ``tp`` ranks apart; without tp one pipeline is consecutive). Every rank
+builds the whole model from the same weights, keeps its stage (embeddings on the first,
+``layers[lo:hi]``, the final norm and the head on the last; rotary embeddings and the causal
+mask recomputed on every stage) and drops the rest. A step feeds the data-parallel
 rank's ``micro_batch x grad_accum`` sequences as ``grad_accum`` micro-batches through 1F1B
 (GPipe when there are fewer micro-batches than stages), ``scale_grads`` averaging them, so the
 gradient is the one a single process accumulates.
