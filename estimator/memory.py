@@ -726,6 +726,14 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         # --- persistent buffers ---
         other_fixed = 0.0
         after_bwd = 0.0                                # buffers made once the backward is over
+        if spec.tied and p > 1 and t > 1 and (first or last) and prof.pipeline_torch_zero:
+            # the frenzy pipeline sums a tied embedding's two copies whole beside tensor parallel
+            # (the embeddings shard the hidden size, the head the vocabulary:
+            # Pipeline.sum_tied_gradients): after the backward the first and last stage gather
+            # the whole V x e gradient (DTensor.full_tensor); the first stage's hidden-size shards
+            # are concatenated out of the all-gather's buffer, a second whole copy (torch 2.13,
+            # read in the code, not measured)
+            after_bwd = (2.0 if first else 1.0) * g_b * V * e
         if k.dp > 1 and k.zero == 0:
             if prof.ddp_bucket_copy and not k.bucket_view:
                 other_fixed += g_b * Pt                # DDP buckets (gradient_as_bucket_view=False)
@@ -733,7 +741,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
                 # DeepSpeed's zero-0 all-reduce flattens the gradients into buffers of up to
                 # reduce_bucket_size elements after the backward (engine.allreduce_gradients ->
                 # buffered_allreduce_fallback): the activations are gone by then
-                after_bwd = c * min(Pt, bucket_elems)
+                after_bwd = max(after_bwd, c * min(Pt, bucket_elems))
         elif k.zero in (1, 2) and not torch_zero and (k.dp > 1 or not cpu):
             # DeepSpeed's reduce (ipg) buffer of reduce_bucket_size elements, allocated in
             # engine.backward() before loss.backward() (stage_1_and_2.py: self.ipg_buffer), at

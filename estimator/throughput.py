@@ -347,6 +347,12 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
     # Gbit over the link (seconds = Gbit / link Gbit/s)
     n_ar = 4 + (2 if act_ckpt == "full" else 0)
     tp_gbit = lay * n_ar * (2.0 * _ring(tp) * act_bytes) * 8.0 / 1e9 * (1.0 - f.tp_overlap) if tp > 1 else 0.0
+    # tensor parallel inside pipeline stages sends 1/tp of a boundary's activations per tp rank
+    # (Megatron-LM's scatter-gather; trainer.parallel.pipeline.holder): the receiving stage
+    # all-gathers the slices in the forward, the sending stage its output gradient's in the
+    # backward, two all-gathers ((n-1)/n of the tensor each) per micro-batch and chunk
+    bound_gbit = (2.0 * _ring(tp) * act_bytes * 8.0 / 1e9 * (1.0 - f.tp_overlap)
+                  if tp > 1 and pp > 1 else 0.0)
     # sequence parallel (DeepSpeed Ulysses, cp ranks inside a node): per layer and micro-batch the
     # forward trades each rank's s/cp tokens x all heads of q, k, v for all s tokens x heads/cp
     # (three all-to-alls before attention) and the attention output back (one after); the backward
@@ -362,7 +368,7 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
     pcie = f.offload_pcie_gbs * 1e9
     entry = (compute_tok, memory_tok,
              params_mp * nbytes * 8.0 / 1e9,                   # its gradients / ZeRO shard, Gbit
-             intra, gpu.inter_node_gbps * f.network_eff, tp_gbit, pp_gbit, cp_gbit,
+             intra, gpu.inter_node_gbps * f.network_eff, tp_gbit, bound_gbit, pp_gbit, cp_gbit,
              params_mp * f.optimizer_bytes_per_param / bw,     # Adam step on the GPU, unsharded
              params_mp / f.cpu_adam_params_per_s,              # ... on the CPU (offload)
              params_mp * 4.0 / pcie,                           # offload: 16-bit grads down, params up
@@ -408,7 +414,7 @@ def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_
     s = stages.get(key)
     if s is None:
         s = _stage(stages, key, spec, gpu, f, seq_len, precision, matmul_precision, eager, cp, tp, pp, mb, act_ckpt)
-    compute_tok, memory_tok, shard_gbit, intra, inter, tp_gbit, pp_gbit, cp_gbit, opt_s, cpu_opt_s, off_s, \
+    compute_tok, memory_tok, shard_gbit, intra, inter, tp_gbit, bound_gbit, pp_gbit, cp_gbit, opt_s, cpu_opt_s, off_s, \
         fetch_s, mb_over, step_over, dp_overlap, dp_min_exposed, overlap_cost = s
     if nodes < 1:
         nodes = 1
@@ -464,7 +470,8 @@ def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_
 
     # --- tensor parallel all-reduces (critical path); TP groups stay inside a node when they fit
     if tp > 1:
-        tp_comm = ga * tp_gbit / (intra if tp <= per_node or intra < inter / per_node else inter / per_node)
+        tp_comm = ga * (tp_gbit + vpp * bound_gbit) / (intra if tp <= per_node or intra < inter / per_node
+                                                       else inter / per_node)
     else:
         tp_comm = 0.0
     # --- pipeline point-to-point -----------------------------------------------------------------

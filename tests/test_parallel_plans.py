@@ -294,6 +294,49 @@ def test_dp2_x_pp2_with_fsdp2_zero_matches_one_process(weights, reference, tmp_p
         assert_resumes_fully(res, step2, job(weights), p, tmp_path / "again")
 
 
+@pytest.mark.slow
+def test_pp2_x_tp2_matches_one_process_and_replans_to_one(weights, reference, one_process_replanned, tmp_path):
+    """pp=2 x tp=2 (4 ranks: each stage's layers, embeddings and head sharded over its 2 tp
+    ranks by torch's DTensor tensor parallel, 1F1B over 2 micro-batches): the single-process
+    losses. Its step-2 checkpoint holds whole tensors gathered from the tp shards, so a re-plan
+    onto one process from the consolidated weights gives the single-process re-plan's step 3."""
+    from safetensors.torch import load_file
+
+    res, lines = train(job(weights), plan(4, pp=2, tp=2, micro_batch=2), tmp_path / "run")
+    assert_matches(res.losses, reference)
+    assert any("dp=1 pp=2 vpp=1 zero=0 tp=2" in line and "Schedule1F1B" in line for line in lines)
+    assert res.optimizer_impl == "torch.distributed.tensor.parallel(torch.optim.AdamW(fused))"
+    step2 = Path(res.run_dir) / "checkpoints" / "step-00000002"
+    assert json.loads((step2 / "frenzy_ckpt.json").read_text())["format"]["tp"] == 2
+    whole = load_file(str(step2 / "consolidated.safetensors"))
+    shapes = {"model.embed_tokens.weight": (256, 64), "lm_head.weight": (256, 64),
+              "model.layers.0.self_attn.k_proj.weight": (32, 64), "model.layers.1.mlp.down_proj.weight": (64, 172)}
+    assert {k: tuple(whole[k].shape) for k in shapes} == shapes
+    moved, lines = _resume_under(step2, job(weights), plan(1, zero=1), tmp_path / "one")
+    assert any(line.startswith("FRENZY_RESUME") and '"mode": "weights"' in line for line in lines)
+    assert_matches(moved.losses, one_process_replanned.losses)
+
+
+def test_the_pipeline_norm_counts_every_gradient_value_once():
+    """The global gradient norm divides each rank's squares by the ranks holding the same
+    values: a plain tensor is equal over the stage's dp x tp ranks, a tp-sharded DTensor over
+    its dp replicas, FSDP2's shards (a ``_StridedShard`` over dp beside tp) over none."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from trainer.parallel.pipeline import copies
+
+    def grad(*placements, sizes):
+        return SimpleNamespace(placements=placements, device_mesh=SimpleNamespace(size=lambda d: sizes[d]))
+
+    assert copies(object(), 8) == 8
+    assert copies(grad(Shard(0), sizes=[2]), 4) == 2                                   # tp only, dp=2
+    assert copies(grad(_StridedShard(0, split_factor=2), Shard(0), sizes=[2, 2]), 4) == 1   # FSDP2 x tp
+    assert copies(grad(Shard(0), sizes=[2]), 2) == 1 and copies(grad(Replicate(), sizes=[2]), 4) == 4
+
+
 def assert_resumes_fully(res, step2: Path, j: TrainingJob, p: Plan, run_dir: Path) -> None:
     """The run ``res``'s step-2 checkpoint, resumed under its own plan, gives the uninterrupted
     run's step 3: its loss is that of step 2's weights; its update needs the optimizer states
@@ -325,7 +368,12 @@ def test_pipeline_stages_reproduce_the_whole_model_and_its_loss():
     names = [set(s.full_names()) for s in stages]
     assert not names[0] & names[1] and names[0] | names[1] == {n for n, _ in model.named_parameters()}
     assert [stage_layers(3, 2, s) for s in range(2)] == [(0, 2), (2, 3)]
-    assert [tuple(pipe_layout({"dp": 2, "pp": 2}, r))[2:] for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [tuple(pipe_layout({"dp": 2, "pp": 2}, r))[2:4] for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # beside tensor parallel a tp group is consecutive ranks, a pipeline's stages tp ranks apart
+    lays = [pipe_layout({"dp": 2, "pp": 2, "tp": 2}, r) for r in range(8)]
+    assert [(x.dp_rank, x.stage, x.tp_rank) for x in lays] == [(d, s, t) for d in range(2) for s in range(2)
+                                                               for t in range(2)]
+    assert all(lays[0].rank_of(x.dp_rank, x.stage, x.tp_rank) == r for r, x in enumerate(lays))
 
 
 def test_pipeline_plans_the_trainer_launches_and_refuses():
@@ -342,11 +390,17 @@ def test_pipeline_plans_the_trainer_launches_and_refuses():
         sharded = plan(4, pp=2, zero=zero, micro_batch=1)
         check_realisable(sharded)
         assert not uses_deepspeed(sharded) and deepspeed_config(sharded, job(Path("unused"))) is None
-    for bad in (plan(4, pp=2, tp=2, micro_batch=4), plan(4, pp=2, zero=2, offload="optimizer", micro_batch=1),
-                plan(4, pp=2, cp=2, micro_batch=4)):
-        with pytest.raises(FrenzyInputError, match="pipeline parallel runs beside data parallel and ZeRO 0-3 only") as e:
+    for zero in (0, 2, 3):                                           # pp x tp (x dp): DTensor tp per stage
+        check_realisable(plan(8, pp=2, tp=2, zero=zero, micro_batch=2))
+        assert not uses_deepspeed(plan(8, pp=2, tp=2, zero=zero, micro_batch=2))
+    for bad in (plan(4, pp=2, zero=2, offload="optimizer", micro_batch=1), plan(4, pp=2, cp=2, micro_batch=4)):
+        with pytest.raises(FrenzyInputError, match="pipeline parallel runs beside data and tensor parallel and "
+                                                   "ZeRO 0-3 only, without offload or cp") as e:
             check_realisable(bad)
         assert e.value.field == "plan.pp" and "\n" not in str(e.value)
+    with pytest.raises(FrenzyInputError, match="ZeRO-1 beside pipeline and tensor parallel is not run") as e:
+        check_realisable(plan(8, pp=2, tp=2, zero=1, micro_batch=2))
+    assert e.value.field == "plan.zero" and "\n" not in str(e.value)
     with pytest.raises(FrenzyInputError, match="built for llama decoders"):
         check_pipeline_model(plan(2, pp=2, micro_batch=2), "gpt")
     pp2 = {"deepspeed": False, "zero": 0, "world": 2, "offload": "none", "pp": 2}
@@ -354,6 +408,7 @@ def test_pipeline_plans_the_trainer_launches_and_refuses():
     assert not full_resume_possible(pp2, {**pp2, "pp": 1, "world": 1})     # weights only
     assert not full_resume_possible({**pp2, "pp": 1, "world": 1}, pp2)
     assert not full_resume_possible({**pp2, "zero": 1}, pp2)          # ZeroRedundancyOptimizer's state
+    assert not full_resume_possible({**pp2, "tp": 2, "world": 4}, {**pp2, "world": 4})   # stage files by name
     with pytest.raises(FrenzyInputError, match="4 stages but the model has 2 layers") as e:
         check_pipeline_model(plan(4, pp=4, micro_batch=4), "llama", 2)
     assert e.value.field == "plan.pp"
@@ -394,3 +449,37 @@ def test_the_planner_launches_pipelines_beside_fsdp2_zero_and_counts_its_shards(
     assert z3["weights"] == pytest.approx(z1["weights"] / 2) and z3["gradients"] == pytest.approx(z1["gradients"] / 2)
     assert z3["optimizer"] == pytest.approx(z1["optimizer"]) == pytest.approx(z2["optimizer"])
     assert z2["weights"] == pytest.approx(z1["weights"] * 1.5) and z2["gradients"] == pytest.approx(z3["gradients"])
+
+
+def test_the_planner_launches_pipeline_x_tensor_parallel_and_counts_what_it_runs():
+    """pp x tp plans are enumerated launchable (ZeRO-1 beside them refused in one line). The
+    throughput model charges the stage boundaries' scatter-gather: 1/tp of the activations
+    sent per tp rank, and two all-gathers per micro-batch and chunk on the tp link. A tied
+    model's two embedding copies are summed whole at the step (the first stage holds two whole
+    gradients then, the last one)."""
+    from estimator.catalog import get_gpu
+    from estimator.models import resolve_model
+    from estimator.plan_filter import parse_plan_filter
+    from estimator.plans import estimate_plan, plans_for_job
+    from estimator.throughput import step_time_breakdown
+
+    big = {"model": "llama-3.2-1b", "seq_len": 2048, "global_batch": 16, "train_steps": 1}
+    found = plans_for_job(big, {"H100-80GB": 8}, plan_filter=parse_plan_filter("pp=2,tp=2"))["H100-80GB"]
+    assert any(p.not_launchable is None and p.dp > 1 for p in found)
+    assert all(p.not_launchable.startswith("plan.zero: ZeRO-1 beside") for p in found if p.zero == 1)
+    spec, gpu = resolve_model("llama-3.2-1b"), get_gpu("H100-80GB")
+    at = dict(gpu_type="H100-80GB", dp=1, tp=2, micro_batch=1, grad_accum=4, precision="bf16")
+    one, two, inter = (step_time_breakdown(spec, Plan(gpus=2 * pp, pp=pp, vpp=vpp, **at), gpu, seq_len=2048)
+                       for pp, vpp in ((1, 1), (2, 1), (2, 2)))
+    # per micro-batch: a layer's 4 all-reduces move 4 x 2 (n-1)/n of the activations, the
+    # boundary's 2 all-gathers 2 (n-1)/n: a quarter of a layer's
+    layer = one.tp_comm / (4 * spec.layers)
+    gather = (two.tp_comm - one.tp_comm / 2) / 4
+    assert gather == pytest.approx(layer / 4) and inter.tp_comm - one.tp_comm / 2 == pytest.approx(2 * 4 * gather)
+    assert two.pp_comm == pytest.approx(step_time_breakdown(spec, Plan(gpus=2, pp=2, **{**at, "tp": 1}), gpu,
+                                                            seq_len=2048).pp_comm / 2)
+    small = {**big, "seq_len": 64, "global_batch": 2}       # the step binds: few activations
+    tp2 = estimate_plan(small, Plan(gpu_type="H100-80GB", gpus=4, dp=1, tp=2, pp=2, micro_batch=1, grad_accum=2,
+                                    precision="bf16"))
+    whole = spec.vocab_padded * spec.e * 4 / 2 ** 30           # the tied weight's fp32 gradient
+    assert spec.tied and tp2.breakdown_gib["other"] == pytest.approx(2 * whole)

@@ -38,7 +38,7 @@ def test_plans_table_has_few_named_columns_and_says_why_the_chosen_row_is_not_fi
     desc = artifacts.plans_description(by_type, chosen, steps=12)
     assert "(row 3)" in desc
     assert "1.16x faster on 2 GPUs, not 1: 58% parallel efficiency" in desc
-    assert "cannot launch pp2: pipeline parallel runs beside data parallel and ZeRO 0-3 only, without offload" in desc
+    assert "cannot launch pp2: pipeline parallel runs beside data and tensor parallel and ZeRO 0-3 only, without offload" in desc
     # the artifact page leaves ~840 px for the table at a 1400 px window (screenshot in docs/):
     # six columns of at most ~30 characters at ~7 px each plus padding
     assert sum(max(len(str(r[h])) for r in rows + [dict(zip(headers, headers))]) for h in headers) <= 90

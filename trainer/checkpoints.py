@@ -66,9 +66,10 @@ def full_resume_possible(saved: dict[str, Any], now: dict[str, Any]) -> bool:
         return False                 # pipeline stages hold parts of the model: weights only
     if saved.get("pp", 1) > 1:
         # a stage file holds its rank's chunks: another interleaving cuts other layer sets; its
-        # optimizer state is ZeroRedundancyOptimizer's (ZeRO-1) or the plain optimizer's
+        # optimizer state is ZeroRedundancyOptimizer's (ZeRO-1), the plain optimizer's, or keyed
+        # by parameter name (FSDP2, tensor parallel)
         return (saved.get("world") == now.get("world")
-                and all(saved.get(k, d) == now.get(k, d) for k, d in (("vpp", 1), ("zero", 0))))
+                and all(saved.get(k, d) == now.get(k, d) for k, d in (("vpp", 1), ("zero", 0), ("tp", 1))))
     if not saved.get("deepspeed") and not now.get("deepspeed"):
         return True
     return (all(saved.get(k) == now.get(k) for k in ("deepspeed", "zero", "world", "offload"))

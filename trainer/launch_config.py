@@ -10,7 +10,7 @@ parallelism through DeepSpeed's AutoTP (``tensor_parallel.autotp_size``, ZeRO 0-
 (``trainer.parallel.ulysses``) and pipeline parallelism (``pp``, interleaved where ``vpp > 1``)
 through ``trainer.parallel.pipeline`` (ZeRO-1 beside it: torch's ``ZeroRedundancyOptimizer``
 over each stage's data-parallel group; ZeRO-2/3: FSDP2 over that group). Layouts it cannot run
-(pp beside offload, tp or cp, cp beside tp, an interleaving torch refuses) are refused here with an error naming the setting, before
+(pp beside offload or cp, ZeRO-1 beside pp x tp, cp beside tp, an interleaving torch refuses) are refused here with an error naming the setting, before
 anything starts.
 """
 from __future__ import annotations
@@ -42,11 +42,15 @@ def is_cpu_plan(plan: Plan) -> bool:
 
 def check_realisable(plan: Plan) -> None:
     """Refuse what the trainer cannot run, naming the setting."""
-    if plan.pp > 1 and (plan.tp > 1 or plan.cp > 1 or plan.offload != "none"):
+    if plan.pp > 1 and (plan.cp > 1 or plan.offload != "none"):
         raise FrenzyInputError(
-            "plan.pp", f"pipeline parallel runs beside data parallel and ZeRO 0-3 only, without offload, "
-                       f"tp or cp (got pp={plan.pp}, tp={plan.tp}, cp={plan.cp}, zero={plan.zero}, "
+            "plan.pp", f"pipeline parallel runs beside data and tensor parallel and ZeRO 0-3 only, without "
+                       f"offload or cp (got pp={plan.pp}, tp={plan.tp}, cp={plan.cp}, zero={plan.zero}, "
                        f"offload={plan.offload})")
+    if plan.pp > 1 and plan.tp > 1 and plan.zero == 1:
+        raise FrenzyInputError(
+            "plan.zero", "ZeRO-1 beside pipeline and tensor parallel is not run (torch's ZeroRedundancyOptimizer "
+                         "broadcasts whole parameters; tensor-parallel DTensors have no broadcast): use zero 0, 2 or 3")
     vpp_rule = interleave_rule(plan.pp, getattr(plan, "vpp", 1), plan.grad_accum)
     if vpp_rule is not None:
         raise FrenzyInputError("plan.vpp", vpp_rule)

@@ -475,7 +475,8 @@ def train_pipelined(run_dir: Path, spec: dict[str, Any], rank: int, world: int, 
     pipeline.check_pipeline(spec, model)
     params, trainable = count_params(model)
     model.train()
-    fmt = {**ck.state_format(zero=int(plan.get("zero", 0)), world=world, offload="none", deepspeed=False), "pp": lay.pp,
+    fmt = {**ck.state_format(zero=int(plan.get("zero", 0)), world=world, offload="none", tp=lay.tp, deepspeed=False),
+           "pp": lay.pp,
            "vpp": int(plan.get("vpp", 1)), "adapters_only": False}
     latest = ck.latest_checkpoint(run_dir)
     if latest is None and spec.get("resume_from"):
@@ -496,7 +497,7 @@ def train_pipelined(run_dir: Path, spec: dict[str, Any], rank: int, world: int, 
         resume_mode = "full"
     start = latest.step if latest is not None else 0
     if main:
-        print(f"frenzy: rank 0/{world} device={device} plan={plan['gpu_type']} dp={dp} pp={lay.pp} vpp={pipe.vpp} zero={pipe.zero} "
+        print(f"frenzy: rank 0/{world} device={device} plan={plan['gpu_type']} dp={dp} pp={lay.pp} vpp={pipe.vpp} zero={pipe.zero} tp={lay.tp} "
               f"micro_batch={mb} grad_accum={ga} attempt={attempt} schedule={type(pipe.schedule).__name__} "
               f"optimizer={pipe.optimizer_impl}", flush=True)
         emit("FRENZY_MODEL", {"params": params, "trainable_params": trainable, "optimizer_impl": pipe.optimizer_impl,

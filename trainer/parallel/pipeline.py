@@ -3,10 +3,12 @@ own path beside Accelerate (Accelerate and transformers offer no trainable pipel
 ``pp_size`` is forward-only, ``prepare_pippy`` inference-only, DeepSpeed's ``PipelineModule``
 wants a LayerSpec list).
 
-Layout: ``dp x pp`` ranks, the ranks of one pipeline consecutive (``rank = dp_rank * pp +
-stage``). Every rank builds the whole model from the same weights, keeps its stage (embeddings
-on the first, ``layers[lo:hi]``, the final norm and the head on the last; rotary embeddings and
-the causal mask recomputed on every stage) and drops the rest. A step feeds the data-parallel
+Layout: ``dp x pp x tp`` ranks, the (dp, pp, tp) device mesh in row-major order (``rank =
+(dp_rank * pp + stage) * tp + tp_rank``: a tensor-parallel group is consecutive ranks, one
+pipeline's stages ``tp`` ranks apart; without tp one pipeline is consecutive). Every rank
+builds the whole model from the same weights, keeps its stage (embeddings on the first,
+``layers[lo:hi]``, the final norm and the head on the last; rotary embeddings and the causal
+mask recomputed on every stage) and drops the rest. A step feeds the data-parallel
 rank's ``micro_batch x grad_accum`` sequences as ``grad_accum`` micro-batches through 1F1B
 (GPipe when there are fewer micro-batches than stages), ``scale_grads`` averaging them, so the
 gradient is the one a single process accumulates.
@@ -24,13 +26,21 @@ optimizer's states over the stage's data-parallel replicas (``zero1``); ZeRO-2/3
 shard the stage's weights, gradients and optimizer states over them with FSDP2 (``fsdp``), whose
 reduce-scatter replaces the gradient averaging.
 
+Tensor parallel (``tp > 1``): inside each stage torch's DTensor tensor parallel over the
+stage's tp ranks (``tensor_parallel``: the decoder layers by the model's own plan, embeddings
+over the hidden size, head over the vocabulary with a vocab-parallel loss); each tp rank sends
+``1/tp`` of a boundary's activations to the same tp rank of the next stage and the receiver
+all-gathers them (``holder``); every rank of a tp group is fed the same micro-batches. Beside
+ZeRO-2/3 FSDP2 shards the tp shards over dp (2-D DTensors). ZeRO-1 beside it is refused
+(``trainer.launch_config.check_realisable``).
+
 Checkpoints: one file per stage, i.e. per pipeline rank with all its chunks (its parameters
 under the whole model's names, and its optimizer state), then rank 0 writes
 ``consolidated.safetensors`` from them, so a run re-planned to another layout resumes from the
 full weights (optimizer restarted). Sharded states are gathered whole into the stage file.
 
 Llama-family decoders (``model.model.layers``, ``embed_tokens``, ``norm``, ``rotary_emb``,
-``lm_head``) only; full fine-tuning, no evaluation split, no offload, tp or cp beside it.
+``lm_head``) only; full fine-tuning, no evaluation split, no offload or cp beside it.
 """
 from __future__ import annotations
 
@@ -45,20 +55,26 @@ STAGE_FILE = "stage-{stage:02d}.pt"
 
 
 class PipeLayout(NamedTuple):
+    """One rank's coordinates in a ``dp x pp x tp`` pipeline: the device mesh's row-major order
+    ``rank = (dp_rank x pp + stage) x tp + tp_rank``, so a tensor-parallel group is consecutive
+    ranks (inside a node, as AutoTP's) and one pipeline's stages are ``tp`` ranks apart."""
+
     dp: int
     pp: int
     dp_rank: int
     stage: int
+    tp: int = 1
+    tp_rank: int = 0
 
-    def rank_of(self, dp_rank: int, stage: int) -> int:
-        return dp_rank * self.pp + stage
+    def rank_of(self, dp_rank: int, stage: int, tp_rank: int = 0) -> int:
+        return (dp_rank * self.pp + stage) * self.tp + tp_rank
 
 
 def pipe_layout(plan: dict[str, Any], rank: int) -> PipeLayout:
-    dp, pp = int(plan.get("dp", 1)), int(plan.get("pp", 1))
-    if not 0 <= rank < dp * pp:
-        raise ValueError(f"rank {rank} outside a dp {dp} x pp {pp} layout")
-    return PipeLayout(dp, pp, rank // pp, rank % pp)
+    dp, pp, tp = int(plan.get("dp", 1)), int(plan.get("pp", 1)), int(plan.get("tp", 1))
+    if not 0 <= rank < dp * pp * tp:
+        raise ValueError(f"rank {rank} outside a dp {dp} x pp {pp} x tp {tp} layout")
+    return PipeLayout(dp, pp, rank // (pp * tp), rank // tp % pp, tp, rank % tp)
 
 
 def stage_layers(layers: int, pp: int, stage: int) -> tuple[int, int]:
@@ -155,6 +171,7 @@ class Pipeline:
     def __init__(self, model, plan: dict[str, Any], rank: int, device, make_optimizer):
         import torch.distributed as dist
         import torch
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
@@ -170,28 +187,32 @@ class Pipeline:
         self.chunks = [build_stage_module(model, c, n_chunks).to(device) for c in ids]
         # one module over the chunks: optimizer, gradients and checkpoint see them all
         self.module = torch.nn.ModuleList(self.chunks)
-        # every rank creates every group, in the same order (new_group is collective)
-        self.pp_group = self.dp_group = self.tie_group = None
-        for d in range(lay.dp):
-            g = dist.new_group([lay.rank_of(d, s) for s in range(lay.pp)])
-            if d == lay.dp_rank:
-                self.pp_group = g
-        for s in range(lay.pp):
-            g = dist.new_group([lay.rank_of(d, s) for d in range(lay.dp)])
-            if s == lay.stage:
-                self.dp_group = g
+        # the (dp, pp, tp) device mesh: every group below is one of its dimensions (every rank
+        # creates every group, in the same order: new_group is collective)
+        self.mesh = init_device_mesh(device.type, (lay.dp, lay.pp, lay.tp), mesh_dim_names=("dp", "pp", "tp"))
+        self.pp_group, self.dp_group = self.mesh.get_group("pp"), self.mesh.get_group("dp")
+        self.tie_group = None
         if self.tied:
             for d in range(lay.dp):
-                g = dist.new_group([lay.rank_of(d, 0), lay.rank_of(d, lay.pp - 1)])
-                if d == lay.dp_rank and (self.first or self.last):
-                    self.tie_group = g
+                for t in range(lay.tp):
+                    g = dist.new_group([lay.rank_of(d, 0, t), lay.rank_of(d, lay.pp - 1, t)])
+                    if (d, t) == (lay.dp_rank, lay.tp_rank) and (self.first or self.last):
+                        self.tie_group = g
         self.zero = int(plan.get("zero", 0))
+        # tp > 1: each chunk's matrices sharded over the stage's tensor-parallel ranks
+        # (``tensor_parallel``) before FSDP2 and the optimizer see them
+        if lay.tp > 1:
+            tensor_parallel(model, self.chunks, self.mesh["tp"])
         # ZeRO-2/3: each chunk sharded over its stage's replicas before the optimizer is built
         # (over the shards), and handed to its stage behind a holder (``fsdp``)
         self.sharded = self.zero >= 2
         if self.sharded:
-            fsdp(self.chunks, self.dp_group, self.zero, device)
-        units = [holder(m) if self.sharded else m for m in self.chunks]
+            fsdp(self.chunks, self.mesh["dp"], self.zero)
+        # weights held as DTensors (tp shards, FSDP2 shards): checkpoints gather them
+        self.dtensors = self.sharded or lay.tp > 1
+        tp_mesh = self.mesh["tp"] if lay.tp > 1 else None
+        units = [holder(m, tp_mesh, gather_input=c > 0, scatter_output=c < n_chunks - 1)
+                 if self.dtensors else m for m, c in zip(self.chunks, ids)]
         stages = [PipelineStage(m, c, n_chunks, device, group=self.pp_group) for m, c in zip(units, ids)]
         if self.vpp > 1:
             self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=self.ga, loss_fn=causal_lm_loss,
@@ -204,9 +225,30 @@ class Pipeline:
             self.optimizer, self.optimizer_impl = zero1(self.optimizer, self.optimizer_impl, self.dp_group)
         elif self.sharded:
             self.optimizer_impl = f"torch.distributed.fsdp.fully_shard({self.optimizer_impl})"
+        if lay.tp > 1:
+            self.optimizer_impl = f"torch.distributed.tensor.parallel({self.optimizer_impl})"
 
     def tied_weight(self):
         return self.chunks[0].embed_tokens.weight if self.first else self.chunks[-1].lm_head.weight
+
+    def sum_tied_gradients(self) -> None:
+        """A tied embedding's two copies (first and last stage) get the sum of their gradients.
+        FSDP2 alone shards both alike (the same shape over the same dp size): the shards are
+        summed in place. Beside tensor parallel the embeddings shard the hidden size and the head
+        the vocabulary: each stage gathers its whole gradient (over its tp and dp ranks), the
+        two are summed and each rank keeps its part again (a transient of the whole
+        ``V x hidden`` gradient on those two stages)."""
+        import torch.distributed as dist
+
+        grad = self.tied_weight().grad
+        if self.lay.tp == 1:
+            dist.all_reduce(local(grad), group=self.tie_group)
+            return
+        from torch.distributed.tensor import distribute_tensor
+
+        whole = grad.full_tensor()
+        dist.all_reduce(whole, group=self.tie_group)
+        local(grad).copy_(distribute_tensor(whole, grad.device_mesh, grad.placements, src_data_rank=None).to_local())
 
     def full_names(self) -> dict[str, Any]:
         """Whole-model name -> parameter over this rank's chunks."""
@@ -224,33 +266,33 @@ class Pipeline:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         losses: list = []
-        if self.first:
-            self.schedule.step(x, target=x if self.last else None, losses=losses)
-        elif self.last:
-            self.schedule.step(target=x, losses=losses)
-        else:
-            self.schedule.step()
+        # tp > 1: the last stage's logits stay sharded over the vocabulary (the head's
+        # ``Shard(-1)`` output) and the loss is computed on the shards (``loss_parallel``)
+        with vocab_parallel_loss(self.lay.tp > 1 and self.last):
+            if self.first:
+                self.schedule.step(x, target=x if self.last else None, losses=losses)
+            elif self.last:
+                self.schedule.step(target=x, losses=losses)
+            else:
+                self.schedule.step()
         params = [p for p in self.module.parameters() if p.grad is not None]
         # FSDP2 has reduce-scattered them already: each replica holds its shard, averaged
         if self.lay.dp > 1 and not self.sharded:
             for p in params:
-                dist.all_reduce(p.grad, group=self.dp_group)
+                dist.all_reduce(local(p.grad), group=self.dp_group)
                 p.grad.div_(self.lay.dp)
         if self.tied and self.tie_group is not None and self.lay.pp > 1:
-            # sharded: the first and last stage shard the same shape over the same dp size, so
-            # the two copies' shards line up
-            dist.all_reduce(local(self.tied_weight().grad), group=self.tie_group)
+            self.sum_tied_gradients()
         if clip:
-            # one norm over the whole model: every stage's squares summed over the pipeline
-            # (a tied weight counted once: on the first stage)
+            # one norm over the whole model: every rank's squares summed over the world, each
+            # divided by the ranks that hold the same values (data-parallel replicas, the tp
+            # ranks of a replicated weight); a tied weight counted once (on the first stage)
             own = [p for p in params if not (self.tied and self.last and self.lay.pp > 1
                                              and p is self.tied_weight())]
             sq = torch.zeros((), dtype=torch.float64, device=x.device)
             for p in own:
-                sq += local(p.grad).detach().double().pow(2).sum()
-            # sharded: every element lives on one replica of one stage, so the sum runs over all
-            # ranks; otherwise the replicas hold equal gradients and one pipeline's sum is all
-            dist.all_reduce(sq, group=None if self.sharded else self.pp_group)
+                sq += local(p.grad).detach().double().pow(2).sum() / copies(p.grad, self.lay.dp * self.lay.tp)
+            dist.all_reduce(sq)
             coef = clip / (math.sqrt(float(sq)) + 1e-6)
             if coef < 1.0:
                 for p in params:
@@ -258,8 +300,9 @@ class Pipeline:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=x.device)
-        for loss in losses:
-            total += loss.detach().float()
+        if self.lay.tp_rank == 0:                     # the tp ranks of the last stage hold one loss
+            for loss in losses:
+                total += local(loss).detach().float()
         return total
 
     # -------------------------------------------------------------- checkpoints
@@ -268,15 +311,16 @@ class Pipeline:
         replica of each stage writes. Every rank calls it: under ZeRO-1 the stage's optimizer
         shards are first gathered to that replica (a collective over the stage's dp group), so
         the file holds the whole stage's state, which each replica's partition loads back.
-        Under ZeRO-2/3 (FSDP2) every weight and optimizer state is gathered from its shards the
-        same way, one tensor at a time to the host (the optimizer state keyed by parameter name,
-        torch.distributed.checkpoint's layout), so the file holds whole tensors too."""
+        Under ZeRO-2/3 (FSDP2) and tensor parallel every weight and optimizer state is gathered
+        from its shards the same way, one tensor at a time to the host (the optimizer state keyed
+        by parameter name, torch.distributed.checkpoint's layout), so the file holds whole tensors
+        too; the first tp rank of the first replica writes."""
         import torch
 
-        writer = self.lay.dp_rank == 0
+        writer = self.lay.dp_rank == 0 and self.lay.tp_rank == 0
         if self.zero == 1:
             self.optimizer.consolidate_state_dict(to=0)   # rank 0 of the dp group: dp_rank 0
-        if self.sharded:
+        if self.dtensors:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
             params = {n: gathered(p, writer) for n, p in self.full_names().items()}
@@ -294,7 +338,7 @@ class Pipeline:
         state = torch.load(path / STAGE_FILE.format(stage=self.lay.stage), map_location="cpu", weights_only=False)
         with torch.no_grad():
             for n, p in self.full_names().items():
-                if self.sharded:    # every replica read the whole tensor: each keeps its shard
+                if hasattr(p, "device_mesh"):   # every rank read the whole tensor: each keeps its shard
                     from torch.distributed.tensor import distribute_tensor
 
                     whole = state["params"][n].to(p.device)
@@ -302,7 +346,7 @@ class Pipeline:
                                                          src_data_rank=None).to_local())
                 else:
                     p.copy_(state["params"][n])
-        if self.sharded:
+        if self.dtensors:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
             set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"],
@@ -311,10 +355,10 @@ class Pipeline:
             self.optimizer.load_state_dict(state["optimizer"])
 
 
-def fsdp(chunks, dp_group, zero: int, device) -> None:
+def fsdp(chunks, dp_mesh, zero: int) -> None:
     """ZeRO-2/3 over a stage's data-parallel replicas: FSDP2 (``fully_shard``) on each decoder
     layer and on each chunk (embeddings, norm and head in the chunk's own unit) over the stage's
-    dp group. Parameters, gradients and optimizer states are sharded between steps; ZeRO-3
+    data-parallel ranks. Parameters, gradients and optimizer states are sharded between steps; ZeRO-3
     (``reshard_after_forward``) frees each unit's gathered weights after its forward and gathers
     them again for its backward, ZeRO-2 keeps them from the forward to the backward.
 
@@ -325,20 +369,31 @@ def fsdp(chunks, dp_group, zero: int, device) -> None:
     gradients through the step's backward: ZeRO-1's memory plus the shards. Behind the holder
     FSDP2's own backward hooks run: each unit reduce-scatters its gradients (accumulated into
     the sharded ones) and reshards after every micro-batch's backward, the memory ZeRO-2/3 stand
-    for (and the estimator counts), for one reduce-scatter per unit and micro-batch."""
-    from torch.distributed.device_mesh import DeviceMesh
+    for (and the estimator counts), for one reduce-scatter per unit and micro-batch.
+
+    ``dp_mesh``: the data-parallel dimension of the pipeline's (dp, pp, tp) mesh; beside tensor
+    parallel FSDP2 shards the tp shards over it (2-D DTensors, the tp dimension its sibling)."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh.from_group(dp_group, device.type)
     for chunk in chunks:
         for layer in chunk.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=zero == 3)
-        fully_shard(chunk, mesh=mesh, reshard_after_forward=zero == 3)
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=zero == 3)
+        fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=zero == 3)
 
 
-def holder(module):
-    """``module`` behind a plain module that only calls it (``fsdp`` says why)."""
+def holder(module, tp_mesh=None, *, gather_input: bool = False, scatter_output: bool = False):
+    """``module`` behind a plain module that calls it (``fsdp`` says why). Beside tensor parallel
+    (``tp_mesh``) it also cuts the point-to-point volume by tp (Megatron-LM's scatter-gather):
+    a chunk that sends its output on keeps only its tp rank's slice of the hidden size (the
+    backward all-gathers the slices' gradients), a chunk that receives one all-gathers the
+    slices over its tp ranks (the backward keeps the slice's gradient), so each tp rank sends
+    ``1 / tp`` of the activation, as the throughput model's pipeline term counts."""
     import torch
+
+    def relaid(t, have, want):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(t, tp_mesh, [have], run_check=False).redistribute(tp_mesh, [want]).to_local()
 
     class Holder(torch.nn.Module):
         def __init__(self):
@@ -346,9 +401,80 @@ def holder(module):
             self.inner = module
 
         def forward(self, x):
-            return self.inner(x)
+            if tp_mesh is None:
+                return self.inner(x)
+            from torch.distributed.tensor import Replicate, Shard
+
+            y = self.inner(relaid(x, Shard(-1), Replicate()) if gather_input else x)
+            return relaid(y, Replicate(), Shard(-1)) if scatter_output else y
 
     return Holder()
+
+
+def tensor_parallel(model, chunks, tp_mesh) -> None:
+    """Tensor parallel inside each pipeline stage, torch's DTensor ``parallelize_module`` over the
+    stage's tp ranks: every decoder layer by the model's own plan (``base_model_tp_plan``; Llama:
+    q/k/v/gate/up column-wise, o/down row-wise, so two all-reduces forward and two backward per
+    layer), the embeddings over the hidden size (column-wise, an all-gather of the looked-up
+    slices: torch 2.13's DTensor computes a vocabulary-sharded embedding's weight gradient whole
+    on every rank, ``embedding_dense_backward`` having no vocabulary-sharded strategy, which would
+    hold ``V x hidden`` gradients per rank where this holds ``1 / tp`` of them), the head
+    column-wise (over the vocabulary) with its logits left sharded for a vocab-parallel loss
+    (``vocab_parallel_loss``). Norms stay whole (plain tensors, equal on every tp rank: their
+    inputs and gradients are replicated). Heads and KV heads divide by tp (``check_heads``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    layer_plan = {}
+    for key, style in plan.items():
+        if not key.startswith("layers.*."):
+            continue
+        if style not in styles:
+            raise InputProblem(f"plan.tp: the model's tensor-parallel plan has {key}: {style!r}; "
+                               f"a pipeline stage shards {', '.join(styles)} layers only")
+        layer_plan[key.removeprefix("layers.*.")] = styles[style]()
+    if not layer_plan:
+        raise InputProblem(f"plan.tp: {type(model).__name__} has no tensor-parallel plan (config.base_model_tp_plan)")
+    for chunk in chunks:
+        for layer in chunk.layers:
+            parallelize_module(layer, tp_mesh, layer_plan)
+        if chunk.embed_tokens is not None:
+            parallelize_module(chunk.embed_tokens, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+        if chunk.lm_head is not None:
+            parallelize_module(chunk.lm_head, tp_mesh,
+                               ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+
+
+def vocab_parallel_loss(active: bool):
+    """Context: the cross entropy (and its backward) on vocabulary-sharded logits, torch's
+    ``loss_parallel``, where ``active`` (the last stage beside tensor parallel)."""
+    import contextlib
+
+    if not active:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def copies(t, block: int) -> int:
+    """Ranks of a stage's ``block`` (dp x tp ranks) that hold the same values as this rank's
+    part of ``t``: a DTensor's shards are distinct over its sharded mesh dimensions and equal
+    over its replicated ones; a plain tensor is equal on all of them. (FSDP2 beside tensor
+    parallel shards over dp with a ``_StridedShard``, which ``is_shard()`` does not count: every
+    placement but ``Replicate`` is a sharding here, gradients being reduced, never ``Partial``.)"""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return block
+    distinct = 1
+    for dim, placement in enumerate(placements):
+        if placement.is_partial():
+            raise RuntimeError(f"a gradient with a Partial placement ({placements}) has no norm yet")
+        if not placement.is_replicate():
+            distinct *= t.device_mesh.size(dim)
+    return block // distinct
 
 
 def local(t):
