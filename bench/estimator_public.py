@@ -58,7 +58,8 @@ RUN_SETTINGS: dict[int, dict] = {
     5: dict(_TT, fused_kernels=True, loss="chunked", optimizer_in_backward=True),
     6: dict(_TT, fused_kernels=True, loss="chunked", optimizer_in_backward=True, act_offload=True),
     # row 7's 17.6 GiB exceeds the ~10 GiB paged states would leave on the allocator, so its
-    # 8-bit states are counted: a non-paged 8-bit AdamW
+    # 8-bit states are counted: a non-paged 8-bit AdamW, modelled as bitsandbytes' AdamW8bit (the
+    # library the recipe's docstring names; one fused in-place kernel per tensor, no temporaries)
     7: dict(_TT, fused_kernels=True, loss="chunked", optimizer_in_backward=True, act_offload=True,
             optimizer="adamw8bit"),
     # 8B full on a 4090: PagedAdamW8bit, optimizer in backward, AC, chunked CE, compile
@@ -112,8 +113,10 @@ RUN_SETTINGS: dict[int, dict] = {
 # Rows whose metric or configuration the source leaves unclear (kept in the output).
 CAVEATS = {
     7: "8-bit AdamW implementation not stated: the config default PagedAdamW8bit would keep its "
-       "states outside the allocator (about 10 GiB, below the measured 17.6), so a counted "
-       "8-bit AdamW is assumed",
+       "states outside the allocator (about 10 GiB, below the measured 17.6), so bitsandbytes' "
+       "AdamW8bit (counted states, no step temporaries) is modelled; torchao's AdamW8bit steps "
+       "each tensor through a compiled fp32 update whose temporaries (the 394M-element tied "
+       "embedding: 1.47 GiB per fp32 copy) only a GPU run shows",
     8: "metric not named ('Peak Memory per GPU'); paged 8-bit states outside the allocator",
     9: "metric not named ('Peak Memory per GPU')",
     10: "metric not named ('Peak Memory per GPU'); below the stated run's floor (bf16 base "

@@ -353,11 +353,31 @@ def _state_bytes_per_param(spec: ModelSpec, optimizer: str) -> float:
         n += numel
         if optimizer == "adafactor":              # HF Adafactor, beta1=None: factored 2nd moment
             total += 4.0 * (shape[0] + shape[1]) if len(shape) == 2 else 4.0 * numel
-        elif optimizer == "adamw8bit-paged":      # large states paged (outside the allocator)
-            total += 8.0 * numel if numel < 4096 else 0.0
-        else:                                     # bitsandbytes AdamW8bit: 2 x 1 B + fp32 absmax/2048
-            total += 8.0 * numel if numel < 4096 else numel * (2.0 + 8.0 / 2048)
+        else:                                     # bitsandbytes 8-bit AdamW (paged or not)
+            total += _bnb8_state_bytes(numel, optimizer == "adamw8bit-paged")[0]
     return total / n
+
+
+# bitsandbytes 8-bit optimizers (read in bitsandbytes 0.45.0, optim/optimizer.py,
+# Optimizer2State.init_state and Optimizer8bit.get_state_buffer): tensors below min_8bit_size
+# (4096 elements) keep two fp32 states; larger ones two uint8 states plus, blockwise, one fp32
+# absmax per 256 values for each state (``blocks = n // 256``); the paged variants put a state
+# buffer in CUDA unified memory (F.get_paged, cudaMallocManaged) only for tensors of 1e5+
+# elements, and their absmax arrays are ordinary device tensors either way
+BNB_MIN_8BIT_ELEMS = 4096
+BNB_BLOCK = 256
+BNB_PAGED_MIN_ELEMS = 100_000
+
+
+def _bnb8_state_bytes(numel: float, paged: bool) -> tuple[float, float]:
+    """(bytes the caching allocator holds, bytes in CUDA unified memory) of one tensor's
+    bitsandbytes 8-bit Adam states."""
+    if numel < BNB_MIN_8BIT_ELEMS:
+        return 8.0 * numel, 0.0
+    absmax = 2 * 4.0 * math.ceil(numel / BNB_BLOCK)
+    if paged and numel >= BNB_PAGED_MIN_ELEMS:
+        return absmax, 2.0 * numel
+    return 2.0 * numel + absmax, 0.0
 
 
 def _layer_vector_params(spec: ModelSpec) -> int:
@@ -907,12 +927,25 @@ def host_offload_bytes(spec: ModelSpec, k: Knobs) -> float:
 
 
 def paged_state_bytes(spec: ModelSpec, k: Knobs) -> float:
-    """Bytes of optimizer state in CUDA unified memory (bitsandbytes paged optimizers: every
-    state tensor of 4096+ elements), per GPU: device memory the caching allocator never sees."""
+    """Bytes of optimizer state in CUDA unified memory (bitsandbytes paged optimizers: the two
+    uint8 states of every tensor of 1e5+ elements; see _bnb8_state_bytes), per GPU: device
+    memory the caching allocator never sees."""
     if k.optimizer != "adamw8bit-paged" or k.offload != "none":
         return 0.0
-    P = spec.train_params if k.finetune == "full" else spec.layers * lora_layer_params(spec, k)
-    return P * (2.0 + 8.0 / 2048) / (k.tp * k.pp)
+    rank, targets = (0, ()) if k.finetune == "full" else (k.lora_rank, k.lora_targets)
+    return _paged_unified_bytes(spec, rank, targets) / (k.tp * k.pp)
+
+
+@lru_cache(maxsize=512)
+def _paged_unified_bytes(spec: ModelSpec, lora_rank: int, lora_targets: tuple[str, ...]) -> float:
+    """Unified-memory bytes of a paged 8-bit optimizer over the trainable tensors: the whole
+    model's (``lora_rank`` 0), or each block's adapters (r x in and out x r per target)."""
+    if not lora_rank:
+        numels = [math.prod(shape) for shape in spec.weight_shapes()]
+    else:
+        numels = [lora_rank * d for t in lora_targets for d in lora_projections(spec)[t]]
+        numels *= spec.layers
+    return sum(_bnb8_state_bytes(n, True)[1] for n in numels)
 
 
 def _comms(k: Knobs) -> int:

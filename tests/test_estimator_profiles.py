@@ -1,6 +1,7 @@
 """Implementation profiles and technique knobs of the estimator, the public-set score, and the
 planner's use of them (offload plans, launchability, LoRA / pure-bf16 plans)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -153,6 +154,24 @@ def test_paged_8bit_states_are_outside_the_allocator():
     assert gap > 10 and any("unified memory" in w for w in paged.warnings)
     assert paged.allocated_peak_gib < plain.allocated_peak_gib - 10
     assert paged.device_used_gib - paged.reserved_peak_gib > gap
+
+
+def test_bitsandbytes_8bit_states_per_tensor():
+    # bitsandbytes 0.44+ (Optimizer2State.init_state): two fp32 states below 4096 elements,
+    # else two uint8 states + one fp32 absmax per 256 values each; the paged variant moves the
+    # uint8 states of tensors of 1e5+ elements to unified memory, never the absmax arrays
+    spec = PRESETS["llama-3.2-3b"]
+    numels = [math.prod(s) for s in spec.weight_shapes()]
+    plain_b = sum(8 * n if n < 4096 else 2 * n + 8 * math.ceil(n / 256) for n in numels)
+    paged_b = sum(8 * n if n < 4096 else (8 * math.ceil(n / 256) if n >= 1e5 else
+                                          2 * n + 8 * math.ceil(n / 256)) for n in numels)
+    unified_b = sum(2 * n for n in numels if n >= 1e5)
+    kw = dict(model="llama-3.2-3b", seq_len=512, framework="torchtune", master_weights="none")
+    plain = est(**kw, optimizer="adamw8bit")
+    paged = est(**kw, optimizer="adamw8bit-paged", gpu="H100-80GB")
+    assert plain.breakdown_gib["optimizer"] * GIB == pytest.approx(plain_b, rel=1e-9)
+    assert paged.breakdown_gib["optimizer"] * GIB == pytest.approx(paged_b, rel=1e-9)
+    assert paged.overheads["paged_optimizer_gib"] * GIB == pytest.approx(unified_b, rel=1e-9)
 
 
 def test_encoder_without_vocabulary_and_uncapped_positions():
