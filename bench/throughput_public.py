@@ -10,7 +10,7 @@ malformed column or a configuration the model cannot express is listed as not ex
 its reason, never a crash.
 
     python bench/throughput_public.py [--csv PATH] [--json] [--calibrate-on SOURCES] [--terms]
-                                      [--factor NAME=VALUE ...]
+                                      [--factor NAME=VALUE ...] [--peak]
 
 ``--json``: the last line is one JSON object {"rows", "expressible", "median_ratio", "p10_ratio",
 "p90_ratio", "per_gpu_median_ratio", "rank_pairs", "rank_pairs_correct"} (plus, with
@@ -23,6 +23,11 @@ memory-bound kernels, communication, optimizer, overheads), to see which term a 
 ``--factor NAME=VALUE`` (repeatable): a what-if, every row scored with that named ``Factors``
 field set (e.g. ``eager_bytes_per_score=46``) instead of the default; it sizes what a term would
 have to be, it does not change the model.
+``--peak``: a feasibility bound, every GPU at its datasheet peaks (utilisation 1 of the rated
+tensor rate, the full datasheet memory and link bandwidth, no fixed per-step overheads): the
+fastest the model's own work counts (FLOPs, bytes, bits) allow. A ratio below 1 then means the
+measurement is faster than those counts allow on that GPU's datasheet, i.e. the row's software
+moves less work than the model counts for its configuration (or the metric is not what it says).
 ``--calibrate-on``: comma-separated source prefixes (e.g. ``mosaicml,lambdal``): refit the model's
 named per-GPU factors (``estimator.throughput.fit_factors``) on those rows and score the others
 (the held-out part) before and after.
@@ -259,6 +264,13 @@ def what_if(pairs: list[str]) -> Factors:
     return DEFAULT_FACTORS.with_(**kw) if kw else DEFAULT_FACTORS
 
 
+def at_peak(factors: Factors) -> Factors:
+    """``factors`` with every GPU at its datasheet peaks and no fixed overheads (``--peak``)."""
+    every = {g: 1.0 for g in CATALOG}
+    return factors.with_(util=every, mem_eff=every, fp32_util=1.0, nvlink_eff=1.0, network_eff=1.0,
+                         microbatch_overhead_s=0.0, step_overhead_s=0.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", default=str(DEFAULT_CSV), help="CSV in the public file's schema")
@@ -269,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--terms", action="store_true", help="per row, the share of each part of the step time")
     ap.add_argument("--factor", action="append", default=[], metavar="NAME=VALUE",
                     help="what-if: score with this named throughput factor set (repeatable)")
+    ap.add_argument("--peak", action="store_true",
+                    help="feasibility bound: every GPU at its datasheet peaks, no fixed overheads")
     args = ap.parse_args(argv)
     path = Path(args.csv)
     if not path.is_file():
@@ -276,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         factors = what_if(args.factor)
+        if args.peak:
+            factors = at_peak(factors)
     except ValueError as e:
         print(f"--factor: {e}", file=sys.stderr)
         return 2
@@ -304,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                               "util": {g: round(u, 4) for g, u in sorted(fitted.util.items())}}
     cmd = "python bench/throughput_public.py" + ("" if path == DEFAULT_CSV else f" --csv {args.csv}") \
         + (f" --calibrate-on {args.calibrate_on}" if args.calibrate_on else "") + (" --terms" if args.terms else "") \
-        + "".join(f" --factor {p}" for p in args.factor) \
+        + "".join(f" --factor {p}" for p in args.factor) + (" --peak" if args.peak else "") \
         + (" --json" if args.json else "")
     print(f"\nreproduce: PYTHONPATH=$PWD {cmd}")
     if args.json:

@@ -88,6 +88,23 @@ def test_a_what_if_factor_rescores_every_row_and_bad_names_are_refused(tmp_path,
     assert "not a scalar throughput factor" in capsys.readouterr().err
 
 
+def test_peak_bound_predicts_every_row_faster_and_flags_measurements_beyond_it(tmp_path, capsys):
+    """--peak: every GPU at its datasheet peaks, no fixed overheads. No row can be predicted slower
+    than with the defaults; a measurement faster than the bound scores below 1."""
+    p = _csv(tmp_path, [GOOD.format(gpu="A100-80GB", meas=20000), GOOD.format(gpu="RTX4090-24GB", meas=1000)])
+    rows, peak = tp.load(p), tp.load(p)
+    tp.predict(rows)
+    tp.predict(peak, tp.at_peak(tp.DEFAULT_FACTORS))
+    for d, b in zip(rows, peak):
+        assert b.predicted > d.predicted
+    fast = b.predicted * 1.5                      # measured 1.5x beyond the bound of the last row
+    p2 = _csv(tmp_path, [GOOD.format(gpu="RTX4090-24GB", meas=fast)])
+    assert tp.main(["--csv", str(p2), "--json", "--peak"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["median_ratio"] == pytest.approx(1 / 1.5, rel=1e-3)
+    assert "--peak --json" in out
+
+
 def test_missing_column_and_missing_file(tmp_path, capsys):
     p = tmp_path / "short.csv"
     p.write_text("row,model,gpu\n1,m,H100-80GB\n")
