@@ -578,3 +578,24 @@ def test_a_run_that_would_finish_as_soon_on_another_type_yields_its_gpus_to_a_wa
     start = FrenzyPolicy().schedule([only], st, 0.0)[0]
     running(st, only, start, 0.0, NOW + 36_000 * 2.5)
     assert FrenzyPolicy(preemption=False, shrink=False).schedule([w], st, NOW) == []
+
+
+def test_every_waiter_of_a_round_may_preempt_not_only_the_first_four():
+    """A burst of six short 8-GPU jobs arrives at six nodes held by long runs on their efficient
+    plan (nothing lent, so no recall): each short job checkpoint-preempts one run and starts this
+    round (the earlier cap let only the first four of the queue act; the rest waited hours)."""
+    six = "pools:\n  - {name: a, gpu: A100-80GB, nodes: 6, gpus_per_node: 8}\n"
+    efficient = [plan("A100-80GB", 4, 20, 0.30), plan("A100-80GB", 8, 20, 0.16)]   # 8 GPUs at 94%
+    st = cluster(six)
+    for i in range(6):
+        big = job(f"big{i}", efficient, steps=200_000, submit=NOW - 3600)
+        wide = Decision(job_id=big.job_id, plan=efficient[1], placement={f"a-{i}": list(range(8))})
+        running(st, big, wide, NOW - 3600, NOW + 10 * 3600)
+    shorts = [job(f"s{i}", [plan("A100-80GB", 8, 20, 1.0)], steps=1800) for i in range(6)]
+    d = FrenzyPolicy().schedule(shorts, st, NOW)
+    assert {x.job_id for x in d if x.action == "start"} == {f"s{i}" for i in range(6)}
+    assert {x.job_id for x in d if x.action == "preempt"} == {f"big{i}" for i in range(6)}
+    held = [(nid, v) for x in d if x.action == "start" for nid, devs in x.placement.items() for v in devs]
+    assert len(held) == len(set(held)) == 48                          # no device given twice
+    four = FrenzyPolicy(preempt_heads=4).schedule(shorts, st, NOW)
+    assert sum(x.action == "start" for x in four) == 4
