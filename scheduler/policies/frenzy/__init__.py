@@ -28,7 +28,7 @@ its configuration in one dataclass of ``config.FrenzyConfig``:
 5. Queued load. Beyond the reservations, a waiting job adds its GPU-seconds to its GPU type's
    queue, and later jobs see that type's wait grow: a burst spreads over the slower types.
 6. Preemption and shrinking, sparingly (``preempt.preempt_for``, ``preempt.shrink_for``,
-   ``Preemption``, ``Shrink``). A job near the head of the queue that would wait over 1 min may
+   ``Preemption``, ``Shrink``). A queued job (any the round tracks) that would wait over 1 min may
    checkpoint-preempt runs with over 4x its remaining work (never in their first 5 min, at
    most twice per job); failing that, shrink one run onto fewer GPUs of its type when the time
    it saves is 1.5x what that run loses. 6b, after the queue pass (``preempt.yield_for``,

@@ -120,14 +120,14 @@ class Preemption:
     ratio: float = 4.0               # ... for GPUs held by runs with > 4x its (duration + min_wait_s) left
     grace_s: float = 300.0           # never a run in its first 5 min (restart costs, thrashing)
     max_per_job: int = 2             # (JobRequest.preemptions)
-    heads: int = 128                 # queued jobs (in queue order) that may preempt or shrink, per round:
-                                     # every job the round tracks (Backfill.lookahead). Each action
+    heads: int | None = None         # queued jobs (in queue order) that may preempt or shrink, per round;
+                                     # None: every job the round tracks (Backfill.lookahead). Each action
                                      # passes its own test (ratio, Shrink.gain); the earlier cap of 4 had
                                      # no reason behind it and left a burst's 5th and later arrivals of a
                                      # round waiting behind wide runs. Every bench block, seeds 0-3, both
                                      # worlds: losses to Sia 9 -> 7 of 72, worst +9.3% -> +8.1%, policy
                                      # time per round unchanged (docs/benchmarks.md, "every waiter may
-                                     # shrink")
+                                     # preempt or shrink")
     yields: bool = True              # step 6b (``preempt.yield_for``): after the queue pass, a run that
                                      # would finish no later from another type's queue (its wait there
                                      # counted as step 3a counts waits) gives its GPUs to a waiter

@@ -122,13 +122,15 @@ class FrenzyPolicy(Policy):
 
         out: list[Decision] = []
         total = idx.total
-        # step 6: the head of the queue preempts or shrinks runs when waiting would cost it much
+        # step 6: queued jobs (the tracked ones, in queue order) preempt or shrink runs when waiting
+        # would cost them much
         if (cfg.preempt.enabled or cfg.shrink.enabled) and keyed:
             eligible = None                       # preemptible runs, computed when first needed
             preempted: set[str] = set()
             started: set[str] = set()
             ends: dict[str, float] = {}           # predicted end of each start decided so far
-            for head in [k for k in keyed if k.job_id not in movers][:cfg.preempt.heads]:
+            heads = cfg.backfill.lookahead if cfg.preempt.heads is None else cfg.preempt.heads
+            for head in [k for k in keyed if k.job_id not in movers][:heads]:
                 pick = choose(head.menu.queue, max(head.job.steps_left, 1), profiles, total, now, cfg.choice)
                 if pick is None or pick.start <= now:
                     continue
