@@ -137,6 +137,50 @@ def choose(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: Gpu
     return Pick(pick[2], pick[3], pick[4])
 
 
+class DeepBound:
+    """Step 3 deep in the queue, without trying every plan of every job. Past the lookahead with
+    every reservation taken, ``choose(..., deep=True)`` gives a job nothing unless one of its
+    plans starts now; on a busy cluster that is almost never (~770 of ~900 calls a round in
+    ``bench/live_round.py``, each trying ~30 plans). A plan can start now with ``steps`` steps
+    when its GPUs are free and ``now + step_s x steps + launch_s`` is within its type's
+    ``Profile.horizon``, so per menu the most steps any of its plans could start now with is
+    one number: a job with more steps gets nothing from ``choose`` and is not tried.
+
+    The number is kept per menu while the free GPUs and the profile versions of the menu's GPU
+    types stay the same, and errs high by ``SLACK_S`` of run time (float rounding in the
+    bound's division is far below it): it only ever rules out jobs ``choose`` would have
+    returned None for, and every other job goes through ``choose`` as before."""
+
+    SLACK_S = 1e-3
+
+    def __init__(self, profiles: dict[str, Profile], free: GpuCounts, now: float, launch_s: float) -> None:
+        self.profiles, self.free, self.now, self.launch_s = profiles, free, now, launch_s
+        self._kept: dict[int, tuple[Menu, tuple, float]] = {}   # id(menu) -> (menu, state it was computed for, bound)
+
+    def rules_out(self, menu: Menu, steps: float) -> bool:
+        """True when no plan of ``menu.queue`` can start now with ``steps`` steps."""
+        prof_of, free_of = self.profiles.get, self.free.get
+        state = tuple((getattr(prof_of(g), "version", 0), free_of(g, 0)) for g, _ in menu.fewest)
+        kept = self._kept.get(id(menu))
+        if kept is None or kept[0] is not menu or kept[1] != state:
+            kept = self._kept[id(menu)] = (menu, state, self._most_steps(menu.queue))
+        return steps > kept[2]
+
+    def _most_steps(self, cands: list[Cand]) -> float:
+        most = -INF
+        for step_s, n, g, _ in cands:
+            prof = self.profiles.get(g)
+            if prof is None:
+                continue
+            end = prof.horizon(n, self.now, self.free.get(g, 0))
+            if end == -INF:
+                continue
+            if end == INF or step_s <= 0:
+                return INF
+            most = max(most, (end - self.now - self.launch_s + self.SLACK_S) / step_s)
+        return most
+
+
 def start_now(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: GpuCounts, now: float) -> Pick | None:
     """The fastest plan of ``menu`` that can start now on free GPUs without delaying any
     reservation (a stopgap for a job whose chosen plan starts later), or None."""

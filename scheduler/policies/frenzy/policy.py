@@ -7,7 +7,7 @@ from estimator.plan import Plan
 from scheduler.placement import FreeIndex, gpu_memory_gib
 from scheduler.types import ClusterState, Decision, JobRequest, Policy, Wait
 
-from .choose import choose, idle_menu, lightly_loaded, order_queue, start_now, stopgap_pays, wait_weight
+from .choose import DeepBound, choose, idle_menu, lightly_loaded, order_queue, start_now, stopgap_pays, wait_weight
 from .config import FrenzyConfig
 from .gate import build_menu, memory_gate
 from .grow import grow_runs
@@ -159,6 +159,7 @@ class FrenzyPolicy(Policy):
         reservations = 0
         depth = 0
         fastest = lightly_loaded([k for k in keyed if k.job_id not in movers], total, cfg.choice)
+        deep_bound = DeepBound(profiles, total, now, launch)
         waiting: list[Waiter] = []
         for q in keyed:
             job, menu = q.job, q.menu
@@ -177,8 +178,11 @@ class FrenzyPolicy(Policy):
                     notes.append(WaitNote(job.job_id, INF, None, 0, "no_free"))
                     continue              # deep in the queue and nothing it could start now
             deep = depth > bf.lookahead and reservations >= bf.max_reservations
-            cands = idle_menu(menu, total, per_node, cfg.choice) if fastest else menu.queue
             steps = max(job.steps_left, 1)
+            if deep and not fastest and deep_bound.rules_out(menu, steps):
+                notes.append(WaitNote(job.job_id, INF, None, 0, "no_free"))
+                continue                  # no plan of its menu starts now: choose would give it nothing
+            cands = idle_menu(menu, total, per_node, cfg.choice) if fastest else menu.queue
             pick = choose(cands, steps, profiles, total, now, cfg.choice, deep, fastest,
                           wait_weight(cands, steps, total, cfg.choice), launch)
             if pick is None:
