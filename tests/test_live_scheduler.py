@@ -384,3 +384,37 @@ def test_a_runs_predicted_end_stays_its_start_plus_the_steps_it_had_left_then(ur
     rj = src.snapshot().state.running[0]
     assert rj.request.steps_left == 40
     assert rj.expected_end_s - started == pytest.approx(100 * 1.0)
+
+
+def test_a_long_lived_sources_snapshot_equals_a_fresh_ones_after_every_change(url):
+    """The source keeps the mirror's nodes and runs between rounds (replacing, never changing
+    them): after starts, a grow request whose target GPU is held back, the request closing
+    without any GPU row changing, progress and a release, its snapshot is a fresh source's."""
+    from frenzy_scheduler.source import LedgerSource
+    from scheduler.round import check_decisions
+    from scheduler.types import Decision
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("a", "a", {"name": "a"}, plans(), steps=100)
+    q.enqueue("b", "b", {"name": "b"}, plans(), steps=50)
+    src = LedgerSource(led)
+
+    def same() -> Snapshot:
+        snap, fresh = src.snapshot(), LedgerSource(Ledger(url)).snapshot()
+        assert (snap.pending, snap.state) == (fresh.pending, fresh.state)
+        return snap
+
+    snap = same()
+    src.apply(check_decisions("t", [Decision("a", plans()[1], {"a100-0": [0]})], snap.pending, snap.state), 0.0)
+    snap = same()
+    assert snap.state.nodes[0].free == [1] and [r.job_id for r in snap.state.running] == ["a"]
+    rid = q.request("a", "grow", plan=plans()[0], placement={"a100-0": [0, 1]})
+    snap = same()
+    assert snap.state.nodes[0].free == [] and snap.state.running == []     # GPU 1 held for the grow
+    q.finish("a", "done")                     # the request closes (ignored); no GPU row changes
+    assert q.get("a").request_state == "ignored" and rid
+    snap = same()
+    assert snap.state.nodes[0].free == [1]    # a node changed in place would still hold GPU 1 back
+    led.release(next(aid for aid, a in src.mirror.allocs.items() if a.job_id == "a"))
+    snap = same()
+    assert snap.state.nodes[0].free == [0, 1] and [j.job_id for j in snap.pending] == ["b"]

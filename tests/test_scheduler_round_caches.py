@@ -52,7 +52,7 @@ def random_menu(rng: random.Random, types: list[str]) -> Menu:
     fewest: dict[str, int] = {}
     for c in cands:
         fewest[c.gpu_type] = min(fewest.get(c.gpu_type, c.gpus), c.gpus)
-    return Menu(queue=cands, wide=cands, grow=cands, fewest=list(fewest.items()), top={}, work=1.0,
+    return Menu(queue=cands, wide=cands, grow=cands, fewest=list(fewest.items()), least=min(fewest.values()), top={}, work=1.0,
                 footprint_gib=1.0)
 
 

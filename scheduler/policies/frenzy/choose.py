@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 
 from scheduler.types import JobRequest
 
@@ -38,8 +39,13 @@ def lightly_loaded(queue: list[Queued], free: GpuCounts, cfg: Choice) -> bool:
     would sit idle, so jobs take their fastest immediate plan rather than the cheapest."""
     if cfg.idle_factor <= 0:
         return False
-    need = sum(min((n for _, n in q.menu.fewest), default=0) for q in queue)
-    return need * cfg.idle_factor <= sum(free.values())
+    have = sum(free.values())
+    need = 0
+    for q in queue:
+        need += q.menu.least
+        if need * cfg.idle_factor > have:
+            return False                  # (the sum only grows: no need to read the rest)
+    return True
 
 
 def idle_menu(menu: Menu, free: GpuCounts, per_node: GpuCounts, cfg: Choice) -> list[Cand]:
@@ -146,39 +152,48 @@ class DeepBound:
     ``Profile.horizon``, so per menu the most steps any of its plans could start now with is
     one number: a job with more steps gets nothing from ``choose`` and is not tried.
 
-    The number is kept per menu while the free GPUs and the profile versions of the menu's GPU
-    types stay the same, and errs high by ``SLACK_S`` of run time (float rounding in the
-    bound's division is far below it): it only ever rules out jobs ``choose`` would have
-    returned None for, and every other job goes through ``choose`` as before."""
+    The numbers are kept while the free GPUs and every profile are unchanged: the free counts
+    are compared, and the sum of the profiles' versions grows with every change (a version is
+    never reused), so a change is always seen. A bound errs high by ``SLACK_S`` of run time
+    (float rounding in its division is far below that): it only ever rules out jobs ``choose``
+    would have returned None for; every other job goes through ``choose`` as before."""
 
     SLACK_S = 1e-3
 
     def __init__(self, profiles: dict[str, Profile], free: GpuCounts, now: float, launch_s: float) -> None:
         self.profiles, self.free, self.now, self.launch_s = profiles, free, now, launch_s
-        self._kept: dict[int, tuple[Menu, tuple, float]] = {}   # id(menu) -> (menu, state it was computed for, bound)
+        self._state: tuple | None = None
+        self._bounds: dict[int, tuple[Menu, float]] = {}   # id(menu) -> (menu, bound) for ``_state``
 
     def rules_out(self, menu: Menu, steps: float) -> bool:
         """True when no plan of ``menu.queue`` can start now with ``steps`` steps."""
-        prof_of, free_of = self.profiles.get, self.free.get
-        state = tuple((getattr(prof_of(g), "version", 0), free_of(g, 0)) for g, _ in menu.fewest)
-        kept = self._kept.get(id(menu))
-        if kept is None or kept[0] is not menu or kept[1] != state:
-            kept = self._kept[id(menu)] = (menu, state, self._most_steps(menu.queue))
-        return steps > kept[2]
+        state = (sum(map(_VERSION, self.profiles.values())), tuple(self.free.values()))
+        if state != self._state:
+            self._state = state
+            self._bounds.clear()
+        kept = self._bounds.get(id(menu))
+        if kept is None or kept[0] is not menu:
+            kept = self._bounds[id(menu)] = (menu, self._most_steps(menu.queue))
+        return steps > kept[1]
 
     def _most_steps(self, cands: list[Cand]) -> float:
         most = -INF
+        now, launch_s = self.now, self.launch_s
+        prof_of, free_of = self.profiles.get, self.free.get
         for step_s, n, g, _ in cands:
-            prof = self.profiles.get(g)
+            prof = prof_of(g)
             if prof is None:
                 continue
-            end = prof.horizon(n, self.now, self.free.get(g, 0))
+            end = prof.horizon(n, now, free_of(g, 0))
             if end == -INF:
                 continue
             if end == INF or step_s <= 0:
                 return INF
-            most = max(most, (end - self.now - self.launch_s + self.SLACK_S) / step_s)
+            most = max(most, (end - now - launch_s + self.SLACK_S) / step_s)
         return most
+
+
+_VERSION = attrgetter("version")
 
 
 def start_now(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: GpuCounts, now: float) -> Pick | None:

@@ -28,7 +28,7 @@ class Profile:
     """
 
     __slots__ = ("times", "counts", "cum", "dirty", "res", "total", "backlog", "busy_gs", "version", "_ev", "_pre",
-                 "_suf", "_built_for", "_memo")
+                 "_suf", "_built_for", "_memo", "_horizons")
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -44,6 +44,7 @@ class Profile:
         self._suf: list[int] = []
         self._built_for: tuple | None = None
         self._memo: dict[tuple[int, int], float] = {}
+        self._horizons: dict[tuple[int, int], float] = {}
         self.version = next(_CHANGES)
 
     def set_releases(self, times: list[float], counts: list[int]) -> None:
@@ -65,6 +66,7 @@ class Profile:
         self.dirty = True
         self._built_for = None
         self._memo.clear()
+        self._horizons.clear()
         self.version = next(_CHANGES)
 
     def _cumulative(self) -> list[int]:
@@ -106,10 +108,15 @@ class Profile:
             return -INF
         if not self.res:
             return INF
+        key = (n, free_now)
+        hit = self._horizons.get(key)
+        if hit is not None:
+            return hit
         self._build(now, free_now)
         pre = self._pre                                   # non-increasing; pre[0] = free_now >= n
         k = bisect.bisect_left(pre, -n, key=lambda v: -v - 1)   # the first event leaving < n free
-        return INF if k >= len(pre) else self._ev[k]
+        h = self._horizons[key] = INF if k >= len(pre) else self._ev[k]
+        return h
 
     def wait_start(self, n: int, now: float, free_now: int) -> float:
         """From when on n GPUs stay free for good (memoised until the profile changes)."""
@@ -157,7 +164,10 @@ def build_profiles(state: ClusterState, now: float, node_type: dict[str, str], c
     """One availability profile per GPU type from the running jobs' predicted ends."""
     profiles: dict[str, Profile] = {}
     for n in state.nodes:
-        profiles.setdefault(n.gpu_type, Profile()).total += n.gpus
+        prof = profiles.get(n.gpu_type)
+        if prof is None:
+            prof = profiles[n.gpu_type] = Profile()
+        prof.total += n.gpus
     releases: dict[str, list[tuple[float, int]]] = {}
     for rj in state.running:
         if not rj.placement or rj.job_id in skip:
