@@ -278,11 +278,17 @@ class JobQueue:
             if not out:
                 return 0
         with self.ledger._tx() as s:
+            if self.ledger.is_postgres:
+                # advisory answers the next round rewrites: a commit need not wait for the WAL
+                # flush (a server crash may lose the last ones, never anything else's writes)
+                s.execute(text("SET LOCAL synchronous_commit TO OFF"))
             if known is None:
                 out = _wait_changes(waits, s.execute(
                     select(t.c.job_id, t.c.predicted_start_s, t.c.wait_gpu_type, t.c.wait_gpus, t.c.wait_reason)
                     .where(t.c.job_id.in_(list(waits)), t.c.state == "pending")).all())
-            if out:
+            if out and self.ledger.is_postgres:      # one statement for every row
+                s.execute(_SET_WAITS_PG, {k: [r[c] for r in out] for k, c in _SET_WAITS_COLS.items()})
+            elif out:
                 s.execute(t.update().where(t.c.job_id == bindparam("b_id"), t.c.state == "pending")
                           .values(predicted_start_s=bindparam("predicted_start_s"),
                                   wait_gpu_type=bindparam("wait_gpu_type"), wait_gpus=bindparam("wait_gpus"),
@@ -468,6 +474,16 @@ class JobQueue:
         if row.started_at is not None and row.allocation:
             gpus = int((row.allocation.get("plan") or {}).get("gpus") or 0)
             row.attained_gpu_s += gpus * max(0.0, now - row.started_at)
+
+
+# ``set_waits``' rows in one UPDATE on PostgreSQL (arrays of the column values, unnested)
+_SET_WAITS_COLS = {"ids": "b_id", "starts": "predicted_start_s", "types": "wait_gpu_type", "gpus": "wait_gpus",
+                   "reasons": "wait_reason"}
+_SET_WAITS_PG = text(
+    "UPDATE queue_jobs AS q SET predicted_start_s = v.s, wait_gpu_type = v.t, wait_gpus = v.g, wait_reason = v.r "
+    "FROM unnest(CAST(:ids AS varchar[]), CAST(:starts AS double precision[]), CAST(:types AS varchar[]), "
+    "CAST(:gpus AS integer[]), CAST(:reasons AS varchar[])) AS v(id, s, t, g, r) "
+    "WHERE q.job_id = v.id AND q.state = 'pending'")
 
 
 def _wait_changes(waits: dict[str, dict[str, Any]], old: list[Any]) -> list[dict[str, Any]]:

@@ -418,3 +418,28 @@ def test_a_long_lived_sources_snapshot_equals_a_fresh_ones_after_every_change(ur
     led.release(next(aid for aid, a in src.mirror.allocs.items() if a.job_id == "a"))
     snap = same()
     assert snap.state.nodes[0].free == [0, 1] and [j.job_id for j in snap.pending] == ["b"]
+
+
+def test_set_waits_writes_changed_answers_of_pending_jobs_only(url):
+    """One statement on PostgreSQL, one per row on SQLite: the same rows change either way."""
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    for j in ("p1", "p2", "run"):
+        q.enqueue(j, j, {"name": j}, plans(), steps=10)
+    q.start_all([("run", plans()[1], {"a100-0": [0]})], lease_s=60.0, assignment=lambda a, p: {"allocation_id": a.id})
+    w = {"p1": {"predicted_start_s": 1000.0, "gpu_type": "A100-80GB", "gpus": 2, "reason": "reserved"},
+         "p2": {"predicted_start_s": float("inf"), "gpu_type": None, "gpus": 0, "reason": "no plan fits"},
+         "run": {"predicted_start_s": 5.0, "gpu_type": "A100-80GB", "gpus": 1, "reason": "not pending"}}
+    assert q.set_waits(w) == 2
+    rows = {j.job_id: j for j in q.jobs(plans=False)}
+    assert (rows["p1"].predicted_start_s, rows["p1"].wait_gpu_type, rows["p1"].wait_gpus, rows["p1"].wait_reason) == (
+        1000.0, "A100-80GB", 2, "reserved")
+    assert (rows["p2"].predicted_start_s, rows["p2"].wait_gpu_type, rows["p2"].wait_reason) == (None, None, "no plan fits")
+    assert rows["run"].wait_reason == "" and rows["run"].predicted_start_s is None
+    # a start moved by less than the resolution is not rewritten; the same through known rows
+    w["p1"]["predicted_start_s"] = 1000.5
+    assert q.set_waits(w) == 0 and q.set_waits(w, known=rows) == 0
+    w["p1"]["predicted_start_s"], w["p2"]["reason"] = 2000.0, "other"
+    assert q.set_waits(w, known=rows) == 2
+    rows = {j.job_id: j for j in q.jobs(plans=False)}
+    assert rows["p1"].predicted_start_s == 2000.0 and rows["p2"].wait_reason == "other"
