@@ -16,6 +16,7 @@ locks), so every change here is one transaction.
 """
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from contextlib import contextmanager
@@ -332,7 +333,10 @@ class JobQueue:
                 a = assignment(got, got.plan)
                 rows.append({"b_id": job_id, "allocation_id": a["allocation_id"], "allocation": dict(a)})
                 out[i] = (job_id, got, "")
-            if rows:              # one statement for every start (the rows are locked above)
+            if rows and self.ledger.is_postgres:     # one statement for every start (rows locked above)
+                s.execute(_START_PG, {"ids": [r["b_id"] for r in rows], "allocs": [r["allocation_id"] for r in rows],
+                                      "assignments": [json.dumps(r["allocation"]) for r in rows], "now": now})
+            elif rows:
                 s.execute(t.update().where(t.c.job_id == bindparam("b_id"))
                           .values(state="running", allocation_id=bindparam("allocation_id"),
                                   allocation=bindparam("allocation"), started_at=now, updated_at=now,
@@ -476,6 +480,12 @@ class JobQueue:
             row.attained_gpu_s += gpus * max(0.0, now - row.started_at)
 
 
+# ``start_all``'s queue rows in one UPDATE on PostgreSQL (the assignments as JSON text)
+_START_PG = text(
+    "UPDATE queue_jobs AS q SET state = 'running', allocation_id = v.a, allocation = v.j, started_at = :now, "
+    "updated_at = :now, wait_reason = '', predicted_start_s = NULL, wait_gpu_type = NULL, wait_gpus = NULL "
+    "FROM unnest(CAST(:ids AS varchar[]), CAST(:allocs AS varchar[]), CAST(:assignments AS json[])) AS v(id, a, j) "
+    "WHERE q.job_id = v.id")
 # ``set_waits``' rows in one UPDATE on PostgreSQL (arrays of the column values, unnested)
 _SET_WAITS_COLS = {"ids": "b_id", "starts": "predicted_start_s", "types": "wait_gpu_type", "gpus": "wait_gpus",
                    "reasons": "wait_reason"}

@@ -443,3 +443,32 @@ def test_set_waits_writes_changed_answers_of_pending_jobs_only(url):
     assert q.set_waits(w, known=rows) == 2
     rows = {j.job_id: j for j in q.jobs(plans=False)}
     assert rows["p1"].predicted_start_s == 2000.0 and rows["p2"].wait_reason == "other"
+
+
+def test_start_all_skips_only_the_starts_that_cannot_go_ahead(url):
+    """One batch (one statement per kind on PostgreSQL): a start on a GPU another allocation
+    holds, one on a GPU an earlier start of the batch took and one of a job that is not pending
+    are skipped, each saying why; the others start, their rows carrying the assignment."""
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    for j in ("a", "b", "c", "d"):
+        q.enqueue(j, j, {"name": j}, plans(), steps=10)
+    other = led.allocate_best_fit("outsider", Plan(gpu_type="A100-80GB", gpus=1, dp=1))
+    held = other.placement["a100-0"][0]
+    free = 1 - held
+    q.finish("d", "failed", "gone")
+    one = plans()[1]
+    got = q.start_all([("a", one, {"a100-0": [held]}), ("b", one, {"a100-0": [free]}),
+                       ("c", one, {"a100-0": [free]}), ("d", one, {"a100-0": [free]})],
+                      lease_s=60.0, assignment=lambda a, p: {"allocation_id": a.id, "plan": p.model_dump(mode="json"),
+                                                             "placement": a.placement})
+    why = {j: w for j, _, w in got}
+    assert "held by allocation" in why["a"] and why["b"] == "" and "of this round" in why["c"]
+    assert "no longer pending" in why["d"]
+    rows = {j.job_id: j for j in q.jobs(plans=False)}
+    b = rows["b"]
+    assert b.state == "running" and b.allocation == {"allocation_id": b.allocation_id, "plan": one.model_dump(mode="json"),
+                                                     "placement": {"a100-0": [free]}}
+    assert rows["a"].state == rows["c"].state == "pending" and rows["a"].allocation_id is None
+    assert {n: sorted(r.placement["a100-0"]) for n, r in ((r.job_id, r) for r in led.cluster_state().running)} == {
+        "outsider": [held], "b": [free]}
