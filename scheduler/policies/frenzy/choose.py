@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 from scheduler.types import JobRequest
 
@@ -30,8 +30,11 @@ def order_queue(pending: list[tuple[JobRequest, Menu]], now: float, cfg: Orderin
         work = menu.work * max(job.steps_left, 0)
         wait = max(0.0, now - job.submit_s)
         keyed.append(Queued(work / (1.0 + wait / cfg.aging_s), job.submit_s, job.job_id, job, menu))
-    keyed.sort(key=lambda k: (k.key, k.submit_s, k.job_id))
+    keyed.sort(key=_ORDER)
     return keyed
+
+
+_ORDER = itemgetter(0, 1, 2)              # Queued's (key, submit_s, job_id)
 
 
 def lightly_loaded(queue: list[Queued], free: GpuCounts, cfg: Choice) -> bool:

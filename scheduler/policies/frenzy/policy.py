@@ -170,18 +170,18 @@ class FrenzyPolicy(Policy):
                 reservations += held
                 continue
             depth += 1
+            steps = max(job.steps_left, 1)
+            deep = depth > bf.lookahead and reservations >= bf.max_reservations
             if reservations >= bf.max_reservations:
                 if not any(total.values()):
                     notes.extend(WaitNote(k.job_id, INF, None, 0, "no_free") for k in keyed[depth - 1:])
                     break                 # nothing free and no reservations left: round is over
-                if depth > bf.lookahead and not any(total.get(t, 0) >= n for t, n in menu.fewest):
+                # deep in the queue and nothing it could start now: no type has GPUs free for its
+                # fewest, or (``DeepBound``, which covers that too) no plan of it starts now
+                if deep and (deep_bound.rules_out(menu, steps) if not fastest
+                             else not any(total.get(t, 0) >= n for t, n in menu.fewest)):
                     notes.append(WaitNote(job.job_id, INF, None, 0, "no_free"))
-                    continue              # deep in the queue and nothing it could start now
-            deep = depth > bf.lookahead and reservations >= bf.max_reservations
-            steps = max(job.steps_left, 1)
-            if deep and not fastest and deep_bound.rules_out(menu, steps):
-                notes.append(WaitNote(job.job_id, INF, None, 0, "no_free"))
-                continue                  # no plan of its menu starts now: choose would give it nothing
+                    continue
             cands = idle_menu(menu, total, per_node, cfg.choice) if fastest else menu.queue
             pick = choose(cands, steps, profiles, total, now, cfg.choice, deep, fastest,
                           wait_weight(cands, steps, total, cfg.choice), launch)
@@ -322,10 +322,15 @@ class FrenzyPolicy(Policy):
         type and count it waits for, and the reason in words (``WHY``)."""
         now = self._now
         out = {}
+        said: dict[tuple, str] = {}           # the words, once per distinct answer (most are alike)
         for n in self._notes:
             at = "unknown" if n.start == INF else f"+{max(0.0, n.start - now) / 60:.0f} min"
+            key = (n.why, n.gpus, n.gpu_type, at)
+            reason = said.get(key)
+            if reason is None:
+                reason = said[key] = WHY[n.why].format(gpus=n.gpus, gpu_type=n.gpu_type, at=at)
             out[n.job_id] = Wait(job_id=n.job_id, predicted_start_s=n.start, gpu_type=n.gpu_type, gpus=n.gpus,
-                                 reason=WHY[n.why].format(gpus=n.gpus, gpu_type=n.gpu_type, at=at))
+                                 reason=reason)
         return out
 
     def on_oom(self, job: JobRequest, plan: Plan) -> JobRequest:

@@ -40,7 +40,7 @@ class Menu:
 
 
 class Queued(NamedTuple):
-    """A pending job in queue order (``order.order_queue``)."""
+    """A pending job in queue order (``order.order_queue`` sorts by the first three fields)."""
 
     key: float                          # aged remaining work: smaller goes first
     submit_s: float
