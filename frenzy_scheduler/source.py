@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
+from operator import attrgetter
 from typing import Any, Callable
 
 from ledger import Ledger
@@ -34,6 +35,7 @@ log = logging.getLogger("frenzy.scheduler")
 START_LEASE_S = 300.0
 
 Publish = Callable[[str, dict[str, Any]], None]          # (event kind, payload)
+_SUBMITTED = attrgetter("submit_s", "job_id")            # the queue's order
 
 
 def assignment_json(alloc, plan) -> dict[str, Any]:
@@ -133,8 +135,7 @@ class LedgerSource:
             del self._runs[jid]
         self._running_plans = {rj.job_id: rj.plan for rj in running}
         # oldest submission first, as the queue lists them
-        pending = sorted((self.request_of(j) for j in rows.values() if j.state == "pending"),
-                         key=lambda r: (r.submit_s, r.job_id))
+        pending = sorted((self.request_of(j) for j in rows.values() if j.state == "pending"), key=_SUBMITTED)
         return Snapshot(pending=pending, state=state, version=version)
 
     # --- write ----------------------------------------------------------------------------
