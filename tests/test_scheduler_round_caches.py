@@ -7,7 +7,7 @@ import pytest
 from estimator.plan import Plan
 from scheduler.cluster import parse_cluster
 from scheduler.policies.frenzy import FrenzyPolicy
-from scheduler.policies.frenzy.choose import DeepBound, choose
+from scheduler.policies.frenzy.choose import DeepBound, choose, wait_weight
 from scheduler.policies.frenzy.config import Choice
 from scheduler.policies.frenzy.profile import Profile
 from scheduler.policies.frenzy.records import Cand, Menu
@@ -17,7 +17,7 @@ NOW = 1_700_000_000.0            # a wall-clock epoch, as the live scheduler's r
 
 
 def random_profile(rng: random.Random, total: int) -> tuple[Profile, int]:
-    """A profile with releases and reservations, and the GPUs free now."""
+    """A profile with releases, reservations and sometimes queued backlog, and the GPUs free now."""
     p = Profile()
     p.total = total
     free = rng.randint(0, total)
@@ -26,6 +26,9 @@ def random_profile(rng: random.Random, total: int) -> tuple[Profile, int]:
     for _ in range(rng.randint(0, 4)):
         s = NOW + rng.choice([0.0, rng.uniform(0, 3000)])
         p.reserve(s, s + rng.uniform(10, 4000), rng.randint(1, total))
+    p.busy_gs = sum(n * (t - NOW) for t, n in zip(p.times, p.counts))
+    if rng.random() < 0.3:
+        p.backlog = rng.uniform(0, 50_000)
     return p, free
 
 
@@ -56,46 +59,84 @@ def random_menu(rng: random.Random, types: list[str]) -> Menu:
                 footprint_gib=1.0)
 
 
-def test_deep_bound_rules_out_only_jobs_choose_gives_nothing():
+def test_deep_bound_says_exactly_when_choose_gives_a_deep_job_nothing():
     rng = random.Random(11)
     types = ["a", "b", "c"]
-    ruled = kept = 0
+    nothing = something = 0
     for _ in range(300):
         profiles, free = {}, {}
         for g in types:
             profiles[g], free[g] = random_profile(rng, 16)
         launch = rng.choice([0.0, 60.0])
-        bound = DeepBound(profiles, free, NOW, launch)
+        cfg = Choice()
+        bound = DeepBound(profiles, free, NOW, cfg, launch)
         for _ in range(5):
             menu = random_menu(rng, types)
             for steps in (1, rng.randint(2, 50), rng.randint(50, 5000)):
-                pick = choose(menu.queue, steps, profiles, free, NOW, Choice(), True, False, 1.0, launch)
-                if bound.rules_out(menu, steps):
-                    ruled += 1
-                    assert pick is None
-                else:
-                    kept += 1
-    assert ruled > 100 and kept > 100             # both ways exercised
+                w = wait_weight(menu.queue, steps, free, cfg)
+                pick = choose(menu.queue, steps, profiles, free, NOW, cfg, True, False, w, launch)
+                assert bound.gives_nothing(menu, steps) == (pick is None)
+                nothing += pick is None
+                something += pick is not None
+    assert nothing > 100 and something > 100      # both ways exercised
+    # at the boundary: a run that ends exactly when a reservation needs its GPUs starts now
+    prof = Profile()
+    prof.total = 8
+    prof.reserve(NOW + 1000, NOW + 2000, 8)
+    menu = one_plan_menu(cand("a", 8, 1.0))
+    for steps, starts in ((1000, True), (1001, False)):
+        assert (choose(menu.queue, steps, {"a": prof}, {"a": 8}, NOW, Choice(), True) is not None) == starts
+        assert DeepBound({"a": prof}, {"a": 8}, NOW, Choice()).gives_nothing(menu, steps) == (not starts)
+
+
+def one_plan_menu(*cands: Cand) -> Menu:
+    menu = random_menu(random.Random(0), ["a"])
+    menu.queue[:] = list(cands)
+    fewest: dict[str, int] = {}
+    for c in cands:
+        fewest[c.gpu_type] = min(fewest.get(c.gpu_type, c.gpus), c.gpus)
+    menu.fewest[:] = list(fewest.items())
+    return menu
+
+
+def cand(g: str, gpus: int, step_s: float) -> Cand:
+    return Cand(step_s, gpus, g, Plan(gpu_type=g, gpus=gpus, dp=gpus, step_time_s=step_s))
 
 
 def test_deep_bound_is_recomputed_when_a_profile_or_the_free_gpus_change():
-    """A stale bound would rule out a job that can now start (or keep one that no longer can)."""
+    """A stale answer would rule out a job that can now start (or keep one that no longer can)."""
     prof = Profile()
     prof.total = 8
     prof.reserve(NOW + 100, NOW + 5000, 8)        # every GPU reserved from +100 s
     free = {"a": 8}
-    menu = random_menu(random.Random(0), ["a"])
-    menu.queue[:] = [Cand(1.0, 4, "a", Plan(gpu_type="a", gpus=4, dp=4, step_time_s=1.0))]
-    menu.fewest[:] = [("a", 4)]
-    bound = DeepBound({"a": prof}, free, NOW, 0.0)
-    assert bound.rules_out(menu, 1000)            # 1,000 s would run into the reservation
-    assert not bound.rules_out(menu, 50)
+    menu = one_plan_menu(cand("a", 4, 1.0))
+    bound = DeepBound({"a": prof}, free, NOW, Choice())
+    assert bound.gives_nothing(menu, 1000)        # 1,000 s would run into the reservation
+    assert not bound.gives_nothing(menu, 50)
     prof.add_release(NOW + 50, 8)                 # 8 more GPUs from +50 s: the reservation no longer needs these
-    assert not bound.rules_out(menu, 1000)
+    assert not bound.gives_nothing(menu, 1000)
     assert choose(menu.queue, 1000, {"a": prof}, free, NOW, Choice(), True) is not None
     free["a"] = 2                                 # the GPUs were taken meanwhile
-    assert bound.rules_out(menu, 50)
+    assert bound.gives_nothing(menu, 50)
     assert choose(menu.queue, 50, {"a": prof}, free, NOW, Choice(), True) is None
+
+
+def test_deep_bound_is_recomputed_when_a_types_queued_backlog_grows():
+    """The fast type frees in 100 s: waiting for it beats the slow type's free GPUs, so a deep job
+    gets nothing. Once jobs ahead queue 16,000 GPU-seconds for the fast type, its wait is ~2,100 s
+    and starting now on the slow type comes within tolerance: the job gets a plan."""
+    fast, slow = Profile(), Profile()
+    fast.total = slow.total = 8
+    fast.add_release(NOW + 100, 8)
+    fast.busy_gs = 8 * 100.0
+    profiles, free = {"a": fast, "b": slow}, {"a": 0, "b": 8}
+    menu = one_plan_menu(cand("a", 8, 1.0), cand("b", 8, 2.0))
+    bound = DeepBound(profiles, free, NOW, Choice())
+    assert bound.gives_nothing(menu, 1000)
+    assert choose(menu.queue, 1000, profiles, free, NOW, Choice(), True) is None
+    fast.backlog = 16_000.0
+    assert choose(menu.queue, 1000, profiles, free, NOW, Choice(), True).cand.gpu_type == "b"
+    assert not bound.gives_nothing(menu, 1000)
 
 
 CLUSTER = """
@@ -139,20 +180,21 @@ def answers(pol, pending, st):
 
 
 def no_shortcut(m):
-    m.setattr(DeepBound, "rules_out", lambda self, menu, steps: False)
+    m.setattr(DeepBound, "gives_nothing", lambda self, menu, steps: False)
 
 
 def test_deep_jobs_that_cannot_start_now_are_ruled_out_and_short_ones_still_backfill(monkeypatch):
     ruled = []
-    rules_out = DeepBound.rules_out
-    monkeypatch.setattr(DeepBound, "rules_out", lambda self, menu, steps: ruled.append(steps) or rules_out(self, menu, steps))
+    gives_nothing = DeepBound.gives_nothing
+    monkeypatch.setattr(DeepBound, "gives_nothing",
+                        lambda self, menu, steps: gives_nothing(self, menu, steps) and not ruled.append(steps))
     pending, st = blocked_round()
     starts, waits = answers(FrenzyPolicy(lookahead=1, max_reservations=1, preemption=False, shrink=False), pending, st)
     assert [(j, p.gpus) for j, _, p, _, _ in starts] == [("short0", 2), ("short1", 2)]
     why = {w[0]: w[4] for w in waits}
     assert why["head"].startswith("reserved for 16xA100-80GB")
     assert all(why[f"long{i}"].startswith("no free GPUs") for i in range(5))
-    assert ruled.count(5000) == 5                  # every long job was ruled out by the bound
+    assert ruled.count(5000) == 5                  # every long job was ruled out without choose
     with monkeypatch.context() as m:
         no_shortcut(m)
         assert answers(FrenzyPolicy(lookahead=1, max_reservations=1, preemption=False, shrink=False), pending, st) == (starts, waits)
@@ -192,14 +234,14 @@ def test_the_deep_queue_shortcut_changes_no_decision_on_random_rounds(monkeypatc
     """Small lookahead, a reservation per type or two, so much of the queue is deep: every
     round's decisions and wait answers are those of the policy that tries every deep job."""
     fired = []
-    rules_out = DeepBound.rules_out
+    gives_nothing = DeepBound.gives_nothing
     for seed in range(20):
         rng = random.Random(seed)
         st, pending = busy_cluster(rng), queue(rng, 60)
         for lookahead, reservations in ((2, 2), (4, 4)):
             with monkeypatch.context() as m:
-                m.setattr(DeepBound, "rules_out",
-                          lambda self, menu, steps: fired.append(rules_out(self, menu, steps)) or fired[-1])
+                m.setattr(DeepBound, "gives_nothing",
+                          lambda self, menu, steps: fired.append(gives_nothing(self, menu, steps)) or fired[-1])
                 fast = answers(FrenzyPolicy(lookahead=lookahead, max_reservations=reservations), pending, st)
             with monkeypatch.context() as m:
                 no_shortcut(m)

@@ -147,37 +147,52 @@ def choose(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: Gpu
 
 
 class DeepBound:
-    """Step 3 deep in the queue, without trying every plan of every job. Past the lookahead with
-    every reservation taken, ``choose(..., deep=True)`` gives a job nothing unless one of its
-    plans starts now; on a busy cluster that is almost never (~770 of ~900 calls a round in
-    ``bench/live_round.py``, each trying ~30 plans). A plan can start now with ``steps`` steps
-    when its GPUs are free and ``now + step_s x steps + launch_s`` is within its type's
-    ``Profile.horizon``, so per menu the most steps any of its plans could start now with is
-    one number: a job with more steps gets nothing from ``choose`` and is not tried.
+    """Step 3 deep in the queue, without ``choose`` for every job. Past the lookahead with every
+    reservation taken, ``choose(..., deep=True)`` gives a job nothing unless a plan that starts
+    now comes before its loop stops; on a busy cluster that is almost never (~770 of ~900 calls
+    a round in ``bench/live_round.py``, ~750 of ~950 at 5% churn, each trying ~30 plans).
+    ``gives_nothing`` answers that question exactly, cheaply:
 
-    The numbers are kept while the free GPUs and every profile are unchanged: the free counts
-    are compared, and the sum of the profiles' versions grows with every change (a version is
-    never reused), so a change is always seen. A bound errs high by ``SLACK_S`` of run time
-    (float rounding in its division is far below that): it only ever rules out jobs ``choose``
-    would have returned None for; every other job goes through ``choose`` as before."""
+    * a plan can start now with ``steps`` steps when its GPUs are free and ``now + step_s x
+      steps + launch_s`` is within its type's ``Profile.horizon``, so per menu the most steps
+      any of its plans could start now with is one number: a job with more steps gets nothing.
+      The number errs high by ``SLACK_S`` of run time (float rounding in its division is far
+      below that), so it only ever rules out jobs ``choose`` gives nothing;
+    * otherwise ``choose``'s loop is replayed with what it reads off the profiles computed once
+      per menu (each plan's horizon, and the start it would wait for, which does not depend on
+      the job's steps), the same float operations in the same order: same answer.
+
+    What is computed per menu is kept while the free GPUs and every profile are unchanged: the
+    free counts and the queued backlogs are compared, and the sum of the profiles' versions
+    grows with every release or reservation added (a version is never reused), so a change is
+    always seen."""
 
     SLACK_S = 1e-3
 
-    def __init__(self, profiles: dict[str, Profile], free: GpuCounts, now: float, launch_s: float) -> None:
-        self.profiles, self.free, self.now, self.launch_s = profiles, free, now, launch_s
+    def __init__(self, profiles: dict[str, Profile], free: GpuCounts, now: float, cfg: Choice,
+                 launch_s: float = 0.0) -> None:
+        self.profiles, self.free, self.now, self.cfg, self.launch_s = profiles, free, now, cfg, launch_s
         self._state: tuple | None = None
-        self._bounds: dict[int, tuple[Menu, float]] = {}   # id(menu) -> (menu, bound) for ``_state``
+        # id(menu) -> [menu, the most steps a plan could start now with, per plan (step s,
+        # horizon, start it would wait for) or None until needed], for ``_state``
+        self._kept: dict[int, list] = {}
 
-    def rules_out(self, menu: Menu, steps: float) -> bool:
-        """True when no plan of ``menu.queue`` can start now with ``steps`` steps."""
-        state = (sum(map(_VERSION, self.profiles.values())), tuple(self.free.values()))
+    def gives_nothing(self, menu: Menu, steps: float) -> bool:
+        """True when ``choose(menu.queue, steps, ..., deep=True)`` (with its ``wait_weight``)
+        returns None."""
+        profiles = self.profiles.values()
+        state = (sum(map(_VERSION, profiles)), tuple(self.free.values()), tuple(map(_BACKLOG, profiles)))
         if state != self._state:
             self._state = state
-            self._bounds.clear()
-        kept = self._bounds.get(id(menu))
+            self._kept.clear()
+        kept = self._kept.get(id(menu))
         if kept is None or kept[0] is not menu:
-            kept = self._bounds[id(menu)] = (menu, self._most_steps(menu.queue))
-        return steps > kept[1]
+            kept = self._kept[id(menu)] = [menu, self._most_steps(menu.queue), None]
+        if steps > kept[1]:
+            return True                   # no plan of the menu can start now
+        if kept[2] is None:
+            kept[2] = self._plans(menu.queue)
+        return not self._reaches_now(kept[2], steps, wait_weight(menu.queue, steps, self.free, self.cfg))
 
     def _most_steps(self, cands: list[Cand]) -> float:
         most = -INF
@@ -195,8 +210,49 @@ class DeepBound:
             most = max(most, (end - now - launch_s + self.SLACK_S) / step_s)
         return most
 
+    def _plans(self, cands: list[Cand]) -> list[tuple[float, float, float]]:
+        """Per plan, in menu order: (step s, horizon, the start it would wait for)."""
+        plans = []
+        now = self.now
+        prof_of, free_of = self.profiles.get, self.free.get
+        for step_s, n, g, _ in cands:
+            prof = prof_of(g)
+            if prof is None:              # choose skips it, after its stop test
+                plans.append((step_s, -INF, INF))
+                continue
+            f = free_of(g, 0)
+            start = prof.wait_start(n, now, f)
+            if start != INF:              # as choose adjusts a waiting plan's start
+                if start <= now:
+                    start = now + 1.0
+                if prof.backlog:
+                    queued = now + (prof.busy_gs + prof.backlog) / prof.total
+                    if queued > start:
+                        start = queued
+            plans.append((step_s, prof.horizon(n, now, f), start))
+        return plans
+
+    def _reaches_now(self, plans: list[tuple[float, float, float]], steps: float, wait_w: float) -> bool:
+        """``choose``'s loop (deep): does a plan that starts now come before the loop stops?"""
+        now, launch_s, tol1 = self.now, self.launch_s, 1.0 + self.cfg.tolerance
+        best = lim = INF
+        for step_s, end, start in plans:
+            dur = step_s * steps + launch_s
+            if dur > lim:
+                return False
+            if now + dur <= end:
+                return True
+            if start == INF:
+                continue
+            rel = (start - now) * wait_w + dur
+            if rel < best:
+                best = rel
+                lim = rel * tol1
+        return False
+
 
 _VERSION = attrgetter("version")
+_BACKLOG = attrgetter("backlog")
 
 
 def start_now(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: GpuCounts, now: float) -> Pick | None:

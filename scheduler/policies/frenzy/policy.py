@@ -159,7 +159,7 @@ class FrenzyPolicy(Policy):
         reservations = 0
         depth = 0
         fastest = lightly_loaded([k for k in keyed if k.job_id not in movers], total, cfg.choice)
-        deep_bound = DeepBound(profiles, total, now, launch)
+        deep_bound = DeepBound(profiles, total, now, cfg.choice, launch)
         waiting: list[Waiter] = []
         for q in keyed:
             job, menu = q.job, q.menu
@@ -177,8 +177,8 @@ class FrenzyPolicy(Policy):
                     notes.extend(WaitNote(k.job_id, INF, None, 0, "no_free") for k in keyed[depth - 1:])
                     break                 # nothing free and no reservations left: round is over
                 # deep in the queue and nothing it could start now: no type has GPUs free for its
-                # fewest, or (``DeepBound``, which covers that too) no plan of it starts now
-                if deep and (deep_bound.rules_out(menu, steps) if not fastest
+                # fewest, or (``DeepBound``, which covers that too) choose would give it nothing
+                if deep and (deep_bound.gives_nothing(menu, steps) if not fastest
                              else not any(total.get(t, 0) >= n for t, n in menu.fewest)):
                     notes.append(WaitNote(job.job_id, INF, None, 0, "no_free"))
                     continue
