@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
+from operator import attrgetter
 from typing import Any, Callable
 
 from ledger import Ledger
@@ -22,7 +24,7 @@ from ledger.mirror import LedgerMirror
 from ledger.queue import JobQueue, QueueJob
 from scheduler.loop import Snapshot
 from scheduler.round import RoundResult
-from scheduler.types import JobRequest
+from scheduler.types import JobRequest, RunningJob
 
 from frenzy_flows.cancel import cancel_flow_run
 
@@ -33,6 +35,7 @@ log = logging.getLogger("frenzy.scheduler")
 START_LEASE_S = 300.0
 
 Publish = Callable[[str, dict[str, Any]], None]          # (event kind, payload)
+_SUBMITTED = attrgetter("submit_s", "job_id")            # the queue's order
 
 
 def assignment_json(alloc, plan) -> dict[str, Any]:
@@ -62,6 +65,9 @@ class LedgerSource:
         # heartbeat's steps_done moves on; started_at + what is left *now* would drift earlier
         # than the run's real end as it progresses)
         self._run_base: dict[str, tuple[str, int]] = {}
+        # job_id -> (the mirror's run, its queue row, its base, the run as the policy sees it):
+        # kept while the three are the same objects (the policy must not change its inputs)
+        self._runs: dict[str, tuple[RunningJob, QueueJob, tuple[str, int] | None, RunningJob]] = {}
         self.counts = {"started": 0, "resized": 0, "preempted": 0, "skipped": 0, "reaped": 0,
                        "cancelled": 0}
 
@@ -86,7 +92,7 @@ class LedgerSource:
         mirror = self.mirror
         with mirror.lock:
             mirror.refresh()
-            state = mirror.cluster_state()
+            state = mirror.cluster_state(shared=True)     # the mirror's objects: replaced here, never changed
             rows = self.rows = dict(mirror.jobs)
             version = mirror.version
         if len(self._requests) > 2 * len(rows) + 256:        # ended jobs' requests
@@ -96,9 +102,9 @@ class LedgerSource:
             if j.open_request and j.request.get("kind") != "preempt":
                 for node, devs in (j.request.get("placement") or {}).items():
                     reserved.setdefault(node, set()).update(int(d) for d in devs)
-        for n in state.nodes:
-            if n.node_id in reserved:
-                n.free = [i for i in n.free if i not in reserved[n.node_id]]
+        if reserved:
+            state.nodes = [replace(n, free=[i for i in n.free if i not in reserved[n.node_id]])
+                           if n.node_id in reserved else n for n in state.nodes]
         running = []
         for rj in state.running:
             j = rows.get(rj.job_id)
@@ -107,23 +113,29 @@ class LedgerSource:
                 continue
             if j.state != "running" or j.open_request or j.allocation_id is None:
                 continue
-            rj.request = self.request_of(j)
-            rj.resizes = j.resizes
+            base = None
             if j.started_at is not None and rj.plan.step_time_s > 0:
                 base = self._run_base.get(j.job_id)
                 if base is None or base[0] != j.allocation_id:
                     base = self._run_base[j.job_id] = (j.allocation_id, j.steps_done)
-                rj.start_s = j.started_at
-                rj.expected_end_s = j.started_at + max(1, j.steps_total - base[1]) * rj.plan.step_time_s
-            running.append(rj)
+            kept = self._runs.get(j.job_id)
+            if kept is None or kept[0] is not rj or kept[1] is not j or kept[2] is not base:
+                seen = RunningJob(job_id=rj.job_id, plan=rj.plan, placement=rj.placement, start_s=rj.start_s,
+                                  expected_end_s=rj.expected_end_s, request=self.request_of(j), resizes=j.resizes)
+                if base is not None:
+                    seen.start_s = j.started_at
+                    seen.expected_end_s = j.started_at + max(1, j.steps_total - base[1]) * rj.plan.step_time_s
+                kept = self._runs[j.job_id] = (rj, j, base, seen)
+            running.append(kept[3])
         state.running = running
         live = {rj.job_id for rj in running}
         for jid in [k for k in self._run_base if k not in live]:
             del self._run_base[jid]
+        for jid in [k for k in self._runs if k not in live]:
+            del self._runs[jid]
         self._running_plans = {rj.job_id: rj.plan for rj in running}
         # oldest submission first, as the queue lists them
-        pending = sorted((self.request_of(j) for j in rows.values() if j.state == "pending"),
-                         key=lambda r: (r.submit_s, r.job_id))
+        pending = sorted((self.request_of(j) for j in rows.values() if j.state == "pending"), key=_SUBMITTED)
         return Snapshot(pending=pending, state=state, version=version)
 
     # --- write ----------------------------------------------------------------------------

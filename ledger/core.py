@@ -232,6 +232,12 @@ def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
     return eng
 
 
+# ``claim_many``'s GPU claims in one UPDATE on PostgreSQL (ids and allocations as arrays); a GPU
+# already held is not claimed, and the row count tells
+_CLAIM_PG = text("UPDATE gpus AS g SET alloc_id = v.a FROM unnest(CAST(:ids AS integer[]), CAST(:allocs AS varchar[])) "
+                 "AS v(id, a) WHERE g.id = v.id AND g.alloc_id IS NULL")
+
+
 def _devices(placement: dict[str, list[int]]) -> list[str]:
     if len(placement) == 1:
         return [str(d) for d in next(iter(placement.values()))]
@@ -532,8 +538,12 @@ class Ledger:
             s.execute(insert(AllocationRow.__table__), allocs)
             t = GpuRow.__table__
             # the guard that makes double booking impossible even if a caller skipped the locks
-            res = s.execute(t.update().where(t.c.id == bindparam("b_gpu"), t.c.alloc_id == None)  # noqa: E711
-                            .values(alloc_id=bindparam("b_alloc")), claims)
+            if self.is_postgres:            # one statement for every GPU
+                res = s.execute(_CLAIM_PG, {"ids": [c["b_gpu"] for c in claims],
+                                            "allocs": [c["b_alloc"] for c in claims]})
+            else:
+                res = s.execute(t.update().where(t.c.id == bindparam("b_gpu"), t.c.alloc_id == None)  # noqa: E711
+                                .values(alloc_id=bindparam("b_alloc")), claims)
             if res.rowcount not in (-1, len(claims)):
                 raise LedgerConflict("a GPU was claimed concurrently")
             s.execute(update(JobRow).where(JobRow.job_id.in_(sorted({a["job_id"] for a in allocs})))

@@ -80,6 +80,9 @@ class LedgerMirror:
         self._order: list[tuple[str, Any, Any]] | None = None    # (node_id, node row, pool row), round order
         self._pools: dict[str, Any] = {}                     # the active pools, by name
         self.allocs: dict[str, _Alloc] = {}                  # active allocations
+        # ``cluster_state(shared=True)``'s objects, kept while their rows are unchanged
+        self._node_objs: dict[str, Node] = {}                # node_id -> Node
+        self._run_objs: dict[str, RunningJob] = {}           # allocation id -> RunningJob
         self.jobs: dict[str, Any] = {}                       # active queue rows (QueueJob)
         self.static: dict[str, tuple[list[Plan], dict[str, Any]]] = {}   # job_id -> (plans, spec)
         self._shared: dict[str, list[Plan]] = {}             # plans JSON -> its parsed list (shared)
@@ -142,6 +145,7 @@ class LedgerMirror:
         if pools or nodes:
             moved = True
             self._order = None
+            self._node_objs.clear()
             self.pools.update((r.name, r) for r in pools)
             self.nodes.update((r.node_id, r) for r in nodes)
         touched: set[str] = set()
@@ -159,10 +163,12 @@ class LedgerMirror:
                     sorted(g.device_index for g in rows if g.active and g.alloc_id is None))
             if self._node_view.get(nid) != view:
                 self._node_view[nid] = view
+                self._node_objs.pop(nid, None)
                 moved = True
         for r in allocs:
             if r.status != "active":
                 moved |= self.allocs.pop(r.id, None) is not None
+                self._run_objs.pop(r.id, None)
             elif r.id not in self.allocs:
                 self.allocs[r.id] = _Alloc(r.job_id, {k: list(v) for k, v in (r.placement or {}).items()},
                                            r.created_at, r.expected_end_at, Plan.model_validate(r.plan))
@@ -200,9 +206,12 @@ class LedgerMirror:
         return moved
 
     # --- views ------------------------------------------------------------------------------
-    def cluster_state(self) -> ClusterState:
-        """Free GPUs per node and the running allocations, as the policies see them (new
-        objects every call: a caller may change them)."""
+    def cluster_state(self, *, shared: bool = False) -> ClusterState:
+        """Free GPUs per node and the running allocations, as the policies see them. New objects
+        every call (a caller may change them), or with ``shared`` the same ``Node`` and
+        ``RunningJob`` objects as the last call for the nodes and allocations whose rows did
+        not change (the live scheduler's round: ~600 nodes and ~700 runs, a few of which change
+        between rounds); a caller must then replace, never change, them."""
         with self.lock:
             if self._order is None:
                 pools = {n: p for n, p in sorted(self.pools.items()) if p.active}
@@ -211,17 +220,31 @@ class LedgerMirror:
                     ((nid, n) for nid, n in self.nodes.items() if n.active and n.pool in pools),
                     key=lambda x: (rank[x[1].pool], x[1].idx))]
                 self._pools = pools
+                self._node_objs.clear()
             empty = (0, [])
             view = self._node_view
+            kept_nodes = self._node_objs if shared else {}
             nodes = []
             for nid, n, p in self._order:
-                count, free = view.get(nid, empty)
-                nodes.append(Node(node_id=nid, pool=n.pool, gpu_type=p.gpu_type, gpus=count, free=list(free),
-                                  intra_link=p.intra_link))
-            running = [RunningJob(job_id=a.job_id, plan=a.plan, placement={k: list(v) for k, v in a.placement.items()},
-                                  start_s=a.created_at,
-                                  expected_end_s=a.expected_end_at if a.expected_end_at is not None else math.inf)
-                       for a in self.allocs.values()]
+                node = kept_nodes.get(nid)
+                if node is None:
+                    count, free = view.get(nid, empty)
+                    node = Node(node_id=nid, pool=n.pool, gpu_type=p.gpu_type, gpus=count, free=list(free),
+                                intra_link=p.intra_link)
+                    if shared:
+                        kept_nodes[nid] = node
+                nodes.append(node)
+            kept_runs = self._run_objs if shared else {}
+            running = []
+            for aid, a in self.allocs.items():
+                rj = kept_runs.get(aid)
+                if rj is None:
+                    rj = RunningJob(job_id=a.job_id, plan=a.plan, placement={k: list(v) for k, v in a.placement.items()},
+                                    start_s=a.created_at,
+                                    expected_end_s=a.expected_end_at if a.expected_end_at is not None else math.inf)
+                    if shared:
+                        kept_runs[aid] = rj
+                running.append(rj)
             pools = self._pools
             return ClusterState(nodes=nodes, running=running,
                                 inter_node_gbps={p.name: p.inter_node_gbps for p in pools.values()},

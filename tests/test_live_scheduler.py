@@ -384,3 +384,91 @@ def test_a_runs_predicted_end_stays_its_start_plus_the_steps_it_had_left_then(ur
     rj = src.snapshot().state.running[0]
     assert rj.request.steps_left == 40
     assert rj.expected_end_s - started == pytest.approx(100 * 1.0)
+
+
+def test_a_long_lived_sources_snapshot_equals_a_fresh_ones_after_every_change(url):
+    """The source keeps the mirror's nodes and runs between rounds (replacing, never changing
+    them): after starts, a grow request whose target GPU is held back, the request closing
+    without any GPU row changing, progress and a release, its snapshot is a fresh source's."""
+    from frenzy_scheduler.source import LedgerSource
+    from scheduler.round import check_decisions
+    from scheduler.types import Decision
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("a", "a", {"name": "a"}, plans(), steps=100)
+    q.enqueue("b", "b", {"name": "b"}, plans(), steps=50)
+    src = LedgerSource(led)
+
+    def same() -> Snapshot:
+        snap, fresh = src.snapshot(), LedgerSource(Ledger(url)).snapshot()
+        assert (snap.pending, snap.state) == (fresh.pending, fresh.state)
+        return snap
+
+    snap = same()
+    src.apply(check_decisions("t", [Decision("a", plans()[1], {"a100-0": [0]})], snap.pending, snap.state), 0.0)
+    snap = same()
+    assert snap.state.nodes[0].free == [1] and [r.job_id for r in snap.state.running] == ["a"]
+    rid = q.request("a", "grow", plan=plans()[0], placement={"a100-0": [0, 1]})
+    snap = same()
+    assert snap.state.nodes[0].free == [] and snap.state.running == []     # GPU 1 held for the grow
+    q.finish("a", "done")                     # the request closes (ignored); no GPU row changes
+    assert q.get("a").request_state == "ignored" and rid
+    snap = same()
+    assert snap.state.nodes[0].free == [1]    # a node changed in place would still hold GPU 1 back
+    led.release(next(aid for aid, a in src.mirror.allocs.items() if a.job_id == "a"))
+    snap = same()
+    assert snap.state.nodes[0].free == [0, 1] and [j.job_id for j in snap.pending] == ["b"]
+
+
+def test_set_waits_writes_changed_answers_of_pending_jobs_only(url):
+    """One statement on PostgreSQL, one per row on SQLite: the same rows change either way."""
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    for j in ("p1", "p2", "run"):
+        q.enqueue(j, j, {"name": j}, plans(), steps=10)
+    q.start_all([("run", plans()[1], {"a100-0": [0]})], lease_s=60.0, assignment=lambda a, p: {"allocation_id": a.id})
+    w = {"p1": {"predicted_start_s": 1000.0, "gpu_type": "A100-80GB", "gpus": 2, "reason": "reserved"},
+         "p2": {"predicted_start_s": float("inf"), "gpu_type": None, "gpus": 0, "reason": "no plan fits"},
+         "run": {"predicted_start_s": 5.0, "gpu_type": "A100-80GB", "gpus": 1, "reason": "not pending"}}
+    assert q.set_waits(w) == 2
+    rows = {j.job_id: j for j in q.jobs(plans=False)}
+    assert (rows["p1"].predicted_start_s, rows["p1"].wait_gpu_type, rows["p1"].wait_gpus, rows["p1"].wait_reason) == (
+        1000.0, "A100-80GB", 2, "reserved")
+    assert (rows["p2"].predicted_start_s, rows["p2"].wait_gpu_type, rows["p2"].wait_reason) == (None, None, "no plan fits")
+    assert rows["run"].wait_reason == "" and rows["run"].predicted_start_s is None
+    # a start moved by less than the resolution is not rewritten; the same through known rows
+    w["p1"]["predicted_start_s"] = 1000.5
+    assert q.set_waits(w) == 0 and q.set_waits(w, known=rows) == 0
+    w["p1"]["predicted_start_s"], w["p2"]["reason"] = 2000.0, "other"
+    assert q.set_waits(w, known=rows) == 2
+    rows = {j.job_id: j for j in q.jobs(plans=False)}
+    assert rows["p1"].predicted_start_s == 2000.0 and rows["p2"].wait_reason == "other"
+
+
+def test_start_all_skips_only_the_starts_that_cannot_go_ahead(url):
+    """One batch (one statement per kind on PostgreSQL): a start on a GPU another allocation
+    holds, one on a GPU an earlier start of the batch took and one of a job that is not pending
+    are skipped, each saying why; the others start, their rows carrying the assignment."""
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    for j in ("a", "b", "c", "d"):
+        q.enqueue(j, j, {"name": j}, plans(), steps=10)
+    other = led.allocate_best_fit("outsider", Plan(gpu_type="A100-80GB", gpus=1, dp=1))
+    held = other.placement["a100-0"][0]
+    free = 1 - held
+    q.finish("d", "failed", "gone")
+    one = plans()[1]
+    got = q.start_all([("a", one, {"a100-0": [held]}), ("b", one, {"a100-0": [free]}),
+                       ("c", one, {"a100-0": [free]}), ("d", one, {"a100-0": [free]})],
+                      lease_s=60.0, assignment=lambda a, p: {"allocation_id": a.id, "plan": p.model_dump(mode="json"),
+                                                             "placement": a.placement})
+    why = {j: w for j, _, w in got}
+    assert "held by allocation" in why["a"] and why["b"] == "" and "of this round" in why["c"]
+    assert "no longer pending" in why["d"]
+    rows = {j.job_id: j for j in q.jobs(plans=False)}
+    b = rows["b"]
+    assert b.state == "running" and b.allocation == {"allocation_id": b.allocation_id, "plan": one.model_dump(mode="json"),
+                                                     "placement": {"a100-0": [free]}}
+    assert rows["a"].state == rows["c"].state == "pending" and rows["a"].allocation_id is None
+    assert {n: sorted(r.placement["a100-0"]) for n, r in ((r.job_id, r) for r in led.cluster_state().running)} == {
+        "outsider": [held], "b": [free]}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from operator import attrgetter, itemgetter
 
 from scheduler.types import JobRequest
 
@@ -29,8 +30,11 @@ def order_queue(pending: list[tuple[JobRequest, Menu]], now: float, cfg: Orderin
         work = menu.work * max(job.steps_left, 0)
         wait = max(0.0, now - job.submit_s)
         keyed.append(Queued(work / (1.0 + wait / cfg.aging_s), job.submit_s, job.job_id, job, menu))
-    keyed.sort(key=lambda k: (k.key, k.submit_s, k.job_id))
+    keyed.sort(key=_ORDER)
     return keyed
+
+
+_ORDER = itemgetter(0, 1, 2)              # Queued's (key, submit_s, job_id)
 
 
 def lightly_loaded(queue: list[Queued], free: GpuCounts, cfg: Choice) -> bool:
@@ -38,8 +42,13 @@ def lightly_loaded(queue: list[Queued], free: GpuCounts, cfg: Choice) -> bool:
     would sit idle, so jobs take their fastest immediate plan rather than the cheapest."""
     if cfg.idle_factor <= 0:
         return False
-    need = sum(min((n for _, n in q.menu.fewest), default=0) for q in queue)
-    return need * cfg.idle_factor <= sum(free.values())
+    have = sum(free.values())
+    need = 0
+    for q in queue:
+        need += q.menu.least
+        if need * cfg.idle_factor > have:
+            return False                  # (the sum only grows: no need to read the rest)
+    return True
 
 
 def idle_menu(menu: Menu, free: GpuCounts, per_node: GpuCounts, cfg: Choice) -> list[Cand]:
@@ -135,6 +144,115 @@ def choose(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: Gpu
         if o[0] <= lim and (pick is None or o[1] < pick[1] or (o[1] == pick[1] and o[0] < pick[0])):
             pick = o
     return Pick(pick[2], pick[3], pick[4])
+
+
+class DeepBound:
+    """Step 3 deep in the queue, without ``choose`` for every job. Past the lookahead with every
+    reservation taken, ``choose(..., deep=True)`` gives a job nothing unless a plan that starts
+    now comes before its loop stops; on a busy cluster that is almost never (~770 of ~900 calls
+    a round in ``bench/live_round.py``, ~750 of ~950 at 5% churn, each trying ~30 plans).
+    ``gives_nothing`` answers that question exactly, cheaply:
+
+    * a plan can start now with ``steps`` steps when its GPUs are free and ``now + step_s x
+      steps + launch_s`` is within its type's ``Profile.horizon``, so per menu the most steps
+      any of its plans could start now with is one number: a job with more steps gets nothing.
+      The number errs high by ``SLACK_S`` of run time (float rounding in its division is far
+      below that), so it only ever rules out jobs ``choose`` gives nothing;
+    * otherwise ``choose``'s loop is replayed with what it reads off the profiles computed once
+      per menu (each plan's horizon, and the start it would wait for, which does not depend on
+      the job's steps), the same float operations in the same order: same answer.
+
+    What is computed per menu is kept while the free GPUs and every profile are unchanged: the
+    free counts and the queued backlogs are compared, and the sum of the profiles' versions
+    grows with every release or reservation added (a version is never reused), so a change is
+    always seen."""
+
+    SLACK_S = 1e-3
+
+    def __init__(self, profiles: dict[str, Profile], free: GpuCounts, now: float, cfg: Choice,
+                 launch_s: float = 0.0) -> None:
+        self.profiles, self.free, self.now, self.cfg, self.launch_s = profiles, free, now, cfg, launch_s
+        self._state: tuple | None = None
+        # id(menu) -> [menu, the most steps a plan could start now with, per plan (step s,
+        # horizon, start it would wait for) or None until needed], for ``_state``
+        self._kept: dict[int, list] = {}
+
+    def gives_nothing(self, menu: Menu, steps: float) -> bool:
+        """True when ``choose(menu.queue, steps, ..., deep=True)`` (with its ``wait_weight``)
+        returns None."""
+        profiles = self.profiles.values()
+        state = (sum(map(_VERSION, profiles)), tuple(self.free.values()), tuple(map(_BACKLOG, profiles)))
+        if state != self._state:
+            self._state = state
+            self._kept.clear()
+        kept = self._kept.get(id(menu))
+        if kept is None or kept[0] is not menu:
+            kept = self._kept[id(menu)] = [menu, self._most_steps(menu.queue), None]
+        if steps > kept[1]:
+            return True                   # no plan of the menu can start now
+        if kept[2] is None:
+            kept[2] = self._plans(menu.queue)
+        return not self._reaches_now(kept[2], steps, wait_weight(menu.queue, steps, self.free, self.cfg))
+
+    def _most_steps(self, cands: list[Cand]) -> float:
+        most = -INF
+        now, launch_s = self.now, self.launch_s
+        prof_of, free_of = self.profiles.get, self.free.get
+        for step_s, n, g, _ in cands:
+            prof = prof_of(g)
+            if prof is None:
+                continue
+            end = prof.horizon(n, now, free_of(g, 0))
+            if end == -INF:
+                continue
+            if end == INF or step_s <= 0:
+                return INF
+            most = max(most, (end - now - launch_s + self.SLACK_S) / step_s)
+        return most
+
+    def _plans(self, cands: list[Cand]) -> list[tuple[float, float, float]]:
+        """Per plan, in menu order: (step s, horizon, the start it would wait for)."""
+        plans = []
+        now = self.now
+        prof_of, free_of = self.profiles.get, self.free.get
+        for step_s, n, g, _ in cands:
+            prof = prof_of(g)
+            if prof is None:              # choose skips it, after its stop test
+                plans.append((step_s, -INF, INF))
+                continue
+            f = free_of(g, 0)
+            start = prof.wait_start(n, now, f)
+            if start != INF:              # as choose adjusts a waiting plan's start
+                if start <= now:
+                    start = now + 1.0
+                if prof.backlog:
+                    queued = now + (prof.busy_gs + prof.backlog) / prof.total
+                    if queued > start:
+                        start = queued
+            plans.append((step_s, prof.horizon(n, now, f), start))
+        return plans
+
+    def _reaches_now(self, plans: list[tuple[float, float, float]], steps: float, wait_w: float) -> bool:
+        """``choose``'s loop (deep): does a plan that starts now come before the loop stops?"""
+        now, launch_s, tol1 = self.now, self.launch_s, 1.0 + self.cfg.tolerance
+        best = lim = INF
+        for step_s, end, start in plans:
+            dur = step_s * steps + launch_s
+            if dur > lim:
+                return False
+            if now + dur <= end:
+                return True
+            if start == INF:
+                continue
+            rel = (start - now) * wait_w + dur
+            if rel < best:
+                best = rel
+                lim = rel * tol1
+        return False
+
+
+_VERSION = attrgetter("version")
+_BACKLOG = attrgetter("backlog")
 
 
 def start_now(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: GpuCounts, now: float) -> Pick | None:

@@ -94,7 +94,8 @@ def build_menu(plans: list[Plan], mem_of: MemoryOf, gate: MemoryGate, choice: Ch
     for c in queue:
         fewest[c.gpu_type] = min(fewest.get(c.gpu_type, c.gpus), c.gpus)
         top[c.gpu_type] = max(top.get(c.gpu_type, 0), c.gpus)
-    return Menu(queue=queue, wide=wide, grow=grow, fewest=list(fewest.items()), top=top,
+    return Menu(queue=queue, wide=wide, grow=grow, fewest=list(fewest.items()), least=min(fewest.values(), default=0),
+                top=top,
                 work=min((c.gpus * c.step_s for c in queue), default=INF),
                 footprint_gib=min((c.gpus * c.plan.device_used_gib for c in queue), default=0.0))
 

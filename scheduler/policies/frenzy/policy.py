@@ -7,7 +7,7 @@ from estimator.plan import Plan
 from scheduler.placement import FreeIndex, gpu_memory_gib
 from scheduler.types import ClusterState, Decision, JobRequest, Policy, Wait
 
-from .choose import choose, idle_menu, lightly_loaded, order_queue, start_now, stopgap_pays, wait_weight
+from .choose import DeepBound, choose, idle_menu, lightly_loaded, order_queue, start_now, stopgap_pays, wait_weight
 from .config import FrenzyConfig
 from .gate import build_menu, memory_gate
 from .grow import grow_runs
@@ -161,6 +161,7 @@ class FrenzyPolicy(Policy):
         reservations = 0
         depth = 0
         fastest = lightly_loaded([k for k in keyed if k.job_id not in movers], total, cfg.choice)
+        deep_bound = DeepBound(profiles, total, now, cfg.choice, launch)
         waiting: list[Waiter] = []
         for q in keyed:
             job, menu = q.job, q.menu
@@ -171,16 +172,19 @@ class FrenzyPolicy(Policy):
                 reservations += held
                 continue
             depth += 1
+            steps = max(job.steps_left, 1)
+            deep = depth > bf.lookahead and reservations >= bf.max_reservations
             if reservations >= bf.max_reservations:
                 if not any(total.values()):
                     notes.extend(WaitNote(k.job_id, INF, None, 0, "no_free") for k in keyed[depth - 1:])
                     break                 # nothing free and no reservations left: round is over
-                if depth > bf.lookahead and not any(total.get(t, 0) >= n for t, n in menu.fewest):
+                # deep in the queue and nothing it could start now: no type has GPUs free for its
+                # fewest, or (``DeepBound``, which covers that too) choose would give it nothing
+                if deep and (deep_bound.gives_nothing(menu, steps) if not fastest
+                             else not any(total.get(t, 0) >= n for t, n in menu.fewest)):
                     notes.append(WaitNote(job.job_id, INF, None, 0, "no_free"))
-                    continue              # deep in the queue and nothing it could start now
-            deep = depth > bf.lookahead and reservations >= bf.max_reservations
+                    continue
             cands = idle_menu(menu, total, per_node, cfg.choice) if fastest else menu.queue
-            steps = max(job.steps_left, 1)
             pick = choose(cands, steps, profiles, total, now, cfg.choice, deep, fastest,
                           wait_weight(cands, steps, total, cfg.choice), launch)
             if pick is None:
@@ -320,10 +324,15 @@ class FrenzyPolicy(Policy):
         type and count it waits for, and the reason in words (``WHY``)."""
         now = self._now
         out = {}
+        said: dict[tuple, str] = {}           # the words, once per distinct answer (most are alike)
         for n in self._notes:
             at = "unknown" if n.start == INF else f"+{max(0.0, n.start - now) / 60:.0f} min"
+            key = (n.why, n.gpus, n.gpu_type, at)
+            reason = said.get(key)
+            if reason is None:
+                reason = said[key] = WHY[n.why].format(gpus=n.gpus, gpu_type=n.gpu_type, at=at)
             out[n.job_id] = Wait(job_id=n.job_id, predicted_start_s=n.start, gpu_type=n.gpu_type, gpus=n.gpus,
-                                 reason=WHY[n.why].format(gpus=n.gpus, gpu_type=n.gpu_type, at=at))
+                                 reason=reason)
         return out
 
     def on_oom(self, job: JobRequest, plan: Plan) -> JobRequest:

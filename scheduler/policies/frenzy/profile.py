@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from itertools import accumulate
+from itertools import accumulate, count
 
 from scheduler.placement import placement_gpus
 from scheduler.types import ClusterState, RunningJob
@@ -11,6 +11,7 @@ from scheduler.types import ClusterState, RunningJob
 from .config import Backfill
 
 INF = math.inf
+_CHANGES = count(1)             # profile versions, unique across profiles (``Profile.version``)
 
 
 class Profile:
@@ -20,10 +21,14 @@ class Profile:
     bisection on the cumulative releases. With reservations the profile is rebuilt (lazily,
     O(releases) in C-level loops) into prefix minima (can n GPUs start now and stay free for
     the job's duration: backfilling) and suffix minima (from when on are n GPUs free for good).
+
+    ``version`` changes with every release or reservation added (a number no other profile
+    has had): what is derived from a profile's releases and reservations may be kept while
+    its version is the same. ``backlog`` and ``busy_gs`` are plain fields, outside it.
     """
 
-    __slots__ = ("times", "counts", "cum", "dirty", "res", "total", "backlog", "busy_gs", "_ev", "_pre", "_suf",
-                 "_built_for", "_memo")
+    __slots__ = ("times", "counts", "cum", "dirty", "res", "total", "backlog", "busy_gs", "version", "_ev", "_pre",
+                 "_suf", "_built_for", "_memo", "_horizons")
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -39,19 +44,30 @@ class Profile:
         self._suf: list[int] = []
         self._built_for: tuple | None = None
         self._memo: dict[tuple[int, int], float] = {}
+        self._horizons: dict[tuple[int, int], float] = {}
+        self.version = next(_CHANGES)
+
+    def set_releases(self, times: list[float], counts: list[int]) -> None:
+        """The running jobs' predicted releases, sorted by time (replacing any)."""
+        self.times, self.counts = times, counts
+        self._changed()
 
     def add_release(self, t: float, n: int) -> None:
         i = bisect.bisect_right(self.times, t)
         self.times.insert(i, t)
         self.counts.insert(i, n)
-        self.dirty = True
-        self._built_for = None
-        self._memo.clear()
+        self._changed()
 
     def reserve(self, start: float, end: float, n: int) -> None:
         self.res.append((start, end, n))
+        self._changed()
+
+    def _changed(self) -> None:
+        self.dirty = True
         self._built_for = None
         self._memo.clear()
+        self._horizons.clear()
+        self.version = next(_CHANGES)
 
     def _cumulative(self) -> list[int]:
         if self.dirty:
@@ -83,6 +99,24 @@ class Profile:
         self._build(now, free_now)
         j = bisect.bisect_left(self._ev, now + dur)       # events strictly inside the run
         return self._pre[max(0, j - 1)] >= n
+
+    def horizon(self, n: int, now: float, free_now: int) -> float:
+        """The latest end of a run of n GPUs started now that breaks no reservation:
+        ``fits_now(n, dur, now, free_now)`` is ``now + dur <= horizon(n, now, free_now)``
+        (inf without reservations; -inf when fewer than n GPUs are free)."""
+        if free_now < n:
+            return -INF
+        if not self.res:
+            return INF
+        key = (n, free_now)
+        hit = self._horizons.get(key)
+        if hit is not None:
+            return hit
+        self._build(now, free_now)
+        pre = self._pre                                   # non-increasing; pre[0] = free_now >= n
+        k = bisect.bisect_left(pre, -n, key=lambda v: -v - 1)   # the first event leaving < n free
+        h = self._horizons[key] = INF if k >= len(pre) else self._ev[k]
+        return h
 
     def wait_start(self, n: int, now: float, free_now: int) -> float:
         """From when on n GPUs stay free for good (memoised until the profile changes)."""
@@ -130,7 +164,10 @@ def build_profiles(state: ClusterState, now: float, node_type: dict[str, str], c
     """One availability profile per GPU type from the running jobs' predicted ends."""
     profiles: dict[str, Profile] = {}
     for n in state.nodes:
-        profiles.setdefault(n.gpu_type, Profile()).total += n.gpus
+        prof = profiles.get(n.gpu_type)
+        if prof is None:
+            prof = profiles[n.gpu_type] = Profile()
+        prof.total += n.gpus
     releases: dict[str, list[tuple[float, int]]] = {}
     for rj in state.running:
         if not rj.placement or rj.job_id in skip:
@@ -141,8 +178,7 @@ def build_profiles(state: ClusterState, now: float, node_type: dict[str, str], c
     for t, rel in releases.items():
         rel.sort()
         prof = profiles[t]
-        prof.times = [x for x, _ in rel]
-        prof.counts = [n for _, n in rel]
+        prof.set_releases([x for x, _ in rel], [n for _, n in rel])
         # GPU-seconds the running jobs still hold: queued work starts only after them
         prof.busy_gs = sum(n * (x - now) for x, n in rel if x < INF)
     return profiles

@@ -31,6 +31,7 @@ class Menu:
     wide: list[Cand]                    # >= Choice.idle_min_efficiency: idle starts
     grow: list[Cand]                    # >= the growth floors: re-sizing a run onto idle GPUs
     fewest: list[tuple[str, int]]       # per GPU type, the fewest GPUs of a queue plan
+    least: int                          # the fewest GPUs of any queue plan (0: no plan)
     top: GpuCounts                      # per GPU type, the most GPUs of a queue plan: a run holding
                                         # more has GPUs "lent" (recall takes them back)
     work: float                         # GPU-seconds per step of the cheapest queue plan
@@ -39,7 +40,7 @@ class Menu:
 
 
 class Queued(NamedTuple):
-    """A pending job in queue order (``order.order_queue``)."""
+    """A pending job in queue order (``order.order_queue`` sorts by the first three fields)."""
 
     key: float                          # aged remaining work: smaller goes first
     submit_s: float
