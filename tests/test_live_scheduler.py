@@ -181,6 +181,7 @@ LEADER_SCRIPT = textwrap.dedent("""
                                  "starts": [d.job_id for d in result.starts]}) + "\\n")
         apply(result, now)
     svc.source.apply = logged
+    open(out + "." + name + ".up", "w").close()           # imports done: standing by from here on
     svc.run(max_s=60)
 """)
 
@@ -211,7 +212,12 @@ def test_second_scheduler_stands_by_and_takes_over_when_the_first_dies(url, tmp_
     try:
         wait_holder("A", 30)
         b = spawn("B")
-        time.sleep(1.5)                                     # B is up and standing by
+        up = Path(f"{out}.B.up")                            # B is up and standing by (its start-up, which
+        end = time.time() + 30                              # a loaded machine stretches, is not the takeover)
+        while not up.exists() and time.time() < end:
+            time.sleep(0.05)
+        assert up.exists()
+        time.sleep(0.5)                                     # B's first polls see A's lease
         q.enqueue("j1", "j1", {"name": "j1"}, plans(), steps=10)
         end = time.time() + 10
         while q.get("j1").state != "running" and time.time() < end:
@@ -221,7 +227,7 @@ def test_second_scheduler_stands_by_and_takes_over_when_the_first_dies(url, tmp_
         a.send_signal(signal.SIGKILL)
         a.wait()
         died = time.time()
-        took = wait_holder("B", 2.0 + 2.0)                  # the TTL, plus B's poll and start-up
+        took = wait_holder("B", 2.0 + 2.0)                  # the TTL, plus B's poll
         assert took - died <= 2.0 + 1.0
         led.release(q.get("j1").allocation_id)
         q.finish("j1", "done")
