@@ -340,21 +340,34 @@ def lora_layer_params(spec: ModelSpec, k: Knobs) -> int:
 
 # ---------------------------------------------------------------------------- model facts
 @lru_cache(maxsize=512)
-def _state_bytes_per_param(spec: ModelSpec, optimizer: str) -> float:
-    """Optimizer-state bytes per parameter (fp32 states), averaged over the model's tensors."""
+def _trainable_shapes(spec: ModelSpec, lora_rank: int,
+                      lora_targets: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the tensors the optimizer steps: the whole model's (``lora_rank`` 0), or each
+    block's adapters (A: r x in, B: out x r per target), unsharded."""
+    if not lora_rank:
+        return tuple(spec.weight_shapes())
+    proj = lora_projections(spec)
+    block = tuple(s for t in lora_targets
+                  for s in ((lora_rank, proj[t][0]), (proj[t][1], lora_rank)))
+    return block * spec.layers
+
+
+@lru_cache(maxsize=512)
+def _state_bytes_per_param(spec: ModelSpec, optimizer: str, lora_rank: int = 0,
+                           lora_targets: tuple[str, ...] = ()) -> float:
+    """Optimizer-state bytes per trainable parameter (fp32 states), averaged over the trainable
+    tensors (see _trainable_shapes)."""
     if optimizer in ("adam", "adamw"):
         return 8.0
     if optimizer == "sgd":
         return 4.0                                # momentum buffer
-    total = 0.0
-    n = 0
-    for shape in spec.weight_shapes():
-        numel = math.prod(shape)
-        n += numel
-        if optimizer == "adafactor":              # HF Adafactor, beta1=None: factored 2nd moment
-            total += 4.0 * (shape[0] + shape[1]) if len(shape) == 2 else 4.0 * numel
-        else:                                     # bitsandbytes 8-bit AdamW (paged or not)
-            total += _bnb8_state_bytes(numel, optimizer == "adamw8bit-paged")[0]
+    shapes = _trainable_shapes(spec, lora_rank, lora_targets)
+    n = sum(math.prod(shape) for shape in shapes)
+    if optimizer == "adafactor":                  # HF Adafactor, beta1=None: factored 2nd moment
+        total = sum(4.0 * (shape[0] + shape[1]) if len(shape) == 2 else 4.0 * math.prod(shape)
+                    for shape in shapes)
+    else:                                         # bitsandbytes 8-bit AdamW (paged or not)
+        total = _bnb8_state_bytes(spec, lora_rank, lora_targets, optimizer == "adamw8bit-paged")[0]
     return total / n
 
 
@@ -369,15 +382,23 @@ BNB_BLOCK = 256
 BNB_PAGED_MIN_ELEMS = 100_000
 
 
-def _bnb8_state_bytes(numel: float, paged: bool) -> tuple[float, float]:
-    """(bytes the caching allocator holds, bytes in CUDA unified memory) of one tensor's
-    bitsandbytes 8-bit Adam states."""
-    if numel < BNB_MIN_8BIT_ELEMS:
-        return 8.0 * numel, 0.0
-    absmax = 2 * 4.0 * math.ceil(numel / BNB_BLOCK)
-    if paged and numel >= BNB_PAGED_MIN_ELEMS:
-        return absmax, 2.0 * numel
-    return 2.0 * numel + absmax, 0.0
+@lru_cache(maxsize=512)
+def _bnb8_state_bytes(spec: ModelSpec, lora_rank: int, lora_targets: tuple[str, ...],
+                     paged: bool) -> tuple[float, float]:
+    """(bytes the caching allocator holds, bytes in CUDA unified memory) of bitsandbytes 8-bit
+    Adam states over the trainable tensors (see _trainable_shapes), whole model, unsharded."""
+    alloc = unified = 0.0
+    for shape in _trainable_shapes(spec, lora_rank, lora_targets):
+        numel = math.prod(shape)
+        if numel < BNB_MIN_8BIT_ELEMS:
+            alloc += 8.0 * numel
+            continue
+        alloc += 2 * 4.0 * math.ceil(numel / BNB_BLOCK)          # the absmax arrays
+        if paged and numel >= BNB_PAGED_MIN_ELEMS:
+            unified += 2.0 * numel
+        else:
+            alloc += 2.0 * numel
+    return alloc, unified
 
 
 def _layer_vector_params(spec: ModelSpec) -> int:
@@ -619,15 +640,17 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float) -> tuple[float, 
 @lru_cache(maxsize=4096)       # pure in its (hashable) arguments: per shape, not per batch
 def _shape_terms(spec: ModelSpec, t: int, optimizer: str, s: int, c: float, act_amp: bool,
                  attention: str, act_ckpt: str, cpu: bool, fused: bool, repeat_kv: bool,
-                 hf_models: bool, score_clamp: bool, ulysses: bool = False) -> tuple[float, ...]:
+                 hf_models: bool, score_clamp: bool, ulysses: bool = False, lora_rank: int = 0,
+                 lora_targets: tuple[str, ...] = ()) -> tuple[float, ...]:
     """The per-shape facts stage_peaks needs, one cache lookup (the model is hashed once, not
-    per fact): parameter split, optimizer-state bytes, the block's activation inventory and
-    backward temporaries."""
+    per fact): parameter split, optimizer-state bytes per trainable parameter, the block's
+    activation inventory and backward temporaries."""
     sem = _cpu_sem(c) if cpu else CUDA_SEM
     rep, shard = layer_activation_bytes(spec, s, c, act_amp, attention, act_ckpt, sem,
                                         compiled=fused, repeat_kv=repeat_kv, hf_models=hf_models,
                                         score_clamp=score_clamp, ulysses=ulysses)
-    return (*_param_split(spec, t), _state_bytes_per_param(spec, optimizer), rep, shard,
+    st_b = _state_bytes_per_param(spec, optimizer, lora_rank, lora_targets)
+    return (*_param_split(spec, t), st_b, rep, shard,
             layer_backward_transient(spec, s, c, attention, t))
 
 
@@ -665,7 +688,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     (layer_p, emb_p, head_p, largest, st_b, rep, shard,
      transient_tok) = _shape_terms(spec, t, k.optimizer, k.seq_len, c, act_amp, k.attention,
                                    k.act_ckpt, cpu, k.fused, prof.repeat_kv, prof.hf_models,
-                                   k.score_clamp, k.cp > 1)
+                                   k.score_clamp, k.cp > 1, *_lora_key(k))
     if pure and k.optimizer in ("adam", "adamw", "sgd"):
         st_b *= c / 4.0                                # states in the parameters' dtype
     # torch's foreach Adam/AdamW materialises sqrt(v): one state-sized copy; fused kernels none.
@@ -906,7 +929,7 @@ def host_offload_bytes(spec: ModelSpec, k: Knobs) -> float:
     if k.offload == "none":
         return 0.0
     c = 4.0 if k.precision == "fp32" else 2.0
-    st_b = _state_bytes_per_param(spec, k.optimizer)
+    st_b = _state_bytes_per_param(spec, k.optimizer, *_lora_key(k))
     layer_p, emb_p, head_p, _ = _param_split(spec, k.tp)
     lora = k.finetune != "full"
     lora_p = lora_layer_params(spec, k) / k.tp if lora else 0.0
@@ -928,24 +951,16 @@ def host_offload_bytes(spec: ModelSpec, k: Knobs) -> float:
 
 def paged_state_bytes(spec: ModelSpec, k: Knobs) -> float:
     """Bytes of optimizer state in CUDA unified memory (bitsandbytes paged optimizers: the two
-    uint8 states of every tensor of 1e5+ elements; see _bnb8_state_bytes), per GPU: device
-    memory the caching allocator never sees."""
+    uint8 states of every trainable tensor of 1e5+ elements; see _bnb8_state_bytes), per GPU:
+    device memory the caching allocator never sees."""
     if k.optimizer != "adamw8bit-paged" or k.offload != "none":
         return 0.0
-    rank, targets = (0, ()) if k.finetune == "full" else (k.lora_rank, k.lora_targets)
-    return _paged_unified_bytes(spec, rank, targets) / (k.tp * k.pp)
+    return _bnb8_state_bytes(spec, *_lora_key(k), True)[1] / (k.tp * k.pp)
 
 
-@lru_cache(maxsize=512)
-def _paged_unified_bytes(spec: ModelSpec, lora_rank: int, lora_targets: tuple[str, ...]) -> float:
-    """Unified-memory bytes of a paged 8-bit optimizer over the trainable tensors: the whole
-    model's (``lora_rank`` 0), or each block's adapters (r x in and out x r per target)."""
-    if not lora_rank:
-        numels = [math.prod(shape) for shape in spec.weight_shapes()]
-    else:
-        numels = [lora_rank * d for t in lora_targets for d in lora_projections(spec)[t]]
-        numels *= spec.layers
-    return sum(_bnb8_state_bytes(n, True)[1] for n in numels)
+def _lora_key(k: Knobs) -> tuple[int, tuple[str, ...]]:
+    """(rank, targets) of the trainable adapters; (0, ()) when the whole model trains."""
+    return (0, ()) if k.finetune == "full" else (k.lora_rank, k.lora_targets)
 
 
 def _comms(k: Knobs) -> int:

@@ -174,6 +174,34 @@ def test_bitsandbytes_8bit_states_per_tensor():
     assert paged.overheads["paged_optimizer_gib"] * GIB == pytest.approx(unified_b, rel=1e-9)
 
 
+
+def test_paged_8bit_lora_states_split_by_adapter_size():
+    # under LoRA the optimizer steps the adapters only, and bitsandbytes' per-tensor rules apply
+    # to them: A (r x in) and B (out x r) below 4096 elements keep fp32 states, those between
+    # 4096 and 1e5 keep uint8 states on the device, larger ones page their uint8 states out
+    spec = PRESETS["llama-3.1-8b"]
+    h, f, kv = spec.hidden, spec.f, spec.n_kv * spec.d_head
+    proj = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+    kw = dict(model="llama-3.1-8b", seq_len=512, framework="torchtune", finetune="lora",
+              lora_targets=list(proj), optimizer="adamw8bit-paged", gpu="H100-80GB")
+    kinds = set()
+    for r in (1, 16):
+        numels = [r * d for dims in proj.values() for d in dims] * spec.layers
+        kinds |= {(n >= 4096) + (n >= 1e5) for n in numels}
+        alloc_b = sum(8 * n if n < 4096 else
+                      8 * math.ceil(n / 256) + (2 * n if n < 1e5 else 0) for n in numels)
+        unified_b = sum(2 * n for n in numels if n >= 1e5)
+        e = est(**kw, lora_rank=r)
+        assert e.breakdown_gib["optimizer"] * GIB == pytest.approx(alloc_b, rel=1e-9)
+        assert e.overheads.get("paged_optimizer_gib", 0.0) * GIB == pytest.approx(unified_b, rel=1e-9)
+    assert kinds == {0, 1, 2}                     # every size class is exercised
+    # Adafactor's factored states follow the adapters' shapes too: fp32 rows + columns of each
+    factored_b = [4 * (16 + d) for dims in proj.values() for d in dims] * spec.layers
+    ada = est(**dict(kw, optimizer="adafactor", gpu=None), lora_rank=16)
+    assert ada.breakdown_gib["optimizer"] * GIB == pytest.approx(sum(factored_b), rel=1e-9)
+
+
 def test_encoder_without_vocabulary_and_uncapped_positions():
     vit = estimate(arch="bert", layers=32, hidden=1280, heads=16, ffn=5120, vocab=0, seq_len=257,
                    micro_batch=8)
