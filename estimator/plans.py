@@ -4,12 +4,15 @@ global batch), with memory and step-time predictions, ranked fastest first.
 
 Speed: the allocated bytes of a configuration do not depend on the GPU type (only the
 overhead terms do), so the memory table of a job shape is computed once and cached; each GPU
-type then only applies its overheads, its capacity and the throughput model.
+type then only applies its overheads, its capacity and the throughput model. Per GPU count only
+the few fastest plans are kept, so step times are asked only of the candidates that may be
+among them (``_time_fastest``: a floor shared by a plan shape's ZeRO / offload variants proves
+the others slower); the kept plans and their figures are those of timing every candidate.
 """
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_right, insort
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -22,7 +25,7 @@ from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, estimate, ho
 from .models import ModelSpec, resolve_model, with_positions
 from .overheads import Overheads, overheads_for
 from .plan import Plan
-from .throughput import step_time
+from .throughput import Factors, calibrated_factors, shared_parts, step_time_with
 
 DEFAULT_SAFETY_MARGIN_GIB = 1.0     # GPU memory kept free beyond the prediction
 KEEP_PER_COUNT = 3                  # fastest launchable plans kept per GPU count (and as many
@@ -46,9 +49,12 @@ def _as_job(job: TrainingJob | dict[str, Any]) -> TrainingJob:
         raise FrenzyInputError(".".join(map(str, e["loc"])) or "job", e["msg"]) from None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _PlanShape:
-    """The plan fields the throughput model reads (hashable: keys the step-time cache)."""
+    """The plan fields the throughput model reads. Slots, not frozen: the planner builds one per
+    plan shape it times (a frozen dataclass costs ~4x to build) and the model reads them as
+    slots; it carries ``matmul_precision`` so the model's read of it finds the field (a missing
+    attribute costs a caught exception per read)."""
 
     dp: int
     tp: int
@@ -62,12 +68,48 @@ class _PlanShape:
     precision: str
     attention: str = "flash"    # eager kernels move the s x s scores: ~2x the step time of flash at seq 1024
     vpp: int = 1                # interleaved pipeline chunks per rank: the bubble over vpp
+    matmul_precision: str = "default"   # the planner's plans run at the default (Plan's default)
 
 
-@lru_cache(maxsize=65536)
-def _step_time(spec: ModelSpec, shape: _PlanShape, gpu: GPU, seq_len: int, nodes: int) -> float:
-    # cached: a new safety margin or GPU count mostly re-asks the same structures
-    return step_time(spec, shape, gpu, seq_len=seq_len, nodes=nodes)
+def _time_fastest(cands: list[list], spec: ModelSpec, gpu: GPU, seq_len: int, nodes: int,
+                  precision: str, attention: str, factors: Factors) -> list[list]:
+    """The candidates of one GPU count (``[why, None, micro_batch, base, allocated bytes]``,
+    table order) that may be among the ``KEEP_PER_COUNT`` fastest of their kind (launchable,
+    or not), with their step times filled in, in table order.
+
+    Candidates that differ only in ZeRO stage and offload share a shape (tp, pp, cp,
+    micro-batch, checkpointing; dp and nodes follow from the count): what their step times
+    share is computed once (``throughput.shared_parts``), and with it a floor under all of
+    them. Step times are asked in ascending floor order, and a candidate whose floor is above
+    the ``KEEP_PER_COUNT``-th fastest step time of its kind found so far is strictly slower
+    than that many and is never timed. The ones timed include every one the full sort would
+    keep, so the kept plans, their order and their figures are those of timing all."""
+    shared: dict[tuple, tuple] = {}
+
+    def shared_of(c: list) -> tuple:
+        mb, base = c[2], c[3]
+        key = (base.tp, base.pp, base.cp, mb, base.act_ckpt)
+        sh = shared.get(key)
+        if sh is None:
+            shape = _PlanShape(base.dp, base.tp, base.pp, base.cp, base.zero, base.offload, base.act_ckpt, mb,
+                               base.grad_accum // mb, precision, attention, base.vpp)
+            sh = shared[key] = shared_parts(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors)
+        return sh
+
+    n_launchable = sum(1 for c in cands if c[0] is None)
+    crowded = {True: n_launchable > KEEP_PER_COUNT, False: len(cands) - n_launchable > KEEP_PER_COUNT}
+    # all of a kind are kept when there are no more than KEEP_PER_COUNT: timed without a floor
+    order = sorted((shared_of(c)[0] if crowded[c[0] is None] else -math.inf, i) for i, c in enumerate(cands))
+    fastest: dict[bool, list[float]] = {True: [], False: []}     # launchable? -> best step times
+    for fl, i in order:
+        c = cands[i]
+        best = fastest[c[0] is None]
+        if len(best) >= KEEP_PER_COUNT and fl > best[-1]:
+            continue
+        c[1] = st = step_time_with(shared_of(c), c[3].zero, c[3].offload)
+        insort(best, st)
+        del best[KEEP_PER_COUNT:]
+    return [c for c in cands if c[1] is not None]
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -323,7 +365,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                           not gpu.is_cpu or (bool(flt) and int(flt.get("cp", 1)) > 1),
                           int(flt.get("vpp", 1)) if flt else 1)
     cap = gpu.memory_gib - margin
-    by_count: dict[int, list[tuple]] = {}
+    by_count: dict[int, list[list]] = {}
     for base, n, allocs, alloc_values in table:
         # used GiB grows with allocated bytes, so the largest fitting micro-batch is a bisection
         j = bisect_right(alloc_values, _alloc_limit_b(cap, ov, base))
@@ -333,30 +375,29 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
             keep_closest.append((u - cap, n, base, mb0, a, r, u))
             continue
         mb, a_b = allocs[j - 1]
-        a, r, u = _finish(a_b, ov, base)
-        nodes = nodes_for(n, gpus_per_node)
-        st = _step_time(spec, _PlanShape(base.dp, base.tp, base.pp, base.cp, base.zero, base.offload,
-                                         base.act_ckpt, mb, base.grad_accum // mb, precision, attention,
-                                         base.vpp),
-                        gpu, seq_len, nodes)
         why = _table_rule(spec, base, n, mb) or _host_rule(spec, base, n, gpus_per_node, host_ram_gib)
-        by_count.setdefault(n, []).append((why, st, u, a, r, mb, base))
+        # the step time (None here) is filled in by _time_fastest, for those that may be kept
+        by_count.setdefault(n, []).append([why, None, mb, base, a_b])
     plans = []
     n_fit = sum(len(c) for c in by_count.values())
+    f = calibrated_factors()        # one snapshot of the calibration file for the whole type
     for n, cands in by_count.items():
-        if flt:
-            cands = [c for c in cands if matches(_plan(gpu, n, c[6], c[5], precision, optimizer, attention,
-                                                       c[3], c[4], c[2], c[1], c[0], nodes_for(n, gpus_per_node)),
-                                                 flt, gpus_per_node)]
+        nodes = nodes_for(n, gpus_per_node)
+        if flt:     # on the knobs alone (memory and step time are not filter knobs)
+            cands = [c for c in cands if matches(_plan(gpu, n, c[3], c[2], precision, optimizer, attention,
+                                                       0.0, 0.0, 0.0, 0.0, c[0], nodes), flt, gpus_per_node)]
         # every launchable plan is considered before the best few per count are kept, so
-        # faster plans the trainer cannot launch never crowd out the ones it can; Plan objects
-        # are built for the kept ones only
-        cands.sort(key=lambda c: (c[0] is not None, c[1], c[2]))
-        kept = [c for c in cands if c[0] is None][:KEEP_PER_COUNT] + \
-            [c for c in cands if c[0] is not None][:KEEP_PER_COUNT]
+        # faster plans the trainer cannot launch never crowd out the ones it can; memory
+        # figures and Plan objects are made for the timed and the kept ones only
+        timed = [(why, st, *_finish(a_b, ov, base)[::-1], mb, base)
+                 for why, st, mb, base, a_b in _time_fastest(cands, spec, gpu, seq_len, nodes, precision,
+                                                             attention, f)]
+        timed.sort(key=lambda c: (c[0] is not None, c[1], c[2]))
+        kept = [c for c in timed if c[0] is None][:KEEP_PER_COUNT] + \
+            [c for c in timed if c[0] is not None][:KEEP_PER_COUNT]
         plans.extend(_plan(gpu, n, base, mb, precision, optimizer, attention, round(a, 4),
-                           round(r, 4), round(u, 4), st, why, nodes_for(n, gpus_per_node))
-                     for why, st, u, a, r, mb, base in kept)
+                           round(r, 4), round(u, 4), st, why, nodes)
+                     for why, st, u, r, a, mb, base in kept)
     plans.sort(key=lambda p: (p.not_launchable is not None, p.step_time_s, p.gpus,
                               p.device_used_gib))
     closest = None

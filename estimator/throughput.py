@@ -385,25 +385,35 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
     return entry
 
 
-def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_gbps: float | None,
-           f: Factors) -> tuple[float, float, float, float, float, float, float, float, float, float]:
-    """The parts of ``StepTime`` in field order (compute, bubble, dp_comm, tp_comm, pp_comm,
-    optimizer, offload, overhead, memory, cp_comm); see ``step_time_breakdown``."""
+def shared_parts(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
+                 inter_node_gbps: float | None = None, factors: Factors | None = None) -> tuple:
+    """What the step times of ``plan`` under every ZeRO stage and offload share, computed once:
+    ``step_time_with(shared, zero, offload)`` is then ``step_time`` of ``plan`` with that ZeRO
+    stage and offload, to the last bit, for a fraction of its cost (the planner times many such
+    variants of one shape). Its first item is their floor: ``step_time``'s sum without the
+    data-parallel communication, optimizer step and offload traffic; each part left out is
+    >= 0 (for factors in their physical ranges: every default, and the fitted per-GPU
+    utilisation and bandwidth shares in (0, 1]) and rounding to nearest is monotone, so no
+    variant's step time is below it, also in floating point.
+
+    The tuple: (floor, compute + memory + bubble, tp_comm, pp_comm, overhead, cp_comm), what
+    ``_zero_parts`` needs, then (compute, bubble, memory)."""
+    f = factors if factors is not None else calibrated_factors()
     # plain attribute reads, no int() / max() / min() / id() calls on this path (the planner asks
     # for thousands of step times per job; each builtin call costs ~30-100 ns): Plan validates its
     # fields as positive integers; other plan-like objects may lack the optional fields
     dp, tp, pp, mb, ga = plan.dp, plan.tp, plan.pp, plan.micro_batch, plan.grad_accum
     try:        # an exception costs ~1 us: only objects lacking these fields take that path
-        cp, precision, act_ckpt, zero, offload, vpp = (plan.cp, plan.precision, plan.act_ckpt, plan.zero,
-                                                       plan.offload, plan.vpp)
+        cp, precision, act_ckpt, vpp, matmul_precision, attention = (
+            plan.cp, plan.precision, plan.act_ckpt, plan.vpp, plan.matmul_precision, plan.attention)
     except AttributeError:
-        cp, precision, act_ckpt, zero, offload, vpp = (getattr(plan, "cp", 1), getattr(plan, "precision", "bf16"),
-                                                       getattr(plan, "act_ckpt", "none"), getattr(plan, "zero", 0),
-                                                       getattr(plan, "offload", "none"), getattr(plan, "vpp", 1))
+        cp, precision, act_ckpt, vpp = (getattr(plan, "cp", 1), getattr(plan, "precision", "bf16"),
+                                        getattr(plan, "act_ckpt", "none"), getattr(plan, "vpp", 1))
+        matmul_precision, attention = getattr(plan, "matmul_precision", None), getattr(plan, "attention", "flash")
         cp = cp or 1
         vpp = vpp or 1
-    matmul_precision = getattr(plan, "matmul_precision", "default") or "default"
-    eager = getattr(plan, "attention", "flash") == "eager"
+    matmul_precision = matmul_precision or "default"
+    eager = attention == "eager"
     # the stage cache of this (spec, GPU, factors): the last one asked, else by identity
     last = _last_stages
     if last[0] is spec and last[1] is gpu and last[2] is f:
@@ -439,10 +449,40 @@ def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_
     else:
         bubble = t_mb * (pp - 1) / vpp
 
+    # --- tensor parallel all-reduces (critical path); TP groups stay inside a node when they fit
+    if tp > 1:
+        tp_comm = ga * (tp_gbit + vpp * bound_gbit) / (intra if tp <= per_node or intra < inter / per_node
+                                                       else inter / per_node)
+    else:
+        tp_comm = 0.0
+    # --- pipeline point-to-point -----------------------------------------------------------------
+    if pp > 1:
+        pp_comm = pp_gbit / (inter / per_node if nodes > 1 and dp < nodes else intra)
+        if vpp > 1:
+            # fill and drain cross every chunk boundary, pp vpp - 1 of them instead of pp - 1
+            # (the same paper: interleaving multiplies the point-to-point volume by vpp)
+            pp_comm *= (pp * vpp - 1) / (pp - 1)
+    else:
+        pp_comm = 0.0
+    # --- sequence-parallel all-to-alls (critical path; cp groups are consecutive ranks of a node)
+    cp_comm = ga * cp_gbit / intra if cp > 1 else 0.0
+    overhead = step_over + ga * mb_over
+    head = busy + bubble
+    # step_time's sum without the parts the ZeRO stage and offload set (each >= 0): its floor
+    floor = head + tp_comm + pp_comm + overhead + cp_comm
+    return (floor, head, tp_comm, pp_comm, overhead, cp_comm, dp * cp, ga, nodes, tp, pp, per_node,
+            shard_gbit, intra, inter, busy, t_mb, dp_overlap, dp_min_exposed, overlap_cost,
+            opt_s, cpu_opt_s, off_s, fetch_s, compute, bubble, memory)
+
+
+def _zero_parts(shared: tuple, zero: int, offload: str) -> tuple[float, float, float]:
+    """(dp_comm, optimizer, offload) of the plan ``shared`` (``shared_parts``) was made for, run with
+    ``zero`` and ``offload``."""
+    (_, _, _, _, _, _, sdp, ga, nodes, tp, pp, per_node, shard_gbit, intra, inter, busy, t_mb,
+     dp_overlap, dp_min_exposed, overlap_cost, opt_s, cpu_opt_s, off_s, fetch_s, _, _, _) = shared
     # --- data parallel (gradients / ZeRO shards of this rank's model-parallel slice) --------
     # Ulysses' ranks hold the same weights but different tokens: DeepSpeed reduces the gradients
-    # (and ZeRO shards the states) over the sequence-data-parallel group, dp x cp ranks
-    sdp = dp * cp
+    # (and ZeRO shards the states) over the sequence-data-parallel group, dp x cp ranks (sdp)
     if sdp > 1:
         # ZeRO-3: gather fwd + gather bwd + reduce-scatter, per micro-batch; ZeRO-2: reduce-scatter
         # per micro-batch + one parameter all-gather; else one all-reduce per step (no_sync while
@@ -461,30 +501,12 @@ def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_
         # backward; gradient reduction (DDP buckets, ZeRO-1/2) overlaps the backward only
         window = busy if zero >= 3 else (2.0 / 3.0) * (busy if zero == 2 else t_mb)
         exposed = raw - dp_overlap * window
-        floor = dp_min_exposed * raw
-        if exposed < floor:
-            exposed = floor
+        least = dp_min_exposed * raw
+        if exposed < least:
+            exposed = least
         dp_comm = exposed + overlap_cost * (raw - exposed)   # hidden comms still slow compute
     else:
         dp_comm = 0.0
-
-    # --- tensor parallel all-reduces (critical path); TP groups stay inside a node when they fit
-    if tp > 1:
-        tp_comm = ga * (tp_gbit + vpp * bound_gbit) / (intra if tp <= per_node or intra < inter / per_node
-                                                       else inter / per_node)
-    else:
-        tp_comm = 0.0
-    # --- pipeline point-to-point -----------------------------------------------------------------
-    if pp > 1:
-        pp_comm = pp_gbit / (inter / per_node if nodes > 1 and dp < nodes else intra)
-        if vpp > 1:
-            # fill and drain cross every chunk boundary, pp vpp - 1 of them instead of pp - 1
-            # (the same paper: interleaving multiplies the point-to-point volume by vpp)
-            pp_comm *= (pp * vpp - 1) / (pp - 1)
-    else:
-        pp_comm = 0.0
-    # --- sequence-parallel all-to-alls (critical path; cp groups are consecutive ranks of a node)
-    cp_comm = ga * cp_gbit / intra if cp > 1 else 0.0
 
     # --- optimizer step (ZeRO shards it over dp), offload -----------------------------------------
     if offload == "none":
@@ -495,7 +517,23 @@ def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_
         off = off_s / sdp if zero >= 1 else off_s
         if offload == "optimizer+params":
             off += fetch_s * ga
-    return compute, bubble, dp_comm, tp_comm, pp_comm, optimizer, off, step_over + ga * mb_over, memory, cp_comm
+    return dp_comm, optimizer, off
+
+
+def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_gbps: float | None,
+           f: Factors) -> tuple[float, float, float, float, float, float, float, float, float, float]:
+    """The parts of ``StepTime`` in field order (compute, bubble, dp_comm, tp_comm, pp_comm,
+    optimizer, offload, overhead, memory, cp_comm); see ``step_time_breakdown``."""
+    sh = shared_parts(spec, plan, gpu, seq_len=seq_len, nodes=nodes, inter_node_gbps=inter_node_gbps, factors=f)
+    dp_comm, optimizer, off = _zero_parts(sh, *_zero_offload(plan))
+    return sh[24], sh[25], dp_comm, sh[2], sh[3], optimizer, off, sh[4], sh[26], sh[5]
+
+
+def _zero_offload(plan: Any) -> tuple[int, str]:
+    try:        # plan-like objects may lack them (an exception costs ~1 us: only those pay it)
+        return plan.zero, plan.offload
+    except AttributeError:
+        return getattr(plan, "zero", 0), getattr(plan, "offload", "none")
 
 
 def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
@@ -518,9 +556,18 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
 def step_time(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
               inter_node_gbps: float | None = None, factors: Factors | None = None) -> float:
     """Predicted seconds per optimizer step (``step_time_breakdown(...).total``, without building it)."""
-    compute, bubble, dp_comm, tp_comm, pp_comm, optimizer, off, overhead, memory, cp_comm = _parts(
-        spec, plan, gpu, seq_len, nodes, inter_node_gbps, factors if factors is not None else calibrated_factors())
-    return compute + memory + bubble + dp_comm + tp_comm + pp_comm + optimizer + off + overhead + cp_comm
+    zero, offload = _zero_offload(plan)
+    return step_time_with(shared_parts(spec, plan, gpu, seq_len=seq_len, nodes=nodes,
+                                       inter_node_gbps=inter_node_gbps, factors=factors), zero, offload)
+
+
+def step_time_with(shared: tuple, zero: int, offload: str) -> float:
+    """``step_time`` of the plan ``shared`` (``shared_parts``) was made for, run with ``zero``
+    and ``offload``."""
+    dp_comm, optimizer, off = _zero_parts(shared, zero, offload)
+    # step_time_breakdown's total, in its order: (compute + memory + bubble) + dp_comm + tp_comm
+    # + pp_comm + optimizer + offload + overhead + cp_comm
+    return shared[1] + dp_comm + shared[2] + shared[3] + optimizer + off + shared[4] + shared[5]
 
 
 def tokens_per_s(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,

@@ -213,3 +213,47 @@ def test_sequence_parallel_is_enumerated_on_gpus_but_chosen_only_where_memory_bi
             if p.not_launchable is None][0]
     assert flat.step_time_s > best.step_time_s and (flat.tp > 1 or flat.act_ckpt == "full")
     assert all(p.cp == 1 for p in plans_for_job(short, {"CPU": 2}, gpus_per_node=2)["CPU"])
+
+
+def test_the_planner_times_only_plans_it_may_keep_and_keeps_what_timing_all_would(monkeypatch):
+    """Per GPU count the planner keeps the few fastest plans; it asks step times only of the
+    candidates whose shared floor does not prove them slower. Timing every candidate with
+    ``throughput.step_time`` itself must give the same plans, in the same order, to the bit,
+    also with a filter, eager attention (selective checkpointing) and narrow nodes."""
+    from estimator import plans as plans_mod
+    from estimator.plan_filter import parse_plan_filter
+    from estimator.throughput import step_time
+
+    def time_all(cands, spec, gpu, seq_len, nodes, precision, attention, factors):
+        for c in cands:
+            mb, base = c[2], c[3]
+            shape = plans_mod._PlanShape(base.dp, base.tp, base.pp, base.cp, base.zero, base.offload,
+                                         base.act_ckpt, mb, base.grad_accum // mb, precision, attention, base.vpp)
+            c[1] = step_time(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors)
+        return cands
+
+    timed = []
+    pruned_fastest = plans_mod._time_fastest
+
+    def counting(cands, *args):
+        out = pruned_fastest(cands, *args)
+        timed.append((len(cands), len(out)))
+        return out
+
+    inv = {"A100-40GB": 16, "H100-80GB": 24, "RTX3090-24GB": 8, "CPU": 4}
+    cases = [(dict(model="llama-3.2-1b", seq_len=2048, global_batch=64), {}),
+             (dict(model="gpt2-medium", seq_len=1024, global_batch=48, attention="eager"), {"gpus_per_node": 4}),
+             (dict(model="llama-3.1-8b", seq_len=4096, global_batch=32), {"plan_filter": parse_plan_filter("zero=3")})]
+    for job, kw in cases:
+        plans_mod._plans_cached.cache_clear()
+        monkeypatch.setattr(plans_mod, "_time_fastest", counting)
+        pruned = plans_for_job(job, inv, **kw)
+        plans_mod._plans_cached.cache_clear()
+        monkeypatch.setattr(plans_mod, "_time_fastest", time_all)
+        every = plans_for_job(job, inv, **kw)
+        assert sum(map(len, pruned.values())) > 0
+        assert {g: [p.model_dump() for p in ps] for g, ps in pruned.items()} == \
+            {g: [p.model_dump() for p in ps] for g, ps in every.items()}
+    plans_mod._plans_cached.cache_clear()
+    # and it did skip step times: fewer candidates timed than there were
+    assert sum(t for _, t in timed) < sum(n for n, _ in timed)
