@@ -265,14 +265,13 @@ def test_two_nodes_of_one_process_match_one_node_of_two(weights, one_node, tmp_p
 
 
 @pytest.mark.slow
-def test_a_two_node_checkpoint_resumes_on_one_node(weights, tmp_path):
+def test_a_two_node_checkpoint_resumes_on_one_node(weights, one_node, tmp_path):
     """Re-plan 2 nodes -> 1: two steps as two nodes of one process each, then the same job
     (same global batch) goes on on one node, under two processes and under one: its step 3
     equals step 3 of a one-node run of two processes (plain data-parallel states hold full
     tensors: the optimizer state comes along, a full resume)."""
-    from tests.test_parallel_plans import _resume_under, assert_matches, train
+    from tests.test_parallel_plans import _resume_under, assert_matches
 
-    one_node, _ = train(job(weights), plan(2), tmp_path / "one-node")
     results, _ = train_as_nodes(job(weights, train_steps=2), plan(2), tmp_path / "two-nodes",
                                 f"sqlite:///{tmp_path / 'l.db'}")
     assert_matches(results[0].losses, one_node.losses[:2])

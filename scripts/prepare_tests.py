@@ -1,0 +1,56 @@
+"""Build once, before the test suite, what its tests would otherwise build the first time they run
+on a machine (`make test` runs this; idempotent, seconds when everything is there):
+
+- DeepSpeed's JIT ops of a CPU run (CPU Adam for ZeRO-Offload, the shared-memory collectives every
+  DeepSpeed CPU process loads) into the extension folder the trainer's launches use: compiling them
+  took ~2 min of the first offload test on 2 cores;
+- the Airflow environment of tests/test_airflow_dag.py (58 s cold): skipped here, as there, when
+  it cannot be built or with FRENZY_AIRFLOW_TEST=0.
+
+A failure is reported and left to the tests (they build on first use, or skip with the reason).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DEEPSPEED_CPU_OPS = ("CPUAdamBuilder", "ShareMemCommBuilder")
+
+
+def build_deepspeed_ops() -> None:
+    from trainer.launcher import launch_env
+
+    # the environment of a CPU DeepSpeed launch: its TORCH_EXTENSIONS_DIR and accelerator
+    env = launch_env(["0"], cpu=True, deepspeed=True)
+    code = ("from deepspeed.accelerator import get_accelerator as g\n"
+            f"for name in {DEEPSPEED_CPU_OPS!r}: g().create_op_builder(name).load()\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"prepare_tests: DeepSpeed ops not built: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+        return
+    print(f"prepare_tests: DeepSpeed CPU ops ready in {env['TORCH_EXTENSIONS_DIR']} ({time.monotonic() - t0:.0f} s)")
+
+
+def build_airflow_env() -> None:
+    if os.environ.get("FRENZY_AIRFLOW_TEST") == "0":
+        return
+    from tests.test_airflow_dag import airflow_venv_path, ensure_airflow_venv
+
+    try:
+        path, built_s = ensure_airflow_venv(airflow_venv_path())
+    except (RuntimeError, subprocess.TimeoutExpired, OSError) as err:
+        print(f"prepare_tests: Airflow environment not built: {err}")
+        return
+    print(f"prepare_tests: Airflow environment {path} {'built in %.0f s' % built_s if built_s else 'reused'}")
+
+
+if __name__ == "__main__":
+    build_deepspeed_ops()
+    build_airflow_env()
