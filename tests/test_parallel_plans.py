@@ -295,15 +295,22 @@ def test_dp2_x_pp2_with_fsdp2_zero_matches_one_process(weights, reference, tmp_p
 
 
 @pytest.mark.slow
-def test_pp2_x_tp2_matches_one_process_and_replans_to_one(weights, reference, one_process_replanned, tmp_path):
+def test_pp2_x_tp2_matches_one_process_and_replans_to_one(weights, reference_run, one_process_replanned, tmp_path):
     """pp=2 x tp=2 (4 ranks: each stage's layers, embeddings and head sharded over its 2 tp
     ranks by torch's DTensor tensor parallel, 1F1B over 2 micro-batches): the single-process
-    losses. Its step-2 checkpoint holds whole tensors gathered from the tp shards, so a re-plan
-    onto one process from the consolidated weights gives the single-process re-plan's step 3."""
+    losses, and its global gradient norm before clipping (``grad_norm`` of the step lines; the
+    norm ~1.5 > grad_clip 1, so every step clips) that of the single process. Its step-2
+    checkpoint holds whole tensors gathered from the tp shards: it resumes fully under the same
+    plan to the uninterrupted step 3, and a re-plan onto one process from the consolidated
+    weights gives the single-process re-plan's step 3."""
     from safetensors.torch import load_file
 
-    res, lines = train(job(weights), plan(4, pp=2, tp=2, micro_batch=2), tmp_path / "run")
-    assert_matches(res.losses, reference)
+    p = plan(4, pp=2, tp=2, micro_batch=2)
+    res, lines = train(job(weights), p, tmp_path / "run")
+    assert_matches(res.losses, reference_run.losses)
+    norms = grad_norms(res.run_dir)
+    assert len(norms) == 3 and min(norms) > 1.0
+    assert_matches(norms, grad_norms(reference_run.run_dir))
     assert any("dp=1 pp=2 vpp=1 zero=0 tp=2" in line and "Schedule1F1B" in line for line in lines)
     assert res.optimizer_impl == "torch.distributed.tensor.parallel(torch.optim.AdamW(fused))"
     step2 = Path(res.run_dir) / "checkpoints" / "step-00000002"
@@ -312,9 +319,19 @@ def test_pp2_x_tp2_matches_one_process_and_replans_to_one(weights, reference, on
     shapes = {"model.embed_tokens.weight": (256, 64), "lm_head.weight": (256, 64),
               "model.layers.0.self_attn.k_proj.weight": (32, 64), "model.layers.1.mlp.down_proj.weight": (64, 172)}
     assert {k: tuple(whole[k].shape) for k in shapes} == shapes
+    assert_resumes_fully(res, step2, job(weights), p, tmp_path / "again")
     moved, lines = _resume_under(step2, job(weights), plan(1, zero=1), tmp_path / "one")
     assert any(line.startswith("FRENZY_RESUME") and '"mode": "weights"' in line for line in lines)
     assert_matches(moved.losses, one_process_replanned.losses)
+
+
+def grad_norms(run_dir) -> list[float]:
+    """The ``grad_norm`` of every step line in a run's first attempt log."""
+    from trainer.loglines import parse_line
+    from trainer.runner import attempt_log
+
+    parsed = [parse_line(line) for line in attempt_log(Path(run_dir), 1).read_text().splitlines()]
+    return [p[1]["grad_norm"] for p in parsed if p is not None and p[0] == "FRENZY_STEP"]
 
 
 def test_the_pipeline_norm_counts_every_gradient_value_once():
@@ -323,7 +340,7 @@ def test_the_pipeline_norm_counts_every_gradient_value_once():
     its dp replicas, FSDP2's shards (a ``_StridedShard`` over dp beside tp) over none."""
     from types import SimpleNamespace
 
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from trainer.parallel.pipeline import copies
@@ -335,6 +352,39 @@ def test_the_pipeline_norm_counts_every_gradient_value_once():
     assert copies(grad(Shard(0), sizes=[2]), 4) == 2                                   # tp only, dp=2
     assert copies(grad(_StridedShard(0, split_factor=2), Shard(0), sizes=[2, 2]), 4) == 1   # FSDP2 x tp
     assert copies(grad(Shard(0), sizes=[2]), 2) == 1 and copies(grad(Replicate(), sizes=[2]), 4) == 4
+    assert copies(grad(Partial(), sizes=[2]), 4) is None          # no norm: every rank stops (Pipeline.step)
+
+
+def test_tensor_parallel_stage_optimizer_keeps_dtensors_and_plain_tensors_apart(tmp_path):
+    """A Qwen2-style stage (q/k/v biases) under the pipeline's tensor parallel holds DTensors
+    (matrices and the sharded biases) beside plain tensors (norms); torch's optimizers refuse a
+    group mixing them (``got mixed torch.Tensor and DTensor``), so each group is one kind. One
+    process (a 1-rank tp mesh) makes the same DTensors as tp=2, without a launch."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.optim import make_optimizer
+    from trainer.parallel.pipeline import build_stage_module, causal_lm_loss, tensor_parallel, vocab_parallel_loss
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY, "model_type": "qwen2"}))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        chunk = build_stage_module(model, 0, 1)
+        tensor_parallel(model, [chunk], init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+        opt, _ = make_optimizer("adamw", chunk, lr=1e-3, optim={"weight_decay": 0.1}, device_type="cpu",
+                                zero=0, offload="none")
+        kinds = [({hasattr(p, "device_mesh") for p in g["params"]}, {p.dim() >= 2 for p in g["params"]},
+                  g["weight_decay"]) for g in opt.param_groups]
+        assert kinds == [({True}, {True}, 0.1), ({True}, {False}, 0.0), ({False}, {False}, 0.0)]
+        x = torch.randint(0, TINY["vocab_size"], (2, 8))
+        with vocab_parallel_loss(True):
+            causal_lm_loss(chunk(x), x).backward()
+        opt.step()                                       # raised on a mixed group before the split
+    finally:
+        dist.destroy_process_group()
 
 
 def assert_resumes_fully(res, step2: Path, j: TrainingJob, p: Plan, run_dir: Path) -> None:
@@ -401,6 +451,12 @@ def test_pipeline_plans_the_trainer_launches_and_refuses():
     with pytest.raises(FrenzyInputError, match="ZeRO-1 beside pipeline and tensor parallel is not run") as e:
         check_realisable(plan(8, pp=2, tp=2, zero=1, micro_batch=2))
     assert e.value.field == "plan.zero" and "\n" not in str(e.value)
+    from trainer.launch_config import check_heads
+
+    for p, backend in ((plan(8, pp=2, tp=4, micro_batch=2), "torch's DTensor tensor parallel"),
+                       (plan(4, tp=4), "DeepSpeed AutoTP")):                # TINY: 2 KV heads
+        with pytest.raises(FrenzyInputError, match=f"tp=4 must divide .* 2 KV heads \\({backend} gives"):
+            check_heads(p, 4, 2)
     with pytest.raises(FrenzyInputError, match="built for llama decoders"):
         check_pipeline_model(plan(2, pp=2, micro_batch=2), "gpt")
     pp2 = {"deepspeed": False, "zero": 0, "world": 2, "offload": "none", "pp": 2}
