@@ -509,31 +509,44 @@ def test_the_planner_launches_pipelines_beside_fsdp2_zero_and_counts_its_shards(
 
 def test_the_planner_launches_pipeline_x_tensor_parallel_and_counts_what_it_runs():
     """pp x tp plans are enumerated launchable (ZeRO-1 beside them refused in one line). The
-    throughput model charges the stage boundaries' scatter-gather: 1/tp of the activations
-    sent per tp rank, and two all-gathers per micro-batch and chunk on the tp link. A tied
-    model's two embedding copies are summed whole at the step (the first stage holds two whole
-    gradients then, the last one)."""
+    throughput model charges what the trainer sends: the stage boundaries' scatter-gather (1/tp
+    of the activations sent per tp rank, two all-gathers per chunk boundary and micro-batch on
+    the tp link), the first stage's embedding all-gather and the last stage's head input-gradient
+    all-reduce, and once per step a tied model's gradient summed between the first and last
+    stage. A tied model's two embedding copies are summed whole at the step (the first stage
+    holds two whole gradients then, the last one)."""
     from estimator.catalog import get_gpu
     from estimator.models import resolve_model
     from estimator.plan_filter import parse_plan_filter
     from estimator.plans import estimate_plan, plans_for_job
-    from estimator.throughput import step_time_breakdown
+    from estimator.throughput import DEFAULT_FACTORS, step_time_breakdown
 
     big = {"model": "llama-3.2-1b", "seq_len": 2048, "global_batch": 16, "train_steps": 1}
     found = plans_for_job(big, {"H100-80GB": 8}, plan_filter=parse_plan_filter("pp=2,tp=2"))["H100-80GB"]
     assert any(p.not_launchable is None and p.dp > 1 for p in found)
     assert all(p.not_launchable.startswith("plan.zero: ZeRO-1 beside") for p in found if p.zero == 1)
     spec, gpu = resolve_model("llama-3.2-1b"), get_gpu("H100-80GB")
-    at = dict(gpu_type="H100-80GB", dp=1, tp=2, micro_batch=1, grad_accum=4, precision="bf16")
-    one, two, inter = (step_time_breakdown(spec, Plan(gpus=2 * pp, pp=pp, vpp=vpp, **at), gpu, seq_len=2048)
-                       for pp, vpp in ((1, 1), (2, 1), (2, 2)))
-    # per micro-batch: a layer's 4 all-reduces move 4 x 2 (n-1)/n of the activations, the
-    # boundary's 2 all-gathers 2 (n-1)/n: a quarter of a layer's
-    layer = one.tp_comm / (4 * spec.layers)
-    gather = (two.tp_comm - one.tp_comm / 2) / 4
-    assert gather == pytest.approx(layer / 4) and inter.tp_comm - one.tp_comm / 2 == pytest.approx(2 * 4 * gather)
-    assert two.pp_comm == pytest.approx(step_time_breakdown(spec, Plan(gpus=2, pp=2, **{**at, "tp": 1}), gpu,
-                                                            seq_len=2048).pp_comm / 2)
+    untied = spec.model_copy(update={"tied_embeddings": False})
+    at = dict(gpu_type="H100-80GB", dp=1, micro_batch=1, grad_accum=4, precision="bf16")
+
+    def times(model, tp, pp, vpp=1):
+        return step_time_breakdown(model, Plan(gpus=tp * pp, tp=tp, pp=pp, vpp=vpp, **at), gpu, seq_len=2048,
+                                   factors=DEFAULT_FACTORS)
+
+    one, two, inter = times(spec, 2, 1), times(spec, 2, 2), times(spec, 2, 2, 2)
+    # per micro-batch a layer's 4 all-reduces move 8 all-gathers' volume ((n-1)/n of the
+    # activations each); beside pp a rank adds 2 vpp + 1/pp all-gathers (2 per chunk boundary,
+    # the embeddings' 1 and the head's all-reduce 2, spread over the pp ranks)
+    gather = one.tp_comm / (4 * spec.layers) / 8
+    assert (two.tp_comm - one.tp_comm / 2) / 4 == pytest.approx((2 + 1 / 2) * gather)
+    assert (inter.tp_comm - one.tp_comm / 2) / 4 == pytest.approx((4 + 1 / 2) * gather)
+    # the tied gradient's all-reduce over the first and last stage: the whole V x hidden (bf16)
+    # once per step, beside tp after gathering it from the (2) tp shards
+    tie1, tie2 = (times(spec, tp, 2).pp_comm - times(untied, tp, 2).pp_comm for tp in (1, 2))
+    intra = gpu.intra_link_gbps * DEFAULT_FACTORS.nvlink_eff
+    assert spec.tied and tie1 == pytest.approx(spec.vocab * spec.hidden * 2 * 8 / 1e9 / intra)
+    assert tie2 == pytest.approx(1.5 * tie1)
+    assert two.pp_comm - tie2 == pytest.approx((times(spec, 1, 2).pp_comm - tie1) / 2)   # 1/tp sent per rank
     small = {**big, "seq_len": 64, "global_batch": 2}       # the step binds: few activations
     tp2 = estimate_plan(small, Plan(gpu_type="H100-80GB", gpus=4, dp=1, tp=2, pp=2, micro_batch=1, grad_accum=2,
                                     precision="bf16"))
