@@ -10,7 +10,8 @@ step = matmuls at the GPU's sustained tensor rate, plus the operand traffic they
      + pipeline bubble (interleaved 1F1B: divided by the virtual stages ``vpp``)
      + exposed data-parallel communication (all-reduce, or ZeRO reduce-scatter / all-gather),
        over the slowest link the data-parallel group crosses, minus what overlaps compute
-     + tensor-parallel all-reduces (on the critical path) + pipeline point-to-point
+     + tensor-parallel all-reduces (on the critical path) + pipeline point-to-point (and a
+       tied embedding's gradient summed between the first and last stage)
      + sequence-parallel (DeepSpeed Ulysses) all-to-alls of q, k, v and the attention output
      + optimizer step (memory-bound) + CPU-offload traffic + a fixed per-micro-batch overhead
 
@@ -366,7 +367,8 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
     # a tied head's gradient summed between the first and last stage once per step, before the
     # global norm every rank waits for (trainer.parallel.pipeline.Pipeline.sum_tied_gradients): an
     # all-reduce over those 2 ranks moves the whole V x hidden gradient (2 x 1/2 of it); beside
-    # tensor parallel each stage first gathers it whole from its tp shards ((tp-1)/tp of it).
+    # tensor parallel each stage first gathers it whole from its tp shards ((tp-1)/tp of it,
+    # charged on the same link).
     # ZeRO-2/3 without tp reduces each replica's 1/dp shard only; counted whole (ZeRO-independent)
     tie_gbit = (c.tied_elems * nbytes * 8.0 / 1e9 * (1.0 + _ring(tp)) if pp > 1 else 0.0)
     params_mp = c.params / mp                       # this rank's model-parallel slice
