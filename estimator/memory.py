@@ -769,7 +769,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         # --- persistent buffers ---
         other_fixed = 0.0
         after_bwd = 0.0                                # buffers made once the backward is over
-        if spec.tied and p > 1 and t > 1 and (first or last) and prof.pipeline_torch_zero:
+        if spec.tied and p > 1 and t > 1 and (first or last) and prof.pipeline_tie_whole:
             # the frenzy pipeline sums a tied embedding's two copies whole beside tensor parallel
             # (the embeddings shard the hidden size, the head the vocabulary:
             # Pipeline.sum_tied_gradients): after the backward the first and last stage gather

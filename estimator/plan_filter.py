@@ -104,7 +104,7 @@ def check_heads(flt: PlanFilter, spec) -> None:
     knob and the heads (``spec``: the job's ``ModelSpec``), before any plan is looked at."""
     from .plans import heads_rule
 
-    why = heads_rule(int(flt.get("tp", 1)), int(flt.get("cp", 1)), spec.heads, spec.n_kv)
+    why = heads_rule(int(flt.get("tp", 1)), int(flt.get("cp", 1)), spec.heads, spec.n_kv, int(flt.get("pp", 1)))
     if why is not None:
         raise FrenzyInputError(FIELD, f"{describe(flt)!r}: {why.removeprefix('plan.')}")
 

@@ -278,18 +278,18 @@ def _launch_rule(tp: int, pp: int, cp: int, gpus: int, dp: int, zero: int, offlo
             check_pipeline_model(probe, arch, layers)
     except FrenzyInputError as err:
         return f"{err.field}: {err.rule}"
-    return heads_rule(tp, cp, heads, kv_heads) if heads is not None else None
+    return heads_rule(tp, cp, heads, kv_heads, pp) if heads is not None else None
 
 
-def heads_rule(tp: int, cp: int, heads: int, kv_heads: int | None = None) -> str | None:
+def heads_rule(tp: int, cp: int, heads: int, kv_heads: int | None = None, pp: int = 1) -> str | None:
     """Why the trainer cannot split the model's attention heads over ``tp`` and ``cp`` ranks
-    (``trainer.launch_config.check_heads``, one line), or None."""
+    (``trainer.launch_config.check_heads``, one line; ``pp`` names the tp backend), or None."""
     try:
         from trainer.launch_config import check_heads
     except ImportError:          # an estimator installed without the trainer: nothing to check
         return None
     try:
-        check_heads(Plan.model_construct(gpu_type="probe", tp=tp, cp=cp), heads, kv_heads)
+        check_heads(Plan.model_construct(gpu_type="probe", tp=tp, cp=cp, pp=pp), heads, kv_heads)
     except FrenzyInputError as err:
         return f"{err.field}: {err.rule}"
     return None

@@ -18,6 +18,7 @@ both (``check_knobs``).
 | ``master_copy_when_pure`` | a 16-bit run without fp32 master still keeps a separate 16-bit master partition |
 | ``lora`` / ``qlora`` | the profile runs adapters (PEFT / its own LoRA) |
 | ``pipeline_torch_zero`` | a pipeline's ZeRO is torch's (ZeroRedundancyOptimizer at 1: its zero 0 states, optimizer states sharded; FSDP2 at 2/3), not DeepSpeed's |
+| ``pipeline_tie_whole`` | a pipeline beside tp sums a tied embedding's two copies as whole gradients (embeddings sharded over the hidden size, the head over the vocabulary), not shard by shard |
 | ``fsdp2_copy_in`` | FSDP2 copies a unit's unsharded gradients into one reduce-scatter input before freeing them |
 | ``job_knobs_only`` | the profile runs only what a Frenzy job can ask for (no loss kernel, activation offloading, optimizer in backward, fused kernels, paged optimizer) |
 Pure: no torch.
@@ -52,6 +53,12 @@ class Profile:
     # its zero 0, optimizer states divided by dp, no DeepSpeed reduce bucket; ZeRO-2/3 with
     # FSDP2 over the same replicas (pipeline.fsdp; ZeRO-2 as FSDP's SHARD_GRAD_OP)
     pipeline_torch_zero: bool = False
+    # Frenzy's pipeline beside tensor parallel shards the embeddings over the hidden size and the
+    # head over the vocabulary, so a tied embedding's two gradients are summed whole
+    # (trainer/parallel/pipeline.py, Pipeline.sum_tied_gradients): a transient of the whole
+    # V x e gradient after the backward on the first and last stage. Megatron's embeddings and
+    # head are both vocabulary-parallel and sum shard by shard (no such transient)
+    pipeline_tie_whole: bool = False
     # FSDP2 (fully_shard): foreach_reduce allocates the reduce-scatter input (the unit's size, in
     # the reduce dtype), copies the unsharded gradients in, and only then frees them
     # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: "Only after the copy-in
@@ -76,6 +83,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
     # foreach AdamW by bench/estimator_gpu_measure.py; bench/estimator_accuracy.py says so.)
     Profile("frenzy", "Frenzy's own trainer (Accelerate + HF models; DeepSpeed for ZeRO)",
             adamw_impl="fused", overlap_comm="off", job_knobs_only=True, pipeline_torch_zero=True,
+            pipeline_tie_whole=True,
             measured="54 H200 runs of the trainer (bench/estimator_measured_h200*.json)"),
     Profile("hf", "Hugging Face Trainer or a plain PyTorch loop over HF/timm models "
                   "(torch AMP or a model loaded in 16 bits; DDP; torch AdamW)",

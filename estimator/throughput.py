@@ -10,7 +10,8 @@ step = matmuls at the GPU's sustained tensor rate, plus the operand traffic they
      + pipeline bubble (interleaved 1F1B: divided by the virtual stages ``vpp``)
      + exposed data-parallel communication (all-reduce, or ZeRO reduce-scatter / all-gather),
        over the slowest link the data-parallel group crosses, minus what overlaps compute
-     + tensor-parallel all-reduces (on the critical path) + pipeline point-to-point
+     + tensor-parallel all-reduces (on the critical path) + pipeline point-to-point (and a
+       tied embedding's gradient summed between the first and last stage)
      + sequence-parallel (DeepSpeed Ulysses) all-to-alls of q, k, v and the attention output
      + optimizer step (memory-bound) + CPU-offload traffic + a fixed per-micro-batch overhead
 
@@ -155,8 +156,9 @@ class StepTime:
         return d
 
 
-def _spec_dims(spec: Any) -> tuple[float, int, int, int, float]:
-    """params, layers, hidden, the LM head's vocabulary (0 without a head) and matmul params.
+def _spec_dims(spec: Any) -> tuple[float, int, int, int, float, bool]:
+    """params, layers, hidden, the LM head's vocabulary (0 without a head), matmul params and
+    whether the head is tied to the input embedding.
 
     The input embedding is a lookup, not a matmul; a tied head still multiplies by it. A model
     without an LM head (``lm_head=False``: e.g. a span or classification head) only looks it up.
@@ -171,7 +173,7 @@ def _spec_dims(spec: Any) -> tuple[float, int, int, int, float]:
     tied = True if tied is None else bool(tied)
     head = bool(getattr(spec, "lm_head", True))
     matmul_params = params - (0 if tied and head else vocab * hidden)
-    return params, layers, hidden, vocab if head else 0, matmul_params
+    return params, layers, hidden, vocab if head else 0, matmul_params, tied and head
 
 
 def _shape_dims(spec: Any, hidden: int) -> tuple[int, int, int, bool, bool]:
@@ -208,7 +210,7 @@ def _attn_flops(layers: int, hidden: int, seq_len: int, f: Factors) -> float:
 def flops_per_token(spec: Any, seq_len: int, act_ckpt: str = "none",
                     factors: Factors = DEFAULT_FACTORS) -> float:
     """Training FLOPs per token (forward + backward, plus recomputation)."""
-    _, layers, hidden, _, matmul_params = _spec_dims(spec)
+    _, layers, hidden, _, matmul_params, _ = _spec_dims(spec)
     attn = _attn_flops(layers, hidden, seq_len, factors)
     base = 6.0 * matmul_params + attn
     if act_ckpt == "full":
@@ -244,6 +246,7 @@ class _Ctx:
     elem_h: float        # norms + residuals, per layer per token
     elem_ffn: float      # MLP activation, per layer per token (before / tp)
     loss: float          # cross entropy over the vocabulary, per token (before / (tp pp))
+    tied_elems: float    # a tied head's weight elements (vocab x hidden); 0 untied
 
 
 _ctx_cache: dict[tuple, tuple[Any, Any, Any, _Ctx]] = {}
@@ -255,7 +258,7 @@ def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision
     hit = _ctx_cache.get(key)
     if hit is not None and hit[0] is spec and hit[1] is gpu and hit[2] is f:
         return hit[3]
-    params, layers, hidden, vocab, mm_params, heads, kv, ffn, gated, causal = _dims(spec)
+    params, layers, hidden, vocab, mm_params, tied, heads, kv, ffn, gated, causal = _dims(spec)
     nbytes = _BYTES.get(precision, 2)
     util = f.util.get(gpu.name, gpu.util)
     if precision == "fp32" and matmul_precision != "tf32" and not gpu.is_cpu:
@@ -287,7 +290,7 @@ def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision
              mm_flops=6.0 * mm_params,
              attn_flops=_attn_flops(layers, hidden, s, f), g0=g0, g1=g1, g2=g2, gv0=gv[0], gv1=gv[1], gv2=gv[2],
              attn_io=attn_io, a2a=q_kv + h, elem_h=f.norm_residual_bytes_per_h * h * half, elem_ffn=act * ffn * half,
-             loss=vocab * f.loss_bytes_per_vocab)
+             loss=vocab * f.loss_bytes_per_vocab, tied_elems=float(vocab * hidden) if tied else 0.0)
     if len(_ctx_cache) > 8192:
         _ctx_cache.clear()
     _ctx_cache[key] = (spec, gpu, f, c)
@@ -347,12 +350,9 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
     # Gbit over the link (seconds = Gbit / link Gbit/s)
     n_ar = 4 + (2 if act_ckpt == "full" else 0)
     tp_gbit = lay * n_ar * (2.0 * _ring(tp) * act_bytes) * 8.0 / 1e9 * (1.0 - f.tp_overlap) if tp > 1 else 0.0
-    # tensor parallel inside pipeline stages sends 1/tp of a boundary's activations per tp rank
-    # (Megatron-LM's scatter-gather; trainer.parallel.pipeline.holder): the receiving stage
-    # all-gathers the slices in the forward, the sending stage its output gradient's in the
-    # backward, two all-gathers ((n-1)/n of the tensor each) per micro-batch and chunk
-    bound_gbit = (2.0 * _ring(tp) * act_bytes * 8.0 / 1e9 * (1.0 - f.tp_overlap)
-                  if tp > 1 and pp > 1 else 0.0)
+    # tensor parallel inside pipeline stages (trainer.parallel.pipeline): one all-gather of a
+    # micro-batch's boundary activation ((n-1)/n of it per rank); ``shared_parts`` counts them
+    gather_gbit = _ring(tp) * act_bytes * 8.0 / 1e9 * (1.0 - f.tp_overlap) if tp > 1 and pp > 1 else 0.0
     # sequence parallel (DeepSpeed Ulysses, cp ranks inside a node): per layer and micro-batch the
     # forward trades each rank's s/cp tokens x all heads of q, k, v for all s tokens x heads/cp
     # (three all-to-alls before attention) and the attention output back (one after); the backward
@@ -364,11 +364,18 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
                if cp > 1 else 0.0)
     # pipeline point-to-point on the critical path (fill + drain), Gbit over the link
     pp_gbit = f.pp_p2p_exposed_factor * (pp - 1) * (act_bytes / tp) * 8.0 / 1e9 if pp > 1 else 0.0
+    # a tied head's gradient summed between the first and last stage once per step, before the
+    # global norm every rank waits for (trainer.parallel.pipeline.Pipeline.sum_tied_gradients): an
+    # all-reduce over those 2 ranks moves the whole V x hidden gradient (2 x 1/2 of it); beside
+    # tensor parallel each stage first gathers it whole from its tp shards ((tp-1)/tp of it,
+    # charged on the same link).
+    # ZeRO-2/3 without tp reduces each replica's 1/dp shard only; counted whole (ZeRO-independent)
+    tie_gbit = (c.tied_elems * nbytes * 8.0 / 1e9 * (1.0 + _ring(tp)) if pp > 1 else 0.0)
     params_mp = c.params / mp                       # this rank's model-parallel slice
     pcie = f.offload_pcie_gbs * 1e9
     entry = (compute_tok, memory_tok,
              params_mp * nbytes * 8.0 / 1e9,                   # its gradients / ZeRO shard, Gbit
-             intra, gpu.inter_node_gbps * f.network_eff, tp_gbit, bound_gbit, pp_gbit, cp_gbit,
+             intra, gpu.inter_node_gbps * f.network_eff, tp_gbit, gather_gbit, pp_gbit, tie_gbit, cp_gbit,
              params_mp * f.optimizer_bytes_per_param / bw,     # Adam step on the GPU, unsharded
              params_mp / f.cpu_adam_params_per_s,              # ... on the CPU (offload)
              params_mp * 4.0 / pcie,                           # offload: 16-bit grads down, params up
@@ -424,8 +431,8 @@ def shared_parts(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1
     s = stages.get(key)
     if s is None:
         s = _stage(stages, key, spec, gpu, f, seq_len, precision, matmul_precision, eager, cp, tp, pp, mb, act_ckpt)
-    compute_tok, memory_tok, shard_gbit, intra, inter, tp_gbit, bound_gbit, pp_gbit, cp_gbit, opt_s, cpu_opt_s, off_s, \
-        fetch_s, mb_over, step_over, dp_overlap, dp_min_exposed, overlap_cost = s
+    compute_tok, memory_tok, shard_gbit, intra, inter, tp_gbit, gather_gbit, pp_gbit, tie_gbit, cp_gbit, opt_s, \
+        cpu_opt_s, off_s, fetch_s, mb_over, step_over, dp_overlap, dp_min_exposed, overlap_cost = s
     if nodes < 1:
         nodes = 1
     per_node = -(-(dp * tp * pp * cp) // nodes)     # GPUs per node (ceil)
@@ -451,17 +458,27 @@ def shared_parts(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1
 
     # --- tensor parallel all-reduces (critical path); TP groups stay inside a node when they fit
     if tp > 1:
-        tp_comm = ga * (tp_gbit + vpp * bound_gbit) / (intra if tp <= per_node or intra < inter / per_node
-                                                       else inter / per_node)
+        # beside pp, per micro-batch and pipeline (trainer.parallel.pipeline): each of the
+        # pp vpp - 1 chunk boundaries sends 1/tp of the activation per tp rank and costs two
+        # all-gathers (``holder``: the receiver's of the slices in the forward, the sender's of
+        # their gradients in the backward), the first stage all-gathers the embeddings' hidden-size
+        # slices (one more) and the last stage all-reduces the head's input gradient (two
+        # all-gathers' volume): 2 pp vpp + 1 all-gathers, spread over the pp ranks as the head's
+        # and embeddings' work is (2 vpp + 1/pp per rank; 0 without pp)
+        gathers = 2.0 * vpp + 1.0 / pp
+        tp_comm = ga * (tp_gbit + gathers * gather_gbit) / (intra if tp <= per_node or intra < inter / per_node
+                                                            else inter / per_node)
     else:
         tp_comm = 0.0
     # --- pipeline point-to-point -----------------------------------------------------------------
     if pp > 1:
-        pp_comm = pp_gbit / (inter / per_node if nodes > 1 and dp < nodes else intra)
+        link = inter / per_node if nodes > 1 and dp < nodes else intra
+        pp_comm = pp_gbit / link
         if vpp > 1:
             # fill and drain cross every chunk boundary, pp vpp - 1 of them instead of pp - 1
             # (the same paper: interleaving multiplies the point-to-point volume by vpp)
             pp_comm *= (pp * vpp - 1) / (pp - 1)
+        pp_comm += tie_gbit / link
     else:
         pp_comm = 0.0
     # --- sequence-parallel all-to-alls (critical path; cp groups are consecutive ranks of a node)

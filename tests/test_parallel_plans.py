@@ -296,15 +296,22 @@ def test_dp2_x_pp2_with_fsdp2_zero_matches_one_process(weights, reference, tmp_p
 
 
 @pytest.mark.slow
-def test_pp2_x_tp2_matches_one_process_and_replans_to_one(weights, reference, one_process_replanned, tmp_path):
+def test_pp2_x_tp2_matches_one_process_and_replans_to_one(weights, reference_run, one_process_replanned, tmp_path):
     """pp=2 x tp=2 (4 ranks: each stage's layers, embeddings and head sharded over its 2 tp
     ranks by torch's DTensor tensor parallel, 1F1B over 2 micro-batches): the single-process
-    losses. Its step-2 checkpoint holds whole tensors gathered from the tp shards, so a re-plan
-    onto one process from the consolidated weights gives the single-process re-plan's step 3."""
+    losses, and its global gradient norm before clipping (``grad_norm`` of the step lines; the
+    norm ~1.5 > grad_clip 1, so every step clips) that of the single process. Its step-2
+    checkpoint holds whole tensors gathered from the tp shards: it resumes fully under the same
+    plan to the uninterrupted step 3, and a re-plan onto one process from the consolidated
+    weights gives the single-process re-plan's step 3."""
     from safetensors.torch import load_file
 
-    res, lines = train(job(weights), plan(4, pp=2, tp=2, micro_batch=2), tmp_path / "run")
-    assert_matches(res.losses, reference)
+    p = plan(4, pp=2, tp=2, micro_batch=2)
+    res, lines = train(job(weights), p, tmp_path / "run")
+    assert_matches(res.losses, reference_run.losses)
+    norms = grad_norms(res.run_dir)
+    assert len(norms) == 3 and min(norms) > 1.0
+    assert_matches(norms, grad_norms(reference_run.run_dir))
     assert any("dp=1 pp=2 vpp=1 zero=0 tp=2" in line and "Schedule1F1B" in line for line in lines)
     assert res.optimizer_impl == "torch.distributed.tensor.parallel(torch.optim.AdamW(fused))"
     step2 = Path(res.run_dir) / "checkpoints" / "step-00000002"
@@ -313,9 +320,19 @@ def test_pp2_x_tp2_matches_one_process_and_replans_to_one(weights, reference, on
     shapes = {"model.embed_tokens.weight": (256, 64), "lm_head.weight": (256, 64),
               "model.layers.0.self_attn.k_proj.weight": (32, 64), "model.layers.1.mlp.down_proj.weight": (64, 172)}
     assert {k: tuple(whole[k].shape) for k in shapes} == shapes
+    assert_resumes_fully(res, step2, job(weights), p, tmp_path / "again")
     moved, lines = _resume_under(step2, job(weights), plan(1, zero=1), tmp_path / "one")
     assert any(line.startswith("FRENZY_RESUME") and '"mode": "weights"' in line for line in lines)
     assert_matches(moved.losses, one_process_replanned.losses)
+
+
+def grad_norms(run_dir) -> list[float]:
+    """The ``grad_norm`` of every step line in a run's first attempt log."""
+    from trainer.loglines import parse_line
+    from trainer.runner import attempt_log
+
+    parsed = [parse_line(line) for line in attempt_log(Path(run_dir), 1).read_text().splitlines()]
+    return [p[1]["grad_norm"] for p in parsed if p is not None and p[0] == "FRENZY_STEP"]
 
 
 def test_the_pipeline_norm_counts_every_gradient_value_once():
@@ -324,7 +341,7 @@ def test_the_pipeline_norm_counts_every_gradient_value_once():
     its dp replicas, FSDP2's shards (a ``_StridedShard`` over dp beside tp) over none."""
     from types import SimpleNamespace
 
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from trainer.parallel.pipeline import copies
@@ -336,6 +353,39 @@ def test_the_pipeline_norm_counts_every_gradient_value_once():
     assert copies(grad(Shard(0), sizes=[2]), 4) == 2                                   # tp only, dp=2
     assert copies(grad(_StridedShard(0, split_factor=2), Shard(0), sizes=[2, 2]), 4) == 1   # FSDP2 x tp
     assert copies(grad(Shard(0), sizes=[2]), 2) == 1 and copies(grad(Replicate(), sizes=[2]), 4) == 4
+    assert copies(grad(Partial(), sizes=[2]), 4) is None          # no norm: every rank stops (Pipeline.step)
+
+
+def test_tensor_parallel_stage_optimizer_keeps_dtensors_and_plain_tensors_apart(tmp_path):
+    """A Qwen2-style stage (q/k/v biases) under the pipeline's tensor parallel holds DTensors
+    (matrices and the sharded biases) beside plain tensors (norms); torch's optimizers refuse a
+    group mixing them (``got mixed torch.Tensor and DTensor``), so each group is one kind. One
+    process (a 1-rank tp mesh) makes the same DTensors as tp=2, without a launch."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.optim import make_optimizer
+    from trainer.parallel.pipeline import build_stage_module, causal_lm_loss, tensor_parallel, vocab_parallel_loss
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY, "model_type": "qwen2"}))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        chunk = build_stage_module(model, 0, 1)
+        tensor_parallel(model, [chunk], init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+        opt, _ = make_optimizer("adamw", chunk, lr=1e-3, optim={"weight_decay": 0.1}, device_type="cpu",
+                                zero=0, offload="none")
+        kinds = [({hasattr(p, "device_mesh") for p in g["params"]}, {p.dim() >= 2 for p in g["params"]},
+                  g["weight_decay"]) for g in opt.param_groups]
+        assert kinds == [({True}, {True}, 0.1), ({True}, {False}, 0.0), ({False}, {False}, 0.0)]
+        x = torch.randint(0, TINY["vocab_size"], (2, 8))
+        with vocab_parallel_loss(True):
+            causal_lm_loss(chunk(x), x).backward()
+        opt.step()                                       # raised on a mixed group before the split
+    finally:
+        dist.destroy_process_group()
 
 
 def assert_resumes_fully(res, step2: Path, j: TrainingJob, p: Plan, run_dir: Path) -> None:
@@ -402,6 +452,12 @@ def test_pipeline_plans_the_trainer_launches_and_refuses():
     with pytest.raises(FrenzyInputError, match="ZeRO-1 beside pipeline and tensor parallel is not run") as e:
         check_realisable(plan(8, pp=2, tp=2, zero=1, micro_batch=2))
     assert e.value.field == "plan.zero" and "\n" not in str(e.value)
+    from trainer.launch_config import check_heads
+
+    for p, backend in ((plan(8, pp=2, tp=4, micro_batch=2), "torch's DTensor tensor parallel"),
+                       (plan(4, tp=4), "DeepSpeed AutoTP")):                # TINY: 2 KV heads
+        with pytest.raises(FrenzyInputError, match=f"tp=4 must divide .* 2 KV heads \\({backend} gives"):
+            check_heads(p, 4, 2)
     with pytest.raises(FrenzyInputError, match="built for llama decoders"):
         check_pipeline_model(plan(2, pp=2, micro_batch=2), "gpt")
     pp2 = {"deepspeed": False, "zero": 0, "world": 2, "offload": "none", "pp": 2}
@@ -454,31 +510,44 @@ def test_the_planner_launches_pipelines_beside_fsdp2_zero_and_counts_its_shards(
 
 def test_the_planner_launches_pipeline_x_tensor_parallel_and_counts_what_it_runs():
     """pp x tp plans are enumerated launchable (ZeRO-1 beside them refused in one line). The
-    throughput model charges the stage boundaries' scatter-gather: 1/tp of the activations
-    sent per tp rank, and two all-gathers per micro-batch and chunk on the tp link. A tied
-    model's two embedding copies are summed whole at the step (the first stage holds two whole
-    gradients then, the last one)."""
+    throughput model charges what the trainer sends: the stage boundaries' scatter-gather (1/tp
+    of the activations sent per tp rank, two all-gathers per chunk boundary and micro-batch on
+    the tp link), the first stage's embedding all-gather and the last stage's head input-gradient
+    all-reduce, and once per step a tied model's gradient summed between the first and last
+    stage. A tied model's two embedding copies are summed whole at the step (the first stage
+    holds two whole gradients then, the last one)."""
     from estimator.catalog import get_gpu
     from estimator.models import resolve_model
     from estimator.plan_filter import parse_plan_filter
     from estimator.plans import estimate_plan, plans_for_job
-    from estimator.throughput import step_time_breakdown
+    from estimator.throughput import DEFAULT_FACTORS, step_time_breakdown
 
     big = {"model": "llama-3.2-1b", "seq_len": 2048, "global_batch": 16, "train_steps": 1}
     found = plans_for_job(big, {"H100-80GB": 8}, plan_filter=parse_plan_filter("pp=2,tp=2"))["H100-80GB"]
     assert any(p.not_launchable is None and p.dp > 1 for p in found)
     assert all(p.not_launchable.startswith("plan.zero: ZeRO-1 beside") for p in found if p.zero == 1)
     spec, gpu = resolve_model("llama-3.2-1b"), get_gpu("H100-80GB")
-    at = dict(gpu_type="H100-80GB", dp=1, tp=2, micro_batch=1, grad_accum=4, precision="bf16")
-    one, two, inter = (step_time_breakdown(spec, Plan(gpus=2 * pp, pp=pp, vpp=vpp, **at), gpu, seq_len=2048)
-                       for pp, vpp in ((1, 1), (2, 1), (2, 2)))
-    # per micro-batch: a layer's 4 all-reduces move 4 x 2 (n-1)/n of the activations, the
-    # boundary's 2 all-gathers 2 (n-1)/n: a quarter of a layer's
-    layer = one.tp_comm / (4 * spec.layers)
-    gather = (two.tp_comm - one.tp_comm / 2) / 4
-    assert gather == pytest.approx(layer / 4) and inter.tp_comm - one.tp_comm / 2 == pytest.approx(2 * 4 * gather)
-    assert two.pp_comm == pytest.approx(step_time_breakdown(spec, Plan(gpus=2, pp=2, **{**at, "tp": 1}), gpu,
-                                                            seq_len=2048).pp_comm / 2)
+    untied = spec.model_copy(update={"tied_embeddings": False})
+    at = dict(gpu_type="H100-80GB", dp=1, micro_batch=1, grad_accum=4, precision="bf16")
+
+    def times(model, tp, pp, vpp=1):
+        return step_time_breakdown(model, Plan(gpus=tp * pp, tp=tp, pp=pp, vpp=vpp, **at), gpu, seq_len=2048,
+                                   factors=DEFAULT_FACTORS)
+
+    one, two, inter = times(spec, 2, 1), times(spec, 2, 2), times(spec, 2, 2, 2)
+    # per micro-batch a layer's 4 all-reduces move 8 all-gathers' volume ((n-1)/n of the
+    # activations each); beside pp a rank adds 2 vpp + 1/pp all-gathers (2 per chunk boundary,
+    # the embeddings' 1 and the head's all-reduce 2, spread over the pp ranks)
+    gather = one.tp_comm / (4 * spec.layers) / 8
+    assert (two.tp_comm - one.tp_comm / 2) / 4 == pytest.approx((2 + 1 / 2) * gather)
+    assert (inter.tp_comm - one.tp_comm / 2) / 4 == pytest.approx((4 + 1 / 2) * gather)
+    # the tied gradient's all-reduce over the first and last stage: the whole V x hidden (bf16)
+    # once per step, beside tp after gathering it from the (2) tp shards
+    tie1, tie2 = (times(spec, tp, 2).pp_comm - times(untied, tp, 2).pp_comm for tp in (1, 2))
+    intra = gpu.intra_link_gbps * DEFAULT_FACTORS.nvlink_eff
+    assert spec.tied and tie1 == pytest.approx(spec.vocab * spec.hidden * 2 * 8 / 1e9 / intra)
+    assert tie2 == pytest.approx(1.5 * tie1)
+    assert two.pp_comm - tie2 == pytest.approx((times(spec, 1, 2).pp_comm - tie1) / 2)   # 1/tp sent per rank
     small = {**big, "seq_len": 64, "global_batch": 2}       # the step binds: few activations
     tp2 = estimate_plan(small, Plan(gpu_type="H100-80GB", gpus=4, dp=1, tp=2, pp=2, micro_batch=1, grad_accum=2,
                                     precision="bf16"))

@@ -86,12 +86,13 @@ def interleave_rule(pp: int, vpp: int, grad_accum: int) -> str | None:
 
 def check_heads(plan: Plan, heads: int, kv_heads: int | None = None) -> None:
     """Refuse a tensor- or sequence-parallel degree the model's attention heads do not split
-    into: DeepSpeed AutoTP gives each of the ``tp`` ranks whole query and KV heads (with
-    ``tp`` not dividing them its shards come out uneven, a rank without a KV head), and Ulysses
-    hands each of the ``cp`` ranks whole heads after its all-to-all. Both must divide the
-    query heads and the KV heads."""
+    into: DeepSpeed AutoTP (and beside pp torch's DTensor tensor parallel inside the stages)
+    gives each of the ``tp`` ranks whole query and KV heads (with ``tp`` not dividing them its
+    shards come out uneven, a rank without a KV head), and Ulysses hands each of the ``cp``
+    ranks whole heads after its all-to-all. Both must divide the query heads and the KV heads."""
     kv = kv_heads if kv_heads is not None else heads
-    for knob, degree, how in (("tp", plan.tp, "DeepSpeed AutoTP gives every rank whole heads"),
+    tp_backend = "torch's DTensor tensor parallel" if getattr(plan, "pp", 1) > 1 else "DeepSpeed AutoTP"
+    for knob, degree, how in (("tp", plan.tp, f"{tp_backend} gives every rank whole heads"),
                               ("cp", plan.cp, "Ulysses gives every rank whole heads")):
         if degree > 1 and (heads % degree or kv % degree):
             raise FrenzyInputError(f"plan.{knob}", f"{knob}={degree} must divide the model's {heads} attention heads "

@@ -24,7 +24,8 @@ None of them is torch's default (foreach) AdamW, whose step allocates temporarie
 the states it updates (``_foreach_sqrt`` of the second moments, ~4 bytes/param more at the step).
 
 Weight decay applies to matrices (2-D and up) only; biases, norms and other vectors are not
-decayed (the usual LLM practice, e.g. nanoGPT).
+decayed (the usual LLM practice, e.g. nanoGPT). Sharded (DTensor) and whole parameters go in
+separate groups (``param_groups``).
 """
 from __future__ import annotations
 
@@ -50,18 +51,20 @@ def optimizer_impl(name: str, *, device_type: str, zero: int, offload: str) -> s
 
 
 def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
-    """Trainable parameters in two groups: decayed matrices, undecayed vectors."""
-    decay, keep = [], []
+    """Trainable parameters grouped by (decayed matrix or undecayed vector, DTensor or plain
+    tensor), empty groups dropped. Tensor parallel inside pipeline stages shards some
+    parameters (DTensors: q/k/v biases among them) and leaves others whole (norms), and torch's
+    optimizers refuse one group that mixes the two (``got mixed torch.Tensor and DTensor``)."""
+    groups: dict[tuple[bool, bool], list] = {}
     for p in model.parameters():
         if not p.requires_grad:
             continue
         # ZeRO-3 placeholders are 1-D of size 0: their real shape is ds_shape
         dims = len(getattr(p, "ds_shape", p.shape))
-        (decay if dims >= 2 else keep).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if keep:
-        groups.append({"params": keep, "weight_decay": 0.0})
-    return groups
+        groups.setdefault((dims >= 2, hasattr(p, "device_mesh")), []).append(p)
+    order = [(decay, sharded) for decay in (True, False) for sharded in (True, False)]
+    out = [{"params": groups[k], "weight_decay": weight_decay if k[0] else 0.0} for k in order if k in groups]
+    return out or [{"params": [], "weight_decay": weight_decay}]
 
 
 def make_optimizer(name: str, model, *, lr: float, optim: dict[str, Any], device_type: str,

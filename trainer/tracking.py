@@ -145,8 +145,9 @@ class Tracker:
         if tag == "FRENZY_STEP":
             step = int(payload["step"])
             self.metric("loss", payload["loss"], step)
-            if payload.get("lr") is not None:
-                self.metric("lr", payload["lr"], step)
+            for key in ("lr", "grad_norm"):
+                if payload.get(key) is not None:
+                    self.metric(key, payload[key], step)
             dt = float(payload.get("step_time_s") or 0.0)
             if dt > 0:
                 self.metric("step_time_s", dt, step)

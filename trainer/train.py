@@ -14,7 +14,7 @@ format, and speaks to the runner in single lines:
 
     FRENZY_MODEL {"params": 108608, "trainable_params": 1792, "optimizer_impl": "torch.optim.AdamW(fused)", ...}
     FRENZY_RESUME {"step": 4, "mode": "full"}
-    FRENZY_STEP {"step": 5, "loss": 5.41, "step_time_s": 0.12, "tokens": 1024, "lr": 0.0003}
+    FRENZY_STEP {"step": 5, "loss": 5.41, "step_time_s": 0.12, "tokens": 1024, "lr": 0.0003, "grad_norm": 1.57}
     FRENZY_EVAL {"step": 5, "loss": 5.30, "sequences": 16}
     FRENZY_CHECKPOINT {"step": 6, "dir": "...", "save_s": 0.05}
     FRENZY_EXPORT {"step": 8, "dir": "...", "request_id": null}
@@ -354,6 +354,7 @@ def train(run_dir: Path) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
+        norm = None                  # the global gradient norm the clipping saw (the program's own clipping)
         for j in range(ga):
             first = (step - 1) * G + (j * dp + dp_rank) * mb
             x = source.batch(first, mb).to(device)
@@ -365,7 +366,7 @@ def train(run_dir: Path) -> None:
                     loss = out.loss if hasattr(out, "loss") else out
                 accelerator.backward(loss)
                 if not deepspeed and clip and accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), clip)
+                    norm = accelerator.clip_grad_norm_(model.parameters(), clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach().float()
@@ -381,7 +382,8 @@ def train(run_dir: Path) -> None:
             raise FloatingPointError(f"loss is {mean_loss} at step {step}")
         if main:
             emit("FRENZY_STEP", {"step": step, "total": steps, "loss": round(mean_loss, 6),
-                                 "step_time_s": round(dt, 6), "tokens": tokens_per_step, "lr": lr})
+                                 "step_time_s": round(dt, 6), "tokens": tokens_per_step, "lr": lr,
+                                 **grad_norm_field(norm)})
         stop = bool(code & control.ACTION_CODES["stop"])
         export_now = bool(code & control.ACTION_CODES["export"])
         if step % spec["checkpoint_every"] == 0 or step == steps or stop:
@@ -540,7 +542,8 @@ def train_pipelined(run_dir: Path, spec: dict[str, Any], rank: int, world: int, 
             raise FloatingPointError(f"loss is {mean_loss} at step {step}")
         if main:
             emit("FRENZY_STEP", {"step": step, "total": steps, "loss": round(mean_loss, 6),
-                                 "step_time_s": round(dt, 6), "tokens": tokens_per_step, "lr": lr})
+                                 "step_time_s": round(dt, 6), "tokens": tokens_per_step, "lr": lr,
+                                 **grad_norm_field(pipe.grad_norm)})
         stop = bool(code & control.ACTION_CODES["stop"])
         if step % spec["checkpoint_every"] == 0 or step == steps or stop:
             save(step)
@@ -573,6 +576,12 @@ def train_pipelined(run_dir: Path, spec: dict[str, Any], rank: int, world: int, 
         emit("FRENZY_RESULT", result)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def grad_norm_field(norm) -> dict[str, float]:
+    """The step line's ``grad_norm``: the global gradient norm before clipping, where the program
+    clipped (not under DeepSpeed, which clips inside its engine, nor without ``grad_clip``)."""
+    return {} if norm is None else {"grad_norm": round(float(norm), 6)}
 
 
 def save_checkpoint(accelerator, run_dir: Path, step: int, fmt: dict[str, Any], main: bool,

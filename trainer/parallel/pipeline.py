@@ -221,6 +221,7 @@ class Pipeline:
             kind = Schedule1F1B if self.ga >= lay.pp else ScheduleGPipe
             self.schedule = kind(stages[0], n_microbatches=self.ga, loss_fn=causal_lm_loss, scale_grads=True)
         self.optimizer, self.optimizer_impl = make_optimizer(self.module)
+        self.grad_norm: float | None = None          # the last step's global norm before clipping
         if self.zero == 1:
             self.optimizer, self.optimizer_impl = zero1(self.optimizer, self.optimizer_impl, self.dp_group)
         elif self.sharded:
@@ -287,13 +288,23 @@ class Pipeline:
             # one norm over the whole model: every rank's squares summed over the world, each
             # divided by the ranks that hold the same values (data-parallel replicas, the tp
             # ranks of a replicated weight); a tied weight counted once (on the first stage)
+            # A Partial gradient (unreduced) has no norm: counted beside the squares, so every
+            # rank learns it from the one all-reduce and all stop together (one rank raising
+            # alone would leave the others waiting in the collective)
             own = [p for p in params if not (self.tied and self.last and self.lay.pp > 1
                                              and p is self.tied_weight())]
-            sq = torch.zeros((), dtype=torch.float64, device=x.device)
+            sq = torch.zeros(2, dtype=torch.float64, device=x.device)     # squares, Partial gradients
             for p in own:
-                sq += local(p.grad).detach().double().pow(2).sum() / copies(p.grad, self.lay.dp * self.lay.tp)
+                n = copies(p.grad, self.lay.dp * self.lay.tp)
+                if n is None:
+                    sq[1] += 1
+                else:
+                    sq[0] += local(p.grad).detach().double().pow(2).sum() / n
             dist.all_reduce(sq)
-            coef = clip / (math.sqrt(float(sq)) + 1e-6)
+            if sq[1] > 0:
+                raise RuntimeError(f"{int(sq[1])} gradients with a Partial placement (unreduced) have no norm yet")
+            self.grad_norm = math.sqrt(float(sq[0]))
+            coef = clip / (self.grad_norm + 1e-6)
             if coef < 1.0:
                 for p in params:
                     p.grad.mul_(coef)
@@ -459,19 +470,20 @@ def vocab_parallel_loss(active: bool):
     return loss_parallel()
 
 
-def copies(t, block: int) -> int:
+def copies(t, block: int) -> int | None:
     """Ranks of a stage's ``block`` (dp x tp ranks) that hold the same values as this rank's
     part of ``t``: a DTensor's shards are distinct over its sharded mesh dimensions and equal
-    over its replicated ones; a plain tensor is equal on all of them. (FSDP2 beside tensor
-    parallel shards over dp with a ``_StridedShard``, which ``is_shard()`` does not count: every
-    placement but ``Replicate`` is a sharding here, gradients being reduced, never ``Partial``.)"""
+    over its replicated ones; a plain tensor is equal on all of them. None for a ``Partial``
+    placement (unreduced values: no norm; ``Pipeline.step`` stops every rank on it). (FSDP2
+    beside tensor parallel shards over dp with a ``_StridedShard``, which ``is_shard()`` does not
+    count: every other placement but ``Replicate`` is a sharding here.)"""
     placements = getattr(t, "placements", None)
     if placements is None:
         return block
     distinct = 1
     for dim, placement in enumerate(placements):
         if placement.is_partial():
-            raise RuntimeError(f"a gradient with a Partial placement ({placements}) has no norm yet")
+            return None
         if not placement.is_replicate():
             distinct *= t.device_mesh.size(dim)
     return block // distinct
