@@ -41,6 +41,7 @@ from ledger import Ledger  # noqa: E402
 from ledger.core import db_now  # noqa: E402
 from ledger.tables import AllocationRow, GpuRow, JobRow, QueueJobRow  # noqa: E402
 from scheduler.cluster import parse_cluster  # noqa: E402
+from scheduler.loop import collector_held  # noqa: E402
 from scheduler.policies import get_policy  # noqa: E402
 from scheduler.round import run_round  # noqa: E402
 from scheduler.sim.jobs import PlanBook  # noqa: E402
@@ -206,13 +207,14 @@ def main() -> None:
         t_reap = time.perf_counter() - t_reap0
         if prof is not None and r > 0:
             prof.enable()
-        t = time.perf_counter()
-        snap = source.snapshot()
-        t_read = time.perf_counter()
-        result = run_round(policy, snap.pending, snap.state, time.time())
-        t_policy = time.perf_counter()
-        source.apply(result, time.time())
-        t_end = time.perf_counter()
+        with collector_held():         # as the service's loop (``RoundLoop.step``)
+            t = time.perf_counter()
+            snap = source.snapshot()
+            t_read = time.perf_counter()
+            result = run_round(policy, snap.pending, snap.state, time.time())
+            t_policy = time.perf_counter()
+            source.apply(result, time.time())
+            t_end = time.perf_counter()
         if prof is not None:
             prof.disable()
         rows.append({"total": (t_end - t) * 1e3, "read": (t_read - t) * 1e3, "policy": (t_policy - t_read) * 1e3,
