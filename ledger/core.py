@@ -213,7 +213,7 @@ def _engines(url: str) -> tuple[Engine, Engine]:
 
 # A pooled PostgreSQL connection returned less than this ago is handed out without a ping (a
 # round trip, ~0.1-1 ms on a loaded host, per transaction): the scheduler's loop polls every
-# 0.5 s and runs ~3 transactions a round, so its connection stays under it, and a connection
+# 0.5 s and runs 2 transactions a round, so its connection stays under it, and a connection
 # idle longer (a server restart, a failover, an idle timeout in between) is pinged and replaced
 # as before. A connection that died within the window fails its first statement instead; the
 # pool then replaces every connection it holds (SQLAlchemy invalidates the whole pool on a
