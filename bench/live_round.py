@@ -42,7 +42,6 @@ from ledger import Ledger  # noqa: E402
 from ledger.core import db_now  # noqa: E402
 from ledger.tables import AllocationRow, GpuRow, JobRow, QueueJobRow  # noqa: E402
 from scheduler.cluster import parse_cluster  # noqa: E402
-from scheduler.loop import collector_held  # noqa: E402
 from scheduler.policies import get_policy  # noqa: E402
 from scheduler.round import run_round  # noqa: E402
 from scheduler.sim.jobs import PlanBook  # noqa: E402
@@ -225,14 +224,13 @@ def main() -> None:
         t_reap = time.perf_counter() - t_reap0
         if prof is not None and r > 0:
             prof.enable()
-        with collector_held():         # as the service's loop (``RoundLoop.step``)
-            t = time.perf_counter()
-            snap = source.snapshot()
-            t_read = time.perf_counter()
-            result = run_round(policy, snap.pending, snap.state, time.time())
-            t_policy = time.perf_counter()
-            source.apply(result, time.time())
-            t_end = time.perf_counter()
+        t = time.perf_counter()
+        snap = source.snapshot()
+        t_read = time.perf_counter()
+        result = run_round(policy, snap.pending, snap.state, time.time())
+        t_policy = time.perf_counter()
+        source.apply(result, time.time())
+        t_end = time.perf_counter()
         if prof is not None:
             prof.disable()
         rows.append({"total": (t_end - t) * 1e3, "read": (t_read - t) * 1e3, "policy": (t_policy - t_read) * 1e3,
@@ -249,7 +247,7 @@ def main() -> None:
         xs = [w[k] for w in warm]
         print(f"{label:<10}{rows[0][k]:>10.1f}{statistics.median(xs):>11.1f}{pct(xs, 0.99):>9.1f}{max(xs):>9.1f}")
     print(f"garbage collector: {collector.s:.2f} s in {collector.passes} passes ({collector.full} full) over the "
-          f"rounds and the churn between them (held off inside each round's read, policy and write)")
+          f"rounds and the untimed churn between them")
     print(f"per round: {statistics.mean(w['pending'] for w in warm):.0f} pending, "
           f"{statistics.mean(w['running'] for w in warm):.0f} running, "
           f"{statistics.mean(w['starts'] for w in warm):.1f} started, {statistics.mean(w['stops'] for w in warm):.1f} "

@@ -14,10 +14,8 @@ pure and testable with a fake clock; the live source is the ledger (``frenzy_sch
 """
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterator, Protocol
+from typing import Callable, Hashable, Protocol
 
 from scheduler.round import RoundResult, next_round_s, run_round, wants_tick
 from scheduler.types import ClusterState, JobRequest, Policy
@@ -32,24 +30,6 @@ class Snapshot:
     pending: list[JobRequest]
     state: ClusterState
     version: Hashable
-
-
-@contextmanager
-def collector_held() -> Iterator[None]:
-    """Python's cyclic garbage collector held off while a round reads, decides and writes, and
-    let run after it, in the loop's idle time before its next poll. Measured in the live
-    round (``bench/live_round.py``, a process holding every active job's parsed plans): its
-    passes took ~1.7 ms of a round's policy at the median, and a full pass that landed inside
-    a round ~400 ms. A round's garbage is mostly freed by reference counting; the few cycles it
-    makes wait one round. The collector does the same work, after the round."""
-    if not gc.isenabled():          # the caller manages the collector itself
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 class RoundSource(Protocol):
@@ -83,10 +63,6 @@ class RoundLoop:
 
     def step(self) -> RoundResult | None:
         """One look at the source; returns the round's result when a round ran."""
-        with collector_held():
-            return self._step()
-
-    def _step(self) -> RoundResult | None:
         now = self.clock()
         if self.reap_s is not None and (self._last_reap is None or now - self._last_reap >= self.reap_s):
             self.source.reap()

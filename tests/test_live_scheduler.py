@@ -507,34 +507,6 @@ def test_start_all_writes_the_rounds_wait_answers_in_its_transaction(url):
     assert rows["p1"].wait_reason == "reserved" and rows["p2"].state == "pending"
 
 
-def test_a_round_runs_with_the_garbage_collector_held_and_restores_it():
-    import gc
-    from scheduler.loop import collector_held
-    from scheduler.policies import get_policy
-    seen = []
-
-    class Watching(FakeSource):
-        def snapshot(self):
-            seen.append(gc.isenabled())
-            return super().snapshot()
-
-        def apply(self, result, now):
-            seen.append(gc.isenabled())
-            super().apply(result, now)
-
-    assert gc.isenabled()
-    loop = RoundLoop(get_policy("fifo-user"), Watching(), clock=lambda: 0.0, tick_s=10.0)
-    loop.step()
-    assert seen == [False, False] and gc.isenabled()
-    gc.disable()
-    try:                                    # a caller that manages the collector keeps it off
-        with collector_held():
-            assert not gc.isenabled()
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
-
-
 def test_a_dead_pooled_connection_is_replaced_and_a_refresh_reads_on(monkeypatch):
     """PostgreSQL: a pooled connection whose server process died is pinged and replaced when
     it was idle ``_FRESH_S`` or longer; within that window the first statement fails and the
