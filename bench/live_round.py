@@ -20,6 +20,7 @@ cluster, so every round has GPUs to place and jobs to place on them.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import pickle
 import random
@@ -146,6 +147,22 @@ def churn(led: Ledger, source: LedgerSource, book: PlanBook, rng: random.Random,
     return next_id + k
 
 
+class CollectorClock:
+    """Time Python's cyclic garbage collector spends from now on (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.s, self.passes, self.full, self._t0 = 0.0, 0, 0, None
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.s += time.perf_counter() - self._t0
+            self.passes += 1
+            self.full += info["generation"] == 2
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
@@ -200,6 +217,7 @@ def main() -> None:
         prof = cProfile.Profile()
     rows = []
     next_id = args.jobs
+    collector = CollectorClock()      # from the first round on: the rounds and the churn between them
     for r in range(args.rounds + 1):
         t_reap0 = time.perf_counter()
         source.reap()
@@ -228,6 +246,8 @@ def main() -> None:
                      ("reap", "reap")):
         xs = [w[k] for w in warm]
         print(f"{label:<10}{rows[0][k]:>10.1f}{statistics.median(xs):>11.1f}{pct(xs, 0.99):>9.1f}{max(xs):>9.1f}")
+    print(f"garbage collector: {collector.s:.2f} s in {collector.passes} passes ({collector.full} full) over the "
+          f"rounds and the untimed churn between them")
     print(f"per round: {statistics.mean(w['pending'] for w in warm):.0f} pending, "
           f"{statistics.mean(w['running'] for w in warm):.0f} running, "
           f"{statistics.mean(w['starts'] for w in warm):.1f} started, {statistics.mean(w['stops'] for w in warm):.1f} "

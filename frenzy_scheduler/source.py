@@ -194,8 +194,13 @@ class LedgerSource:
                     self._emit(kind, d.job_id, request_id=rid, from_plan=plan, reason=d.reason)
         starts = [d for d in result.starts if d.job_id not in result.resizes]
         by_id = {d.job_id: d for d in starts}
+        started = {d.job_id for d in result.starts}
+        waits = {jid: {"predicted_start_s": w.predicted_start_s, "gpu_type": w.gpu_type, "gpus": w.gpus,
+                       "reason": w.reason} for jid, w in result.waits.items() if jid not in started}
+        # the starts and the wait answers in one transaction (one commit a round)
         for job_id, alloc, why in self.queue.start_all([(d.job_id, d.plan, d.placement) for d in starts],
-                                                       lease_s=self.lease_s, assignment=assignment_json):
+                                                       lease_s=self.lease_s, assignment=assignment_json,
+                                                       waits=waits, known=self.rows):
             d = by_id[job_id]
             if alloc is None:
                 self.counts["skipped"] += 1
@@ -204,10 +209,6 @@ class LedgerSource:
             self.counts["started"] += 1
             self._emit("started", job_id, plan=d.plan.model_dump(mode="json"),
                        placement={k: list(v) for k, v in alloc.placement.items()}, pool=alloc.pool, reason=d.reason)
-        started = {d.job_id for d in result.starts}
-        waits = {jid: {"predicted_start_s": w.predicted_start_s, "gpu_type": w.gpu_type, "gpus": w.gpus,
-                       "reason": w.reason} for jid, w in result.waits.items() if jid not in started}
-        self.queue.set_waits(waits, known=self.rows)
 
     def _emit(self, event: str, job_id: str, **payload: Any) -> None:
         row = self.rows.get(job_id)

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import bindparam, create_engine, event, insert, text, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import InvalidatePoolError, OperationalError
 from sqlmodel import Session, select
 
 from estimator.errors import FrenzyInputError
@@ -201,7 +201,7 @@ def _engines(url: str) -> tuple[Engine, Engine]:
             write = _sqlite_engine(url, immediate=True)
             read = _sqlite_engine(url, immediate=False)
         else:
-            write = create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=60)
+            write = _pinged(create_engine(url, pool_size=10, max_overflow=60, pool_use_lifo=True))
             read = write
         ensure_schema(write, read)
         if url.startswith("sqlite") and path and path != ":memory:":
@@ -209,6 +209,41 @@ def _engines(url: str) -> tuple[Engine, Engine]:
             _FILES[url] = (Path(path), (st.st_dev, st.st_ino))
         _ENGINES[key] = (write, read)
         return write, read
+
+
+# A pooled PostgreSQL connection returned less than this ago is handed out without a ping (a
+# round trip, ~0.1-1 ms on a loaded host, per transaction): the scheduler's loop polls every
+# 0.5 s and runs 2 transactions a round, so its connection stays under it, and a connection
+# idle longer (a server restart, a failover, an idle timeout in between) is pinged and replaced
+# as before. A connection that died within the window fails its first statement instead; the
+# pool then replaces every connection it holds (SQLAlchemy invalidates the whole pool on a
+# disconnect), and the caller's retry (a round: the next poll; a run's end: ``_retrying``) runs
+# on a fresh one. A ping never promised more: the server can die right after it.
+_FRESH_S = 1.0
+
+
+def _pinged(eng: Engine) -> Engine:
+    """``eng`` (``pool_pre_ping`` off) with a ping on checkout of every connection returned
+    ``_FRESH_S`` or longer ago: a dead one is replaced before use."""
+    @event.listens_for(eng, "checkin")
+    def _returned(_dbapi_conn, record):
+        record.info["returned_at"] = time.monotonic()
+
+    @event.listens_for(eng, "checkout")
+    def _check(dbapi_conn, record, _proxy):
+        at = record.info.get("returned_at")       # None: a connection made just now
+        if at is None or time.monotonic() - at < _FRESH_S:
+            return
+        try:
+            eng.dialect.do_ping(dbapi_conn)
+        except eng.dialect.loaded_dbapi.Error as err:
+            if not eng.dialect.is_disconnect(err, dbapi_conn, None):
+                raise
+            # as pool_pre_ping does: every pooled connection made before now is replaced, and
+            # the pool connects afresh for this checkout
+            raise InvalidatePoolError(str(err)) from err
+
+    return eng
 
 
 def _sqlite_engine(url: str, *, immediate: bool) -> Engine:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from sqlalchemy import Text, case, cast, select, text
+from sqlalchemy.exc import OperationalError
 from pydantic import TypeAdapter
 
 from estimator.plan import Plan
@@ -90,16 +91,27 @@ class LedgerMirror:
     # --- reading ----------------------------------------------------------------------------
     def refresh(self) -> bool:
         """Read what changed since the last refresh (everything the first time); True when
-        ``version`` moved."""
+        ``version`` moved. A read on a connection that died since its last use (``ledger.core``
+        pings only idle ones) is tried once more, on a fresh one: it changed nothing."""
+        try:
+            return self._refresh()
+        except OperationalError as err:
+            if not err.connection_invalidated:
+                raise
+            return self._refresh()
+
+    def _refresh(self) -> bool:
         led = self.ledger
         with self.lock, led._read() as s:
             if led.is_postgres:
                 s.connection(execution_options={"isolation_level": "REPEATABLE READ"})
-                q = ("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint, deletes "
-                     "FROM ledger_changes WHERE id = 1")
+                mark_q = "pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
             else:
-                q = "SELECT counter + 1, deletes FROM ledger_changes WHERE id = 1"
-            row = s.execute(text(q)).first()
+                mark_q = "counter + 1"
+            # with the newest markers of the topology tables, which rarely change: their rows
+            # are read only when one moved (an index look-up each, instead of a statement)
+            row = s.execute(text(f"SELECT {mark_q}, deletes, (SELECT max(chg) FROM pools), "
+                                 "(SELECT max(chg) FROM nodes) FROM ledger_changes WHERE id = 1")).first()
             mark, deletes = (int(row[0]), int(row[1])) if row is not None else (None, None)
             full = self._mark is None or deletes != self._deletes
             if full:
@@ -107,14 +119,22 @@ class LedgerMirror:
                 self.full_reads += 1
             since = None if full else self._mark
 
-            def changed(stmt, table):
-                return stmt if since is None else stmt.where(table.c.chg >= since)
+            def changed(stmt, table, newest=math.inf):
+                """``stmt`` limited to the rows changed since the last refresh; None when
+                ``newest``, the table's newest marker, shows there are none (None: no rows)."""
+                if since is None:
+                    return stmt
+                return stmt.where(table.c.chg >= since) if newest is not None and newest >= since else None
 
+            def rows(stmt):
+                return [] if stmt is None else s.execute(stmt).all()
+
+            newest = (math.inf, math.inf) if row is None else (row[2], row[3])
             pt, nt, gt, at, qt = (PoolRow.__table__, NodeRow.__table__, GpuRow.__table__,
                                   AllocationRow.__table__, QueueJobRow.__table__)
-            pools = s.execute(changed(select(pt.c.name, pt.c.gpu_type, pt.c.inter_node_gbps, pt.c.gpu_memory_gib,
-                                             pt.c.intra_link, pt.c.active), pt)).all()
-            nodes = s.execute(changed(select(nt.c.node_id, nt.c.pool, nt.c.idx, nt.c.active), nt)).all()
+            pools = rows(changed(select(pt.c.name, pt.c.gpu_type, pt.c.inter_node_gbps, pt.c.gpu_memory_gib,
+                                        pt.c.intra_link, pt.c.active), pt, newest[0]))
+            nodes = rows(changed(select(nt.c.node_id, nt.c.pool, nt.c.idx, nt.c.active), nt, newest[1]))
             gpus = s.execute(changed(select(gt.c.id, gt.c.node_id, gt.c.device_index, gt.c.active, gt.c.alloc_id),
                                      gt)).all()
             alloc_cols = select(at.c.id, at.c.job_id, at.c.status, at.c.placement, at.c.created_at,

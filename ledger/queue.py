@@ -275,7 +275,7 @@ class JobQueue:
             return 0
         t = QueueJobRow.__table__
         if known is not None:       # nothing to read: a transaction only when something changed
-            out = _wait_changes(waits, [j for j in map(known.get, waits) if j is not None and j.state == "pending"])
+            out = _wait_changes(waits, _pending_in(waits, known))
             if not out:
                 return 0
         with self.ledger._tx() as s:
@@ -287,24 +287,34 @@ class JobQueue:
                 out = _wait_changes(waits, s.execute(
                     select(t.c.job_id, t.c.predicted_start_s, t.c.wait_gpu_type, t.c.wait_gpus, t.c.wait_reason)
                     .where(t.c.job_id.in_(list(waits)), t.c.state == "pending")).all())
-            if out and self.ledger.is_postgres:      # one statement for every row
-                s.execute(_SET_WAITS_PG, {k: [r[c] for r in out] for k, c in _SET_WAITS_COLS.items()})
-            elif out:
-                s.execute(t.update().where(t.c.job_id == bindparam("b_id"), t.c.state == "pending")
-                          .values(predicted_start_s=bindparam("predicted_start_s"),
-                                  wait_gpu_type=bindparam("wait_gpu_type"), wait_gpus=bindparam("wait_gpus"),
-                                  wait_reason=bindparam("wait_reason")), out)
+            self._write_waits(s, out)
             return len(out)
 
+    def _write_waits(self, s: Session, out: list[dict[str, Any]]) -> None:
+        """``_wait_changes``' rows, written in ``s`` (one statement on PostgreSQL)."""
+        t = QueueJobRow.__table__
+        if out and self.ledger.is_postgres:      # one statement for every row
+            s.execute(_SET_WAITS_PG, {k: [r[c] for r in out] for k, c in _SET_WAITS_COLS.items()})
+        elif out:
+            s.execute(t.update().where(t.c.job_id == bindparam("b_id"), t.c.state == "pending")
+                      .values(predicted_start_s=bindparam("predicted_start_s"),
+                              wait_gpu_type=bindparam("wait_gpu_type"), wait_gpus=bindparam("wait_gpus"),
+                              wait_reason=bindparam("wait_reason")), out)
+
     def start_all(self, starts: list[tuple[str, Plan, dict[str, list[int]]]], *, lease_s: float,
-                  assignment: Callable[[Any, Plan], dict[str, Any]]) -> list[tuple[str, Any, str]]:
+                  assignment: Callable[[Any, Plan], dict[str, Any]],
+                  waits: dict[str, dict[str, Any]] | None = None,
+                  known: dict[str, Any] | None = None) -> list[tuple[str, Any, str]]:
         """Allocate and mark started every ``(job_id, plan, placement)`` in one transaction and
         a fixed number of statements (``Ledger.claim_many``; one commit per round instead of
         two per start). A start whose GPUs are taken, or whose job is no longer pending, is
         skipped alone. Returns ``(job_id, Allocation or None, why not)`` per start, in order.
-        ``assignment(alloc, plan)``: the Assignment JSON the queue row records."""
+        ``assignment(alloc, plan)``: the Assignment JSON the queue row records. ``waits`` and
+        ``known``: as ``set_waits``'s, written in the same transaction when there are starts
+        and ``known`` is given (the round's writes in one commit), else by ``set_waits``."""
         out: list[tuple[str, Any, str]] = []
         if not starts:
+            self.set_waits(waits or {}, known=known)
             return out
         t = QueueJobRow.__table__
         with self.ledger._tx() as s:
@@ -341,6 +351,10 @@ class JobQueue:
                           .values(state="running", allocation_id=bindparam("allocation_id"),
                                   allocation=bindparam("allocation"), started_at=now, updated_at=now,
                                   wait_reason="", predicted_start_s=None, wait_gpu_type=None, wait_gpus=None), rows)
+            if waits and known is not None:
+                self._write_waits(s, _wait_changes(waits, _pending_in(waits, known)))
+        if waits and known is None:
+            self.set_waits(waits)
         return out
 
     def reap(self) -> dict[str, list]:
@@ -494,6 +508,11 @@ _SET_WAITS_PG = text(
     "FROM unnest(CAST(:ids AS varchar[]), CAST(:starts AS double precision[]), CAST(:types AS varchar[]), "
     "CAST(:gpus AS integer[]), CAST(:reasons AS varchar[])) AS v(id, s, t, g, r) "
     "WHERE q.job_id = v.id AND q.state = 'pending'")
+
+
+def _pending_in(waits: dict[str, Any], known: dict[str, Any]) -> list[Any]:
+    """The rows of ``known`` that are pending jobs named in ``waits``."""
+    return [j for j in map(known.get, waits) if j is not None and j.state == "pending"]
 
 
 def _wait_changes(waits: dict[str, dict[str, Any]], old: list[Any]) -> list[dict[str, Any]]:

@@ -478,3 +478,74 @@ def test_start_all_skips_only_the_starts_that_cannot_go_ahead(url):
     assert rows["a"].state == rows["c"].state == "pending" and rows["a"].allocation_id is None
     assert {n: sorted(r.placement["a100-0"]) for n, r in ((r.job_id, r) for r in led.cluster_state().running)} == {
         "outsider": [held], "b": [free]}
+
+
+def test_start_all_writes_the_rounds_wait_answers_in_its_transaction(url):
+    """The round's starts and its wait answers in one commit; without starts the answers still
+    go through ``set_waits``, and a failed start transaction leaves the answers unwritten."""
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    for j in ("p1", "p2", "run"):
+        q.enqueue(j, j, {"name": j}, plans(), steps=10)
+    known = {j.job_id: j for j in q.jobs(plans=False)}
+    w = {"p1": {"predicted_start_s": 1000.0, "gpu_type": "A100-80GB", "gpus": 2, "reason": "reserved"}}
+    got = q.start_all([("run", plans()[1], {"a100-0": [0]})], lease_s=60.0,
+                      assignment=lambda a, p: {"allocation_id": a.id}, waits=w, known=known)
+    assert got[0][2] == ""
+    rows = {j.job_id: j for j in q.jobs(plans=False)}
+    assert rows["run"].state == "running" and rows["p1"].wait_reason == "reserved"
+    assert q.start_all([], lease_s=60.0, assignment=lambda a, p: {},
+                       waits={"p2": {**w["p1"], "reason": "later"}}, known=rows) == []
+    assert {j.job_id: j for j in q.jobs(plans=False)}["p2"].wait_reason == "later"
+
+    def broken(a, p):
+        raise RuntimeError("assignment failed")
+    with pytest.raises(RuntimeError):
+        q.start_all([("p2", plans()[1], {"a100-0": [1]})], lease_s=60.0, assignment=broken,
+                    waits={"p1": {**w["p1"], "reason": "never written"}}, known=rows)
+    rows = {j.job_id: j for j in q.jobs(plans=False)}
+    assert rows["p1"].wait_reason == "reserved" and rows["p2"].state == "pending"
+
+
+def test_a_dead_pooled_connection_is_replaced_and_a_refresh_reads_on(monkeypatch):
+    """PostgreSQL: a pooled connection whose server process died is pinged and replaced when
+    it was idle ``_FRESH_S`` or longer; within that window the first statement fails and the
+    pool is renewed, and the mirror's read tries once more on a fresh connection."""
+    base = os.environ.get("FRENZY_TEST_POSTGRES_URL")
+    if not base:
+        pytest.skip("FRENZY_TEST_POSTGRES_URL is not set: PostgreSQL tests need a server")
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import OperationalError
+    import ledger.core as core
+    from ledger.mirror import LedgerMirror
+    u, schema = pg_schema_url(base)
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    try:
+        led = ledger_with_cluster(u)
+
+        def kill_pooled() -> None:         # only this ledger's own connection(s), by pid
+            with led._read() as s:
+                pid = s.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            with admin.connect() as c:
+                c.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+
+        mirror = LedgerMirror(led)
+        mirror.refresh()
+        monkeypatch.setattr(core, "_FRESH_S", 0.0)      # every returned connection counts as idle
+        kill_pooled()
+        with led._read() as s:
+            assert s.execute(text("SELECT 1")).scalar_one() == 1
+        monkeypatch.setattr(core, "_FRESH_S", 3600.0)   # none is pinged
+        kill_pooled()
+        with pytest.raises(OperationalError):
+            with led._read() as s:
+                s.execute(text("SELECT 1"))
+        with led._read() as s:
+            assert s.execute(text("SELECT 1")).scalar_one() == 1
+        JobQueue(led).enqueue("j", "j", {"name": "j"}, plans(), steps=10)
+        kill_pooled()
+        mirror.refresh()
+        assert "j" in mirror.jobs and mirror.full_reads == 1
+    finally:
+        admin.dispose()
+        drop_schema(base, schema)
