@@ -28,16 +28,18 @@ Pure: no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
+from operator import attrgetter
 from typing import Any
 
 from pydantic import BaseModel, Field
 
+from .catalog import CATALOG, get_gpu
 from .errors import FrenzyInputError
 from .models import ModelSpec, model_from_kwargs, with_positions
 from .overheads import Overheads, overheads_for
-from .profiles import FRAMEWORKS, Profile, check_knobs, get_profile
+from .profiles import FRAMEWORKS, PROFILES, Profile, check_knobs, get_profile
 
 GIB = float(2 ** 30)
 
@@ -197,11 +199,34 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
                    gradient_as_bucket_view: Any = None, overlap_comm: Any = None,
                    score_clamp: Any = False) -> Knobs:
     """Check every knob against the model; raise FrenzyInputError naming field and rule."""
+    return _knobs(framework, spec, seq_len, micro_batch, grad_accum, dp, tp, pp, cp, sp, vpp, zero,
+                  offload, precision, optimizer, act_ckpt, attention, mp_style, master_weights,
+                  finetune, lora_rank, lora_targets, loss, act_offload, optimizer_in_backward,
+                  adamw_impl, fused_kernels, zero_bucket_elems, gradient_as_bucket_view,
+                  overlap_comm, score_clamp)
+
+
+def _knobs(framework: Any, *args: Any) -> Knobs:
+    """validate_knobs on positional arguments (``_validate``'s order; estimate's hot path: a call
+    with 31 keywords costs a third of a cached validation)."""
+    try:
+        return _validated(PROFILES.get(framework), framework, *args)
+    except TypeError:                  # an unhashable argument (a list of LoRA targets): uncached
+        return _validate(framework, *args)
+
+
+def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, grad_accum: Any,
+              dp: Any, tp: Any, pp: Any, cp: Any, sp: Any, vpp: Any, zero: Any, offload: Any,
+              precision: Any, optimizer: Any, act_ckpt: Any, attention: Any, mp_style: Any,
+              master_weights: Any, finetune: Any, lora_rank: Any, lora_targets: Any, loss: Any,
+              act_offload: Any, optimizer_in_backward: Any, adamw_impl: Any, fused_kernels: Any,
+              zero_bucket_elems: Any, gradient_as_bucket_view: Any, overlap_comm: Any,
+              score_clamp: Any) -> Knobs:
     s = _pos_int("seq_len", seq_len)
     mb = _pos_int("micro_batch", micro_batch)
     ga = _pos_int("grad_accum", grad_accum)
-    dp, tp, pp, cp, vpp = (_pos_int(n, v) for n, v in
-                           (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("vpp", vpp)))
+    dp, tp, pp = _pos_int("dp", dp), _pos_int("tp", tp), _pos_int("pp", pp)
+    cp, vpp = _pos_int("cp", cp), _pos_int("vpp", vpp)
     sp = _bool("sp", sp)
     if isinstance(zero, bool) or zero not in (0, 1, 2, 3, "0", "1", "2", "3"):
         raise FrenzyInputError("zero", f"must be 0, 1, 2 or 3 (got {zero!r})")
@@ -314,6 +339,16 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
     return Knobs(s, mb, ga, dp, tp, pp, cp, sp, vpp, zero, offload, precision, optimizer,
                  act_ckpt, attention, mp_style, prof.name, master, finetune, rank, targets, loss,
                  act_offload, opt_in_bwd, impl, fused, bucket, view, overlap, clamp)
+
+
+# Validation is a pure function of its arguments and the framework's profile (PROFILES may be
+# replaced at run time: the profile object is part of the key). Typed: 1, 1.0 and True stay
+# apart, as the checks tell them apart. Errors are not cached; Knobs are immutable, so one is
+# shared by every call with the same arguments (the 30 object.__setattr__ of a frozen
+# dataclass were half of a validation's cost).
+@lru_cache(maxsize=4096, typed=True)
+def _validated(prof: Profile | None, *args: Any) -> Knobs:
+    return _validate(*args)
 
 
 def lora_projections(spec: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -641,28 +676,44 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float) -> tuple[float, 
 def _shape_terms(spec: ModelSpec, t: int, optimizer: str, s: int, c: float, act_amp: bool,
                  attention: str, act_ckpt: str, cpu: bool, fused: bool, repeat_kv: bool,
                  hf_models: bool, score_clamp: bool, ulysses: bool = False, lora_rank: int = 0,
-                 lora_targets: tuple[str, ...] = ()) -> tuple[float, ...]:
+                 lora_targets: tuple[str, ...] = ()) -> tuple:
     """The per-shape facts stage_peaks needs, one cache lookup (the model is hashed once, not
     per fact): parameter split, optimizer-state bytes per trainable parameter, the block's
-    activation inventory and backward temporaries."""
+    activation inventory and backward temporaries; then the model's dimensions it reads
+    (hidden, padded vocabulary, embedding width, ffn, tied, arch, position rows, dropout on,
+    cross-attention parameters per block), which are properties computed on each access."""
     sem = _cpu_sem(c) if cpu else CUDA_SEM
     rep, shard = layer_activation_bytes(spec, s, c, act_amp, attention, act_ckpt, sem,
                                         compiled=fused, repeat_kv=repeat_kv, hf_models=hf_models,
                                         score_clamp=score_clamp, ulysses=ulysses)
     st_b = _state_bytes_per_param(spec, optimizer, lora_rank, lora_targets)
+    cross_block = spec.cross_attn_params() / spec.layers if spec.cross_attn_layers else 0.0
     return (*_param_split(spec, t), st_b, rep, shard,
-            layer_backward_transient(spec, s, c, attention, t))
+            layer_backward_transient(spec, s, c, attention, t),
+            spec.hidden, spec.vocab_padded, spec.e, spec.f, spec.tied, spec.arch, spec.positions,
+            spec.dropout > 0, cross_block)
 
 
-def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> list[StagePeak]:
-    """Peak allocated bytes per pipeline stage, with the breakdown at each stage's peak."""
-    prof = get_profile(k.framework)
+# The knobs the stages' shared terms depend on: all but the batch (micro_batch, grad_accum),
+# which only the per-stage loop of stage_peaks reads
+_SHAPE_KNOBS = tuple(f.name for f in fields(Knobs) if f.name not in ("micro_batch", "grad_accum"))
+_shape_of = attrgetter(*_SHAPE_KNOBS)
+
+
+@lru_cache(maxsize=4096)       # pure in its (hashable) arguments: per shape, not per batch
+def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> tuple:
+    """What every stage of ``stage_peaks`` shares: the regime's bytes per parameter, the
+    per-shape facts, per-token activation terms and the sharding divisors, for the knobs
+    ``shape`` (``_shape_of``; rebuilt with micro_batch and grad_accum 0, so a term here that
+    read the batch would show at once)."""
+    k = Knobs(micro_batch=0, grad_accum=0, **dict(zip(_SHAPE_KNOBS, shape)))
+    zero, loss, optimizer = k.zero, k.loss, k.optimizer
     c = 4.0 if k.precision == "fp32" else 2.0
     pure = c < 4 and k.master == "none"
     # ZeRO as torch runs it (the profile's, or its pipelines'): fp32 parameters stay
     torch_zero = prof.torch_sharding or (k.pp > 1 and prof.pipeline_torch_zero)
     if k.mp_style == "auto":
-        amp = (c < 4 and not pure and (k.zero == 0 or torch_zero)
+        amp = (c < 4 and not pure and (zero == 0 or torch_zero)
                and prof.zero0_regime == "amp")
     else:
         amp = c < 4 and k.mp_style == "amp"
@@ -671,9 +722,7 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     act_amp = amp and not lora                 # a LoRA base is loaded in 16 bits
     sem = _cpu_sem(c) if cpu else CUDA_SEM
     N = k.dp * k.cp                                   # ZeRO sharding degree
-    t, p = k.tp, k.pp
-    T = k.micro_batch * k.seq_len / k.cp              # tokens per micro-batch on this rank
-    h, V, e = spec.hidden, spec.vocab_padded, spec.e
+    t = k.tp
 
     # bytes per trainable parameter by regime
     if master:
@@ -681,15 +730,15 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     elif pure:
         # 16-bit weights, gradients and states; DeepSpeed still keeps a 16-bit master partition
         # and master gradients (bf16_master_weights_and_grads)
-        dup = c if prof.master_copy_when_pure and k.zero >= 1 else 0.0
+        dup = c if prof.master_copy_when_pure and zero >= 1 else 0.0
         w_b, g_b, opt_b, g32_b = c, c, dup, dup
     else:
         w_b, g_b, opt_b, g32_b = 4.0, 4.0, 0.0, 0.0
-    (layer_p, emb_p, head_p, largest, st_b, rep, shard,
-     transient_tok) = _shape_terms(spec, t, k.optimizer, k.seq_len, c, act_amp, k.attention,
-                                   k.act_ckpt, cpu, k.fused, prof.repeat_kv, prof.hf_models,
-                                   k.score_clamp, k.cp > 1, *_lora_key(k))
-    if pure and k.optimizer in ("adam", "adamw", "sgd"):
+    (layer_p, emb_p, head_p, largest, st_b, rep, shard, transient_tok,
+     h, V, e, f, tied, arch, positions, dropout, cross_block) = _shape_terms(
+        spec, t, optimizer, k.seq_len, c, act_amp, k.attention, k.act_ckpt, cpu, k.fused,
+        prof.repeat_kv, prof.hf_models, k.score_clamp, k.cp > 1, *_lora_key(k))
+    if pure and optimizer in ("adam", "adamw", "sgd"):
         st_b *= c / 4.0                                # states in the parameters' dtype
     # torch's foreach Adam/AdamW materialises sqrt(v): one state-sized copy; fused kernels none.
     # PyTorch 2.0/2.1 built the denominator out of place (denom = _foreach_add(sqrt(v), eps)),
@@ -698,78 +747,116 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
     # bytes for DDP, NO_SHARD, SHARD_GRAD_OP and FULL_SHARD over 2 GPUs: 4 + 2 temporaries
     # (+ DDP's bucket copy), and 2.5 + 2 x 0.25 sharded, which one temporary cannot reach
     step_tmp_b = 0.0
-    if k.optimizer in ("adam", "adamw") and k.adamw_impl in ("foreach", "foreach-legacy"):
+    if optimizer in ("adam", "adamw") and k.adamw_impl in ("foreach", "foreach-legacy"):
         step_tmp_b = (4.0 if not pure else c) * (2 if k.adamw_impl == "foreach-legacy" else 1)
 
-    if spec.cross_attn_layers:                         # decoder cross-attention, spread per block
-        layer_p += spec.cross_attn_params() / spec.layers / t
+    if cross_block:                                    # decoder cross-attention, spread per block
+        layer_p += cross_block / t
     lora_p = lora_layer_params(spec, k) / t if lora else 0.0
     base_b = 0.0
     if lora:                                           # the frozen base, in 16 bits (or NF4)
         mat_b = NF4_BYTES if k.finetune == "qlora" else c
         vec_l = _layer_vector_params(spec)
         base_b = mat_b * (layer_p - vec_l) + c * vec_l   # per block
-    largest_tensor = max(V * e / t, h * spec.f / t)
+    head_w = V * e / t                                 # the (vocab-parallel) LM head's weight
+    largest_tensor = max(head_w, h * f / t)
 
     if lora:
         d_rep, d_shard = _lora_activation_delta(spec, k, c)
         rep, shard = rep + d_rep, shard + d_shard
+    sp_div = t if k.sp else 1                          # sequence parallelism shards the rest
     per_layer_tok = (rep / t if k.sp else rep) + shard / t
     r = 4.0 if act_amp else c
-    ckpt_keep_tok = r * h / (t if k.sp else 1)        # full ckpt keeps the block input
+    ckpt_keep_tok = r * h / sp_div                    # full ckpt keeps the block input
     held_b, bwd_loss_b = _loss_terms(spec, k, prof, c, act_amp)
-    logits_tok = V / t if k.loss != "none" else 0.0   # vocab-parallel logits per token
+    logits_tok = V / t if loss != "none" else 0.0     # vocab-parallel logits per token
+
+    full = k.act_ckpt == "full"
+    # FSDP SHARD_GRAD_OP (torch's ZeRO-2; a pipeline's ZeRO-2 is FSDP2 without resharding
+    # after the forward) keeps sharded parameters between steps and the unsharded ones from
+    # the forward until each unit's post-backward reshard: the step sees only the shards,
+    # the forward and backward the whole model (``unsharded``)
+    fsdp_sgo = zero == 2 and torch_zero and N > 1
+    w_div = N if zero >= 3 or fsdp_sgo else 1          # who shards weights, gradients, states
+    g_div = N if zero >= 2 else 1
+    o_div = N if zero >= 1 else 1
+    casts = amp and not lora                           # autocast's 16-bit weight copies
+    layer_copies = 2.0 * layer_p if casts else 0.0
+    keep_tok = ckpt_keep_tok if full else per_layer_tok
+    # (FSDP SHARD_GRAD_OP: the other units have resharded; the first block's stays whole)
+    e_unsharded = w_b * layer_p if fsdp_sgo else 0.0
+    # optimizer in backward: each tensor is stepped by its own (per-tensor, non-foreach)
+    # Adam as its gradient lands: sqrt(v) and its quotient are two state-sized temporaries
+    # of that tensor, at worst the largest, while the head's gradient exists (phase B)
+    inbwd = k.opt_in_bwd and optimizer in ("adam", "adamw") and k.adamw_impl != "fused"
+    # DDP buckets (gradient_as_bucket_view=False), also under ZeroRedundancyOptimizer
+    ddp_copy = prof.ddp_bucket_copy and not k.bucket_view
+    return (c, pure, torch_zero, lora, act_amp, sem, N, w_b, g_b, opt_b, g32_b, layer_p, emb_p,
+            head_p, largest, st_b, transient_tok, h, V, e, f, tied, arch, positions, dropout,
+            step_tmp_b, lora_p, base_b, head_w, largest_tensor, sp_div, per_layer_tok, r,
+            ckpt_keep_tok, held_b, bwd_loss_b, logits_tok, full, fsdp_sgo, w_div, g_div, o_div,
+            casts, layer_copies, keep_tok, e_unsharded, inbwd, ddp_copy)
+
+
+def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> list[StagePeak]:
+    """Peak allocated bytes per pipeline stage, with the breakdown at each stage's peak."""
+    prof = get_profile(k.framework)
+    (c, pure, torch_zero, lora, act_amp, sem, N, w_b, g_b, opt_b, g32_b, layer_p, emb_p,
+     head_p, largest, st_b, transient_tok, h, V, e, f, tied, arch, positions, dropout,
+     step_tmp_b, lora_p, base_b, head_w, largest_tensor, sp_div, per_layer_tok, r,
+     ckpt_keep_tok, held_b, bwd_loss_b, logits_tok, full, fsdp_sgo, w_div, g_div, o_div,
+     casts, layer_copies, keep_tok, e_unsharded, inbwd, ddp_copy) = _stage_setup(
+        spec, prof, _shape_of(k), cpu)
+    zero, offload, loss, optimizer, opt_in_bwd = k.zero, k.offload, k.loss, k.optimizer, k.opt_in_bwd
+    t, p, dp, vpp, act_offload = k.tp, k.pp, k.dp, k.vpp, k.act_offload
+    T = k.micro_batch * k.seq_len / k.cp              # tokens per micro-batch on this rank
+    m = k.grad_accum
+    persist = (m > 1 or p > 1) and not opt_in_bwd
+    chunked = loss == "chunked"
     bucket_elems = k.bucket or prof.zero_bucket_elems or ov.zero_bucket_elems
 
     out: list[StagePeak] = []
-    layers_per = _stage_layers(spec.layers, p)
-    m = k.grad_accum
-    for i, L_i in enumerate(layers_per):
+    for i, L_i in enumerate(_stage_layers(spec.layers, p)):
         first, last = i == 0, i == p - 1
         P = L_i * layer_p + (emb_p if first else 0.0) + (head_p if last else 0.0)
-        if last and p > 1 and spec.tied:
-            P += V * e / t                             # last stage keeps its copy of the tied head
+        if last and p > 1 and tied:
+            P += head_w                                # last stage keeps its copy of the tied head
         Pt = L_i * lora_p if lora else P               # trainable parameters
         frozen_w = 0.0
         if lora:                                       # embeddings, head, norms stay 16-bit
             frozen_w = L_i * base_b + c * (P - L_i * layer_p)
         cast_P = 0.0
-        if amp and not lora and k.zero <= 1:  # autocast's 16-bit copies of every weight a matmul uses (not the lookup tables)
-            cast_P = P - (emb_p if first and not spec.tied else 0.0)
-            if first and spec.tied and not last:
+        if casts and zero <= 1:  # autocast's 16-bit copies of every weight a matmul uses (not the lookup tables)
+            cast_P = P - (emb_p if first and not tied else 0.0)
+            if first and tied and not last:
                 cast_P -= emb_p
-            if first and spec.arch in ("gpt", "opt", "bert"):
-                cast_P -= spec.positions * h
+            if first and arch in ("gpt", "opt", "bert"):
+                cast_P -= positions * h
         # --- model states (persistent) ---
-        # FSDP SHARD_GRAD_OP (torch's ZeRO-2; a pipeline's ZeRO-2 is FSDP2 without resharding
-        # after the forward) keeps sharded parameters between steps and the unsharded ones from
-        # the forward until each unit's post-backward reshard: the step sees only the shards,
-        # the forward and backward the whole model (``unsharded``)
-        fsdp_sgo = k.zero == 2 and torch_zero and N > 1
-        weights = (frozen_w + w_b * Pt) / (N if k.zero >= 3 or fsdp_sgo else 1)
+        weights = (frozen_w + w_b * Pt) / w_div
         unsharded = (frozen_w + w_b * Pt) if fsdp_sgo else 0.0
-        if k.offload == "optimizer+params":
+        if offload == "optimizer+params":
             weights = 0.0
-        grads = g_b * Pt / (N if k.zero >= 2 else 1)
-        optim = (opt_b + st_b) * Pt / (N if k.zero >= 1 else 1)
-        if k.offload != "none":
+        grads = g_b * Pt / g_div
+        optim = (opt_b + st_b) * Pt / o_div
+        if offload != "none":
             optim = 0.0
-            if k.offload == "optimizer+params":
+            if offload == "optimizer+params":
                 grads = 0.0                            # gradients stream to the CPU too
-            elif k.zero == 3 and prof.overlap_comm:
+            elif zero == 3 and prof.overlap_comm:
                 # DeepSpeed ZeRO-3 with offload_optimizer keeps its gradient partitions on the
                 # host: stage3.py sets self.device to the CPU and allocates the partition
                 # buffer (grad_partitions_flat_buffer) and the fp32 gradients there, pinned;
                 # each reduced bucket is copied out (partition_grads) and its GPU grads freed
                 grads = 0.0
-        g32_elems = Pt / (N if k.zero >= 1 else 1)
-        if k.zero == 3 and prof.zero3_subgroup_elems:
+        g32_elems = Pt / o_div
+        if zero == 3 and prof.zero3_subgroup_elems:
             g32_elems = min(g32_elems, prof.zero3_subgroup_elems)   # one sub-group at a time
-        grads32 = g32_b * g32_elems if k.offload == "none" else 0.0
+        grads32 = g32_b * g32_elems if offload == "none" else 0.0
         # --- persistent buffers ---
         other_fixed = 0.0
         after_bwd = 0.0                                # buffers made once the backward is over
-        if spec.tied and p > 1 and t > 1 and (first or last) and prof.pipeline_tie_whole:
+        if tied and p > 1 and t > 1 and (first or last) and prof.pipeline_tie_whole:
             # the frenzy pipeline sums a tied embedding's two copies whole beside tensor parallel
             # (the embeddings shard the hidden size, the head the vocabulary:
             # Pipeline.sum_tied_gradients): after the backward the first and last stage gather
@@ -777,15 +864,15 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             # are concatenated out of the all-gather's buffer, a second whole copy (torch 2.13,
             # read in the code, not measured)
             after_bwd = (2.0 if first else 1.0) * g_b * V * e
-        if k.dp > 1 and k.zero == 0:
-            if prof.ddp_bucket_copy and not k.bucket_view:
-                other_fixed += g_b * Pt                # DDP buckets (gradient_as_bucket_view=False)
+        if dp > 1 and zero == 0:
+            if ddp_copy:
+                other_fixed += g_b * Pt                # DDP buckets
             elif prof.zero_bucket_elems:
                 # DeepSpeed's zero-0 all-reduce flattens the gradients into buffers of up to
                 # reduce_bucket_size elements after the backward (engine.allreduce_gradients ->
                 # buffered_allreduce_fallback): the activations are gone by then
                 after_bwd = max(after_bwd, c * min(Pt, bucket_elems))
-        elif k.zero in (1, 2) and not torch_zero and (k.dp > 1 or not cpu):
+        elif zero in (1, 2) and not torch_zero and (dp > 1 or not cpu):
             # DeepSpeed's reduce (ipg) buffer of reduce_bucket_size elements, allocated in
             # engine.backward() before loss.backward() (stage_1_and_2.py: self.ipg_buffer), at
             # any world size on GPUs; a second one with overlap_comm (double buffering). The
@@ -793,13 +880,13 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             # (no buffer of allgather_bucket_size). The CPU trace these are checked against
             # runs one rank without DeepSpeed
             other_fixed += (2 if k.overlap_comm else 1) * c * min(Pt, bucket_elems)
-        elif k.dp > 1 and k.zero == 1 and prof.ddp_bucket_copy and not k.bucket_view:
+        elif dp > 1 and zero == 1 and ddp_copy:
             other_fixed += g_b * Pt                    # ZeroRedundancyOptimizer runs under DDP
-        if k.zero == 3 and not prof.torch_sharding and (k.dp > 1 or not cpu):
+        if zero == 3 and not prof.torch_sharding and (dp > 1 or not cpu):
             # DeepSpeed stage 3 with contiguous_gradients (default) reduces through one 16-bit
             # buffer of reduce_bucket_size elements (stage3.py: bucket.buffer = torch.empty(...))
             other_fixed += c * min(Pt, bucket_elems)
-        if k.zero == 3:
+        if zero == 3:
             # gathered 16-bit parameters of the current unit (at worst the largest) and the
             # prefetched ones (blocks), and the current unit's unsharded gradients
             other_fixed += (c * (largest + (ov.zero3_live_units - 1) * layer_p)
@@ -807,100 +894,89 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
             if prof.fsdp2_copy_in and not lora and N > 1:
                 other_fixed += g_b * largest           # FSDP2's reduce-scatter input copy
         if k.finetune == "qlora":
-            other_fixed += c * h * spec.f / t          # one weight dequantised for its matmul
+            other_fixed += c * h * f / t               # one weight dequantised for its matmul
         # --- activations of the in-flight micro-batches ---
         # 1F1B: stage i has started p - i micro-batches before its first backward
         inflight = min(m, p - i) if p > 1 else 1
-        if k.vpp > 1:
-            inflight = _interleaved_inflight(p, k.vpp, m, i)
-        keep_tok = ckpt_keep_tok if k.act_ckpt == "full" else per_layer_tok
+        if vpp > 1:
+            inflight = _interleaved_inflight(p, vpp, m, i)
         # activation offloading copies each block's saved tensors to the CPU as the forward
         # moves on: the GPU holds the block in flight
-        kept_layers = min(L_i, 1) if k.act_offload else L_i
+        kept_layers = min(L_i, 1) if act_offload else L_i
         acts = inflight * kept_layers * keep_tok * T
         if first:
             acts += inflight * T * 16.0                # input ids + labels (int64)
-            if spec.dropout > 0:
-                acts += inflight * T * sem.mask_bytes * h / (t if k.sp else 1)
-            if spec.arch == "bert":
+            if dropout:
+                acts += inflight * T * sem.mask_bytes * h / sp_div
+            if arch == "bert":
                 acts += inflight * T * (r * h + 2 * sem.stat_bytes + (4 if act_amp else 1) * c * h)
         loss_a = 0.0
         head_grad = 0.0
         fin_acts = 0.0
         if last:
-            if spec.arch == "llama":
+            if arch == "llama":
                 fin = (4 * h + (4 if act_amp else c) * h + c * h + 4)
-            elif spec.arch == "bert":
+            elif arch == "bert":
                 fin = 3 * c * h + 2 * sem.stat_bytes + r * h
             else:
                 fin = r * h + 2 * sem.stat_bytes + c * h
             # the final norm's saved tensors: alive until its own backward, which runs before
             # any block's (phase A has them, phase B does not)
-            fin_acts = T * fin / (t if k.sp else 1)
+            fin_acts = T * fin / sp_div
             acts += T * held_b * logits_tok            # logits held by the model output
             loss_a = T * (bwd_loss_b - held_b) * logits_tok
-            if k.loss == "fused-linear":
+            if loss == "fused-linear":
                 # Liger: the head's gradient and the hidden states' gradient are made in the
                 # forward, and one chunk of ~T*h/V rows of logits (power of 2: up to 2x)
                 loss_a += c * V * e + c * T * h + 2 * c * T * h
-            if k.loss != "none" and not lora:
-                head_grad = (g_b if k.zero < 2 else g_b / N) * V * e / t
+            if loss != "none" and not lora:
+                head_grad = (g_b if zero < 2 else g_b / N) * V * e / t
         # recomputation buffer and backward temporaries for one block
-        full = k.act_ckpt == "full"
         one_layer = per_layer_tok * T if full else 0.0
         trans = transient_tok * T
-        persist = (m > 1 or p > 1) and not k.opt_in_bwd
         persist_grads = grads if persist else 0.0
         states_fwd = weights + optim + persist_grads + other_fixed + unsharded
-        copies = 2.0 * cast_P if amp and not lora else 0.0
-        layer_copies = 2.0 * layer_p if amp and not lora else 0.0
-        if full and amp and not lora:
+        copies = 2.0 * cast_P if casts else 0.0
+        if full and casts:
             # checkpointed blocks run their forward without keeping autocast's weight copies;
             # only the LM head's survives to its backward; recomputation re-creates one block's
-            copies = 2.0 * (V * e / t) if last else 0.0
+            copies = 2.0 * head_w if last else 0.0
         head_g = 0.0 if persist else head_grad
-        # optimizer in backward: each tensor is stepped by its own (per-tensor, non-foreach)
-        # Adam as its gradient lands: sqrt(v) and its quotient are two state-sized temporaries
-        # of that tensor, at worst the largest, while the head's gradient exists (phase B)
-        inbwd_tmp = 0.0
-        if k.opt_in_bwd and k.optimizer in ("adam", "adamw") and k.adamw_impl != "fused":
-            inbwd_tmp = 2 * (c if pure else 4.0) * min(Pt, largest_tensor)
+        inbwd_tmp = 2 * (c if pure else 4.0) * min(Pt, largest_tensor) if inbwd else 0.0
         # phase A: loss backward (last stage) / phase B: the last block's backward. A chunked
         # loss runs the head's backward chunk by chunk inside it: the head's gradient exists
         # while later chunks' logits are still held
         a_total = (states_fwd + copies + acts + fin_acts + loss_a
-                   + (head_g if k.loss == "chunked" else 0.0))
+                   + (head_g if chunked else 0.0))
         b_extra = one_layer + trans + (layer_copies if full else 0.0)
         b_total = states_fwd + copies + acts + b_extra + head_g + inbwd_tmp
         # phase B': the first block's backward: the other blocks' gradients exist, their
         # activations are freed; one block's activations (recomputed under full ckpt) remain
         grads_end = grads * max(0.0, P - layer_p) / P if P > 0 else 0.0
-        if k.opt_in_bwd:                               # each gradient is applied, then freed
+        if opt_in_bwd:                                 # each gradient is applied, then freed
             grads_end = g_b * min(Pt, largest_tensor)
         first_acts = (ckpt_keep_tok * T + one_layer) if full else per_layer_tok * T
         fixed_acts = (T * 16.0 if first else 0.0) + (T * held_b * logits_tok if last else 0.0)
         e_extra = first_acts + fixed_acts + trans + layer_copies
-        # (FSDP SHARD_GRAD_OP: the other units have resharded; the first block's stays whole)
-        e_unsharded = w_b * layer_p if fsdp_sgo else 0.0
         e_total = (weights + optim + other_fixed + max(grads_end, persist_grads) + e_extra
                    + e_unsharded)
         # phase C: optimizer step (inside backward, one tensor at a time, with opt_in_bwd)
-        tmp = step_tmp_b * Pt / (N if k.zero >= 1 else 1) if k.offload == "none" else 0.0
-        if k.optimizer == "adafactor":
-            tmp = 3 * 4.0 * max(V * e / t, spec.hidden * spec.f / t)
-        if k.opt_in_bwd:
+        tmp = step_tmp_b * Pt / o_div if offload == "none" else 0.0
+        if optimizer == "adafactor":
+            tmp = 3 * 4.0 * largest_tensor
+        if opt_in_bwd:
             c_total = weights + optim + other_fixed + g_b * min(Pt, largest_tensor) + inbwd_tmp
         else:
             c_total = weights + grads + optim + other_fixed + max(after_bwd, grads32 + tmp)
         total = max(a_total, b_total, c_total, e_total)
         # the breakdown of the phase that peaks (weights, gradients, optimizer, activations, other)
         if total == a_total:
-            bd = (weights + unsharded, persist_grads + (head_g if k.loss == "chunked" else 0.0),
+            bd = (weights + unsharded, persist_grads + (head_g if chunked else 0.0),
                   optim, acts + fin_acts + loss_a, other_fixed + copies)
         elif total == b_total:
             bd = (weights + unsharded, persist_grads + head_g, optim, acts + one_layer,
                   other_fixed + copies + trans + (layer_copies if full else 0.0) + inbwd_tmp)
-        elif total == c_total and not k.opt_in_bwd:
+        elif total == c_total and not opt_in_bwd:
             step_extra = max(after_bwd, grads32 + tmp)
             bd = (weights, grads, optim + (grads32 if step_extra > after_bwd else 0.0), 0.0,
                   other_fixed + (tmp if step_extra > after_bwd else after_bwd))
@@ -964,7 +1040,7 @@ def _lora_key(k: Knobs) -> tuple[int, tuple[str, ...]]:
 
 
 def _comms(k: Knobs) -> int:
-    return sum(1 for d in (k.dp, k.tp, k.pp, k.cp) if d > 1)
+    return (k.dp > 1) + (k.tp > 1) + (k.pp > 1) + (k.cp > 1)
 
 
 def _fragmentation(ov: Overheads, k: Knobs) -> float:
@@ -991,9 +1067,12 @@ def _alloc_limit_b(used_gib: float, ov: Overheads, k: Knobs) -> float:
 
 def _resolve_gpu(gpu: Any):
     """A catalog name, or a GPU object itself (a cluster's custom type)."""
-    if gpu is None or hasattr(gpu, "memory_gib"):
+    if gpu is None:
+        return None
+    if type(gpu) is str and gpu in CATALOG:         # the common case, first
+        return CATALOG[gpu]
+    if hasattr(gpu, "memory_gib"):
         return gpu
-    from .catalog import get_gpu
     return get_gpu(str(gpu))
 
 
@@ -1030,21 +1109,20 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
     in Frenzy's trainer config), ``score_clamp`` (eager attention of transformers 4.2x OPT /
     Llama, which clamps the masked scores and saves them).
     """
-    spec = model_from_kwargs(model, arch=arch, layers=layers, hidden=hidden, heads=heads,
-                             kv_heads=kv_heads, ffn=ffn, vocab=vocab,
-                             tied_embeddings=tied_embeddings)
+    if (arch is None and layers is None and hidden is None and heads is None and kv_heads is None
+            and ffn is None and vocab is None and tied_embeddings is None):
+        spec = model_from_kwargs(model)           # the common case: no dimension keywords to sift
+    else:
+        spec = model_from_kwargs(model, arch=arch, layers=layers, hidden=hidden, heads=heads,
+                                 kv_heads=kv_heads, ffn=ffn, vocab=vocab,
+                                 tied_embeddings=tied_embeddings)
     if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0:
         spec = with_positions(spec, seq_len)
-    k = validate_knobs(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
-                       dp=dp, tp=tp, pp=pp, cp=cp, sp=sp, vpp=vpp, zero=zero, offload=offload,
-                       precision=precision, optimizer=optimizer, act_ckpt=act_ckpt,
-                       attention=attention, mp_style=mp_style, framework=framework,
-                       master_weights=master_weights, finetune=finetune, lora_rank=lora_rank,
-                       lora_targets=lora_targets, loss=loss, act_offload=act_offload,
-                       optimizer_in_backward=optimizer_in_backward, adamw_impl=adamw_impl,
-                       fused_kernels=fused_kernels, zero_bucket_elems=zero_bucket_elems,
-                       gradient_as_bucket_view=gradient_as_bucket_view,
-                       overlap_comm=overlap_comm, score_clamp=score_clamp)
+    k = _knobs(framework, spec, seq_len, micro_batch, grad_accum, dp, tp, pp, cp, sp, vpp, zero,
+               offload, precision, optimizer, act_ckpt, attention, mp_style, master_weights,
+               finetune, lora_rank, lora_targets, loss, act_offload, optimizer_in_backward,
+               adamw_impl, fused_kernels, zero_bucket_elems, gradient_as_bucket_view,
+               overlap_comm, score_clamp)
     if method not in ("analytic", "traced"):
         raise FrenzyInputError("method", f"must be analytic or traced (got {method!r})")
     g = _resolve_gpu(gpu)

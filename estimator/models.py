@@ -12,6 +12,7 @@ Pure: no torch, no transformers at import (``hf_config`` only returns a dict).
 from __future__ import annotations
 
 import json
+import operator
 import os
 import re
 from functools import cached_property, lru_cache
@@ -25,6 +26,11 @@ Arch = Literal["gpt", "llama", "bert", "opt"]
 
 # arch -> the Hugging Face model_type it builds by default
 _DEFAULT_HF_TYPE = {"gpt": "gpt2", "llama": "llama", "bert": "bert", "opt": "opt"}
+# The fields a spec's hash covers: the ones that tell models apart. Equal specs agree on them,
+# so the hash stays consistent with ==; specs that differ elsewhere only (dropout, ...) meet
+# in one bucket and == tells them apart. (Specs key the estimator's caches on every estimate:
+# hashing all 24 fields cost more than the cache lookup saved.)
+_HASH_FIELDS = operator.itemgetter("name", "layers", "hidden", "heads", "vocab")
 
 
 class ModelSpec(BaseModel):
@@ -64,6 +70,9 @@ class ModelSpec(BaseModel):
     rope_theta: float | None = None
     norm_eps: float | None = None
     sliding_window: int | None = None
+
+    def __hash__(self) -> int:
+        return hash(_HASH_FIELDS(self.__dict__))
 
     @model_validator(mode="before")
     @classmethod
@@ -477,6 +486,8 @@ def resolve_model(model: "str | dict[str, Any] | ModelSpec | os.PathLike") -> Mo
     """A preset name, a path to a Hugging Face config.json (or its model folder), a Hub id
     cached locally, a dict of dimensions, or a ModelSpec -> ModelSpec. Bad input raises
     FrenzyInputError."""
+    if type(model) is str and model in PRESETS:       # the common case, first
+        return PRESETS[model]
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, dict):
@@ -529,7 +540,7 @@ def resolve_model(model: "str | dict[str, Any] | ModelSpec | os.PathLike") -> Mo
 
 def model_from_kwargs(model: Any = None, **dims: Any) -> ModelSpec:
     """``model=`` or the dimension keywords (``arch``, ``layers``, ...) of the estimate contract."""
-    given = {k: v for k, v in dims.items() if k in _DIM_KEYS and v is not None}
+    given = {k: v for k, v in dims.items() if v is not None and k in _DIM_KEYS}
     if model is not None:
         spec = resolve_model(model)
         if given:   # explicit dimensions override the preset's

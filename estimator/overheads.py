@@ -18,6 +18,7 @@ import json
 import os
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
+from operator import attrgetter
 from pathlib import Path
 from .home import DEFAULT_HOME, forget_json_cache, frenzy_home, read_json_cached
 
@@ -64,15 +65,11 @@ class Overheads:
     zero3_live_units: float = ZERO3_LIVE_UNITS
 
     def as_dict(self) -> dict[str, float]:
-        return dict(_as_dict(self))              # a fresh dict: callers may add to it
+        return dict(zip(FIELDS, _values(self)))  # a fresh dict: callers may add to it
 
 
 FIELDS = tuple(f.name for f in fields(Overheads))
-
-
-@lru_cache(maxsize=256)
-def _as_dict(ov: Overheads) -> dict[str, float]:
-    return {f: getattr(ov, f) for f in FIELDS}
+_values = attrgetter(*FIELDS)
 DEFAULT = Overheads()
 CPU_OVERHEADS = Overheads(cuda_context_gib=CPU_CONTEXT_GIB, workspace_gib=0.0, fragmentation=0.0,
                           fragmentation_recompute=0.0, nccl_per_comm_gib=0.0)
@@ -84,8 +81,13 @@ def calibration_path() -> Path:
 
 
 def _calibration_file() -> str:
-    # the hot path (every estimate): plain strings, no pathlib
-    return os.path.join(os.environ.get("FRENZY_HOME") or DEFAULT_HOME, "calibration.json")
+    # the hot path (every estimate with a GPU type): plain strings, no pathlib, joined once per home
+    return _calibration_in(os.environ.get("FRENZY_HOME") or DEFAULT_HOME)
+
+
+@lru_cache(maxsize=16)
+def _calibration_in(home: str) -> str:
+    return os.path.join(home, "calibration.json")
 
 
 def load_calibration(path: str | os.PathLike | None = None) -> dict[str, dict[str, float]]:

@@ -73,6 +73,11 @@ class Profile:
     job_knobs_only: bool = False
     measured: str = ""
 
+    def __hash__(self) -> int:
+        # a profile keys the validation cache: its name tells profiles apart (equal profiles
+        # share it, so this agrees with ==), cheaper than hashing all 20 fields
+        return hash(self.name)
+
 
 PROFILES: dict[str, Profile] = {p.name: p for p in [
     # Frenzy's trainer never runs torch's default (foreach) AdamW: trainer/optim.py
