@@ -83,6 +83,23 @@ def wait_weight(menu: list[Cand], steps: int, free: GpuCounts, cfg: Choice) -> f
     return 1.0
 
 
+def waited_start(prof: Profile, n: int, now: float, free: int) -> float:
+    """When a plan of ``n`` GPUs that cannot start now would start on ``prof``'s type: its
+    availability profile's start, at least a second away (a release due now is not placeable this
+    instant), and no earlier than the jobs already queued for the type let it (fluid estimate:
+    the type's GPUs first finish the running work, then the queued work). INF: never."""
+    start = prof.wait_start(n, now, free)
+    if start == INF:
+        return INF
+    if start <= now:
+        start = now + 1.0
+    if prof.backlog:
+        queued = now + (prof.busy_gs + prof.backlog) / prof.total
+        if queued > start:
+            start = queued
+    return start
+
+
 def choose(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: GpuCounts, now: float,
            cfg: Choice, deep: bool = False, fastest: bool = False, wait_w: float = 1.0,
            launch_s: float = 0.0) -> Pick | None:
@@ -115,16 +132,9 @@ def choose(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: Gpu
             rel = dur
             any_now = True
         else:
-            start = prof.wait_start(n, now, f)
+            start = waited_start(prof, n, now, f)
             if start == INF:
                 continue
-            if start <= now:
-                start = now + 1.0     # not placeable this instant (a release due now)
-            if prof.backlog:          # jobs ahead already queue for this type (fluid estimate:
-                # the type's GPUs first finish the running work, then the queued work)
-                queued = now + (prof.busy_gs + prof.backlog) / prof.total
-                if queued > start:
-                    start = queued
             rel = (start - now) * wait_w + dur
         options.append((rel, n * dur, c, start, dur))
         if rel < best_rel:
@@ -221,15 +231,7 @@ class DeepBound:
                 plans.append((step_s, -INF, INF))
                 continue
             f = free_of(g, 0)
-            start = prof.wait_start(n, now, f)
-            if start != INF:              # as choose adjusts a waiting plan's start
-                if start <= now:
-                    start = now + 1.0
-                if prof.backlog:
-                    queued = now + (prof.busy_gs + prof.backlog) / prof.total
-                    if queued > start:
-                        start = queued
-            plans.append((step_s, prof.horizon(n, now, f), start))
+            plans.append((step_s, prof.horizon(n, now, f), waited_start(prof, n, now, f)))
         return plans
 
     def _reaches_now(self, plans: list[tuple[float, float, float]], steps: float, wait_w: float) -> bool:
