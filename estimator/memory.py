@@ -55,7 +55,9 @@ MASTER_WEIGHTS = ("auto", "fp32", "none")
 FINETUNES = ("full", "lora", "qlora")
 # fp32-logits: the model itself upcasts the logits and returns the fp32 copy (Hugging Face
 # causal LMs before transformers 4.46: ``logits = logits.float()`` in forward)
-LOSSES = ("standard", "chunked", "fused-linear", "fp32-logits", "none")
+# auto: the profile's own loss path: "fp32-logits" where the run goes through Accelerate's native
+# AMP (Knobs.accelerate_amp: its forward wrapper converts the outputs to fp32), else "standard"
+LOSSES = ("auto", "standard", "chunked", "fused-linear", "fp32-logits", "none")
 # foreach-legacy: torch's foreach Adam(W) as PyTorch 2.0/2.1 ran it, with an out-of-place
 # denominator (two state-sized temporaries at the step; see stage_peaks)
 ADAMW_IMPLS = ("auto", "foreach", "foreach-legacy", "fused", "for-loop")
@@ -144,6 +146,7 @@ class Knobs:
     finetune: str = "full"
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = ()
+    lora_dropout: bool = False           # dropout on the adapters' input (PEFT lora_dropout > 0)
     loss: str = "standard"
     act_offload: bool = False
     opt_in_bwd: bool = False
@@ -153,6 +156,10 @@ class Knobs:
     bucket_view: bool = False           # DDP gradient_as_bucket_view / FSDP NO_SHARD: no bucket copy
     overlap_comm: bool = False          # DeepSpeed overlap_comm (resolved: its default per stage)
     score_clamp: bool = False           # eager attention clamps the masked scores (old HF OPT/Llama)
+    # the step runs under Accelerate's native AMP (a zero-0 16-bit run with fp32 weights or
+    # adapters and no DeepSpeed engine, in a profile whose trainer is Accelerate): autocast
+    # around the forward and ``convert_outputs_to_fp32`` on what it returns
+    accelerate_amp: bool = False
 
 
 def _pos_int(name: str, v: Any) -> int:
@@ -193,17 +200,17 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
                    optimizer: Any = "adamw", act_ckpt: Any = "none", attention: Any = "flash",
                    mp_style: Any = "auto", framework: Any = "frenzy", master_weights: Any = "auto",
                    finetune: Any = "full", lora_rank: Any = 16, lora_targets: Any = None,
-                   loss: Any = "standard", act_offload: Any = False,
+                   loss: Any = "auto", act_offload: Any = False,
                    optimizer_in_backward: Any = False, adamw_impl: Any = "auto",
                    fused_kernels: Any = False, zero_bucket_elems: Any = None,
                    gradient_as_bucket_view: Any = None, overlap_comm: Any = None,
-                   score_clamp: Any = False) -> Knobs:
+                   score_clamp: Any = False, lora_dropout: Any = 0.0) -> Knobs:
     """Check every knob against the model; raise FrenzyInputError naming field and rule."""
     return _knobs(framework, spec, seq_len, micro_batch, grad_accum, dp, tp, pp, cp, sp, vpp, zero,
                   offload, precision, optimizer, act_ckpt, attention, mp_style, master_weights,
                   finetune, lora_rank, lora_targets, loss, act_offload, optimizer_in_backward,
                   adamw_impl, fused_kernels, zero_bucket_elems, gradient_as_bucket_view,
-                  overlap_comm, score_clamp)
+                  overlap_comm, score_clamp, lora_dropout)
 
 
 def _knobs(framework: Any, *args: Any) -> Knobs:
@@ -221,7 +228,7 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
               master_weights: Any, finetune: Any, lora_rank: Any, lora_targets: Any, loss: Any,
               act_offload: Any, optimizer_in_backward: Any, adamw_impl: Any, fused_kernels: Any,
               zero_bucket_elems: Any, gradient_as_bucket_view: Any, overlap_comm: Any,
-              score_clamp: Any) -> Knobs:
+              score_clamp: Any, lora_dropout: Any = 0.0) -> Knobs:
     s = _pos_int("seq_len", seq_len)
     mb = _pos_int("micro_batch", micro_batch)
     ga = _pos_int("grad_accum", grad_accum)
@@ -286,8 +293,12 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
     check_knobs(prof, finetune=finetune, zero=zero, master=master_weights, precision=precision,
                 opt_in_bwd=opt_in_bwd, optimizer=optimizer, offload=offload, loss=loss,
                 act_offload=act_offload, fused=fused)
-    rank, targets = 16, ()
+    rank, targets, drop = 16, (), False
     if finetune != "full":
+        if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) \
+                or not 0 <= lora_dropout < 1:
+            raise FrenzyInputError("lora_dropout", f"must be a number in [0, 1) (got {lora_dropout!r})")
+        drop = lora_dropout > 0
         rank = _pos_int("lora_rank", lora_rank)
         names = lora_projections(spec)
         if lora_targets is None or lora_targets == ():
@@ -336,9 +347,23 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
     if overlap_comm is not None and not prof.overlap_comm:
         raise FrenzyInputError("overlap_comm", f"is a DeepSpeed setting, not expressible with "
                                                f"framework {prof.name}")
+    # Accelerate's native AMP (accelerate/accelerator.py, prepare_model): a zero-0 16-bit run
+    # that keeps fp32 weights (or fp32 LoRA adapters) and has no DeepSpeed engine (tp, cp and
+    # ZeRO run through DeepSpeed in Frenzy's trainer; a pipeline is its own program)
+    accel = (prof.accelerate_amp and precision != "fp32" and master == "fp32" and zero == 0
+             and tp == 1 and cp == 1 and pp == 1 and mp_style != "master")
+    if loss == "auto":
+        # its forward wrapper (utils/operations.py, convert_outputs_to_fp32) returns an fp32
+        # copy of the logits, which the output holds through the backward: the model's own
+        # upcast inside the loss then finds fp32 and copies nothing. Measured on the H200
+        # (scripts/gpu_check.sh --set memory, Llama-3.2-1B): the zero-0 AMP runs' allocated
+        # peaks sat 2.0 and 4.0 GiB above the "standard" path at 8,192 and 16,384 tokens, one
+        # 16-bit logits tensor (2 B x 128,256 x tokens = 1.96 / 3.92 GiB); ZeRO and pure-bf16
+        # runs, which Accelerate does not wrap, matched "standard" (+0.1%, -0.2%)
+        loss = "fp32-logits" if accel else "standard"
     return Knobs(s, mb, ga, dp, tp, pp, cp, sp, vpp, zero, offload, precision, optimizer,
-                 act_ckpt, attention, mp_style, prof.name, master, finetune, rank, targets, loss,
-                 act_offload, opt_in_bwd, impl, fused, bucket, view, overlap, clamp)
+                 act_ckpt, attention, mp_style, prof.name, master, finetune, rank, targets, drop,
+                 loss, act_offload, opt_in_bwd, impl, fused, bucket, view, overlap, clamp, accel)
 
 
 # Validation is a pure function of its arguments and the framework's profile (PROFILES may be
@@ -653,13 +678,15 @@ def _loss_terms(spec: ModelSpec, k: Knobs, prof: Profile, c: float, amp: bool) -
     return held, bwd
 
 
-def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float) -> tuple[float, float]:
+def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float) -> tuple[float, float]:
     """Per token and block: (replicated, sharded) bytes LoRA changes. Frozen projections keep
     no input for a weight gradient, frozen norm weights no normalised copy; each adapter saves
-    its A output (and its input, the same tensor the norm produced, when dropout is off)."""
+    its A output, and the input its A matrix saw: the tensor the norm produced when nothing
+    copies it (16-bit adapters, no dropout), else a copy of its own (``_adapter_input_bytes``)."""
     h, f, r = spec.hidden, spec.f, k.lora_rank
     t = set(k.lora_targets)
-    adapters = c * r * len(t)
+    names = lora_projections(spec)
+    adapters = c * r * len(t) + _adapter_input_bytes(k, c, mask_b) * sum(names[x][0] for x in t)
     if spec.arch == "llama":
         rep = -2 * c * h                                        # normalised copies (frozen weights)
         if not t & {"q_proj", "k_proj", "v_proj"}:
@@ -670,6 +697,22 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float) -> tuple[float, 
         return rep, shard
     down = {"gpt": "mlp.c_proj", "opt": "fc2", "bert": "output.dense"}[spec.arch]
     return 0.0, adapters - (0.0 if down in t else c * f)
+
+
+def _adapter_input_bytes(k: Knobs, c: float, mask_b: float) -> float:
+    """Bytes per input element an adapter saves beside the base layer's input. PEFT's LoRA
+    forward casts the input to the adapter's dtype (peft/tuners/lora/layer.py,
+    ``_cast_input_dtype``): fp32 adapters (``autocast_adapter_dtype``, Frenzy's trainer with
+    fp32 master weights) under Accelerate's autocast get an fp32 copy, and autocast casts it
+    back to 16 bits for A's matmul, which saves that new 16-bit copy (c B). Dropout
+    (``lora_dropout`` > 0) saves its mask (``mask_b``: CUDA bool) and makes a new tensor, which
+    is the copy A saves when nothing casts it. Measured on the H200 (Llama-3.2-1B, r 16 on
+    q_proj and v_proj, dropout 0.05): allocated 2.9 GiB above the estimate without the
+    fp32 logits output (loss "auto", 1.96 GiB) and these terms (1.5 GiB); with both, 0.6 GiB
+    (2%) above."""
+    if k.accelerate_amp:
+        return c + (mask_b if k.lora_dropout else 0.0)
+    return c + mask_b if k.lora_dropout else 0.0
 
 
 @lru_cache(maxsize=4096)       # pure in its (hashable) arguments: per shape, not per batch
@@ -762,7 +805,7 @@ def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> tup
     largest_tensor = max(head_w, h * f / t)
 
     if lora:
-        d_rep, d_shard = _lora_activation_delta(spec, k, c)
+        d_rep, d_shard = _lora_activation_delta(spec, k, c, sem.mask_bytes)
         rep, shard = rep + d_rep, shard + d_shard
     sp_div = t if k.sp else 1                          # sequence parallelism shards the rest
     per_layer_tok = (rep / t if k.sp else rep) + shard / t
@@ -1086,11 +1129,11 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
              attention: str = "flash", gpu: Any = None, method: str = "analytic",
              mp_style: str = "auto", model_factory: Any = None, framework: str = "frenzy",
              master_weights: str = "auto", finetune: str = "full", lora_rank: int = 16,
-             lora_targets: Any = None, loss: str = "standard", act_offload: bool = False,
+             lora_targets: Any = None, loss: str = "auto", act_offload: bool = False,
              optimizer_in_backward: bool = False, adamw_impl: str = "auto",
              fused_kernels: bool = False, zero_bucket_elems: float | None = None,
              gradient_as_bucket_view: bool | None = None, overlap_comm: bool | None = None,
-             score_clamp: bool = False) -> Estimate:
+             score_clamp: bool = False, lora_dropout: float = 0.0) -> Estimate:
     """Per-GPU training memory of one configuration (see the module docstring).
 
     ``model``: preset name, path to a HF config.json, dict of dimensions or ModelSpec; or the
@@ -1100,7 +1143,8 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
     ``framework``: the implementation profile (estimator.profiles: frenzy, hf, torchtitan,
     megatron, deepspeed, torchtune, lightning). Technique knobs: ``master_weights`` (auto: the
     profile's; fp32; none = pure 16-bit), ``finetune`` (full, lora, qlora; ``lora_rank``,
-    ``lora_targets``), ``loss`` (standard, chunked, fused-linear, none), ``act_offload``,
+    ``lora_targets``, ``lora_dropout``), ``loss`` (auto: the profile's path; standard, chunked,
+    fused-linear, fp32-logits, none), ``act_offload``,
     ``optimizer_in_backward``, ``adamw_impl`` (auto, foreach, foreach-legacy, fused, for-loop), ``fused_kernels``
     (torch.compile / Liger: fused RMSNorm and SwiGLU save fewer tensors), ``zero_bucket_elems``
     (DeepSpeed reduce_bucket_size; default: the profile's, else Frenzy's trainer config),
@@ -1122,7 +1166,7 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
                offload, precision, optimizer, act_ckpt, attention, mp_style, master_weights,
                finetune, lora_rank, lora_targets, loss, act_offload, optimizer_in_backward,
                adamw_impl, fused_kernels, zero_bucket_elems, gradient_as_bucket_view,
-               overlap_comm, score_clamp)
+               overlap_comm, score_clamp, lora_dropout)
     if method not in ("analytic", "traced"):
         raise FrenzyInputError("method", f"must be analytic or traced (got {method!r})")
     g = _resolve_gpu(gpu)

@@ -134,12 +134,13 @@ class _Technique:
     finetune: str = "full"
     lora_rank: int = 16
     lora_targets: tuple[str, ...] | None = None
+    lora_dropout: float = 0.0
 
 
 def _technique(job: TrainingJob) -> _Technique:
     ft = job.finetune
     targets = tuple(ft.target_modules) if ft.target_modules else None
-    return _Technique("frenzy", job.master_weights, ft.method, ft.rank, targets)
+    return _Technique("frenzy", job.master_weights, ft.method, ft.rank, targets, ft.dropout)
 
 
 def _offloads(zero: int) -> tuple[str, ...]:
@@ -213,7 +214,8 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                                                   master_weights=tech.master_weights,
                                                   finetune=tech.finetune,
                                                   lora_rank=tech.lora_rank,
-                                                  lora_targets=tech.lora_targets)
+                                                  lora_targets=tech.lora_targets,
+                                                  lora_dropout=tech.lora_dropout)
                         except FrenzyInputError:
                             continue
                         allocs = []
@@ -493,4 +495,4 @@ def estimate_plan(job: TrainingJob | dict, plan: Plan, *, gpus: dict[str, GPU] |
                     optimizer=plan.optimizer, act_ckpt=plan.act_ckpt, attention=plan.attention,
                     gpu=get_gpu(plan.gpu_type, gpus), framework=t.framework,
                     master_weights=t.master_weights, finetune=t.finetune, lora_rank=t.lora_rank,
-                    lora_targets=t.lora_targets)
+                    lora_targets=t.lora_targets, lora_dropout=t.lora_dropout)

@@ -146,12 +146,18 @@ def trace_step(spec: ModelSpec, k: Knobs, model_factory: Callable[[], Any] | Non
             for step in range(steps):
                 for _ in range(k.grad_accum):
                     ctx = (torch.autocast("cpu", dtype=c16) if amp else _null())
+                    legacy = k.loss == "fp32-logits" and not k.accelerate_amp and model_factory is None
                     with ctx:
-                        if k.loss == "fp32-logits" and model_factory is None:
+                        if legacy:
                             out = model(input_ids=ids)
                         else:
                             out = model(input_ids=ids, labels=ids) if model_factory is None else model(ids)
-                    if k.loss == "fp32-logits" and model_factory is None:
+                    if k.accelerate_amp and model_factory is None:
+                        # Accelerate's convert_outputs_to_fp32: the loss was made inside the
+                        # forward; the output's logits are replaced by an fp32 copy
+                        out.logits = out.logits.float()
+                        loss = out.loss
+                    elif legacy:
                         # transformers before 4.46: forward upcasts the logits and returns the fp32
                         # copy (the 16-bit head output is dropped), the loss runs on a shifted copy
                         out.logits = out.logits.float()

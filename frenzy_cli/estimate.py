@@ -53,7 +53,10 @@ def register(sub) -> None:
     t.add_argument("--finetune", default="full", help="full | lora | qlora")
     t.add_argument("--lora-rank", type=int, default=16)
     t.add_argument("--lora-targets", help="comma-separated projections (default: PEFT's)")
-    t.add_argument("--loss", default="standard", help="standard | chunked | fused-linear | fp32-logits | none")
+    t.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="dropout on the adapters' input (PEFT's default 0; a Frenzy job's 0.05)")
+    t.add_argument("--loss", default="auto", help="auto (the framework's own loss path) | standard | chunked | "
+                                                  "fused-linear | fp32-logits | none")
     t.add_argument("--act-offload", type=_bool, nargs="?", const=True, default=False, metavar="BOOL")
     t.add_argument("--optimizer-in-backward", type=_bool, nargs="?", const=True, default=False,
                    metavar="BOOL")
@@ -99,7 +102,7 @@ _EST_KEYS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "v
              "tied_embeddings", "seq_len", "micro_batch", "grad_accum", "dp", "tp", "pp", "cp",
              "sp", "vpp", "zero", "offload", "precision", "optimizer", "act_ckpt", "attention",
              "gpu", "method", "mp_style", "framework", "master_weights", "finetune", "lora_rank",
-             "lora_targets", "loss", "act_offload", "optimizer_in_backward", "adamw_impl",
+             "lora_targets", "lora_dropout", "loss", "act_offload", "optimizer_in_backward", "adamw_impl",
              "fused_kernels", "overlap_comm", "score_clamp")
 
 

@@ -2,13 +2,23 @@
 for 30 steps each with Frenzy's own trainer, and print predicted vs measured peaks.
 
     scripts/gpu_check.sh [--model gpt2-medium] [--steps 30] [--seq-len 1024] [--zero] [--out DIR]
+    scripts/gpu_check.sh --set memory [--steps 10] [--out DIR]   # ~1B Llama, 7 plans (below)
+    scripts/gpu_check.sh --set heldout [--out DIR]               # Qwen2.5-0.5B, 4 plans
     scripts/gpu_check.sh --rescore docs/data/gpu_check_h200.json   # no GPU: today's estimator vs saved measurements
 
 Predicted: ``estimator.estimate`` for the plan on the catalog GPU type NVML reports.
 Measured: each rank's ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` and the
 device's NVML used memory, as the training program reports them (``FRENZY_RESULT``).
 Needs torch with CUDA, transformers, accelerate, pyyaml, psutil, pydantic; DeepSpeed only for
-the optional ZeRO plan (``--zero``). Runs from a checkout (PYTHONPATH=.), nothing installed.
+the ZeRO plans (``--zero``, ``--set memory``); PEFT for the LoRA plan. Runs from a checkout
+(PYTHONPATH=.), nothing installed.
+
+``--set memory`` is the device-used check of the estimator (a ~1B Llama, Llama-3.2-1B's shape
+from its config, random weights, seq 2048, global batch 8, one GPU, the launcher's
+``expandable_segments`` allocator): plain mixed precision, full activation checkpointing,
+DeepSpeed ZeRO-2, ZeRO-3, ZeRO-2 with the optimizer offloaded (DeepSpeed's CPU Adam), LoRA and
+pure bf16 (no fp32 master weights). The report is written after every plan, so a run cut short
+keeps what it measured.
 """
 from __future__ import annotations
 
@@ -29,6 +39,12 @@ def pct(pred: float | None, meas: float | None) -> str:
 def f2(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
+
+# A GPU box is bare (no MLflow there); the check's figures go to its own report.
+NO_TRACKING = {"enabled": False}
+
+# The job-level settings a plan set varies beside the plan (rescore rebuilds the same job).
+JOB_KNOBS = ("finetune", "master_weights")
 
 KNOBS = {"gpu_type", "gpus", "dp", "zero", "offload", "act_ckpt", "micro_batch", "grad_accum", "precision",
          "optimizer", "attention"}
@@ -63,9 +79,10 @@ def rescore(path: str) -> int:
     from trainer.fallback import reestimate
 
     report = json.loads(Path(path).read_text())
-    job = TrainingJob(name="gpu-check", model=report["model"], seq_len=report["seq_len"],
-                      global_batch=report["global_batch"], train_steps=report["steps"], precision="bf16")
     for r in report["rows"]:
+        job = TrainingJob(name="gpu-check", model=report["model"], seq_len=report["seq_len"],
+                          global_batch=report["global_batch"], train_steps=report["steps"], precision="bf16",
+                          **r.get("job", {}))
         plan = Plan(**r["knobs"])
         pred = reestimate(job, plan, safety_margin_gib=0.0) or plan
         r["predicted"] = {k: getattr(pred, k) for k in ("allocated_peak_gib", "reserved_peak_gib",
@@ -90,7 +107,8 @@ def oom_drill(a) -> int:
     mb = 8
     while True:                       # the smallest power-of-two micro-batch predicted to overflow by 15%
         job = TrainingJob(name="oom-drill", model=a.model, seq_len=a.seq_len, global_batch=mb, train_steps=a.steps,
-                          lr=1e-4, checkpoint_every=5, precision="bf16")
+                          lr=1e-4, checkpoint_every=5, precision="bf16",
+                          tracking=NO_TRACKING)
         plan = Plan(gpu_type=gpu_type, gpus=1, dp=1, micro_batch=mb, grad_accum=1, act_ckpt="none")
         big = reestimate(job, plan, safety_margin_gib=-10 ** 6)   # predictions even where it does not fit
         if big.device_used_gib > 1.15 * cap or mb >= 4096:
@@ -120,12 +138,44 @@ def oom_drill(a) -> int:
     return 0 if res.status == "completed" and res.attempts[0].outcome == "oom" else 1
 
 
+def plan_set(name: str, per_rank: int, *, zero: bool = False) -> list[tuple[str, dict, dict]]:
+    """(label, plan knobs, job knobs) of each plan a set runs, in the order they run."""
+    if name == "memory":
+        mb = min(4, per_rank)
+        return [("mb4 no-ckpt", dict(micro_batch=mb), {}),
+                ("mb4 lora", dict(micro_batch=mb), {"finetune": {"method": "lora"}}),
+                ("mb4 zero2", dict(micro_batch=mb, zero=2), {}),
+                ("mb4 zero3", dict(micro_batch=mb, zero=3), {}),
+                ("mb4 pure-bf16", dict(micro_batch=mb), {"master_weights": "none"}),
+                (f"mb{min(8, per_rank)} full-ckpt", dict(micro_batch=min(8, per_rank), act_ckpt="full"), {}),
+                ("mb4 zero2 offload-opt", dict(micro_batch=mb, zero=2, offload="optimizer"), {})]
+    if name == "heldout":
+        # another model, vocabulary, sequence length and LoRA settings than "memory", for the
+        # terms that set measured: Accelerate's fp32 logits, adapters' input copies and masks
+        mb = min(8, per_rank)
+        every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        return [("mb8 no-ckpt", dict(micro_batch=mb), {}),
+                ("mb8 lora no-dropout", dict(micro_batch=mb), {"finetune": {"method": "lora", "dropout": 0.0}}),
+                ("mb8 lora all-linear", dict(micro_batch=mb),
+                 {"finetune": {"method": "lora", "dropout": 0.1, "target_modules": every}}),
+                (f"mb{per_rank} full-ckpt", dict(micro_batch=per_rank, act_ckpt="full"), {})]
+    shapes = [("mb4 no-ckpt", dict(micro_batch=min(4, per_rank), act_ckpt="none"), {}),
+              ("mb16 no-ckpt", dict(micro_batch=min(16, per_rank), act_ckpt="none"), {}),
+              ("mb16 full-ckpt", dict(micro_batch=min(16, per_rank), act_ckpt="full"), {})]
+    if zero:
+        shapes.append(("mb4 zero2", dict(micro_batch=min(4, per_rank), act_ckpt="none", zero=2), {}))
+    return shapes
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2-medium")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--set", choices=("basic", "memory", "heldout"), default="basic",
+                    help="basic: three plans (+ ZeRO-2 with --zero); memory: the 7-plan device-used check; "
+                         "heldout: 4 plans of another model to check memory's terms on")
+    ap.add_argument("--model", help="default gpt2-medium (basic), llama-3.2-1b (memory)")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--global-batch", type=int)
     ap.add_argument("--gpus", type=int, default=1, help="GPUs per plan (data parallel)")
     ap.add_argument("--zero", action="store_true", help="add a ZeRO-2 plan (needs deepspeed)")
     ap.add_argument("--out", default="gpu_check_out")
@@ -136,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead of the three plans: start a plan the estimator says overflows the GPU, "
                          "let it really run out of memory and follow the trainer's fallback ladder")
     a = ap.parse_args(argv)
+    defaults = {"basic": ("gpt2-medium", 30, 1024, 16), "memory": ("llama-3.2-1b", 10, 2048, 8),
+                "heldout": ("qwen2.5-0.5b", 8, 1024, 16)}[a.set]
+    for name, value in zip(("model", "steps", "seq_len", "global_batch"), defaults):
+        if getattr(a, name) is None:
+            setattr(a, name, value)
     if a.rescore:
         return rescore(a.rescore)
     if a.oom_drill:
@@ -159,20 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     devices = [str(g.index) for g in found[: a.gpus]]
     print(f"gpu_check: {len(found)} x {found[0].name} ({found[0].memory_gib:.1f} GiB) -> catalog {gpu_type}; using {devices}")
 
-    job = TrainingJob(name="gpu-check", model=a.model, seq_len=a.seq_len, global_batch=a.global_batch,
-                      train_steps=a.steps, lr=1e-4, checkpoint_every=10 ** 6, precision="bf16")
     n = a.gpus
-    per_rank = a.global_batch // n
-    shapes = [("mb4 no-ckpt", dict(micro_batch=min(4, per_rank), act_ckpt="none")),
-              ("mb16 no-ckpt", dict(micro_batch=min(16, per_rank), act_ckpt="none")),
-              ("mb16 full-ckpt", dict(micro_batch=min(16, per_rank), act_ckpt="full"))]
-    if a.zero:
-        shapes.append(("mb4 zero2", dict(micro_batch=min(4, per_rank), act_ckpt="none", zero=2)))
+    shapes = plan_set(a.set, a.global_batch // n, zero=a.zero)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for label, kw in shapes:
-        plan = Plan(gpu_type=gpu_type, gpus=n, dp=n, grad_accum=per_rank // kw["micro_batch"], **kw)
+    report = {"gpu": found[0].name, "catalog": gpu_type, "model": a.model, "seq_len": a.seq_len,
+              "global_batch": a.global_batch, "steps": a.steps, "set": a.set, "rows": rows}
+    for label, kw, job_kw in shapes:
+        job = TrainingJob(name="gpu-check", model=a.model, seq_len=a.seq_len, global_batch=a.global_batch,
+                          train_steps=a.steps, lr=1e-4, checkpoint_every=10 ** 6, precision="bf16",
+                          export={"enabled": False}, tracking=NO_TRACKING, **job_kw)
+        plan = Plan(gpu_type=gpu_type, gpus=n, dp=n, grad_accum=a.global_batch // n // kw["micro_batch"], **kw)
         pred = reestimate(job, plan, safety_margin_gib=0.0)
         if pred is None:
             print(f"gpu_check: {label}: the estimator says it does not fit; running it anyway")
@@ -194,16 +247,15 @@ def main(argv: list[str] | None = None) -> int:
                            fallbacks=iter(()))
         m = res.measured
         rows.append({"plan": label, "short": pred.short(), "knobs": plan.model_dump(include=KNOBS),
-                     "status": res.status, "wall_s": round(time.time() - t0, 1),
+                     "job": job.model_dump(mode="json", include=set(JOB_KNOBS)), "status": res.status, "wall_s": round(time.time() - t0, 1),
                      "predicted": {"allocated_peak_gib": pred.allocated_peak_gib, "reserved_peak_gib": pred.reserved_peak_gib,
                                    "device_used_gib": pred.device_used_gib, "step_time_s": pred.step_time_s},
                      "measured": m.model_dump(), "first_loss": res.losses[0] if res.losses else None,
                      "last_loss": res.losses[-1] if res.losses else None, "error": res.error})
         print(f"gpu_check: {label}: {res.status} in {time.time() - t0:.0f} s", flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2))   # a cut-short run keeps its rows
+        shutil.rmtree(run_dir, ignore_errors=True)        # a ~1B model's checkpoint is ~15 GB of disk
 
-    report = {"gpu": found[0].name, "catalog": gpu_type, "model": a.model, "seq_len": a.seq_len,
-              "global_batch": a.global_batch, "steps": a.steps, "rows": rows}
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print_table(report)
     return 0 if all(r["status"] == "completed" for r in rows) else 1
 

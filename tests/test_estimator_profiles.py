@@ -386,3 +386,46 @@ def test_score_clamp_saves_the_masked_scores():
     with pytest.raises(FrenzyInputError) as err:
         estimate(model="opt-350m", seq_len=512, score_clamp=True)     # flash: no scores
     assert err.value.field == "score_clamp"
+
+
+def test_frenzy_amp_holds_the_fp32_logits_accelerate_returns():
+    """Loss "auto" under Accelerate's native AMP (zero 0, bf16, fp32 weights): the forward
+    wrapper returns an fp32 copy of the logits, 2 B per logit above the model's 16-bit ones;
+    runs Accelerate does not wrap (DeepSpeed ZeRO, pure bf16) and other profiles keep the
+    model's own loss path."""
+    kw = dict(model="llama-3.2-1b", seq_len=2048, micro_batch=4)
+    logits_16bit_gib = 2 * 128256 * 4 * 2048 / 2 ** 30
+    for ck in ("none", "full"):
+        auto = estimate(**kw, act_ckpt=ck).allocated_peak_gib
+        assert auto - estimate(**kw, act_ckpt=ck, loss="standard").allocated_peak_gib == pytest.approx(logits_16bit_gib)
+    for extra in (dict(zero=2), dict(master_weights="none"), dict(framework="hf"), dict(tp=2)):
+        assert (estimate(**kw, **extra).allocated_peak_gib
+                == estimate(**kw, **extra, loss="standard").allocated_peak_gib), extra
+
+
+def test_lora_adapter_inputs_dropout_and_fp32_adapters():
+    """Per adapter input element: 16-bit adapters save nothing extra without dropout and a
+    mask (1 B) plus the dropped copy (2 B) with it; fp32 adapters under Accelerate's autocast
+    always save autocast's 16-bit copy, dropout adds only its mask."""
+    kw = dict(model="llama-3.2-1b", seq_len=2048, micro_batch=4, finetune="lora", loss="standard")
+    inputs_gib = 4 * 2048 * 16 * 2 * 2048 / 2 ** 30     # tokens x blocks x (q_proj, v_proj) x hidden
+
+    def alloc(**extra):
+        return estimate(**kw, **extra).allocated_peak_gib
+
+    assert alloc(master_weights="none", lora_dropout=0.05) - alloc(master_weights="none") == pytest.approx(3 * inputs_gib)
+    assert alloc(lora_dropout=0.05) - alloc() == pytest.approx(inputs_gib)
+    with pytest.raises(FrenzyInputError, match="lora_dropout"):
+        estimate(**kw, lora_dropout=1.0)
+
+
+def test_planner_passes_the_jobs_lora_dropout():
+    from estimator.job import TrainingJob
+    from estimator.plan import Plan
+    from estimator.plans import estimate_plan
+
+    plan = Plan(gpu_type="H200-141GB", gpus=1, micro_batch=4, grad_accum=2)
+    job = dict(name="j", model="llama-3.2-1b", seq_len=2048, global_batch=8, train_steps=1)
+    with_drop = estimate_plan(TrainingJob(**job, finetune={"method": "lora", "dropout": 0.05}), plan)
+    without = estimate_plan(TrainingJob(**job, finetune={"method": "lora", "dropout": 0.0}), plan)
+    assert with_drop.allocated_peak_gib - without.allocated_peak_gib == pytest.approx(4 * 2048 * 16 * 2 * 2048 / 2 ** 30)
