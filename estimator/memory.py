@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, Field
 
@@ -347,11 +347,11 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
     if overlap_comm is not None and not prof.overlap_comm:
         raise FrenzyInputError("overlap_comm", f"is a DeepSpeed setting, not expressible with "
                                                f"framework {prof.name}")
-    # Accelerate's native AMP (accelerate/accelerator.py, prepare_model): a zero-0 16-bit run
-    # that keeps fp32 weights (or fp32 LoRA adapters) and has no DeepSpeed engine (tp, cp and
-    # ZeRO run through DeepSpeed in Frenzy's trainer; a pipeline is its own program)
-    accel = (prof.accelerate_amp and precision != "fp32" and master == "fp32" and zero == 0
-             and tp == 1 and cp == 1 and pp == 1 and mp_style != "master")
+    # Accelerate's native AMP (accelerate/accelerator.py, prepare_model): the AMP regime (fp32
+    # weights, or fp32 LoRA adapters, and autocast) with no DeepSpeed engine (tp and cp run
+    # through DeepSpeed in Frenzy's trainer, as ZeRO does; a pipeline is its own program)
+    accel = (prof.accelerate_amp and tp == 1 and cp == 1 and pp == 1
+             and _amp_regime(prof, precision, master, zero, pp, mp_style))
     if loss == "auto":
         # its forward wrapper (utils/operations.py, convert_outputs_to_fp32) returns an fp32
         # copy of the logits, which the output holds through the backward: the model's own
@@ -364,6 +364,21 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
     return Knobs(s, mb, ga, dp, tp, pp, cp, sp, vpp, zero, offload, precision, optimizer,
                  act_ckpt, attention, mp_style, prof.name, master, finetune, rank, targets, drop,
                  loss, act_offload, opt_in_bwd, impl, fused, bucket, view, overlap, clamp, accel)
+
+
+def _torch_zero(prof: Profile, pp: int) -> bool:
+    """ZeRO as torch runs it (the profile's, or its pipelines'): fp32 parameters stay."""
+    return prof.torch_sharding or (pp > 1 and prof.pipeline_torch_zero)
+
+
+def _amp_regime(prof: Profile, precision: str, master: str, zero: int, pp: int, mp_style: str) -> bool:
+    """The AMP regime: fp32 weights with autocast computing in 16 bits (``mp_style`` "auto": the
+    profile's zero-0 regime, kept under torch's ZeRO; "amp" / "master": as named). ``master``
+    is the resolved master weights (fp32 or none)."""
+    if mp_style != "auto":
+        return precision != "fp32" and mp_style == "amp"
+    return (precision != "fp32" and master != "none" and (zero == 0 or _torch_zero(prof, pp))
+            and prof.zero0_regime == "amp")
 
 
 # Validation is a pure function of its arguments and the framework's profile (PROFILES may be
@@ -710,9 +725,8 @@ def _adapter_input_bytes(k: Knobs, c: float, mask_b: float) -> float:
     q_proj and v_proj, dropout 0.05): allocated 2.9 GiB above the estimate without the
     fp32 logits output (loss "auto", 1.96 GiB) and these terms (1.5 GiB); with both, 0.6 GiB
     (2%) above."""
-    if k.accelerate_amp:
-        return c + (mask_b if k.lora_dropout else 0.0)
-    return c + mask_b if k.lora_dropout else 0.0
+    copy = c if k.accelerate_amp or k.lora_dropout else 0.0
+    return copy + (mask_b if k.lora_dropout else 0.0)
 
 
 @lru_cache(maxsize=4096)       # pure in its (hashable) arguments: per shape, not per batch
@@ -743,8 +757,62 @@ _SHAPE_KNOBS = tuple(f.name for f in fields(Knobs) if f.name not in ("micro_batc
 _shape_of = attrgetter(*_SHAPE_KNOBS)
 
 
+class _StageSetup(NamedTuple):
+    """What every stage of ``stage_peaks`` shares (``_stage_setup``), by name; ``stage_peaks``
+    unpacks it in this order (tests/test_estimator_memory.py checks the two agree)."""
+
+    c: float
+    pure: bool
+    torch_zero: bool
+    lora: bool
+    act_amp: bool
+    sem: Any
+    N: int
+    w_b: float
+    g_b: float
+    opt_b: float
+    g32_b: float
+    layer_p: float
+    emb_p: float
+    head_p: float
+    largest: float
+    st_b: float
+    transient_tok: float
+    h: int
+    V: int
+    e: int
+    f: int
+    tied: bool
+    arch: str
+    positions: int
+    dropout: bool
+    step_tmp_b: float
+    lora_p: float
+    base_b: float
+    head_w: float
+    largest_tensor: float
+    sp_div: int
+    per_layer_tok: float
+    r: float
+    ckpt_keep_tok: float
+    held_b: float
+    bwd_loss_b: float
+    logits_tok: float
+    full: bool
+    fsdp_sgo: bool
+    w_div: int
+    g_div: int
+    o_div: int
+    casts: bool
+    layer_copies: float
+    keep_tok: float
+    e_unsharded: float
+    inbwd: bool
+    ddp_copy: bool
+
+
 @lru_cache(maxsize=4096)       # pure in its (hashable) arguments: per shape, not per batch
-def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> tuple:
+def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> _StageSetup:
     """What every stage of ``stage_peaks`` shares: the regime's bytes per parameter, the
     per-shape facts, per-token activation terms and the sharding divisors, for the knobs
     ``shape`` (``_shape_of``; rebuilt with micro_batch and grad_accum 0, so a term here that
@@ -753,13 +821,8 @@ def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> tup
     zero, loss, optimizer = k.zero, k.loss, k.optimizer
     c = 4.0 if k.precision == "fp32" else 2.0
     pure = c < 4 and k.master == "none"
-    # ZeRO as torch runs it (the profile's, or its pipelines'): fp32 parameters stay
-    torch_zero = prof.torch_sharding or (k.pp > 1 and prof.pipeline_torch_zero)
-    if k.mp_style == "auto":
-        amp = (c < 4 and not pure and (zero == 0 or torch_zero)
-               and prof.zero0_regime == "amp")
-    else:
-        amp = c < 4 and k.mp_style == "amp"
+    torch_zero = _torch_zero(prof, k.pp)
+    amp = _amp_regime(prof, k.precision, k.master, zero, k.pp, k.mp_style)
     master = c < 4 and not amp and not pure
     lora = k.finetune != "full"
     act_amp = amp and not lora                 # a LoRA base is loaded in 16 bits
@@ -834,16 +897,23 @@ def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> tup
     inbwd = k.opt_in_bwd and optimizer in ("adam", "adamw") and k.adamw_impl != "fused"
     # DDP buckets (gradient_as_bucket_view=False), also under ZeroRedundancyOptimizer
     ddp_copy = prof.ddp_bucket_copy and not k.bucket_view
-    return (c, pure, torch_zero, lora, act_amp, sem, N, w_b, g_b, opt_b, g32_b, layer_p, emb_p,
-            head_p, largest, st_b, transient_tok, h, V, e, f, tied, arch, positions, dropout,
-            step_tmp_b, lora_p, base_b, head_w, largest_tensor, sp_div, per_layer_tok, r,
-            ckpt_keep_tok, held_b, bwd_loss_b, logits_tok, full, fsdp_sgo, w_div, g_div, o_div,
-            casts, layer_copies, keep_tok, e_unsharded, inbwd, ddp_copy)
+    return _StageSetup(c=c, pure=pure, torch_zero=torch_zero, lora=lora, act_amp=act_amp, sem=sem,
+                       N=N, w_b=w_b, g_b=g_b, opt_b=opt_b, g32_b=g32_b, layer_p=layer_p,
+                       emb_p=emb_p, head_p=head_p, largest=largest, st_b=st_b,
+                       transient_tok=transient_tok, h=h, V=V, e=e, f=f, tied=tied, arch=arch,
+                       positions=positions, dropout=dropout, step_tmp_b=step_tmp_b, lora_p=lora_p,
+                       base_b=base_b, head_w=head_w, largest_tensor=largest_tensor, sp_div=sp_div,
+                       per_layer_tok=per_layer_tok, r=r, ckpt_keep_tok=ckpt_keep_tok, held_b=held_b,
+                       bwd_loss_b=bwd_loss_b, logits_tok=logits_tok, full=full, fsdp_sgo=fsdp_sgo,
+                       w_div=w_div, g_div=g_div, o_div=o_div, casts=casts,
+                       layer_copies=layer_copies, keep_tok=keep_tok, e_unsharded=e_unsharded,
+                       inbwd=inbwd, ddp_copy=ddp_copy)
 
 
 def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> list[StagePeak]:
     """Peak allocated bytes per pipeline stage, with the breakdown at each stage's peak."""
     prof = get_profile(k.framework)
+    # unpacked once into locals (the loop below reads them per stage), in _StageSetup's order
     (c, pure, torch_zero, lora, act_amp, sem, N, w_b, g_b, opt_b, g32_b, layer_p, emb_p,
      head_p, largest, st_b, transient_tok, h, V, e, f, tied, arch, positions, dropout,
      step_tmp_b, lora_p, base_b, head_w, largest_tensor, sp_div, per_layer_tok, r,

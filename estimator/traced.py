@@ -142,11 +142,12 @@ def trace_step(spec: ModelSpec, k: Knobs, model_factory: Callable[[], Any] | Non
         ids = torch.randint(0, vocab, (k.micro_batch, k.seq_len))
         mt = MemTracker()
         mt.track_external(model, opt, ids, *(opt_params if master else ()))
+        # transformers before 4.46 upcast in the forward (loss "fp32-logits" outside Accelerate)
+        legacy = k.loss == "fp32-logits" and not k.accelerate_amp and model_factory is None
         with mt:
             for step in range(steps):
                 for _ in range(k.grad_accum):
                     ctx = (torch.autocast("cpu", dtype=c16) if amp else _null())
-                    legacy = k.loss == "fp32-logits" and not k.accelerate_amp and model_factory is None
                     with ctx:
                         if legacy:
                             out = model(input_ids=ids)

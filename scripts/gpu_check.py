@@ -74,15 +74,13 @@ def print_table(report: dict) -> None:
 
 def rescore(path: str) -> int:
     """Recompute the predictions of a saved report with the estimator as it is now (no GPU)."""
-    from estimator.job import TrainingJob
     from estimator.plan import Plan
     from trainer.fallback import reestimate
 
     report = json.loads(Path(path).read_text())
     for r in report["rows"]:
-        job = TrainingJob(name="gpu-check", model=report["model"], seq_len=report["seq_len"],
-                          global_batch=report["global_batch"], train_steps=report["steps"], precision="bf16",
-                          **r.get("job", {}))
+        job = check_job(report["model"], report["seq_len"], report["global_batch"], report["steps"],
+                        **r.get("job", {}))
         plan = Plan(**r["knobs"])
         pred = reestimate(job, plan, safety_margin_gib=0.0) or plan
         r["predicted"] = {k: getattr(pred, k) for k in ("allocated_peak_gib", "reserved_peak_gib",
@@ -136,6 +134,15 @@ def oom_drill(a) -> int:
               f"NVML {m.nvml_used_gib:.2f} GiB; predicted used {res.final_plan.device_used_gib:.2f} GiB")
     (Path(a.out) / "oom_drill.json").write_text(json.dumps(res.model_dump(mode="json"), indent=2))
     return 0 if res.status == "completed" and res.attempts[0].outcome == "oom" else 1
+
+
+def check_job(model: str, seq_len: int, global_batch: int, steps: int, **job_kw):
+    """The job a plan set trains, and ``--rescore`` rebuilds to predict it again: bf16, one
+    checkpoint (at the end), no export, no tracking; ``job_kw``: a row's ``JOB_KNOBS``."""
+    from estimator.job import TrainingJob
+    return TrainingJob(name="gpu-check", model=model, seq_len=seq_len, global_batch=global_batch,
+                       train_steps=steps, lr=1e-4, checkpoint_every=10 ** 6, precision="bf16",
+                       export={"enabled": False}, tracking=NO_TRACKING, **job_kw)
 
 
 def plan_set(name: str, per_rank: int, *, zero: bool = False) -> list[tuple[str, dict, dict]]:
@@ -197,7 +204,6 @@ def main(argv: list[str] | None = None) -> int:
         return oom_drill(a)
 
     from estimator.catalog import from_nvml_name
-    from estimator.job import TrainingJob
     from estimator.plan import Plan
     from scheduler.discover import nvml_gpus
     from trainer.fallback import reestimate
@@ -222,9 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"gpu": found[0].name, "catalog": gpu_type, "model": a.model, "seq_len": a.seq_len,
               "global_batch": a.global_batch, "steps": a.steps, "set": a.set, "rows": rows}
     for label, kw, job_kw in shapes:
-        job = TrainingJob(name="gpu-check", model=a.model, seq_len=a.seq_len, global_batch=a.global_batch,
-                          train_steps=a.steps, lr=1e-4, checkpoint_every=10 ** 6, precision="bf16",
-                          export={"enabled": False}, tracking=NO_TRACKING, **job_kw)
+        job = check_job(a.model, a.seq_len, a.global_batch, a.steps, **job_kw)
         plan = Plan(gpu_type=gpu_type, gpus=n, dp=n, grad_accum=a.global_batch // n // kw["micro_batch"], **kw)
         pred = reestimate(job, plan, safety_margin_gib=0.0)
         if pred is None:

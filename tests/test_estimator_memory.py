@@ -222,3 +222,19 @@ def test_fast_built_estimate_equals_a_validated_one():
         assert again == e and list(e.model_dump()) == list(Estimate.model_fields)
         assert e.model_fields_set == set(Estimate.model_fields)
         assert e.stages[-1].device_used_gib >= e.stages[-1].reserved_peak_gib
+
+
+def test_stage_peaks_unpacks_the_stage_setup_by_its_field_names():
+    """``stage_peaks`` unpacks ``_stage_setup``'s record positionally (speed): its target names
+    must be the record's fields in order, or terms would silently swap."""
+    import ast
+    import inspect
+
+    from estimator import memory
+
+    tree = ast.parse(inspect.getsource(memory.stage_peaks).lstrip())
+    targets = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+               and getattr(n.value.func, "id", None) == "_stage_setup"]
+    assert len(targets) == 1
+    names = tuple(elt.id for elt in targets[0].targets[0].elts)
+    assert names == memory._StageSetup._fields

@@ -9,9 +9,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_check import NO_TRACKING, plan_set  # noqa: E402
+from gpu_check import check_job, plan_set  # noqa: E402
 
-from estimator.job import TrainingJob  # noqa: E402
 from estimator.plan import Plan  # noqa: E402
 from trainer.fallback import reestimate  # noqa: E402
 
@@ -24,24 +23,34 @@ def test_memory_set_covers_zero_lora_offload_and_every_plan_fits_an_h200():
     assert any(kw.get("offload") == "optimizer" for kw in knobs)
     assert any(jk.get("finetune", {}).get("method") == "lora" for _, _, jk in shapes)
     for label, kw, jk in shapes:
-        job = TrainingJob(name="gpu-check", model="llama-3.2-1b", seq_len=2048, global_batch=8, train_steps=8,
-                          tracking=NO_TRACKING, export={"enabled": False}, **jk)
+        job = check_job("llama-3.2-1b", 2048, 8, 8, **jk)
         plan = Plan(gpu_type="H200-141GB", gpus=1, dp=1, grad_accum=8 // kw["micro_batch"], **kw)
         assert reestimate(job, plan, safety_margin_gib=0.0) is not None, label
 
 
-def test_rescore_reads_the_saved_h200_report():
-    saved = ROOT / "docs" / "data" / "gpu_check_memory_h200.json"
-    rows = json.loads(saved.read_text())["rows"]
+@pytest.mark.parametrize("name", ["memory", "heldout"])
+def test_rescore_predicts_each_saved_row_as_its_own_job(name):
+    """``--rescore`` prints, per saved row, today's prediction for that row's plan and job
+    (LoRA, pure bf16: the job knobs the row saved) beside the measurement."""
+    saved = ROOT / "docs" / "data" / f"gpu_check_{name}_h200.json"
+    report = json.loads(saved.read_text())
     out = subprocess.run([sys.executable, "scripts/gpu_check.py", "--rescore", str(saved)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert out.returncode == 0, out.stderr
-    for r in rows:
-        assert r["plan"] in out.stdout
-    assert "mb4 lora" in out.stdout
-
-
-@pytest.mark.parametrize("name", ["basic", "memory"])
-def test_plan_sets_keep_the_global_batch(name):
-    for _, kw, _ in plan_set(name, 8):
-        assert 8 % kw["micro_batch"] == 0
+    by_label = {}
+    for line in out.stdout.splitlines():
+        for r in report["rows"]:
+            label = r["plan"].split()
+            if line.split()[:len(label)] == label and len(line.split()) == len(label) + 12:
+                by_label[r["plan"]] = line.split()[len(label):]      # the 12 figures
+    assert set(by_label) == {r["plan"] for r in report["rows"]}
+    preds = set()
+    for r in report["rows"]:
+        cols = by_label[r["plan"]]
+        job = check_job(report["model"], report["seq_len"], report["global_batch"], report["steps"], **r["job"])
+        want = reestimate(job, Plan(**r["knobs"]), safety_margin_gib=0.0)
+        assert float(cols[0]) == pytest.approx(want.allocated_peak_gib, abs=0.006)
+        assert float(cols[1]) == pytest.approx(r["measured"]["allocated_peak_gib"], abs=0.006)
+        assert float(cols[6]) == pytest.approx(want.device_used_gib, abs=0.006)
+        preds.add(round(want.allocated_peak_gib, 2))
+    assert len(preds) == len(report["rows"])   # every row its own job and plan: no two predicted alike
