@@ -40,6 +40,7 @@ from .errors import FrenzyInputError
 from .models import ModelSpec, model_from_kwargs, with_positions
 from .overheads import Overheads, overheads_for
 from .profiles import FRAMEWORKS, PROFILES, Profile, check_knobs, get_profile
+from .throughput import Adapters
 
 GIB = float(2 ** 30)
 
@@ -411,6 +412,23 @@ def lora_layer_params(spec: ModelSpec, k: Knobs) -> int:
     """Trainable adapter parameters of one block: r x (in + out) per targeted projection."""
     names = lora_projections(spec)
     return sum(k.lora_rank * sum(names[t]) for t in k.lora_targets)
+
+
+def lora_adapters(spec: ModelSpec, k: Knobs) -> Adapters | None:
+    """What the throughput model needs of a LoRA / QLoRA job's adapters (None for full
+    fine-tuning): the widths of the projections they adapt, and, as the memory terms read them,
+    fp32 adapters under autocast (``accelerate_amp``) and dropout on their input."""
+    if k.finetune == "full":
+        return None
+    return _adapters(spec, k.lora_rank, k.lora_targets, k.accelerate_amp, k.lora_dropout, k.finetune == "qlora")
+
+
+@lru_cache(maxsize=1024)
+def _adapters(spec: ModelSpec, rank: int, targets: tuple[str, ...], fp32: bool, dropout: bool,
+              qlora: bool) -> Adapters:
+    names = lora_projections(spec)
+    return Adapters(rank, sum(names[t][0] for t in targets), sum(names[t][1] for t in targets),
+                    fp32, dropout, qlora)
 
 
 # ---------------------------------------------------------------------------- model facts

@@ -21,11 +21,11 @@ from .catalog import GPU, get_gpu
 from .errors import DoesNotFitError, FrenzyInputError
 from .job import TrainingJob
 from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, estimate, host_offload_bytes,
-                     stage_peaks, validate_knobs)
+                     lora_adapters, stage_peaks, validate_knobs)
 from .models import ModelSpec, resolve_model, with_positions
 from .overheads import Overheads, overheads_for
 from .plan import Plan
-from .throughput import Factors, calibrated_factors, shared_parts, step_time_with
+from .throughput import Adapters, Factors, calibrated_factors, shared_parts, step_time_with
 
 DEFAULT_SAFETY_MARGIN_GIB = 1.0     # GPU memory kept free beyond the prediction
 KEEP_PER_COUNT = 3                  # fastest launchable plans kept per GPU count (and as many
@@ -72,7 +72,7 @@ class _PlanShape:
 
 
 def _time_fastest(cands: list[list], spec: ModelSpec, gpu: GPU, seq_len: int, nodes: int,
-                  precision: str, attention: str, factors: Factors) -> list[list]:
+                  precision: str, attention: str, factors: Factors, lora: bool = False) -> list[list]:
     """The candidates of one GPU count (``[why, None, micro_batch, base, allocated bytes]``,
     table order) that may be among the ``KEEP_PER_COUNT`` fastest of their kind (launchable,
     or not), with their step times filled in, in table order.
@@ -83,17 +83,21 @@ def _time_fastest(cands: list[list], spec: ModelSpec, gpu: GPU, seq_len: int, no
     them. Step times are asked in ascending floor order, and a candidate whose floor is above
     the ``KEEP_PER_COUNT``-th fastest step time of its kind found so far is strictly slower
     than that many and is never timed. The ones timed include every one the full sort would
-    keep, so the kept plans, their order and their figures are those of timing all."""
+    keep, so the kept plans, their order and their figures are those of timing all.
+    ``lora``: a LoRA / QLoRA job: each candidate's adapters (``memory.lora_adapters``; whether
+    they are fp32 follows the ZeRO stage) are part of its shape."""
     shared: dict[tuple, tuple] = {}
 
     def shared_of(c: list) -> tuple:
         mb, base = c[2], c[3]
-        key = (base.tp, base.pp, base.cp, mb, base.act_ckpt)
+        ad = lora_adapters(spec, base) if lora else None
+        key = (base.tp, base.pp, base.cp, mb, base.act_ckpt, ad)
         sh = shared.get(key)
         if sh is None:
             shape = _PlanShape(base.dp, base.tp, base.pp, base.cp, base.zero, base.offload, base.act_ckpt, mb,
                                base.grad_accum // mb, precision, attention, base.vpp)
-            sh = shared[key] = shared_parts(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors)
+            sh = shared[key] = shared_parts(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors,
+                                            adapters=ad)
         return sh
 
     n_launchable = sum(1 for c in cands if c[0] is None)
@@ -393,7 +397,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         # figures and Plan objects are made for the timed and the kept ones only
         timed = [(why, st, *_finish(a_b, ov, base)[::-1], mb, base)
                  for why, st, mb, base, a_b in _time_fastest(cands, spec, gpu, seq_len, nodes, precision,
-                                                             attention, f)]
+                                                             attention, f, tech.finetune != "full")]
         timed.sort(key=lambda c: (c[0] is not None, c[1], c[2]))
         kept = [c for c in timed if c[0] is None][:KEEP_PER_COUNT] + \
             [c for c in timed if c[0] is not None][:KEEP_PER_COUNT]
@@ -496,3 +500,20 @@ def estimate_plan(job: TrainingJob | dict, plan: Plan, *, gpus: dict[str, GPU] |
                     gpu=get_gpu(plan.gpu_type, gpus), framework=t.framework,
                     master_weights=t.master_weights, finetune=t.finetune, lora_rank=t.lora_rank,
                     lora_targets=t.lora_targets, lora_dropout=t.lora_dropout)
+
+
+def plan_adapters(job: TrainingJob | dict, plan: Plan) -> Adapters | None:
+    """The LoRA adapters the throughput model charges when ``job`` runs on ``plan``
+    (``throughput.step_time(..., adapters=...)``); None for full fine-tuning."""
+    j = _as_job(job)
+    t = _technique(j)
+    if t.finetune == "full":
+        return None
+    spec = with_positions(resolve_model(j.model), j.seq_len)
+    k = validate_knobs(spec, seq_len=j.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
+                       dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, vpp=plan.vpp, zero=plan.zero,
+                       offload=plan.offload, precision=plan.precision, optimizer=plan.optimizer,
+                       act_ckpt=plan.act_ckpt, attention=plan.attention, framework=t.framework,
+                       master_weights=t.master_weights, finetune=t.finetune, lora_rank=t.lora_rank,
+                       lora_targets=t.lora_targets, lora_dropout=t.lora_dropout)
+    return lora_adapters(spec, k)

@@ -14,6 +14,10 @@ step = matmuls at the GPU's sustained tensor rate, plus the operand traffic they
        tied embedding's gradient summed between the first and last stage)
      + sequence-parallel (DeepSpeed Ulysses) all-to-alls of q, k, v and the attention output
      + optimizer step (memory-bound) + CPU-offload traffic + a fixed per-micro-batch overhead
+     LoRA / QLoRA (``adapters``): the frozen base skips its weight-gradient GEMMs, each adapter
+     adds its casts, dropout, scale and add at memory bandwidth (``Adapters``), the gradient
+     communication and the optimizer cover the adapters only; QLoRA dequantises the 4-bit base
+     in every forward and backward
 
 FLOPs follow the PaLM / Megatron accounting (forward = 1/3): ``6 x matmul params + 12 x
 layers x hidden x seq`` (attention scores and values); full activation recomputation adds a
@@ -82,6 +86,25 @@ CPU_ADAM_PARAMS_PER_S = 1.0e9      # DeepSpeed CPU-Adam throughput on a many-cor
 MICROBATCH_OVERHEAD_S = 0.002      # launches, Python, loss/logits bookkeeping per micro-batch
 STEP_OVERHEAD_S = 0.005            # optimizer/zero_grad/scheduler bookkeeping per step
 CPU_MICROBATCH_OVERHEAD_S = 0.02   # the CPU pseudo-type (gloo, Python-bound tiny models)
+# LoRA adapters (PEFT's lora.Linear beside a frozen projection; peft/tuners/lora/layer.py), bytes
+# per token per element of an adapted projection's input (k wide) or output (n wide), 16-bit
+# activations, as (forward, backward). Input side: A's GEMM reads x (2); backward: A's dgrad
+# writes dx (2), A's wgrad reads x (2), dx is added to the base's input gradient (2 + 2 + 2).
+LORA_IN_BYTES = (2.0, 10.0)
+# fp32 adapters (fp32 master weights under autocast): the forward casts x to fp32 (reads 2,
+# writes 4) and autocast casts it back for A's GEMM (4 + 2); the backward undoes both (6 + 6).
+LORA_CAST_BYTES = (12.0, 12.0)
+# Output side: B writes its output (2), the scaling reads and writes it (4), the add to the base
+# output reads two and writes one (6); backward: the scaling's gradient (4), B's dgrad and wgrad
+# each read the output gradient (2 + 2).
+LORA_OUT_BYTES = (12.0, 8.0)
+# Dropout on the adapter's input (lora_dropout > 0) reads and writes the adapter-dtype input and
+# writes a 1-byte mask, forward; the backward reads the gradient and the mask, writes one: per
+# element 2 x adapter bytes + 1, each way.
+LORA_DROPOUT_MASK_BYTES = 1.0
+# QLoRA: every forward and input-gradient pass dequantises the frozen NF4 base (bitsandbytes):
+# reads 0.5 B per weight (+ block absmax) and writes the 16-bit weight the GEMM then reads (2)
+QLORA_DEQUANT_BYTES_PER_PARAM = 2.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +146,40 @@ class Factors:
 DEFAULT_FACTORS = Factors()
 
 _BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Adapters:
+    """LoRA adapters of one transformer block, what the throughput model needs of them
+    (``estimator.memory.lora_adapters`` builds it from a job's knobs): their rank, the summed
+    input and output widths of the projections they adapt, whether they hold fp32 weights under
+    autocast (casts), whether dropout runs on their input, and whether the frozen base is
+    4-bit (QLoRA)."""
+
+    rank: int
+    in_features: int
+    out_features: int
+    fp32: bool = False
+    dropout: bool = False
+    qlora: bool = False
+
+    @property
+    def params(self) -> int:
+        """Trainable parameters of one block: A (rank x in) and B (out x rank) per projection."""
+        return self.rank * (self.in_features + self.out_features)
+
+    def bytes_per_token(self, recompute: float) -> float:
+        """Memory-bound bytes per token through one block's adapters (16-bit activations),
+        forward and backward, the forward repeated ``recompute`` times more (full recomputation)."""
+        a = 4.0 if self.fp32 else 2.0
+        fin, bin_ = LORA_IN_BYTES
+        if self.fp32:
+            fin, bin_ = fin + LORA_CAST_BYTES[0], bin_ + LORA_CAST_BYTES[1]
+        if self.dropout:
+            fin, bin_ = fin + 2 * a + LORA_DROPOUT_MASK_BYTES, bin_ + 2 * a + LORA_DROPOUT_MASK_BYTES
+        fout, bout = LORA_OUT_BYTES
+        return ((1.0 + recompute) * (fin * self.in_features + fout * self.out_features)
+                + bin_ * self.in_features + bout * self.out_features)
 
 
 @dataclass(slots=True)
@@ -320,7 +377,8 @@ def _stages_of(spec: Any, gpu: GPU, f: Factors) -> dict:
 
 
 def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: int, precision: str,
-           matmul_precision: str, eager: bool, cp: int, tp: int, pp: int, mb: int, act_ckpt: str) -> tuple:
+           matmul_precision: str, eager: bool, cp: int, tp: int, pp: int, mb: int, act_ckpt: str,
+           adapters: Adapters | None = None) -> tuple:
     """Everything of a step time that one model-parallel stage shape fixes (context, tp, pp,
     micro-batch, recomputation), per token or per byte, so that a plan only scales it by its
     data-parallel degree, ZeRO stage, accumulation and placement. Memoised: the planner asks for
@@ -334,16 +392,29 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
     attn_passes = 3.0 + (3.0 * f.recompute_full_extra if act_ckpt in ("full", "selective") else 0.0)
     mp = tp * pp
     lay = c.layers / pp
+    # LoRA: the frozen projections and head compute no weight gradient, one GEMM pass fewer
+    mm_passes = passes if adapters is None else passes - 1.0
     # --- compute per token of one rank's stages: matmuls (serial roofline) and attention -------
     gemm_elems = lay * (c.g0 + c.g1 / tp + c.g2 / (tp * m)) + c.gv0 / pp + c.gv1 / (mp + 0.0) \
         + c.gv2 / (mp * m)
-    compute_tok = (c.mm_flops / mp * (passes / 3.0) / c.rate
-                   + gemm_elems * passes * nbytes / bw
+    compute_tok = (c.mm_flops / mp * (mm_passes / 3.0) / c.rate
+                   + gemm_elems * mm_passes * nbytes / bw
                    + c.attn_flops / mp * (attn_passes / 3.0) / c.attn_rate)
     # --- memory-bound kernels per token ---------------------------------------------------------
     attn_io = lay * c.attn_io / tp * (attn_passes / 3.0)
     elem = lay * (c.elem_h + c.elem_ffn / tp) * (passes / 3.0)
     memory_tok = (attn_io + elem + c.loss / mp) / bw
+    params_mp = c.params / mp                       # this rank's model-parallel slice
+    trainable_mp = params_mp
+    if adapters is not None:
+        rec = passes - 3.0                          # forwards repeated by full recomputation
+        # the adapters' GEMMs (6 FLOPs per parameter per token, + 2 per recomputed forward) and
+        # their casts, dropout, scaling and add at memory bandwidth
+        compute_tok += lay * adapters.params * (6.0 + 2.0 * rec) / tp / c.rate
+        memory_tok += lay * adapters.bytes_per_token(rec) * (nbytes / 2.0) / tp / bw
+        if adapters.qlora:      # the block's projections dequantised per forward / dgrad pass
+            memory_tok += lay * c.g2 / tp * QLORA_DEQUANT_BYTES_PER_PARAM * mm_passes / m / bw
+        trainable_mp = adapters.params * c.layers / mp
     intra = gpu.intra_link_gbps * (f.nvlink_eff if gpu.intra_link.startswith("nvlink") else 1.0)
     act_bytes = m * c.hidden * nbytes               # one micro-batch's activations at a layer boundary
     # tensor parallel: 2 all-reduces fwd + 2 bwd per layer (+2 with full recompute), per micro-batch:
@@ -371,17 +442,18 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
     # charged on the same link).
     # ZeRO-2/3 without tp reduces each replica's 1/dp shard only; counted whole (ZeRO-independent)
     tie_gbit = (c.tied_elems * nbytes * 8.0 / 1e9 * (1.0 + _ring(tp)) if pp > 1 else 0.0)
-    params_mp = c.params / mp                       # this rank's model-parallel slice
     pcie = f.offload_pcie_gbs * 1e9
     entry = (compute_tok, memory_tok,
-             params_mp * nbytes * 8.0 / 1e9,                   # its gradients / ZeRO shard, Gbit
+             trainable_mp * nbytes * 8.0 / 1e9,                # its gradients / ZeRO shard, Gbit
              intra, gpu.inter_node_gbps * f.network_eff, tp_gbit, gather_gbit, pp_gbit, tie_gbit, cp_gbit,
-             params_mp * f.optimizer_bytes_per_param / bw,     # Adam step on the GPU, unsharded
-             params_mp / f.cpu_adam_params_per_s,              # ... on the CPU (offload)
-             params_mp * 4.0 / pcie,                           # offload: 16-bit grads down, params up
+             trainable_mp * f.optimizer_bytes_per_param / bw,  # Adam step on the GPU, unsharded
+             trainable_mp / f.cpu_adam_params_per_s,           # ... on the CPU (offload)
+             trainable_mp * 4.0 / pcie,                        # offload: 16-bit grads down, params up
              params_mp * nbytes * 2.0 / pcie,                  # params offload: fetched fwd + bwd
              f.cpu_microbatch_overhead_s if gpu.is_cpu else f.microbatch_overhead_s,
-             f.step_overhead_s, f.dp_overlap, f.dp_min_exposed, f.overlap_cost)
+             f.step_overhead_s, f.dp_overlap, f.dp_min_exposed, f.overlap_cost,
+             # ZeRO-3 gathers the frozen base too: its 16-bit parameters beyond the trainable ones
+             (params_mp - trainable_mp) * nbytes * 8.0 / 1e9)
     global _stage_entries
     _stage_entries += 1
     if _stage_entries > STAGE_CACHE_MAX:     # bound the memory: start over (the planner refills it)
@@ -393,7 +465,8 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
 
 
 def shared_parts(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
-                 inter_node_gbps: float | None = None, factors: Factors | None = None) -> tuple:
+                 inter_node_gbps: float | None = None, factors: Factors | None = None,
+                 adapters: Adapters | None = None) -> tuple:
     """What the step times of ``plan`` under every ZeRO stage and offload share, computed once:
     ``step_time_with(shared, zero, offload)`` is then ``step_time`` of ``plan`` with that ZeRO
     stage and offload, to the last bit, for a fraction of its cost (the planner times many such
@@ -404,7 +477,8 @@ def shared_parts(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1
     variant's step time is below it, also in floating point.
 
     The tuple: (floor, compute + memory + bubble, tp_comm, pp_comm, overhead, cp_comm), what
-    ``_zero_parts`` needs, then (compute, bubble, memory)."""
+    ``_zero_parts`` needs, then (compute, bubble, memory), then the frozen parameters' Gbit.
+    ``adapters``: the job's LoRA adapters (``Adapters``), None for full fine-tuning."""
     f = factors if factors is not None else calibrated_factors()
     # plain attribute reads, no int() / max() / min() / id() calls on this path (the planner asks
     # for thousands of step times per job; each builtin call costs ~30-100 ns): Plan validates its
@@ -427,12 +501,13 @@ def shared_parts(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1
         stages = last[3]
     else:
         stages = _stages_of(spec, gpu, f)
-    key = (seq_len, precision, matmul_precision, eager, cp, tp, pp, mb, act_ckpt)
+    key = (seq_len, precision, matmul_precision, eager, cp, tp, pp, mb, act_ckpt, adapters)
     s = stages.get(key)
     if s is None:
-        s = _stage(stages, key, spec, gpu, f, seq_len, precision, matmul_precision, eager, cp, tp, pp, mb, act_ckpt)
+        s = _stage(stages, key, spec, gpu, f, seq_len, precision, matmul_precision, eager, cp, tp, pp, mb, act_ckpt,
+                   adapters)
     compute_tok, memory_tok, shard_gbit, intra, inter, tp_gbit, gather_gbit, pp_gbit, tie_gbit, cp_gbit, opt_s, \
-        cpu_opt_s, off_s, fetch_s, mb_over, step_over, dp_overlap, dp_min_exposed, overlap_cost = s
+        cpu_opt_s, off_s, fetch_s, mb_over, step_over, dp_overlap, dp_min_exposed, overlap_cost, frozen_gbit = s
     if nodes < 1:
         nodes = 1
     per_node = -(-(dp * tp * pp * cp) // nodes)     # GPUs per node (ceil)
@@ -489,14 +564,14 @@ def shared_parts(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1
     floor = head + tp_comm + pp_comm + overhead + cp_comm
     return (floor, head, tp_comm, pp_comm, overhead, cp_comm, dp * cp, ga, nodes, tp, pp, per_node,
             shard_gbit, intra, inter, busy, t_mb, dp_overlap, dp_min_exposed, overlap_cost,
-            opt_s, cpu_opt_s, off_s, fetch_s, compute, bubble, memory)
+            opt_s, cpu_opt_s, off_s, fetch_s, compute, bubble, memory, frozen_gbit)
 
 
 def _zero_parts(shared: tuple, zero: int, offload: str) -> tuple[float, float, float]:
     """(dp_comm, optimizer, offload) of the plan ``shared`` (``shared_parts``) was made for, run with
     ``zero`` and ``offload``."""
     (_, _, _, _, _, _, sdp, ga, nodes, tp, pp, per_node, shard_gbit, intra, inter, busy, t_mb,
-     dp_overlap, dp_min_exposed, overlap_cost, opt_s, cpu_opt_s, off_s, fetch_s, _, _, _) = shared
+     dp_overlap, dp_min_exposed, overlap_cost, opt_s, cpu_opt_s, off_s, fetch_s, _, _, _, frozen_gbit) = shared
     # --- data parallel (gradients / ZeRO shards of this rank's model-parallel slice) --------
     # Ulysses' ranks hold the same weights but different tokens: DeepSpeed reduces the gradients
     # (and ZeRO shards the states) over the sequence-data-parallel group, dp x cp ranks (sdp)
@@ -505,6 +580,8 @@ def _zero_parts(shared: tuple, zero: int, offload: str) -> tuple[float, float, f
         # per micro-batch + one parameter all-gather; else one all-reduce per step (no_sync while
         # accumulating). Ring volumes: 2 (n-1)/n per all-reduce = twice a reduce-scatter's.
         mult = 3.0 * ga if zero >= 3 else (ga + 1.0 if zero == 2 else 2.0)
+        if zero >= 3 and frozen_gbit:   # LoRA: both gathers carry the frozen base as well
+            shard_gbit = shard_gbit + frozen_gbit * (2.0 / 3.0)
         if nodes > 1:
             # hierarchical: ring inside each node, then the node's NICs carry every DP group's
             # shard (one group per model-parallel slice on the node) across nodes
@@ -538,10 +615,12 @@ def _zero_parts(shared: tuple, zero: int, offload: str) -> tuple[float, float, f
 
 
 def _parts(spec: Any, plan: Any, gpu: GPU, seq_len: int, nodes: int, inter_node_gbps: float | None,
-           f: Factors) -> tuple[float, float, float, float, float, float, float, float, float, float]:
+           f: Factors, adapters: Adapters | None = None
+           ) -> tuple[float, float, float, float, float, float, float, float, float, float]:
     """The parts of ``StepTime`` in field order (compute, bubble, dp_comm, tp_comm, pp_comm,
     optimizer, offload, overhead, memory, cp_comm); see ``step_time_breakdown``."""
-    sh = shared_parts(spec, plan, gpu, seq_len=seq_len, nodes=nodes, inter_node_gbps=inter_node_gbps, factors=f)
+    sh = shared_parts(spec, plan, gpu, seq_len=seq_len, nodes=nodes, inter_node_gbps=inter_node_gbps, factors=f,
+                      adapters=adapters)
     dp_comm, optimizer, off = _zero_parts(sh, *_zero_offload(plan))
     return sh[24], sh[25], dp_comm, sh[2], sh[3], optimizer, off, sh[4], sh[26], sh[5]
 
@@ -555,7 +634,7 @@ def _zero_offload(plan: Any) -> tuple[int, str]:
 
 def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
                         inter_node_gbps: float | None = None,
-                        factors: Factors | None = None) -> StepTime:
+                        factors: Factors | None = None, adapters: Adapters | None = None) -> StepTime:
     """Predicted seconds per optimizer step of ``plan`` on ``gpu``, by part.
 
     ``spec``: a model with ``params``, ``layers``, ``hidden`` (``vocab``, ``tied_embeddings``,
@@ -565,17 +644,21 @@ def step_time_breakdown(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: 
     (``inter_node_gbps``, node aggregate, defaults to the GPU class's typical figure).
     Tensor-parallel groups stay inside a node when they fit. ``factors``: None = the defaults
     with the per-GPU factors ``frenzy calibrate`` fitted (``calibrated_factors``).
+    ``adapters``: a LoRA / QLoRA job's adapters (``estimator.memory.lora_adapters``); None: full
+    fine-tuning.
     """
     f = factors if factors is not None else calibrated_factors()
-    return StepTime(*_parts(spec, plan, gpu, seq_len, nodes, inter_node_gbps, f))
+    return StepTime(*_parts(spec, plan, gpu, seq_len, nodes, inter_node_gbps, f, adapters))
 
 
 def step_time(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
-              inter_node_gbps: float | None = None, factors: Factors | None = None) -> float:
+              inter_node_gbps: float | None = None, factors: Factors | None = None,
+              adapters: Adapters | None = None) -> float:
     """Predicted seconds per optimizer step (``step_time_breakdown(...).total``, without building it)."""
     zero, offload = _zero_offload(plan)
     return step_time_with(shared_parts(spec, plan, gpu, seq_len=seq_len, nodes=nodes,
-                                       inter_node_gbps=inter_node_gbps, factors=factors), zero, offload)
+                                       inter_node_gbps=inter_node_gbps, factors=factors, adapters=adapters),
+                          zero, offload)
 
 
 def step_time_with(shared: tuple, zero: int, offload: str) -> float:
@@ -588,17 +671,19 @@ def step_time_with(shared: tuple, zero: int, offload: str) -> float:
 
 
 def tokens_per_s(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, nodes: int = 1,
-                 inter_node_gbps: float | None = None, factors: Factors | None = None) -> float:
+                 inter_node_gbps: float | None = None, factors: Factors | None = None,
+                 adapters: Adapters | None = None) -> float:
     tokens = plan.micro_batch * plan.grad_accum * plan.dp * seq_len
     return tokens / step_time(spec, plan, gpu, seq_len=seq_len, nodes=nodes,
-                              inter_node_gbps=inter_node_gbps, factors=factors)
+                              inter_node_gbps=inter_node_gbps, factors=factors, adapters=adapters)
 
 
 def job_duration_s(spec: Any, plan: Any, gpu: GPU, *, seq_len: int, steps: int, nodes: int = 1,
-                   inter_node_gbps: float | None = None, factors: Factors | None = None) -> float:
+                   inter_node_gbps: float | None = None, factors: Factors | None = None,
+                   adapters: Adapters | None = None) -> float:
     """Predicted seconds to run ``steps`` optimizer steps."""
     return steps * step_time(spec, plan, gpu, seq_len=seq_len, nodes=nodes,
-                             inter_node_gbps=inter_node_gbps, factors=factors)
+                             inter_node_gbps=inter_node_gbps, factors=factors, adapters=adapters)
 
 
 # --- calibration from measured runs ----------------------------------------------------------
@@ -612,6 +697,7 @@ class Measurement:
     seq_len: int
     step_s: float
     nodes: int = 1
+    adapters: Adapters | None = None      # a LoRA run's adapters (None: full fine-tuning)
 
 
 FIT_UTIL_GRID = tuple(round(0.10 + 0.02 * i, 2) for i in range(46))      # 0.10 .. 1.00
@@ -623,7 +709,8 @@ FIT_PRIOR_RUNS = 2.0   # the datasheet-derived default weighs as much as two run
 
 
 def _log_err(ms: list[Measurement], f: Factors) -> float:
-    return sum(math.log(step_time(m.spec, m.plan, m.gpu, seq_len=m.seq_len, nodes=m.nodes, factors=f)
+    return sum(math.log(step_time(m.spec, m.plan, m.gpu, seq_len=m.seq_len, nodes=m.nodes, factors=f,
+                                  adapters=m.adapters)
                         / m.step_s) ** 2 for m in ms)
 
 

@@ -4,6 +4,8 @@ for 30 steps each with Frenzy's own trainer, and print predicted vs measured pea
     scripts/gpu_check.sh [--model gpt2-medium] [--steps 30] [--seq-len 1024] [--zero] [--out DIR]
     scripts/gpu_check.sh --set memory [--steps 10] [--out DIR]   # ~1B Llama, 7 plans (below)
     scripts/gpu_check.sh --set heldout [--out DIR]               # Qwen2.5-0.5B, 4 plans
+    scripts/gpu_check.sh --set lora [--out DIR]                  # Qwen2.5-1.5B, full vs 5 LoRA plans
+    scripts/gpu_check.sh --set lora --predict [--gpu-type H200-141GB]   # no GPU: the predictions only
     scripts/gpu_check.sh --rescore docs/data/gpu_check_h200.json   # no GPU: today's estimator vs saved measurements
 
 Predicted: ``estimator.estimate`` for the plan on the catalog GPU type NVML reports.
@@ -19,6 +21,11 @@ from its config, random weights, seq 2048, global batch 8, one GPU, the launcher
 DeepSpeed ZeRO-2, ZeRO-3, ZeRO-2 with the optimizer offloaded (DeepSpeed's CPU Adam), LoRA and
 pure bf16 (no fp32 master weights). The report is written after every plan, so a run cut short
 keeps what it measured.
+
+``--set lora`` checks the throughput model's LoRA terms (frozen base without weight gradients,
+the adapters' casts, dropout, scaling and add, adapter-only optimizer) and the memory terms of
+LoRA on a model, ranks and targets the earlier sets did not use: the step-time ratio LoRA / full
+fine-tuning is the figure (the absolute level carries the GPU's uncalibrated utilisation).
 """
 from __future__ import annotations
 
@@ -87,6 +94,37 @@ def rescore(path: str) -> int:
                                                        "device_used_gib", "step_time_s")}
     print(f"gpu_check: predictions recomputed now for the measurements in {path}")
     print_table(report)
+    return 0
+
+
+def predict(a) -> int:
+    """The predictions of a plan set on ``--gpu-type``, no GPU: a table, and the report (measured
+    fields empty) under ``--out`` when given."""
+    from estimator.plan import Plan
+    from trainer.fallback import reestimate
+
+    rows = []
+    for label, kw, job_kw in plan_set(a.set, a.global_batch // a.gpus, zero=a.zero):
+        job = check_job(a.model, a.seq_len, a.global_batch, a.steps, **job_kw)
+        plan = Plan(gpu_type=a.gpu_type, gpus=a.gpus, dp=a.gpus,
+                    grad_accum=a.global_batch // a.gpus // kw["micro_batch"], **kw)
+        pred = reestimate(job, plan, safety_margin_gib=0.0) or plan
+        rows.append({"plan": label, "knobs": plan.model_dump(include=KNOBS),
+                     "job": job.model_dump(mode="json", include=set(JOB_KNOBS)), "status": "predicted",
+                     "predicted": {k: getattr(pred, k) for k in ("allocated_peak_gib", "reserved_peak_gib",
+                                                                 "device_used_gib", "step_time_s")}})
+    report = {"catalog": a.gpu_type, "model": a.model, "seq_len": a.seq_len, "global_batch": a.global_batch,
+              "steps": a.steps, "set": a.set, "rows": rows}
+    print(f"{a.model}, seq {a.seq_len}, global batch {a.global_batch}, {a.gpus} x {a.gpu_type}: predicted (GiB, s)")
+    base = rows[0]["predicted"]["step_time_s"]
+    for r in rows:
+        p = r["predicted"]
+        print(f"  {r['plan']:>32}  alloc {p['allocated_peak_gib']:7.2f}  reserved {p['reserved_peak_gib']:7.2f}  "
+              f"used {p['device_used_gib']:7.2f}  step {p['step_time_s']:.3f}  (x{p['step_time_s'] / base:.3f} "
+              f"of {rows[0]['plan']})")
+    if a.out != "gpu_check_out":
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "gpu_check_predicted.json").write_text(json.dumps(report, indent=2))
     return 0
 
 
@@ -166,6 +204,21 @@ def plan_set(name: str, per_rank: int, *, zero: bool = False) -> list[tuple[str,
                 ("mb8 lora all-linear", dict(micro_batch=mb),
                  {"finetune": {"method": "lora", "dropout": 0.1, "target_modules": every}}),
                 (f"mb{per_rank} full-ckpt", dict(micro_batch=per_rank, act_ckpt="full"), {})]
+    if name == "lora":
+        # a model, ranks, targets and dropout the "memory" and "heldout" sets did not run; pure
+        # bf16 (16-bit adapters, no casts), DeepSpeed ZeRO-2 (its bf16 engine: 16-bit adapters)
+        mb = min(4, per_rank)
+        every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        mlp = ["gate_proj", "up_proj", "down_proj"]
+        return [("mb4 full", dict(micro_batch=mb), {}),
+                ("mb4 lora r8 qv", dict(micro_batch=mb), {"finetune": {"method": "lora", "rank": 8}}),
+                ("mb4 lora r64 all-linear", dict(micro_batch=mb),
+                 {"finetune": {"method": "lora", "rank": 64, "dropout": 0.0, "target_modules": every}}),
+                ("mb4 lora mlp pure-bf16", dict(micro_batch=mb),
+                 {"master_weights": "none", "finetune": {"method": "lora", "dropout": 0.1, "target_modules": mlp}}),
+                (f"mb{per_rank} lora all-linear full-ckpt", dict(micro_batch=per_rank, act_ckpt="full"),
+                 {"finetune": {"method": "lora", "rank": 32, "dropout": 0.05, "target_modules": every}}),
+                ("mb4 lora qv zero2", dict(micro_batch=mb, zero=2), {"finetune": {"method": "lora"}})]
     shapes = [("mb4 no-ckpt", dict(micro_batch=min(4, per_rank), act_ckpt="none"), {}),
               ("mb16 no-ckpt", dict(micro_batch=min(16, per_rank), act_ckpt="none"), {}),
               ("mb16 full-ckpt", dict(micro_batch=min(16, per_rank), act_ckpt="full"), {})]
@@ -176,7 +229,7 @@ def plan_set(name: str, per_rank: int, *, zero: bool = False) -> list[tuple[str,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", choices=("basic", "memory", "heldout"), default="basic",
+    ap.add_argument("--set", choices=("basic", "memory", "heldout", "lora"), default="basic",
                     help="basic: three plans (+ ZeRO-2 with --zero); memory: the 7-plan device-used check; "
                          "heldout: 4 plans of another model to check memory's terms on")
     ap.add_argument("--model", help="default gpt2-medium (basic), llama-3.2-1b (memory)")
@@ -187,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zero", action="store_true", help="add a ZeRO-2 plan (needs deepspeed)")
     ap.add_argument("--out", default="gpu_check_out")
     ap.add_argument("--deadline-s", type=float, default=240.0, help="per plan")
+    ap.add_argument("--predict", action="store_true",
+                    help="no training: print (and with --out write) the set's predictions, e.g. to commit them first")
+    ap.add_argument("--gpu-type", default="H200-141GB", help="the catalog GPU type --predict predicts for")
     ap.add_argument("--rescore", metavar="JSON", help="no training: re-predict a saved gpu_check.json with "
                                                       "the current estimator and print the table")
     ap.add_argument("--oom-drill", action="store_true",
@@ -194,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                          "let it really run out of memory and follow the trainer's fallback ladder")
     a = ap.parse_args(argv)
     defaults = {"basic": ("gpt2-medium", 30, 1024, 16), "memory": ("llama-3.2-1b", 10, 2048, 8),
-                "heldout": ("qwen2.5-0.5b", 8, 1024, 16)}[a.set]
+                "heldout": ("qwen2.5-0.5b", 8, 1024, 16), "lora": ("qwen2.5-1.5b", 8, 2048, 8)}[a.set]
     for name, value in zip(("model", "steps", "seq_len", "global_batch"), defaults):
         if getattr(a, name) is None:
             setattr(a, name, value)
@@ -202,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         return rescore(a.rescore)
     if a.oom_drill:
         return oom_drill(a)
+    if a.predict:
+        return predict(a)
 
     from estimator.catalog import from_nvml_name
     from estimator.plan import Plan

@@ -224,12 +224,13 @@ def test_the_planner_times_only_plans_it_may_keep_and_keeps_what_timing_all_woul
     from estimator.plan_filter import parse_plan_filter
     from estimator.throughput import step_time
 
-    def time_all(cands, spec, gpu, seq_len, nodes, precision, attention, factors):
+    def time_all(cands, spec, gpu, seq_len, nodes, precision, attention, factors, lora=False):
         for c in cands:
             mb, base = c[2], c[3]
             shape = plans_mod._PlanShape(base.dp, base.tp, base.pp, base.cp, base.zero, base.offload,
                                          base.act_ckpt, mb, base.grad_accum // mb, precision, attention, base.vpp)
-            c[1] = step_time(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors)
+            c[1] = step_time(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors,
+                             adapters=plans_mod.lora_adapters(spec, base) if lora else None)
         return cands
 
     timed = []
@@ -243,7 +244,9 @@ def test_the_planner_times_only_plans_it_may_keep_and_keeps_what_timing_all_woul
     inv = {"A100-40GB": 16, "H100-80GB": 24, "RTX3090-24GB": 8, "CPU": 4}
     cases = [(dict(model="llama-3.2-1b", seq_len=2048, global_batch=64), {}),
              (dict(model="gpt2-medium", seq_len=1024, global_batch=48, attention="eager"), {"gpus_per_node": 4}),
-             (dict(model="llama-3.1-8b", seq_len=4096, global_batch=32), {"plan_filter": parse_plan_filter("zero=3")})]
+             (dict(model="llama-3.1-8b", seq_len=4096, global_batch=32), {"plan_filter": parse_plan_filter("zero=3")}),
+             (dict(model="llama-3.2-1b", seq_len=2048, global_batch=64,
+                   finetune={"method": "lora", "target_modules": ["q_proj", "down_proj"]}), {})]
     for job, kw in cases:
         plans_mod._plans_cached.cache_clear()
         monkeypatch.setattr(plans_mod, "_time_fastest", counting)

@@ -57,7 +57,7 @@ def reestimate(job: TrainingJob, p: Plan, *, safety_margin_gib: float | None = N
     does not believe it fits its GPU type (``device_used_gib`` over capacity minus the margin)."""
     from estimator.catalog import get_gpu
     from estimator.models import resolve_model
-    from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan
+    from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan, plan_adapters
     from estimator.throughput import step_time
 
     margin = DEFAULT_SAFETY_MARGIN_GIB if safety_margin_gib is None else safety_margin_gib
@@ -71,7 +71,7 @@ def reestimate(job: TrainingJob, p: Plan, *, safety_margin_gib: float | None = N
     q = p.model_copy(update={"allocated_peak_gib": round(est.allocated_peak_gib, 4),
                              "reserved_peak_gib": round(est.reserved_peak_gib, 4),
                              "device_used_gib": round(est.device_used_gib, 4)})
-    st = step_time(resolve_model(job.model), q, gpu, seq_len=job.seq_len)
+    st = step_time(resolve_model(job.model), q, gpu, seq_len=job.seq_len, adapters=plan_adapters(job, q))
     return q.model_copy(update={"step_time_s": st})
 
 
