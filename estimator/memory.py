@@ -720,16 +720,27 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float) -
     t = set(k.lora_targets)
     names = lora_projections(spec)
     adapters = c * r * len(t) + _adapter_input_bytes(k, c, mask_b) * sum(names[x][0] for x in t)
+    # An adapter that copies its input (cast to fp32, dropout) saves the copy, not the input: the
+    # input itself is then saved by nothing (its frozen projection keeps none), checked with
+    # autograd's saved-tensor hooks on PEFT (tests/test_lora_saved_inputs.py). Measured on the
+    # H200 before this rule: allocated over by exactly these inputs on 8 of 8 LoRA runs
+    # (+0.3 to +5.0 GiB, the down_proj input the largest; docs/benchmarks.md).
+    keeps = not _adapter_copies_input(k)
     if spec.arch == "llama":
         rep = -2 * c * h                                        # normalised copies (frozen weights)
-        if not t & {"q_proj", "k_proj", "v_proj"}:
-            rep -= c * h                                        # attention-norm output unused
-        if not t & {"gate_proj", "up_proj"}:
-            rep -= c * h                                        # mlp-norm output unused
-        shard = adapters - (0.0 if "down_proj" in t else c * f)  # down_proj input
+        if not (keeps and t & {"q_proj", "k_proj", "v_proj"}):
+            rep -= c * h                                        # attention-norm output unsaved
+        if not (keeps and t & {"gate_proj", "up_proj"}):
+            rep -= c * h                                        # mlp-norm output unsaved
+        shard = adapters - (0.0 if keeps and "down_proj" in t else c * f)  # down_proj input
         return rep, shard
     down = {"gpt": "mlp.c_proj", "opt": "fc2", "bert": "output.dense"}[spec.arch]
-    return 0.0, adapters - (0.0 if down in t else c * f)
+    return 0.0, adapters - (0.0 if keeps and down in t else c * f)
+
+
+def _adapter_copies_input(k: Knobs) -> bool:
+    """Whether each adapter makes its own copy of its input (``_adapter_input_bytes``)."""
+    return bool(k.accelerate_amp or k.lora_dropout)
 
 
 def _adapter_input_bytes(k: Knobs, c: float, mask_b: float) -> float:
@@ -743,7 +754,7 @@ def _adapter_input_bytes(k: Knobs, c: float, mask_b: float) -> float:
     q_proj and v_proj, dropout 0.05): allocated 2.9 GiB above the estimate without the
     fp32 logits output (loss "auto", 1.96 GiB) and these terms (1.5 GiB); with both, 0.6 GiB
     (2%) above."""
-    copy = c if k.accelerate_amp or k.lora_dropout else 0.0
+    copy = c if _adapter_copies_input(k) else 0.0
     return copy + (mask_b if k.lora_dropout else 0.0)
 
 
@@ -1175,7 +1186,10 @@ def _comms(k: Knobs) -> int:
 
 
 def _fragmentation(ov: Overheads, k: Knobs) -> float:
-    return ov.fragmentation_recompute if k.act_ckpt == "full" else ov.fragmentation
+    if k.act_ckpt == "full":
+        return (ov.fragmentation_recompute_expandable if PROFILES[k.framework].expandable_segments
+                else ov.fragmentation_recompute)
+    return ov.fragmentation if k.finetune == "full" else ov.fragmentation_adapters
 
 
 def _outside_allocator_gib(ov: Overheads, k: Knobs) -> float:

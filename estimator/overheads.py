@@ -2,7 +2,9 @@
 
 allocated (tensors alive, torch.cuda.max_memory_allocated)
   -> reserved = allocated * (1 + fragmentation)                     (torch.cuda.max_memory_reserved)
-     (fragmentation_recompute instead under full activation checkpointing)
+     (fragmentation_recompute instead under full activation checkpointing, or
+      fragmentation_recompute_expandable where the profile runs expandable segments;
+      fragmentation_adapters for LoRA / QLoRA without it)
   -> device_used = reserved + cuda_context + workspace + nccl_per_comm * comms   (nvidia-smi)
 
 Defaults are documented figures (notes/memory-model.md section 8); ``frenzy calibrate`` fits
@@ -37,6 +39,21 @@ WORKSPACE_GIB = 0.15
 # device-used predictions rarely fall short (the documented range is a few % to 15 %).
 FRAGMENTATION = 0.10
 FRAGMENTATION_RECOMPUTE = 0.28
+# LoRA / QLoRA runs churn more: per adapted projection and micro-batch, transient input casts
+# (fp32 copies twice the activation's size), rank-r activations and the copies each adapter
+# saves interleave with the block's large tensors. Measured on 7 LoRA runs without
+# recomputation through Frenzy's trainer (H200, expandable segments; docs/benchmarks.md):
+# 6.3-23.5 %, median 13 %, 90th percentile ~20 %, against 3.7-10.5 % for full fine-tuning
+# runs of the same models. The default is that 90th percentile, as for the others.
+FRAGMENTATION_ADAPTERS = 0.20
+# Full recomputation under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (what Frenzy's
+# launcher sets, as torchtitan does): one growing mapped segment per stream instead of
+# fixed-size segments that cannot merge, so the recomputed blocks' churn strands less. Measured
+# through Frenzy's trainer on the H200: 13.0 % and 14.4 % (full fine-tuning, Llama-3.2-1B,
+# Qwen2.5-0.5B), 22.4 % (LoRA on all projections, Qwen2.5-1.5B), against 19 % median and 28 %
+# 90th percentile with the default allocator above. Profiles say which allocator they run
+# (``profiles.Profile.expandable_segments``).
+FRAGMENTATION_RECOMPUTE_EXPANDABLE = 0.20
 # NCCL buffers per communicator a rank joins (NCCL_BUFFSIZE 4 MiB x channels x peers; 0.2-1 GB).
 NCCL_PER_COMM_GIB = 0.25
 # DeepSpeed ZeRO-1/2 communication buckets (elements): a reduce and an all-gather bucket of
@@ -60,6 +77,8 @@ class Overheads:
     workspace_gib: float = WORKSPACE_GIB
     fragmentation: float = FRAGMENTATION
     fragmentation_recompute: float = FRAGMENTATION_RECOMPUTE
+    fragmentation_adapters: float = FRAGMENTATION_ADAPTERS
+    fragmentation_recompute_expandable: float = FRAGMENTATION_RECOMPUTE_EXPANDABLE
     nccl_per_comm_gib: float = NCCL_PER_COMM_GIB
     zero_bucket_elems: float = ZERO_BUCKET_ELEMS
     zero3_live_units: float = ZERO3_LIVE_UNITS
@@ -72,7 +91,8 @@ FIELDS = tuple(f.name for f in fields(Overheads))
 _values = attrgetter(*FIELDS)
 DEFAULT = Overheads()
 CPU_OVERHEADS = Overheads(cuda_context_gib=CPU_CONTEXT_GIB, workspace_gib=0.0, fragmentation=0.0,
-                          fragmentation_recompute=0.0, nccl_per_comm_gib=0.0)
+                          fragmentation_recompute=0.0, fragmentation_adapters=0.0,
+                          fragmentation_recompute_expandable=0.0, nccl_per_comm_gib=0.0)
 
 
 

@@ -21,6 +21,7 @@ both (``check_knobs``).
 | ``pipeline_tie_whole`` | a pipeline beside tp sums a tied embedding's two copies as whole gradients (embeddings sharded over the hidden size, the head over the vocabulary), not shard by shard |
 | ``fsdp2_copy_in`` | FSDP2 copies a unit's unsharded gradients into one reduce-scatter input before freeing them |
 | ``accelerate_amp`` | zero-0 16-bit runs with fp32 weights go through Accelerate's native AMP: autocast, outputs converted to fp32 (loss "auto" holds fp32 logits; fp32 LoRA adapters save a 16-bit copy of their input) |
+| ``expandable_segments`` | the trainer launches with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: full recomputation fragments the allocator less |
 | ``job_knobs_only`` | the profile runs only what a Frenzy job can ask for (no loss kernel, activation offloading, optimizer in backward, fused kernels, paged optimizer) |
 Pure: no torch.
 """
@@ -77,6 +78,9 @@ class Profile:
     # convert_outputs_to_fp32 on its outputs (memory.Knobs.accelerate_amp). The HF Trainer
     # does the same, but "hf" also stands for plain loops with torch.autocast, which do not
     accelerate_amp: bool = False
+    # the trainer launches with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Frenzy's
+    # launcher does): recomputation fragments less (overheads.FRAGMENTATION_RECOMPUTE_EXPANDABLE)
+    expandable_segments: bool = False
     measured: str = ""
 
     def __hash__(self) -> int:
@@ -94,7 +98,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
     # foreach AdamW by bench/estimator_gpu_measure.py; bench/estimator_accuracy.py says so.)
     Profile("frenzy", "Frenzy's own trainer (Accelerate + HF models; DeepSpeed for ZeRO)",
             adamw_impl="fused", overlap_comm="off", job_knobs_only=True, pipeline_torch_zero=True,
-            pipeline_tie_whole=True, accelerate_amp=True,
+            pipeline_tie_whole=True, accelerate_amp=True, expandable_segments=True,
             measured="54 H200 runs of the trainer (bench/estimator_measured_h200*.json)"),
     Profile("hf", "Hugging Face Trainer or a plain PyTorch loop over HF/timm models "
                   "(torch AMP or a model loaded in 16 bits; DDP; torch AdamW)",

@@ -6,6 +6,7 @@ for 30 steps each with Frenzy's own trainer, and print predicted vs measured pea
     scripts/gpu_check.sh --set heldout [--out DIR]               # Qwen2.5-0.5B, 4 plans
     scripts/gpu_check.sh --set lora [--out DIR]                  # Qwen2.5-1.5B, full vs 5 LoRA plans
     scripts/gpu_check.sh --set lora --predict [--gpu-type H200-141GB]   # no GPU: the predictions only
+    scripts/gpu_check.sh --set lora-heldout [--out DIR]          # Llama-3.2-3B, 6 plans predicted first
     scripts/gpu_check.sh --rescore docs/data/gpu_check_h200.json   # no GPU: today's estimator vs saved measurements
 
 Predicted: ``estimator.estimate`` for the plan on the catalog GPU type NVML reports.
@@ -219,6 +220,21 @@ def plan_set(name: str, per_rank: int, *, zero: bool = False) -> list[tuple[str,
                 (f"mb{per_rank} lora all-linear full-ckpt", dict(micro_batch=per_rank, act_ckpt="full"),
                  {"finetune": {"method": "lora", "rank": 32, "dropout": 0.05, "target_modules": every}}),
                 ("mb4 lora qv zero2", dict(micro_batch=mb, zero=2), {"finetune": {"method": "lora"}})]
+    if name == "lora-heldout":
+        # predicted before it ran, after the "lora" set had fixed the adapters' saved inputs and
+        # the LoRA / expandable-segments recomputation fragmentation: another model and settings
+        mb, big = min(4, per_rank), per_rank
+        every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        return [("mb4 full", dict(micro_batch=mb), {}),
+                (f"mb{big} full-ckpt", dict(micro_batch=big, act_ckpt="full"), {}),
+                ("mb4 lora", dict(micro_batch=mb), {"finetune": {"method": "lora"}}),
+                ("mb4 lora all-linear no-dropout", dict(micro_batch=mb),
+                 {"finetune": {"method": "lora", "dropout": 0.0, "target_modules": every}}),
+                ("mb4 lora attn r32 pure-bf16", dict(micro_batch=mb),
+                 {"master_weights": "none",
+                  "finetune": {"method": "lora", "rank": 32, "dropout": 0.1, "target_modules": attn}}),
+                (f"mb{big} lora full-ckpt", dict(micro_batch=big, act_ckpt="full"), {"finetune": {"method": "lora"}})]
     shapes = [("mb4 no-ckpt", dict(micro_batch=min(4, per_rank), act_ckpt="none"), {}),
               ("mb16 no-ckpt", dict(micro_batch=min(16, per_rank), act_ckpt="none"), {}),
               ("mb16 full-ckpt", dict(micro_batch=min(16, per_rank), act_ckpt="full"), {})]
@@ -229,7 +245,7 @@ def plan_set(name: str, per_rank: int, *, zero: bool = False) -> list[tuple[str,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", choices=("basic", "memory", "heldout", "lora"), default="basic",
+    ap.add_argument("--set", choices=("basic", "memory", "heldout", "lora", "lora-heldout"), default="basic",
                     help="basic: three plans (+ ZeRO-2 with --zero); memory: the 7-plan device-used check; "
                          "heldout: 4 plans of another model to check memory's terms on")
     ap.add_argument("--model", help="default gpt2-medium (basic), llama-3.2-1b (memory)")
@@ -250,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                          "let it really run out of memory and follow the trainer's fallback ladder")
     a = ap.parse_args(argv)
     defaults = {"basic": ("gpt2-medium", 30, 1024, 16), "memory": ("llama-3.2-1b", 10, 2048, 8),
-                "heldout": ("qwen2.5-0.5b", 8, 1024, 16), "lora": ("qwen2.5-1.5b", 8, 2048, 8)}[a.set]
+                "heldout": ("qwen2.5-0.5b", 8, 1024, 16), "lora": ("qwen2.5-1.5b", 8, 2048, 8),
+                "lora-heldout": ("llama-3.2-3b", 6, 1024, 16)}[a.set]
     for name, value in zip(("model", "steps", "seq_len", "global_batch"), defaults):
         if getattr(a, name) is None:
             setattr(a, name, value)

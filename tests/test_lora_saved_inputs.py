@@ -1,0 +1,45 @@
+"""The rule the memory estimator's LoRA terms rest on (``memory._lora_activation_delta``),
+checked with autograd's saved-tensor hooks on the installed PEFT and torch, on the CPU: a
+frozen projection saves no input; an adapter that copies its input (fp32 adapters cast it,
+dropout makes a new tensor) saves the copy, so the input itself is saved by nothing; a
+16-bit adapter without dropout saves the input itself."""
+import contextlib
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+def saved_inputs(targets, dropout, fp32_adapters):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128)
+    m = LlamaForCausalLM(cfg)
+    if not fp32_adapters:
+        m = m.to(torch.bfloat16)
+    m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=targets, lora_dropout=dropout),
+                            autocast_adapter_dtype=fp32_adapters)
+    m.train()
+    layer = m.base_model.model.model.layers[0]
+    inputs = {}
+    for name, mod in (("q_proj", layer.self_attn.q_proj), ("down_proj", layer.mlp.down_proj)):
+        mod.register_forward_pre_hook(lambda _m, args, name=name: inputs.__setitem__(name, args[0]))
+    saved = []
+    ids = torch.randint(0, 128, (2, 16))
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if fp32_adapters else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), amp:
+        m(input_ids=ids, labels=ids)
+    ptrs = {t.untyped_storage().data_ptr() for t in saved}
+    return {k: v.untyped_storage().data_ptr() in ptrs for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("dropout,fp32", [(0.0, True), (0.1, True), (0.1, False)])
+def test_an_adapter_that_copies_its_input_leaves_the_input_unsaved(dropout, fp32):
+    assert saved_inputs(["q_proj", "v_proj", "down_proj"], dropout, fp32) == {"q_proj": False, "down_proj": False}
+
+
+def test_a_16_bit_adapter_without_dropout_saves_the_input_and_a_frozen_projection_saves_none():
+    assert saved_inputs(["q_proj", "v_proj"], 0.0, False) == {"q_proj": True, "down_proj": False}
