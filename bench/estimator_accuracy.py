@@ -102,9 +102,10 @@ def knobs_of(model, regime, b, s, attn, ck, opt, ga) -> dict:
     # bench/estimator_gpu_measure.py steps torch's default AdamW/Adam (foreach): its step
     # temporaries were measured, so the estimate names them (Frenzy's trainer runs fused).
     # Its loop runs torch.autocast itself, not Accelerate: the model's own loss path, whose
-    # output keeps the 16-bit logits ("standard"; the trainer's Accelerate AMP holds fp32 ones)
+    # output keeps the 16-bit logits ("standard"; the trainer's Accelerate AMP holds fp32 ones),
+    # and torch's default caching allocator (the trainer's launcher sets expandable segments)
     return dict(model=model, seq_len=s, micro_batch=b, grad_accum=ga, attention=attn,
-                act_ckpt=ck, optimizer=opt, adamw_impl="foreach", loss="standard",
+                act_ckpt=ck, optimizer=opt, adamw_impl="foreach", loss="standard", allocator="default",
                 precision="fp32" if regime == "fp32" else "bf16",
                 zero=1 if regime == "master" else 0,
                 mp_style="master" if regime == "master" else "auto")

@@ -46,13 +46,13 @@ def bench_one(reps: int, clock=time.perf_counter) -> float:
 
 def captured_calls() -> list[tuple]:
     """Every throughput-model call the planner makes for JOB, in order: ("shared", spec, plan
-    shape, gpu, seq_len, nodes, factors) and ("time", shared parts, zero, offload)."""
+    shape, gpu, seq_len, nodes, factors, adapters) and ("time", shared parts, zero, offload)."""
     calls: list[tuple] = []
     saved = plans_mod.shared_parts, plans_mod.step_time_with
 
-    def shared(spec, shape, gpu, *, seq_len, nodes, factors):
-        calls.append(("shared", spec, shape, gpu, seq_len, nodes, factors))
-        return saved[0](spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors)
+    def shared(spec, shape, gpu, *, seq_len, nodes, factors, adapters=None):
+        calls.append(("shared", spec, shape, gpu, seq_len, nodes, factors, adapters))
+        return saved[0](spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors, adapters=adapters)
 
     def timed(sh, zero, offload):
         calls.append(("time", sh, zero, offload))
@@ -80,8 +80,9 @@ def main() -> None:
             t = clock()
             for call in calls:
                 if call[0] == "shared":
-                    _, spec, shape, gpu, seq_len, nodes, factors = call
-                    shared_parts(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors)
+                    _, spec, shape, gpu, seq_len, nodes, factors, adapters = call
+                    shared_parts(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors,
+                                 adapters=adapters)
                 else:
                     step_time_with(*call[1:])
             times.append((clock() - t) * 1e3)

@@ -52,6 +52,7 @@ ACT_CKPTS = ("none", "selective", "full")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 ATTENTIONS = ("flash", "eager")
 MP_STYLES = ("auto", "amp", "master")
+ALLOCATORS = ("auto", "default", "expandable")     # torch's caching allocator: segments' mode
 MASTER_WEIGHTS = ("auto", "fp32", "none")
 FINETUNES = ("full", "lora", "qlora")
 # fp32-logits: the model itself upcasts the logits and returns the fp32 copy (Hugging Face
@@ -161,6 +162,8 @@ class Knobs:
     # adapters and no DeepSpeed engine, in a profile whose trainer is Accelerate): autocast
     # around the forward and ``convert_outputs_to_fp32`` on what it returns
     accelerate_amp: bool = False
+    # the caching allocator runs expandable segments (resolved from the profile when "auto")
+    expandable: bool = False
 
 
 def _pos_int(name: str, v: Any) -> int:
@@ -205,13 +208,13 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
                    optimizer_in_backward: Any = False, adamw_impl: Any = "auto",
                    fused_kernels: Any = False, zero_bucket_elems: Any = None,
                    gradient_as_bucket_view: Any = None, overlap_comm: Any = None,
-                   score_clamp: Any = False, lora_dropout: Any = 0.0) -> Knobs:
+                   score_clamp: Any = False, lora_dropout: Any = 0.0, allocator: Any = "auto") -> Knobs:
     """Check every knob against the model; raise FrenzyInputError naming field and rule."""
     return _knobs(framework, spec, seq_len, micro_batch, grad_accum, dp, tp, pp, cp, sp, vpp, zero,
                   offload, precision, optimizer, act_ckpt, attention, mp_style, master_weights,
                   finetune, lora_rank, lora_targets, loss, act_offload, optimizer_in_backward,
                   adamw_impl, fused_kernels, zero_bucket_elems, gradient_as_bucket_view,
-                  overlap_comm, score_clamp, lora_dropout)
+                  overlap_comm, score_clamp, lora_dropout, allocator)
 
 
 def _knobs(framework: Any, *args: Any) -> Knobs:
@@ -229,7 +232,7 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
               master_weights: Any, finetune: Any, lora_rank: Any, lora_targets: Any, loss: Any,
               act_offload: Any, optimizer_in_backward: Any, adamw_impl: Any, fused_kernels: Any,
               zero_bucket_elems: Any, gradient_as_bucket_view: Any, overlap_comm: Any,
-              score_clamp: Any, lora_dropout: Any = 0.0) -> Knobs:
+              score_clamp: Any, lora_dropout: Any = 0.0, allocator: Any = "auto") -> Knobs:
     s = _pos_int("seq_len", seq_len)
     mb = _pos_int("micro_batch", micro_batch)
     ga = _pos_int("grad_accum", grad_accum)
@@ -362,9 +365,13 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
         # 16-bit logits tensor (2 B x 128,256 x tokens = 1.96 / 3.92 GiB); ZeRO and pure-bf16
         # runs, which Accelerate does not wrap, matched "standard" (+0.1%, -0.2%)
         loss = "fp32-logits" if accel else "standard"
+    if allocator not in ALLOCATORS:
+        raise FrenzyInputError("allocator", f"must be one of {', '.join(ALLOCATORS)} (got {allocator!r})")
+    expandable = prof.expandable_segments if allocator == "auto" else allocator == "expandable"
     return Knobs(s, mb, ga, dp, tp, pp, cp, sp, vpp, zero, offload, precision, optimizer,
                  act_ckpt, attention, mp_style, prof.name, master, finetune, rank, targets, drop,
-                 loss, act_offload, opt_in_bwd, impl, fused, bucket, view, overlap, clamp, accel)
+                 loss, act_offload, opt_in_bwd, impl, fused, bucket, view, overlap, clamp, accel,
+                 expandable)
 
 
 def _torch_zero(prof: Profile, pp: int) -> bool:
@@ -1187,9 +1194,8 @@ def _comms(k: Knobs) -> int:
 
 def _fragmentation(ov: Overheads, k: Knobs) -> float:
     if k.act_ckpt == "full":
-        return (ov.fragmentation_recompute_expandable if PROFILES[k.framework].expandable_segments
-                else ov.fragmentation_recompute)
-    return ov.fragmentation if k.finetune == "full" else ov.fragmentation_adapters
+        return ov.fragmentation_recompute_expandable if k.expandable else ov.fragmentation_recompute
+    return ov.fragmentation_adapters if k.expandable and k.finetune != "full" else ov.fragmentation
 
 
 def _outside_allocator_gib(ov: Overheads, k: Knobs) -> float:
@@ -1235,7 +1241,7 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
              optimizer_in_backward: bool = False, adamw_impl: str = "auto",
              fused_kernels: bool = False, zero_bucket_elems: float | None = None,
              gradient_as_bucket_view: bool | None = None, overlap_comm: bool | None = None,
-             score_clamp: bool = False, lora_dropout: float = 0.0) -> Estimate:
+             score_clamp: bool = False, lora_dropout: float = 0.0, allocator: str = "auto") -> Estimate:
     """Per-GPU training memory of one configuration (see the module docstring).
 
     ``model``: preset name, path to a HF config.json, dict of dimensions or ModelSpec; or the
@@ -1253,7 +1259,9 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
     ``gradient_as_bucket_view`` (DDP without its bucket copy of the gradients, as FSDP NO_SHARD;
     default: the profile's), ``overlap_comm`` (DeepSpeed's; default: its own per stage, off
     in Frenzy's trainer config), ``score_clamp`` (eager attention of transformers 4.2x OPT /
-    Llama, which clamps the masked scores and saves them).
+    Llama, which clamps the masked scores and saves them), ``allocator`` (the caching allocator's
+    mode, which sets reserved and device used: auto = the profile's, ``default``, or
+    ``expandable`` = ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
     """
     if (arch is None and layers is None and hidden is None and heads is None and kv_heads is None
             and ffn is None and vocab is None and tied_embeddings is None):
@@ -1268,7 +1276,7 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
                offload, precision, optimizer, act_ckpt, attention, mp_style, master_weights,
                finetune, lora_rank, lora_targets, loss, act_offload, optimizer_in_backward,
                adamw_impl, fused_kernels, zero_bucket_elems, gradient_as_bucket_view,
-               overlap_comm, score_clamp, lora_dropout)
+               overlap_comm, score_clamp, lora_dropout, allocator)
     if method not in ("analytic", "traced"):
         raise FrenzyInputError("method", f"must be analytic or traced (got {method!r})")
     g = _resolve_gpu(gpu)

@@ -39,12 +39,14 @@ WORKSPACE_GIB = 0.15
 # device-used predictions rarely fall short (the documented range is a few % to 15 %).
 FRAGMENTATION = 0.10
 FRAGMENTATION_RECOMPUTE = 0.28
-# LoRA / QLoRA runs churn more: per adapted projection and micro-batch, transient input casts
-# (fp32 copies twice the activation's size), rank-r activations and the copies each adapter
-# saves interleave with the block's large tensors. Measured on 7 LoRA runs without
-# recomputation through Frenzy's trainer (H200, expandable segments; docs/benchmarks.md):
-# 6.3-23.5 %, median 13 %, 90th percentile ~20 %, against 3.7-10.5 % for full fine-tuning
-# runs of the same models. The default is that 90th percentile, as for the others.
+# LoRA / QLoRA runs through Frenzy's trainer (expandable segments) churn more: per adapted
+# projection and micro-batch, transient input casts (fp32 copies twice the activation's size),
+# rank-r activations and the copies each adapter saves interleave with the block's large
+# tensors. Measured on 7 such runs without recomputation (H200; docs/benchmarks.md): 6.3-23.5 %,
+# median 13 %, 90th percentile ~20 %, against 3.7-10.5 % for full fine-tuning runs of the same
+# models; the default is that 90th percentile, as for the others. Two runs held out afterwards
+# (Llama-3.2-3B) measured 4.8 % and 11.7 %. Only for profiles that run expandable segments: the
+# one default-allocator LoRA measurement (PEFT's suite, public row 12) sits at the 10 % above.
 FRAGMENTATION_ADAPTERS = 0.20
 # Full recomputation under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (what Frenzy's
 # launcher sets, as torchtitan does): one growing mapped segment per stream instead of

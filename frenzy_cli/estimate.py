@@ -67,6 +67,9 @@ def register(sub) -> None:
                    help="DeepSpeed overlap_comm (default: DeepSpeed's, on at zero 3; off in Frenzy's trainer)")
     t.add_argument("--score-clamp", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
                    help="eager attention of transformers 4.2x (OPT, first Llama) keeps its clamped scores")
+    t.add_argument("--allocator", default="auto",
+                   help="auto (the framework's) | default | expandable (PYTORCH_CUDA_ALLOC_CONF="
+                        "expandable_segments:True, what Frenzy's launcher sets): reserved and device used")
     e.add_argument("--gpu", help="catalog GPU type, e.g. A100-80GB (adds fits / overheads)")
     e.add_argument("--method", default="analytic", help="analytic | traced")
     e.add_argument("--json", action="store_true", help="print one JSON object")
@@ -103,7 +106,7 @@ _EST_KEYS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "v
              "sp", "vpp", "zero", "offload", "precision", "optimizer", "act_ckpt", "attention",
              "gpu", "method", "mp_style", "framework", "master_weights", "finetune", "lora_rank",
              "lora_targets", "lora_dropout", "loss", "act_offload", "optimizer_in_backward", "adamw_impl",
-             "fused_kernels", "overlap_comm", "score_clamp")
+             "fused_kernels", "overlap_comm", "score_clamp", "allocator")
 
 
 def handle_estimate(args) -> int:

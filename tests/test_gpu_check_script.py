@@ -28,7 +28,7 @@ def test_memory_set_covers_zero_lora_offload_and_every_plan_fits_an_h200():
         assert reestimate(job, plan, safety_margin_gib=0.0) is not None, label
 
 
-@pytest.mark.parametrize("name", ["memory", "heldout"])
+@pytest.mark.parametrize("name", ["memory", "heldout", "lora"])
 def test_rescore_predicts_each_saved_row_as_its_own_job(name):
     """``--rescore`` prints, per saved row, today's prediction for that row's plan and job
     (LoRA, pure bf16: the job knobs the row saved) beside the measurement."""
@@ -54,3 +54,23 @@ def test_rescore_predicts_each_saved_row_as_its_own_job(name):
         assert float(cols[6]) == pytest.approx(want.device_used_gib, abs=0.006)
         preds.add(round(want.allocated_peak_gib, 2))
     assert len(preds) == len(report["rows"])   # every row its own job and plan: no two predicted alike
+
+
+@pytest.mark.parametrize("name", ["lora", "lora-heldout"])
+def test_predict_writes_the_sets_predictions_without_a_gpu(name, tmp_path):
+    """``--predict``: what a set will be compared with, written before it runs (committed
+    beside the measurements); the LoRA plans' step times carry the adapters' terms."""
+    out = subprocess.run([sys.executable, "scripts/gpu_check.py", "--set", name, "--predict", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "gpu_check_predicted.json").read_text())
+    rows = report["rows"]
+    assert len(rows) == len(plan_set(name, report["global_batch"])) and all(r["status"] == "predicted" for r in rows)
+    full = [r for r in rows if r["job"]["finetune"]["method"] == "full" and r["knobs"]["act_ckpt"] == "none"]
+    lora = [r for r in rows if r["job"]["finetune"]["method"] == "lora"]
+    assert full and lora
+    steps = {r["predicted"]["step_time_s"] for r in lora}
+    assert len(steps) > 1                       # targets, rank and dropout change the step
+    for r in lora:
+        assert r["predicted"]["allocated_peak_gib"] < full[0]["predicted"]["allocated_peak_gib"]
