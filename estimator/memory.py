@@ -948,6 +948,21 @@ def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> _St
 
 def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> list[StagePeak]:
     """Peak allocated bytes per pipeline stage, with the breakdown at each stage's peak."""
+    return _peaks(spec, k, ov, cpu, ((k.micro_batch, k.grad_accum),), True)[0]
+
+
+def peak_allocated(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool,
+                   batches: "tuple[tuple[int, int], ...]") -> list[float]:
+    """The largest stage's allocated peak (bytes) of ``k`` run at each (micro_batch, grad_accum)
+    of ``batches`` instead of its own: ``max(s.allocated for s in stage_peaks(...))`` of each,
+    to the bit, with what does not depend on the batch computed once (the planner's memory
+    table asks every micro-batch of every structure)."""
+    return _peaks(spec, k, ov, cpu, batches, False)
+
+
+def _peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool, batches: tuple, breakdown: bool) -> list:
+    """Per (micro_batch, grad_accum) of ``batches``: the stages' ``StagePeak`` (``breakdown``), or
+    the largest stage's allocated bytes."""
     prof = get_profile(k.framework)
     # unpacked once into locals (the loop below reads them per stage), in _StageSetup's order
     (c, pure, torch_zero, lora, act_amp, sem, N, w_b, g_b, opt_b, g32_b, layer_p, emb_p,
@@ -958,13 +973,10 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
         spec, prof, _shape_of(k), cpu)
     zero, offload, loss, optimizer, opt_in_bwd = k.zero, k.offload, k.loss, k.optimizer, k.opt_in_bwd
     t, p, dp, vpp, act_offload = k.tp, k.pp, k.dp, k.vpp, k.act_offload
-    T = k.micro_batch * k.seq_len / k.cp              # tokens per micro-batch on this rank
-    m = k.grad_accum
-    persist = (m > 1 or p > 1) and not opt_in_bwd
     chunked = loss == "chunked"
     bucket_elems = k.bucket or prof.zero_bucket_elems or ov.zero_bucket_elems
 
-    out: list[StagePeak] = []
+    out: list = [[] for _ in batches] if breakdown else [0.0] * len(batches)
     for i, L_i in enumerate(_stage_layers(spec.layers, p)):
         first, last = i == 0, i == p - 1
         P = L_i * layer_p + (emb_p if first else 0.0) + (head_p if last else 0.0)
@@ -1044,97 +1056,105 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
                 other_fixed += g_b * largest           # FSDP2's reduce-scatter input copy
         if k.finetune == "qlora":
             other_fixed += c * h * f / t               # one weight dequantised for its matmul
-        # --- activations of the in-flight micro-batches ---
-        # 1F1B: stage i has started p - i micro-batches before its first backward
-        inflight = min(m, p - i) if p > 1 else 1
-        if vpp > 1:
-            inflight = _interleaved_inflight(p, vpp, m, i)
-        # activation offloading copies each block's saved tensors to the CPU as the forward
-        # moves on: the GPU holds the block in flight
-        kept_layers = min(L_i, 1) if act_offload else L_i
-        acts = inflight * kept_layers * keep_tok * T
-        if first:
-            acts += inflight * T * 16.0                # input ids + labels (int64)
-            if dropout:
-                acts += inflight * T * sem.mask_bytes * h / sp_div
-            if arch == "bert":
-                acts += inflight * T * (r * h + 2 * sem.stat_bytes + (4 if act_amp else 1) * c * h)
-        loss_a = 0.0
-        head_grad = 0.0
-        fin_acts = 0.0
-        if last:
-            if arch == "llama":
-                fin = (4 * h + (4 if act_amp else c) * h + c * h + 4)
-            elif arch == "bert":
-                fin = 3 * c * h + 2 * sem.stat_bytes + r * h
+        for bi, (mb_, ga_) in enumerate(batches):
+            T = mb_ * k.seq_len / k.cp                # tokens per micro-batch on this rank
+            m = ga_
+            persist = (m > 1 or p > 1) and not opt_in_bwd
+            # --- activations of the in-flight micro-batches ---
+            # 1F1B: stage i has started p - i micro-batches before its first backward
+            inflight = min(m, p - i) if p > 1 else 1
+            if vpp > 1:
+                inflight = _interleaved_inflight(p, vpp, m, i)
+            # activation offloading copies each block's saved tensors to the CPU as the forward
+            # moves on: the GPU holds the block in flight
+            kept_layers = min(L_i, 1) if act_offload else L_i
+            acts = inflight * kept_layers * keep_tok * T
+            if first:
+                acts += inflight * T * 16.0                # input ids + labels (int64)
+                if dropout:
+                    acts += inflight * T * sem.mask_bytes * h / sp_div
+                if arch == "bert":
+                    acts += inflight * T * (r * h + 2 * sem.stat_bytes + (4 if act_amp else 1) * c * h)
+            loss_a = 0.0
+            head_grad = 0.0
+            fin_acts = 0.0
+            if last:
+                if arch == "llama":
+                    fin = (4 * h + (4 if act_amp else c) * h + c * h + 4)
+                elif arch == "bert":
+                    fin = 3 * c * h + 2 * sem.stat_bytes + r * h
+                else:
+                    fin = r * h + 2 * sem.stat_bytes + c * h
+                # the final norm's saved tensors: alive until its own backward, which runs before
+                # any block's (phase A has them, phase B does not)
+                fin_acts = T * fin / sp_div
+                acts += T * held_b * logits_tok            # logits held by the model output
+                loss_a = T * (bwd_loss_b - held_b) * logits_tok
+                if loss == "fused-linear":
+                    # Liger: the head's gradient and the hidden states' gradient are made in the
+                    # forward, and one chunk of ~T*h/V rows of logits (power of 2: up to 2x)
+                    loss_a += c * V * e + c * T * h + 2 * c * T * h
+                if loss != "none" and not lora:
+                    head_grad = (g_b if zero < 2 else g_b / N) * V * e / t
+            # recomputation buffer and backward temporaries for one block
+            one_layer = per_layer_tok * T if full else 0.0
+            trans = transient_tok * T
+            persist_grads = grads if persist else 0.0
+            states_fwd = weights + optim + persist_grads + other_fixed + unsharded
+            copies = 2.0 * cast_P if casts else 0.0
+            if full and casts:
+                # checkpointed blocks run their forward without keeping autocast's weight copies;
+                # only the LM head's survives to its backward; recomputation re-creates one block's
+                copies = 2.0 * head_w if last else 0.0
+            head_g = 0.0 if persist else head_grad
+            inbwd_tmp = 2 * (c if pure else 4.0) * min(Pt, largest_tensor) if inbwd else 0.0
+            # phase A: loss backward (last stage) / phase B: the last block's backward. A chunked
+            # loss runs the head's backward chunk by chunk inside it: the head's gradient exists
+            # while later chunks' logits are still held
+            a_total = (states_fwd + copies + acts + fin_acts + loss_a
+                       + (head_g if chunked else 0.0))
+            b_extra = one_layer + trans + (layer_copies if full else 0.0)
+            b_total = states_fwd + copies + acts + b_extra + head_g + inbwd_tmp
+            # phase B': the first block's backward: the other blocks' gradients exist, their
+            # activations are freed; one block's activations (recomputed under full ckpt) remain
+            grads_end = grads * max(0.0, P - layer_p) / P if P > 0 else 0.0
+            if opt_in_bwd:                                 # each gradient is applied, then freed
+                grads_end = g_b * min(Pt, largest_tensor)
+            first_acts = (ckpt_keep_tok * T + one_layer) if full else per_layer_tok * T
+            fixed_acts = (T * 16.0 if first else 0.0) + (T * held_b * logits_tok if last else 0.0)
+            e_extra = first_acts + fixed_acts + trans + layer_copies
+            e_total = (weights + optim + other_fixed + max(grads_end, persist_grads) + e_extra
+                       + e_unsharded)
+            # phase C: optimizer step (inside backward, one tensor at a time, with opt_in_bwd)
+            tmp = step_tmp_b * Pt / o_div if offload == "none" else 0.0
+            if optimizer == "adafactor":
+                tmp = 3 * 4.0 * largest_tensor
+            if opt_in_bwd:
+                c_total = weights + optim + other_fixed + g_b * min(Pt, largest_tensor) + inbwd_tmp
             else:
-                fin = r * h + 2 * sem.stat_bytes + c * h
-            # the final norm's saved tensors: alive until its own backward, which runs before
-            # any block's (phase A has them, phase B does not)
-            fin_acts = T * fin / sp_div
-            acts += T * held_b * logits_tok            # logits held by the model output
-            loss_a = T * (bwd_loss_b - held_b) * logits_tok
-            if loss == "fused-linear":
-                # Liger: the head's gradient and the hidden states' gradient are made in the
-                # forward, and one chunk of ~T*h/V rows of logits (power of 2: up to 2x)
-                loss_a += c * V * e + c * T * h + 2 * c * T * h
-            if loss != "none" and not lora:
-                head_grad = (g_b if zero < 2 else g_b / N) * V * e / t
-        # recomputation buffer and backward temporaries for one block
-        one_layer = per_layer_tok * T if full else 0.0
-        trans = transient_tok * T
-        persist_grads = grads if persist else 0.0
-        states_fwd = weights + optim + persist_grads + other_fixed + unsharded
-        copies = 2.0 * cast_P if casts else 0.0
-        if full and casts:
-            # checkpointed blocks run their forward without keeping autocast's weight copies;
-            # only the LM head's survives to its backward; recomputation re-creates one block's
-            copies = 2.0 * head_w if last else 0.0
-        head_g = 0.0 if persist else head_grad
-        inbwd_tmp = 2 * (c if pure else 4.0) * min(Pt, largest_tensor) if inbwd else 0.0
-        # phase A: loss backward (last stage) / phase B: the last block's backward. A chunked
-        # loss runs the head's backward chunk by chunk inside it: the head's gradient exists
-        # while later chunks' logits are still held
-        a_total = (states_fwd + copies + acts + fin_acts + loss_a
-                   + (head_g if chunked else 0.0))
-        b_extra = one_layer + trans + (layer_copies if full else 0.0)
-        b_total = states_fwd + copies + acts + b_extra + head_g + inbwd_tmp
-        # phase B': the first block's backward: the other blocks' gradients exist, their
-        # activations are freed; one block's activations (recomputed under full ckpt) remain
-        grads_end = grads * max(0.0, P - layer_p) / P if P > 0 else 0.0
-        if opt_in_bwd:                                 # each gradient is applied, then freed
-            grads_end = g_b * min(Pt, largest_tensor)
-        first_acts = (ckpt_keep_tok * T + one_layer) if full else per_layer_tok * T
-        fixed_acts = (T * 16.0 if first else 0.0) + (T * held_b * logits_tok if last else 0.0)
-        e_extra = first_acts + fixed_acts + trans + layer_copies
-        e_total = (weights + optim + other_fixed + max(grads_end, persist_grads) + e_extra
-                   + e_unsharded)
-        # phase C: optimizer step (inside backward, one tensor at a time, with opt_in_bwd)
-        tmp = step_tmp_b * Pt / o_div if offload == "none" else 0.0
-        if optimizer == "adafactor":
-            tmp = 3 * 4.0 * largest_tensor
-        if opt_in_bwd:
-            c_total = weights + optim + other_fixed + g_b * min(Pt, largest_tensor) + inbwd_tmp
-        else:
-            c_total = weights + grads + optim + other_fixed + max(after_bwd, grads32 + tmp)
-        total = max(a_total, b_total, c_total, e_total)
-        # the breakdown of the phase that peaks (weights, gradients, optimizer, activations, other)
-        if total == a_total:
-            bd = (weights + unsharded, persist_grads + (head_g if chunked else 0.0),
-                  optim, acts + fin_acts + loss_a, other_fixed + copies)
-        elif total == b_total:
-            bd = (weights + unsharded, persist_grads + head_g, optim, acts + one_layer,
-                  other_fixed + copies + trans + (layer_copies if full else 0.0) + inbwd_tmp)
-        elif total == c_total and not opt_in_bwd:
-            step_extra = max(after_bwd, grads32 + tmp)
-            bd = (weights, grads, optim + (grads32 if step_extra > after_bwd else 0.0), 0.0,
-                  other_fixed + (tmp if step_extra > after_bwd else after_bwd))
-        elif total == c_total:
-            bd = (weights, 0.0, optim, 0.0, c_total - weights - optim)
-        else:
-            bd = (weights + e_unsharded, max(grads_end, persist_grads), optim, first_acts + fixed_acts,
-                  other_fixed + trans + layer_copies)
-        out.append(StagePeak(i, L_i, total, *bd))
+                c_total = weights + grads + optim + other_fixed + max(after_bwd, grads32 + tmp)
+            total = max(a_total, b_total, c_total, e_total)
+            if not breakdown:
+                if total > out[bi]:
+                    out[bi] = total
+                continue
+            # the breakdown of the phase that peaks (weights, gradients, optimizer, activations, other)
+            if total == a_total:
+                bd = (weights + unsharded, persist_grads + (head_g if chunked else 0.0),
+                      optim, acts + fin_acts + loss_a, other_fixed + copies)
+            elif total == b_total:
+                bd = (weights + unsharded, persist_grads + head_g, optim, acts + one_layer,
+                      other_fixed + copies + trans + (layer_copies if full else 0.0) + inbwd_tmp)
+            elif total == c_total and not opt_in_bwd:
+                step_extra = max(after_bwd, grads32 + tmp)
+                bd = (weights, grads, optim + (grads32 if step_extra > after_bwd else 0.0), 0.0,
+                      other_fixed + (tmp if step_extra > after_bwd else after_bwd))
+            elif total == c_total:
+                bd = (weights, 0.0, optim, 0.0, c_total - weights - optim)
+            else:
+                bd = (weights + e_unsharded, max(grads_end, persist_grads), optim, first_acts + fixed_acts,
+                      other_fixed + trans + layer_copies)
+            out[bi].append(StagePeak(i, L_i, total, *bd))
     return out
 
 

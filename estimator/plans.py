@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right, insort
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -21,7 +21,7 @@ from .catalog import GPU, get_gpu
 from .errors import DoesNotFitError, FrenzyInputError
 from .job import TrainingJob
 from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, estimate, host_offload_bytes,
-                     lora_adapters, stage_peaks, validate_knobs)
+                     lora_adapters, peak_allocated, validate_knobs)
 from .models import ModelSpec, resolve_model, with_positions
 from .overheads import Overheads, overheads_for
 from .plan import Plan
@@ -206,6 +206,7 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                     zeros = (0, 1, 2, 3)
                 per_rank = global_batch // dp
                 mbs = _divisors(per_rank)
+                batches = tuple((mb, per_rank // mb) for mb in mbs)
                 for zero, off, ck in ((z, o, ck) for z in zeros
                                       for o in (("none",) if dp_only else _offloads(z))
                                       for ck in ckpts):
@@ -223,9 +224,7 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                         except FrenzyInputError:
                             continue
                         allocs = []
-                        for mb in mbs:
-                            k = replace(base, micro_batch=mb, grad_accum=per_rank // mb)
-                            a = max(s.allocated for s in stage_peaks(spec, k, ov, cpu))
+                        for mb, a in zip(mbs, peak_allocated(spec, base, ov, cpu, batches)):
                             allocs.append((mb, a))
                             if a > ceiling_b:     # no GPU holds this: larger ones neither
                                 break
@@ -265,6 +264,11 @@ def _plan(gpu: GPU, n: int, base: Knobs, mb: int, precision: str, optimizer: str
         step_time_s=step_time_s, not_launchable=why)
 
 
+# the plan the trainer's rules are asked about: a copy with the asked fields (a third of the
+# cost of building one with its defaults; the planner asks thousands of new ones per job shape)
+_PROBE = Plan.model_construct(gpu_type="probe")
+
+
 @lru_cache(maxsize=4096)
 def _launch_rule(tp: int, pp: int, cp: int, gpus: int, dp: int, zero: int, offload: str,
                  heads: int | None = None, kv_heads: int | None = None, arch: str | None = None, *,
@@ -276,8 +280,8 @@ def _launch_rule(tp: int, pp: int, cp: int, gpus: int, dp: int, zero: int, offlo
         from trainer.launch_config import check_pipeline_model, check_realisable
     except ImportError:          # an estimator installed without the trainer: nothing to check
         return None
-    probe = Plan.model_construct(gpu_type="probe", gpus=gpus, dp=dp, tp=tp, pp=pp, cp=cp,
-                                 zero=zero, offload=offload, vpp=vpp, grad_accum=grad_accum)
+    probe = _PROBE.model_copy(update={"gpus": gpus, "dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": zero,
+                                      "offload": offload, "vpp": vpp, "grad_accum": grad_accum})
     try:
         check_realisable(probe)
         if arch is not None:
@@ -295,7 +299,7 @@ def heads_rule(tp: int, cp: int, heads: int, kv_heads: int | None = None, pp: in
     except ImportError:          # an estimator installed without the trainer: nothing to check
         return None
     try:
-        check_heads(Plan.model_construct(gpu_type="probe", tp=tp, cp=cp, pp=pp), heads, kv_heads)
+        check_heads(_PROBE.model_copy(update={"tp": tp, "cp": cp, "pp": pp}), heads, kv_heads)
     except FrenzyInputError as err:
         return f"{err.field}: {err.rule}"
     return None

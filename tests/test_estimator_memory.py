@@ -225,16 +225,47 @@ def test_fast_built_estimate_equals_a_validated_one():
 
 
 def test_stage_peaks_unpacks_the_stage_setup_by_its_field_names():
-    """``stage_peaks`` unpacks ``_stage_setup``'s record positionally (speed): its target names
-    must be the record's fields in order, or terms would silently swap."""
+    """``_peaks`` (``stage_peaks``, ``peak_allocated``) unpacks ``_stage_setup``'s record
+    positionally (speed): its target names must be the record's fields in order, or terms would
+    silently swap."""
     import ast
     import inspect
 
     from estimator import memory
 
-    tree = ast.parse(inspect.getsource(memory.stage_peaks).lstrip())
+    tree = ast.parse(inspect.getsource(memory._peaks).lstrip())
     targets = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
                and getattr(n.value.func, "id", None) == "_stage_setup"]
     assert len(targets) == 1
     names = tuple(elt.id for elt in targets[0].targets[0].elts)
     assert names == memory._StageSetup._fields
+
+
+def test_peak_allocated_equals_stage_peaks_at_each_batch_to_the_bit():
+    """The planner's memory table asks ``peak_allocated`` for every micro-batch of a structure
+    at once; it must answer what ``stage_peaks`` answers for each, exactly."""
+    import random
+    from dataclasses import replace
+
+    from estimator import memory
+    from estimator.models import resolve_model, with_positions
+    from estimator.overheads import overheads_for
+
+    rng = random.Random(7)
+    cases = [dict(), dict(pp=4, grad_accum=8, zero=1, dp=2), dict(tp=2, act_ckpt="full"),
+             dict(zero=3, dp=8, offload="optimizer+params"), dict(finetune="lora", lora_dropout=0.1),
+             dict(pp=2, vpp=2, grad_accum=4, dp=2, zero=2), dict(act_offload=True, framework="torchtune"),
+             dict(zero=2, dp=4, offload="optimizer", precision="fp32"), dict(cp=2, dp=2, zero=2)]
+    for model in ("llama-3.1-8b", "gpt2-medium", "qwen2.5-0.5b"):
+        spec = with_positions(resolve_model(model), 2048 if model != "gpt2-medium" else 1024)
+        for kw in cases:
+            seq = 1024 if model == "gpt2-medium" else 2048
+            k = memory.validate_knobs(spec, seq_len=seq, **kw)
+            per_rank = 16
+            batches = tuple((mb, per_rank // mb) for mb in (1, 2, 4, 8, 16))
+            for cpu in (False, True):
+                ov = overheads_for(rng.choice([None, "H100-80GB"]), is_cpu=cpu)
+                got = memory.peak_allocated(spec, k, ov, cpu, batches)
+                want = [max(s.allocated for s in memory.stage_peaks(spec, replace(k, micro_batch=mb, grad_accum=ga),
+                                                                   ov, cpu)) for mb, ga in batches]
+                assert got == want, (model, kw, cpu)
