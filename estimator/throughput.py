@@ -136,6 +136,11 @@ class Factors:
     microbatch_overhead_s: float = MICROBATCH_OVERHEAD_S
     step_overhead_s: float = STEP_OVERHEAD_S
     cpu_microbatch_overhead_s: float = CPU_MICROBATCH_OVERHEAD_S
+    lora_in_bytes: tuple[float, float] = LORA_IN_BYTES
+    lora_cast_bytes: tuple[float, float] = LORA_CAST_BYTES
+    lora_out_bytes: tuple[float, float] = LORA_OUT_BYTES
+    lora_dropout_mask_bytes: float = LORA_DROPOUT_MASK_BYTES
+    qlora_dequant_bytes_per_param: float = QLORA_DEQUANT_BYTES_PER_PARAM
     util: dict[str, float] = field(default_factory=dict)        # gpu_type -> calibrated utilisation
     mem_eff: dict[str, float] = field(default_factory=dict)     # gpu_type -> calibrated bandwidth share
 
@@ -168,16 +173,17 @@ class Adapters:
         """Trainable parameters of one block: A (rank x in) and B (out x rank) per projection."""
         return self.rank * (self.in_features + self.out_features)
 
-    def bytes_per_token(self, recompute: float) -> float:
+    def bytes_per_token(self, recompute: float, f: "Factors") -> float:
         """Memory-bound bytes per token through one block's adapters (16-bit activations),
         forward and backward, the forward repeated ``recompute`` times more (full recomputation)."""
         a = 4.0 if self.fp32 else 2.0
-        fin, bin_ = LORA_IN_BYTES
+        fin, bin_ = f.lora_in_bytes
         if self.fp32:
-            fin, bin_ = fin + LORA_CAST_BYTES[0], bin_ + LORA_CAST_BYTES[1]
+            fin, bin_ = fin + f.lora_cast_bytes[0], bin_ + f.lora_cast_bytes[1]
         if self.dropout:
-            fin, bin_ = fin + 2 * a + LORA_DROPOUT_MASK_BYTES, bin_ + 2 * a + LORA_DROPOUT_MASK_BYTES
-        fout, bout = LORA_OUT_BYTES
+            mask = f.lora_dropout_mask_bytes
+            fin, bin_ = fin + 2 * a + mask, bin_ + 2 * a + mask
+        fout, bout = f.lora_out_bytes
         return ((1.0 + recompute) * (fin * self.in_features + fout * self.out_features)
                 + bin_ * self.in_features + bout * self.out_features)
 
@@ -411,9 +417,9 @@ def _stage(stages: dict, key: tuple, spec: Any, gpu: GPU, f: Factors, seq_len: i
         # the adapters' GEMMs (6 FLOPs per parameter per token, + 2 per recomputed forward) and
         # their casts, dropout, scaling and add at memory bandwidth
         compute_tok += lay * adapters.params * (6.0 + 2.0 * rec) / tp / c.rate
-        memory_tok += lay * adapters.bytes_per_token(rec) * (nbytes / 2.0) / tp / bw
+        memory_tok += lay * adapters.bytes_per_token(rec, f) * (nbytes / 2.0) / tp / bw
         if adapters.qlora:      # the block's projections dequantised per forward / dgrad pass
-            memory_tok += lay * c.g2 / tp * QLORA_DEQUANT_BYTES_PER_PARAM * mm_passes / m / bw
+            memory_tok += lay * c.g2 / tp * f.qlora_dequant_bytes_per_param * mm_passes / m / bw
         trainable_mp = adapters.params * c.layers / mp
     intra = gpu.intra_link_gbps * (f.nvlink_eff if gpu.intra_link.startswith("nvlink") else 1.0)
     act_bytes = m * c.hidden * nbytes               # one micro-batch's activations at a layer boundary

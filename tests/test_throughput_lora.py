@@ -8,7 +8,7 @@ from estimator.memory import lora_adapters, validate_knobs
 from estimator.models import resolve_model
 from estimator.plan import Plan
 from estimator.plans import plan_adapters, plans_for_job
-from estimator.throughput import Adapters, step_time, step_time_breakdown
+from estimator.throughput import DEFAULT_FACTORS, Adapters, step_time, step_time_breakdown
 from trainer.fallback import reestimate
 
 LLAMA = resolve_model("llama-3.2-1b")
@@ -48,7 +48,7 @@ def test_lora_drops_the_weight_gradient_gemms_and_adds_adapter_traffic():
 def test_adapter_cost_grows_with_targets_dropout_casts_and_recompute():
     qv = Adapters(16, 4096, 2560, fp32=True)
     every = Adapters(16, 4 * 2048 + 2 * 2048 + 8192, 2048 + 2 * 512 + 2048 + 2 * 8192, fp32=True)
-    b = lambda a, rec=0.0: a.bytes_per_token(rec)  # noqa: E731
+    b = lambda a, rec=0.0: a.bytes_per_token(rec, DEFAULT_FACTORS)  # noqa: E731
     assert b(every) > 3 * b(qv)
     assert b(Adapters(16, 4096, 2560, fp32=True, dropout=True)) > b(qv)
     assert b(Adapters(16, 4096, 2560, fp32=False)) < b(qv)   # 16-bit adapters: no casts
