@@ -35,6 +35,7 @@ def throughput_measurements(rows, specs: dict[str, dict], nodes_of=lambda row: 1
     from estimator.errors import FrenzyInputError
     from estimator.models import resolve_model
     from estimator.plan import Plan
+    from estimator.plans import plan_adapters
     from estimator.throughput import Measurement
 
     out, skipped = [], 0
@@ -48,9 +49,13 @@ def throughput_measurements(rows, specs: dict[str, dict], nodes_of=lambda row: 1
             if gpu.is_cpu:
                 raise ValueError("CPU runs say nothing about GPU factors")
             plan = Plan.model_validate({k: v for k, v in (r.plan or {}).items() if k in Plan.model_fields})
+            # a LoRA run's step is charged its adapters' terms, as the planner charged it
+            ft = spec.get("finetune") or "full"
+            adapters = None if (ft.get("method", "full") if isinstance(ft, dict) else ft) == "full" \
+                else plan_adapters(spec, plan)
             out.append(Measurement(spec=resolve_model(spec["model"]), plan=plan, gpu=gpu,
                                    seq_len=int(spec.get("seq_len") or 1024), step_s=float(step),
-                                   nodes=nodes_of(r)))
+                                   nodes=nodes_of(r), adapters=adapters))
         except (FrenzyInputError, ValueError, TypeError, KeyError):
             skipped += 1
     return out, skipped
@@ -66,7 +71,8 @@ def fit_throughput(measured) -> dict[str, dict]:
         ms = [m for m in measured if m.gpu.name == name]
 
         def med(f, ms=ms):
-            return statistics.median(step_time(m.spec, m.plan, m.gpu, seq_len=m.seq_len, nodes=m.nodes, factors=f)
+            return statistics.median(step_time(m.spec, m.plan, m.gpu, seq_len=m.seq_len, nodes=m.nodes, factors=f,
+                                                   adapters=m.adapters)
                                      / m.step_s for m in ms)
         report[name] = {"runs": len(ms), "util": fitted.util[name], "util_default": ms[0].gpu.util,
                         "mem_eff": fitted.mem_eff[name], "mem_eff_default": DEFAULT_FACTORS.mem_bw_eff,

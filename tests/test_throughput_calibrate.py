@@ -83,3 +83,24 @@ def test_calibration_file_with_bad_values_falls_back_to_defaults(frenzy_home, mo
     with open(calibration_file(), "w") as fh:
         fh.write("{not json")
     assert calibrated_factors() is DEFAULT_FACTORS
+
+
+def test_a_lora_runs_measurement_carries_its_adapters():
+    """``frenzy calibrate`` charges a LoRA run's step its adapters' terms, as the planner did:
+    fitting a LoRA run against a full fine-tune's prediction would bias the GPU's factors."""
+    from types import SimpleNamespace as NS
+
+    from frenzy_cli.calibrate import throughput_measurements
+
+    plan = Plan(gpu_type="H200-141GB", gpus=1, micro_batch=4, grad_accum=2)
+    row = lambda job: NS(job_id=job, measured_step_time_s=0.3, measured={}, gpu_type="H200-141GB",  # noqa: E731
+                         plan=plan.model_dump())
+    job = {"name": "j", "model": "llama-3.2-1b", "seq_len": 2048, "global_batch": 8, "train_steps": 10}
+    specs = {"full": job, "lora": {**job, "finetune": {"method": "lora", "rank": 8}},
+             "short": {**job, "finetune": "full"}}
+    ms, skipped = throughput_measurements([row("full"), row("lora"), row("short")], specs)
+    assert skipped == 0 and [m.adapters is None for m in ms] == [True, False, True]
+    assert ms[1].adapters.rank == 8
+    g = get_gpu("H200-141GB")
+    assert step_time(ms[1].spec, plan, g, seq_len=2048, adapters=ms[1].adapters) < \
+        step_time(ms[0].spec, plan, g, seq_len=2048)
