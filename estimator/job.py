@@ -48,6 +48,13 @@ class DataSpec(BaseModel):
         return self
 
 
+def trains_adapters(spec: dict[str, Any] | None) -> bool:
+    """Whether a job spec (a ``TrainingJob`` as a dict, e.g. the ledger's) trains LoRA / QLoRA
+    adapters rather than every weight; a bare method name is read as ``finetune.method``."""
+    ft = (spec or {}).get("finetune") or "full"
+    return (ft.get("method", "full") if isinstance(ft, dict) else ft) != "full"
+
+
 class FinetuneSpec(BaseModel):
     """How the job trains the model's weights: all of them, or low-rank adapters (PEFT)."""
 

@@ -741,8 +741,10 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float) -
             rep -= c * h                                        # mlp-norm output unsaved
         shard = adapters - (0.0 if keeps and "down_proj" in t else c * f)  # down_proj input
         return rep, shard
-    down = {"gpt": "mlp.c_proj", "opt": "fc2", "bert": "output.dense"}[spec.arch]
-    return 0.0, adapters - (0.0 if keeps and down in t else c * f)
+    if spec.arch == "opt":
+        return 0.0, adapters        # fc2's input is ReLU's output, which ReLU's backward saves
+    down = {"gpt": "mlp.c_proj", "bert": "output.dense"}[spec.arch]
+    return 0.0, adapters - (0.0 if keeps and down in t else c * f)   # GELU saves its input only
 
 
 def _adapter_copies_input(k: Knobs) -> bool:

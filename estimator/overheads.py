@@ -3,8 +3,8 @@
 allocated (tensors alive, torch.cuda.max_memory_allocated)
   -> reserved = allocated * (1 + fragmentation)                     (torch.cuda.max_memory_reserved)
      (fragmentation_recompute instead under full activation checkpointing, or
-      fragmentation_recompute_expandable where the profile runs expandable segments;
-      fragmentation_adapters for LoRA / QLoRA without it)
+      fragmentation_recompute_expandable with expandable segments; with expandable segments,
+      fragmentation_adapters for LoRA / QLoRA without recomputation)
   -> device_used = reserved + cuda_context + workspace + nccl_per_comm * comms   (nvidia-smi)
 
 Defaults are documented figures (notes/memory-model.md section 8); ``frenzy calibrate`` fits
@@ -160,16 +160,21 @@ def _quantile(vals: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
 
 
-def fit_calibration(measurements: list) -> dict[str, dict[str, float | int]]:
+def fit_calibration(measurements: list, specs: dict[str, dict] | None = None) -> dict[str, dict[str, float | int]]:
     """Fit the overhead terms per GPU type from measured runs (ledger measurement rows, or
-    dicts with ``gpu_type``, ``plan`` and ``measured``).
+    dicts with ``gpu_type``, ``plan`` and ``measured``; ``specs``: job id -> the job's spec,
+    which says whether a run trained LoRA adapters).
 
-    * ``fragmentation`` (and ``fragmentation_recompute`` for full-checkpointing runs):
-      reserved / allocated - 1, the 90th percentile (the maximum below 5 runs) so the fitted
-      figure rarely under-predicts;
+    * ``fragmentation`` (and ``fragmentation_recompute`` for full-checkpointing runs;
+      ``fragmentation_recompute_expandable`` for those whose ``measured["allocator"]`` says
+      expandable segments, as the trainer reports it, and ``fragmentation_adapters`` for LoRA runs
+      without recomputation there): reserved / allocated - 1, the 90th percentile (the maximum
+      below 5 runs) so the fitted figure rarely under-predicts;
     * ``cuda_context_gib``: device used - reserved - workspace on single-GPU runs (90th pct);
     * ``nccl_per_comm_gib``: the rest of device used on multi-GPU runs, per communicator.
     Returns {gpu_type: {term: value, ..., "runs": n}} for types with usable rows only."""
+    from .job import trains_adapters
+
     by_type: dict[str, list] = {}
     for m in measurements:
         meas = _get(m, "measured") or {}
@@ -179,11 +184,17 @@ def fit_calibration(measurements: list) -> dict[str, dict[str, float | int]]:
         by_type.setdefault(str(_get(m, "gpu_type")), []).append(m)
     fits: dict[str, dict[str, float | int]] = {}
     for gtype, rows in by_type.items():
-        frag, frag_rc, ctx, nccl = [], [], [], []
+        frag, frag_rc, frag_rc_exp, frag_lora, ctx, nccl = [], [], [], [], [], []
         for m in rows:
             meas, plan = _get(m, "measured"), _get(m, "plan") or {}
             a, r = float(meas["allocated_peak_gib"]), float(meas["reserved_peak_gib"])
-            (frag_rc if plan.get("act_ckpt") == "full" else frag).append(max(0.0, r / a - 1.0))
+            expandable = meas.get("allocator") == "expandable"
+            if plan.get("act_ckpt") == "full":
+                bucket = frag_rc_exp if expandable else frag_rc
+            else:
+                lora = trains_adapters((specs or {}).get(_get(m, "job_id")))
+                bucket = frag_lora if expandable and lora else frag
+            bucket.append(max(0.0, r / a - 1.0))
             used = meas.get("nvml_used_gib", meas.get("device_used_gib"))
             if used:
                 outside = float(used) - r - WORKSPACE_GIB
@@ -198,6 +209,10 @@ def fit_calibration(measurements: list) -> dict[str, dict[str, float | int]]:
             fit["fragmentation"] = round(min(0.5, pick(frag)), 4)
         if frag_rc:
             fit["fragmentation_recompute"] = round(min(0.8, pick(frag_rc)), 4)
+        if frag_rc_exp:
+            fit["fragmentation_recompute_expandable"] = round(min(0.8, pick(frag_rc_exp)), 4)
+        if frag_lora:
+            fit["fragmentation_adapters"] = round(min(0.8, pick(frag_lora)), 4)
         if ctx:
             fit["cuda_context_gib"] = round(pick(ctx), 4)
         if nccl:

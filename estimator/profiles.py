@@ -21,7 +21,7 @@ both (``check_knobs``).
 | ``pipeline_tie_whole`` | a pipeline beside tp sums a tied embedding's two copies as whole gradients (embeddings sharded over the hidden size, the head over the vocabulary), not shard by shard |
 | ``fsdp2_copy_in`` | FSDP2 copies a unit's unsharded gradients into one reduce-scatter input before freeing them |
 | ``accelerate_amp`` | zero-0 16-bit runs with fp32 weights go through Accelerate's native AMP: autocast, outputs converted to fp32 (loss "auto" holds fp32 logits; fp32 LoRA adapters save a 16-bit copy of their input) |
-| ``expandable_segments`` | the trainer launches with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: full recomputation fragments the allocator less |
+| ``expandable_segments`` | the trainer launches with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (the estimate's ``allocator`` "auto"): full recomputation fragments the allocator less (``fragmentation_recompute_expandable``), LoRA more (``fragmentation_adapters``) |
 | ``job_knobs_only`` | the profile runs only what a Frenzy job can ask for (no loss kernel, activation offloading, optimizer in backward, fused kernels, paged optimizer) |
 Pure: no torch.
 """
@@ -79,7 +79,7 @@ class Profile:
     # does the same, but "hf" also stands for plain loops with torch.autocast, which do not
     accelerate_amp: bool = False
     # the trainer launches with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Frenzy's
-    # launcher does): recomputation fragments less (overheads.FRAGMENTATION_RECOMPUTE_EXPANDABLE)
+    # launcher does): recomputation fragments less, LoRA more (overheads.FRAGMENTATION_*)
     expandable_segments: bool = False
     measured: str = ""
 

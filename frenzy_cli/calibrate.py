@@ -35,6 +35,7 @@ def throughput_measurements(rows, specs: dict[str, dict], nodes_of=lambda row: 1
     from estimator.errors import FrenzyInputError
     from estimator.models import resolve_model
     from estimator.plan import Plan
+    from estimator.job import trains_adapters
     from estimator.plans import plan_adapters
     from estimator.throughput import Measurement
 
@@ -50,9 +51,7 @@ def throughput_measurements(rows, specs: dict[str, dict], nodes_of=lambda row: 1
                 raise ValueError("CPU runs say nothing about GPU factors")
             plan = Plan.model_validate({k: v for k, v in (r.plan or {}).items() if k in Plan.model_fields})
             # a LoRA run's step is charged its adapters' terms, as the planner charged it
-            ft = spec.get("finetune") or "full"
-            adapters = None if (ft.get("method", "full") if isinstance(ft, dict) else ft) == "full" \
-                else plan_adapters(spec, plan)
+            adapters = plan_adapters(spec, plan) if trains_adapters(spec) else None
             out.append(Measurement(spec=resolve_model(spec["model"]), plan=plan, gpu=gpu,
                                    seq_len=int(spec.get("seq_len") or 1024), step_s=float(step),
                                    nodes=nodes_of(r), adapters=adapters))
@@ -89,14 +88,15 @@ def handle(args) -> int:
     check_url_arg("--ledger", args.ledger)      # a password on the command line shows in `ps`
     led = Ledger(args.ledger)
     rows = led.measurements()
-    fits = fit_calibration(rows)
+    specs = _job_specs(led) if rows else {}
+    fits = fit_calibration(rows, specs)
 
     def nodes_of(r) -> int:
         try:
             return max(1, len(led.allocation(r.alloc_id).placement)) if r.alloc_id else 1
         except Exception:   # an allocation the ledger no longer has: one node
             return 1
-    measured, skipped = throughput_measurements(rows, _job_specs(led) if rows else {}, nodes_of)
+    measured, skipped = throughput_measurements(rows, specs, nodes_of)
     tput = fit_throughput(measured) if measured else {"per_gpu": {}}
     path = tpath = None
     if fits and not args.dry_run:
@@ -119,7 +119,8 @@ def handle(args) -> int:
         return 0
     if fits:
         t = Table(title="fitted overhead terms per GPU type (defaults in brackets)")
-        cols = ("cuda_context_gib", "fragmentation", "fragmentation_recompute", "nccl_per_comm_gib")
+        cols = ("cuda_context_gib", "fragmentation", "fragmentation_recompute", "fragmentation_recompute_expandable",
+                "fragmentation_adapters", "nccl_per_comm_gib")
         t.add_column("gpu type")
         t.add_column("runs", justify="right")
         for c in cols:

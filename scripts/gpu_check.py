@@ -98,9 +98,10 @@ def rescore(path: str) -> int:
     return 0
 
 
-def predict(a) -> int:
+def predict(a, write: bool) -> int:
     """The predictions of a plan set on ``--gpu-type``, no GPU: a table, and the report (measured
     fields empty) under ``--out`` when given."""
+    from estimator.catalog import get_gpu
     from estimator.plan import Plan
     from trainer.fallback import reestimate
 
@@ -109,7 +110,7 @@ def predict(a) -> int:
         job = check_job(a.model, a.seq_len, a.global_batch, a.steps, **job_kw)
         plan = Plan(gpu_type=a.gpu_type, gpus=a.gpus, dp=a.gpus,
                     grad_accum=a.global_batch // a.gpus // kw["micro_batch"], **kw)
-        pred = reestimate(job, plan, safety_margin_gib=0.0) or plan
+        pred = reestimate(job, plan, safety_margin_gib=-10 ** 6)    # predicted even where it does not fit
         rows.append({"plan": label, "knobs": plan.model_dump(include=KNOBS),
                      "job": job.model_dump(mode="json", include=set(JOB_KNOBS)), "status": "predicted",
                      "predicted": {k: getattr(pred, k) for k in ("allocated_peak_gib", "reserved_peak_gib",
@@ -118,12 +119,13 @@ def predict(a) -> int:
               "steps": a.steps, "set": a.set, "rows": rows}
     print(f"{a.model}, seq {a.seq_len}, global batch {a.global_batch}, {a.gpus} x {a.gpu_type}: predicted (GiB, s)")
     base = rows[0]["predicted"]["step_time_s"]
+    cap = get_gpu(a.gpu_type).memory_gib
     for r in rows:
         p = r["predicted"]
         print(f"  {r['plan']:>32}  alloc {p['allocated_peak_gib']:7.2f}  reserved {p['reserved_peak_gib']:7.2f}  "
               f"used {p['device_used_gib']:7.2f}  step {p['step_time_s']:.3f}  (x{p['step_time_s'] / base:.3f} "
-              f"of {rows[0]['plan']})")
-    if a.out != "gpu_check_out":
+              f"of {rows[0]['plan']})" + ("  DOES NOT FIT" if p["device_used_gib"] > cap else ""))
+    if write:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "gpu_check_predicted.json").write_text(json.dumps(report, indent=2))
     return 0
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-batch", type=int)
     ap.add_argument("--gpus", type=int, default=1, help="GPUs per plan (data parallel)")
     ap.add_argument("--zero", action="store_true", help="add a ZeRO-2 plan (needs deepspeed)")
-    ap.add_argument("--out", default="gpu_check_out")
+    ap.add_argument("--out", help="report folder (default gpu_check_out; --predict writes only when given)")
     ap.add_argument("--deadline-s", type=float, default=240.0, help="per plan")
     ap.add_argument("--predict", action="store_true",
                     help="no training: print (and with --out write) the set's predictions, e.g. to commit them first")
@@ -271,12 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in zip(("model", "steps", "seq_len", "global_batch"), defaults):
         if getattr(a, name) is None:
             setattr(a, name, value)
+    out_given, a.out = a.out is not None, a.out or "gpu_check_out"
     if a.rescore:
         return rescore(a.rescore)
     if a.oom_drill:
         return oom_drill(a)
     if a.predict:
-        return predict(a)
+        return predict(a, write=out_given)
 
     from estimator.catalog import from_nvml_name
     from estimator.plan import Plan

@@ -79,3 +79,26 @@ def test_calibrate_with_no_measurements(frenzy_home, capsys):
     assert main(["calibrate", "--ledger", f"sqlite:///{frenzy_home}/empty.db"]) == 0
     assert "nothing to fit" in capsys.readouterr().out
     assert not calibration_path().exists()
+
+
+def test_fit_splits_expandable_recomputation_and_lora_runs():
+    """Runs that report expandable segments (the trainer's ``measured["allocator"]``) fit their
+    own recomputation term, LoRA runs (by their job's spec) the adapters' term; runs without
+    the field are the default allocator's, as before."""
+    def row(job, ckpt, frag, allocator=None):
+        meas = {"memory_measured": True, "allocated_peak_gib": 10.0, "reserved_peak_gib": 10.0 * (1 + frag)}
+        if allocator:
+            meas["allocator"] = allocator
+        return dict(job_id=job, gpu_type="H100-80GB", plan={"gpus": 1, "act_ckpt": ckpt}, measured=meas)
+
+    rows = [row("full", "none", 0.05, "expandable"), row("ckpt", "full", 0.14, "expandable"),
+            row("old", "full", 0.30), row("lora", "none", 0.22, "expandable"), row("lora-d", "none", 0.08)]
+    specs = {"lora": {"finetune": {"method": "lora"}}, "lora-d": {"finetune": "lora"}}
+    f = fit_calibration(rows, specs)["H100-80GB"]
+    assert f["fragmentation_recompute_expandable"] == pytest.approx(0.14)
+    assert f["fragmentation_recompute"] == pytest.approx(0.30)
+    assert f["fragmentation_adapters"] == pytest.approx(0.22)
+    # LoRA under the default allocator pools with the full fine-tunes, as the estimate reads it
+    assert f["fragmentation"] == pytest.approx(0.08)
+    # without the specs a LoRA run cannot be told apart
+    assert "fragmentation_adapters" not in fit_calibration(rows)["H100-80GB"]

@@ -15,7 +15,9 @@ transformers = pytest.importorskip("transformers")
 def saved_inputs(targets, dropout, fp32_adapters):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+    # two blocks: the second's inputs require gradients (the first's adapters feed them), as in
+    # every block but the first of a real model
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=128)
     m = LlamaForCausalLM(cfg)
     if not fp32_adapters:
@@ -23,7 +25,7 @@ def saved_inputs(targets, dropout, fp32_adapters):
     m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=targets, lora_dropout=dropout),
                             autocast_adapter_dtype=fp32_adapters)
     m.train()
-    layer = m.base_model.model.model.layers[0]
+    layer = m.base_model.model.model.layers[1]
     inputs = {}
     for name, mod in (("q_proj", layer.self_attn.q_proj), ("down_proj", layer.mlp.down_proj)):
         mod.register_forward_pre_hook(lambda _m, args, name=name: inputs.__setitem__(name, args[0]))
@@ -43,3 +45,22 @@ def test_an_adapter_that_copies_its_input_leaves_the_input_unsaved(dropout, fp32
 
 def test_a_16_bit_adapter_without_dropout_saves_the_input_and_a_frozen_projection_saves_none():
     assert saved_inputs(["q_proj", "v_proj"], 0.0, False) == {"q_proj": True, "down_proj": False}
+
+
+def test_relu_keeps_its_output_for_a_frozen_fc2():
+    """OPT's fc2 reads ReLU's output, which ReLU's backward saves itself: a LoRA job keeps that
+    tensor whatever fc2's adapter does (``memory._lora_activation_delta``, opt)."""
+    from transformers import OPTConfig, OPTForCausalLM
+    torch.manual_seed(0)
+    cfg = OPTConfig(hidden_size=64, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+                    word_embed_proj_dim=64, max_position_embeddings=64)
+    m = peft.get_peft_model(OPTForCausalLM(cfg), peft.LoraConfig(r=4, target_modules=["fc2"], lora_dropout=0.1))
+    m.train()
+    seen = {}
+    m.base_model.model.model.decoder.layers[1].fc2.register_forward_pre_hook(
+        lambda _m, args: seen.__setitem__("fc2_input", args[0]))
+    saved = []
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        m(input_ids=ids, labels=ids)
+    assert seen["fc2_input"].untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in saved}

@@ -126,6 +126,7 @@ class Measured(BaseModel):
     reserved_peak_gib: float | None = None
     nvml_used_gib: float | None = None
     memory_measured: bool = False
+    allocator: str | None = None      # the caching allocator's mode: "expandable" | "default"
     per_rank: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -554,7 +555,8 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                                     allocated_peak_gib=r.get("allocated_peak_gib"),
                                     reserved_peak_gib=r.get("reserved_peak_gib"),
                                     nvml_used_gib=r.get("nvml_used_gib"),
-                                    memory_measured=bool(r.get("memory_measured")), per_rank=r.get("per_rank", []))
+                                    memory_measured=bool(r.get("memory_measured")), per_rank=r.get("per_rank", []),
+                                    allocator=r.get("allocator"))
                 status = "completed" if outcome == "ok" else "stopped"
                 if outcome == "stopped":
                     stop = StopInfo(**{k: listener.stopped.get(k) or d for k, d in

@@ -129,10 +129,18 @@ class MemoryProbe:
         import torch
 
         self.sample()
-        return {"memory_measured": True,
+        return {"memory_measured": True, "allocator": allocator_mode(),
                 "allocated_peak_gib": torch.cuda.max_memory_allocated(self.device) / GIB,
                 "reserved_peak_gib": torch.cuda.max_memory_reserved(self.device) / GIB,
                 "nvml_used_gib": self.nvml_peak if self.nvml is not None else None}
+
+
+def allocator_mode() -> str:
+    """The caching allocator's segment mode this process runs (torch reads PYTORCH_ALLOC_CONF,
+    and the older PYTORCH_CUDA_ALLOC_CONF): "expandable" or "default" (the estimator's
+    ``allocator`` knob; ``frenzy calibrate`` fits each mode's fragmentation apart)."""
+    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    return "expandable" if "expandable_segments:true" in conf.replace(" ", "").lower() else "default"
 
 
 # ----------------------------------------------------------------------------------- training
@@ -423,6 +431,7 @@ def train(run_dir: Path) -> None:
             for key in ("allocated_peak_gib", "reserved_peak_gib", "nvml_used_gib"):
                 vals = [r[key] for r in ranks if r.get(key) is not None]
                 result[key] = max(vals) if vals else None
+            result["allocator"] = ranks[0].get("allocator")
         if stopped is not None:
             result["stopped"] = stopped
             emit("FRENZY_STOPPED", stopped)
@@ -570,6 +579,7 @@ def train_pipelined(run_dir: Path, spec: dict[str, Any], rank: int, world: int, 
             for key in ("allocated_peak_gib", "reserved_peak_gib", "nvml_used_gib"):
                 vals = [r[key] for r in ranks if r.get(key) is not None]
                 result[key] = max(vals) if vals else None
+            result["allocator"] = ranks[0].get("allocator")
         if stopped is not None:
             result["stopped"] = stopped
             emit("FRENZY_STOPPED", stopped)
