@@ -21,6 +21,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 DEEPSPEED_CPU_OPS = ("CPUAdamBuilder", "ShareMemCommBuilder")
+# torch's extension build (cpp_extension's FileBaton) waits, with no timeout, for a "lock" file a
+# build leaves behind when it is killed (an interrupted test run): one older than any build here
+# (~2 min on 2 cores) is that, and is removed so the next run builds instead of hanging
+STALE_BUILD_LOCK_S = 30 * 60
+
+
+def clear_stale_build_locks(ext_dir: str, now: float | None = None) -> list[Path]:
+    """Remove the extension folder's build locks older than ``STALE_BUILD_LOCK_S``; returns them."""
+    now = time.time() if now is None else now
+    gone = []
+    for lock in Path(ext_dir).glob("*/lock"):
+        try:
+            if now - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+                lock.unlink()
+                gone.append(lock)
+        except OSError:
+            pass
+    return gone
 
 
 def build_deepspeed_ops() -> None:
@@ -28,6 +46,8 @@ def build_deepspeed_ops() -> None:
 
     # the environment of a CPU DeepSpeed launch: its TORCH_EXTENSIONS_DIR and accelerator
     env = launch_env(["0"], cpu=True, deepspeed=True)
+    for lock in clear_stale_build_locks(env["TORCH_EXTENSIONS_DIR"]):
+        print(f"prepare_tests: removed a stale build lock {lock} (a killed build left it)")
     code = ("from deepspeed.accelerator import get_accelerator as g\n"
             f"for name in {DEEPSPEED_CPU_OPS!r}: g().create_op_builder(name).load()\n")
     t0 = time.monotonic()

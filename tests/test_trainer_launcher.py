@@ -103,3 +103,25 @@ def test_launch_env_sets_devices_attempt_and_cpu_mode():
     ds = launch_env(["cpu0"], cpu=True, deepspeed=True, base={})
     assert ds["DS_ACCELERATOR"] == "cpu" and "ACCELERATE_USE_CPU" not in ds
     assert "torch_extensions" in ds["TORCH_EXTENSIONS_DIR"]
+
+
+def test_prepare_tests_removes_only_stale_extension_build_locks(tmp_path):
+    """A killed DeepSpeed op build leaves torch's lock file, on which every later build waits
+    forever; ``scripts/prepare_tests.py`` removes locks older than any build, not fresh ones."""
+    import importlib.util
+    import os
+    import time
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "prepare_tests", Path(__file__).resolve().parents[1] / "scripts" / "prepare_tests.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    old, new = tmp_path / "cpu_adam" / "lock", tmp_path / "shm" / "lock"
+    for p in (old, new):
+        p.parent.mkdir()
+        p.touch()
+    now = time.time()
+    os.utime(old, (now - mod.STALE_BUILD_LOCK_S - 60, now - mod.STALE_BUILD_LOCK_S - 60))
+    assert mod.clear_stale_build_locks(str(tmp_path), now) == [old]
+    assert not old.exists() and new.exists()
