@@ -1058,6 +1058,40 @@ def _peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool, batches: tuple, 
                 other_fixed += g_b * largest           # FSDP2's reduce-scatter input copy
         if k.finetune == "qlora":
             other_fixed += c * h * f / t               # one weight dequantised for its matmul
+        # --- what the batch does not change ---
+        # activation offloading copies each block's saved tensors to the CPU as the forward
+        # moves on: the GPU holds the block in flight
+        kept_layers = min(L_i, 1) if act_offload else L_i
+        fin = 0.0                                      # the final norm's saved bytes per token
+        head_grad = 0.0
+        if last:
+            if arch == "llama":
+                fin = (4 * h + (4 if act_amp else c) * h + c * h + 4)
+            elif arch == "bert":
+                fin = 3 * c * h + 2 * sem.stat_bytes + r * h
+            else:
+                fin = r * h + 2 * sem.stat_bytes + c * h
+            if loss != "none" and not lora:
+                head_grad = (g_b if zero < 2 else g_b / N) * V * e / t
+        copies = 2.0 * cast_P if casts else 0.0
+        if full and casts:
+            # checkpointed blocks run their forward without keeping autocast's weight copies;
+            # only the LM head's survives to its backward; recomputation re-creates one block's
+            copies = 2.0 * head_w if last else 0.0
+        inbwd_tmp = 2 * (c if pure else 4.0) * min(Pt, largest_tensor) if inbwd else 0.0
+        # phase B' (below): the other blocks' gradients at the first block's backward
+        grads_end = grads * max(0.0, P - layer_p) / P if P > 0 else 0.0
+        if opt_in_bwd:                                 # each gradient is applied, then freed
+            grads_end = g_b * min(Pt, largest_tensor)
+        # phase C: optimizer step (inside backward, one tensor at a time, with opt_in_bwd)
+        tmp = step_tmp_b * Pt / o_div if offload == "none" else 0.0
+        if optimizer == "adafactor":
+            tmp = 3 * 4.0 * largest_tensor
+        if opt_in_bwd:
+            c_total = weights + optim + other_fixed + g_b * min(Pt, largest_tensor) + inbwd_tmp
+        else:
+            c_total = weights + grads + optim + other_fixed + max(after_bwd, grads32 + tmp)
+        # --- what it does: per (micro-batch, accumulation) ---
         for bi, (mb_, ga_) in enumerate(batches):
             T = mb_ * k.seq_len / k.cp                # tokens per micro-batch on this rank
             m = ga_
@@ -1067,9 +1101,6 @@ def _peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool, batches: tuple, 
             inflight = min(m, p - i) if p > 1 else 1
             if vpp > 1:
                 inflight = _interleaved_inflight(p, vpp, m, i)
-            # activation offloading copies each block's saved tensors to the CPU as the forward
-            # moves on: the GPU holds the block in flight
-            kept_layers = min(L_i, 1) if act_offload else L_i
             acts = inflight * kept_layers * keep_tok * T
             if first:
                 acts += inflight * T * 16.0                # input ids + labels (int64)
@@ -1078,15 +1109,8 @@ def _peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool, batches: tuple, 
                 if arch == "bert":
                     acts += inflight * T * (r * h + 2 * sem.stat_bytes + (4 if act_amp else 1) * c * h)
             loss_a = 0.0
-            head_grad = 0.0
             fin_acts = 0.0
             if last:
-                if arch == "llama":
-                    fin = (4 * h + (4 if act_amp else c) * h + c * h + 4)
-                elif arch == "bert":
-                    fin = 3 * c * h + 2 * sem.stat_bytes + r * h
-                else:
-                    fin = r * h + 2 * sem.stat_bytes + c * h
                 # the final norm's saved tensors: alive until its own backward, which runs before
                 # any block's (phase A has them, phase B does not)
                 fin_acts = T * fin / sp_div
@@ -1096,20 +1120,12 @@ def _peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool, batches: tuple, 
                     # Liger: the head's gradient and the hidden states' gradient are made in the
                     # forward, and one chunk of ~T*h/V rows of logits (power of 2: up to 2x)
                     loss_a += c * V * e + c * T * h + 2 * c * T * h
-                if loss != "none" and not lora:
-                    head_grad = (g_b if zero < 2 else g_b / N) * V * e / t
             # recomputation buffer and backward temporaries for one block
             one_layer = per_layer_tok * T if full else 0.0
             trans = transient_tok * T
             persist_grads = grads if persist else 0.0
             states_fwd = weights + optim + persist_grads + other_fixed + unsharded
-            copies = 2.0 * cast_P if casts else 0.0
-            if full and casts:
-                # checkpointed blocks run their forward without keeping autocast's weight copies;
-                # only the LM head's survives to its backward; recomputation re-creates one block's
-                copies = 2.0 * head_w if last else 0.0
             head_g = 0.0 if persist else head_grad
-            inbwd_tmp = 2 * (c if pure else 4.0) * min(Pt, largest_tensor) if inbwd else 0.0
             # phase A: loss backward (last stage) / phase B: the last block's backward. A chunked
             # loss runs the head's backward chunk by chunk inside it: the head's gradient exists
             # while later chunks' logits are still held
@@ -1119,22 +1135,11 @@ def _peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool, batches: tuple, 
             b_total = states_fwd + copies + acts + b_extra + head_g + inbwd_tmp
             # phase B': the first block's backward: the other blocks' gradients exist, their
             # activations are freed; one block's activations (recomputed under full ckpt) remain
-            grads_end = grads * max(0.0, P - layer_p) / P if P > 0 else 0.0
-            if opt_in_bwd:                                 # each gradient is applied, then freed
-                grads_end = g_b * min(Pt, largest_tensor)
             first_acts = (ckpt_keep_tok * T + one_layer) if full else per_layer_tok * T
             fixed_acts = (T * 16.0 if first else 0.0) + (T * held_b * logits_tok if last else 0.0)
             e_extra = first_acts + fixed_acts + trans + layer_copies
             e_total = (weights + optim + other_fixed + max(grads_end, persist_grads) + e_extra
                        + e_unsharded)
-            # phase C: optimizer step (inside backward, one tensor at a time, with opt_in_bwd)
-            tmp = step_tmp_b * Pt / o_div if offload == "none" else 0.0
-            if optimizer == "adafactor":
-                tmp = 3 * 4.0 * largest_tensor
-            if opt_in_bwd:
-                c_total = weights + optim + other_fixed + g_b * min(Pt, largest_tensor) + inbwd_tmp
-            else:
-                c_total = weights + grads + optim + other_fixed + max(after_bwd, grads32 + tmp)
             total = max(a_total, b_total, c_total, e_total)
             if not breakdown:
                 if total > out[bi]:

@@ -492,32 +492,30 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
     return out
 
 
-def estimate_plan(job: TrainingJob | dict, plan: Plan, *, gpus: dict[str, GPU] | None = None) -> Estimate:
-    """The full estimate (breakdown, per-stage peaks) of ``job`` run on ``plan``: the one place
-    that turns a plan back into `estimate` keywords. ``gpus``: as in ``enumerate_plans``."""
-    j = _as_job(job)
+def _plan_knobs(j: TrainingJob, plan: Plan) -> dict[str, Any]:
+    """The `estimate` / `validate_knobs` keywords of ``j`` run on ``plan``: the one place that
+    turns a plan and a job's technique back into knobs."""
     t = _technique(j)
-    return estimate(j.model, seq_len=j.seq_len, micro_batch=plan.micro_batch,
-                    grad_accum=plan.grad_accum, dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp,
-                    vpp=plan.vpp, zero=plan.zero, offload=plan.offload, precision=plan.precision,
-                    optimizer=plan.optimizer, act_ckpt=plan.act_ckpt, attention=plan.attention,
-                    gpu=get_gpu(plan.gpu_type, gpus), framework=t.framework,
-                    master_weights=t.master_weights, finetune=t.finetune, lora_rank=t.lora_rank,
-                    lora_targets=t.lora_targets, lora_dropout=t.lora_dropout)
+    return dict(seq_len=j.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum, dp=plan.dp,
+                tp=plan.tp, pp=plan.pp, cp=plan.cp, vpp=plan.vpp, zero=plan.zero, offload=plan.offload,
+                precision=plan.precision, optimizer=plan.optimizer, act_ckpt=plan.act_ckpt,
+                attention=plan.attention, framework=t.framework, master_weights=t.master_weights,
+                finetune=t.finetune, lora_rank=t.lora_rank, lora_targets=t.lora_targets,
+                lora_dropout=t.lora_dropout)
+
+
+def estimate_plan(job: TrainingJob | dict, plan: Plan, *, gpus: dict[str, GPU] | None = None) -> Estimate:
+    """The full estimate (breakdown, per-stage peaks) of ``job`` run on ``plan``. ``gpus``: as
+    in ``enumerate_plans``."""
+    j = _as_job(job)
+    return estimate(j.model, gpu=get_gpu(plan.gpu_type, gpus), **_plan_knobs(j, plan))
 
 
 def plan_adapters(job: TrainingJob | dict, plan: Plan) -> Adapters | None:
     """The LoRA adapters the throughput model charges when ``job`` runs on ``plan``
     (``throughput.step_time(..., adapters=...)``); None for full fine-tuning."""
     j = _as_job(job)
-    t = _technique(j)
-    if t.finetune == "full":
+    if j.finetune.method == "full":
         return None
     spec = with_positions(resolve_model(j.model), j.seq_len)
-    k = validate_knobs(spec, seq_len=j.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
-                       dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, vpp=plan.vpp, zero=plan.zero,
-                       offload=plan.offload, precision=plan.precision, optimizer=plan.optimizer,
-                       act_ckpt=plan.act_ckpt, attention=plan.attention, framework=t.framework,
-                       master_weights=t.master_weights, finetune=t.finetune, lora_rank=t.lora_rank,
-                       lora_targets=t.lora_targets, lora_dropout=t.lora_dropout)
-    return lora_adapters(spec, k)
+    return lora_adapters(spec, validate_knobs(spec, **_plan_knobs(j, plan)))

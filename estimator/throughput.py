@@ -585,18 +585,18 @@ def _zero_parts(shared: tuple, zero: int, offload: str) -> tuple[float, float, f
         # ZeRO-3: gather fwd + gather bwd + reduce-scatter, per micro-batch; ZeRO-2: reduce-scatter
         # per micro-batch + one parameter all-gather; else one all-reduce per step (no_sync while
         # accumulating). Ring volumes: 2 (n-1)/n per all-reduce = twice a reduce-scatter's.
-        mult = 3.0 * ga if zero >= 3 else (ga + 1.0 if zero == 2 else 2.0)
-        if zero >= 3 and frozen_gbit:   # LoRA: both gathers carry the frozen base as well
-            shard_gbit = shard_gbit + frozen_gbit * (2.0 / 3.0)
+        volume = shard_gbit * (3.0 * ga if zero >= 3 else (ga + 1.0 if zero == 2 else 2.0))
+        if zero >= 3 and frozen_gbit:   # LoRA: the two gathers carry the frozen base as well
+            volume += frozen_gbit * 2.0 * ga
         if nodes > 1:
             # hierarchical: ring inside each node, then the node's NICs carry every DP group's
             # shard (one group per model-parallel slice on the node) across nodes
             dp_nodes = nodes if nodes < sdp else sdp
             g = sdp // dp_nodes
             groups_on_node = tp * pp if tp * pp < per_node else per_node
-            raw = shard_gbit * mult * ((g - 1) / g / intra + (dp_nodes - 1) / dp_nodes * groups_on_node / inter)
+            raw = volume * ((g - 1) / g / intra + (dp_nodes - 1) / dp_nodes * groups_on_node / inter)
         else:
-            raw = shard_gbit * mult * (sdp - 1) / sdp / intra
+            raw = volume * (sdp - 1) / sdp / intra
         # ZeRO-3 prefetches the next layer's gather during the current one's compute, forward and
         # backward; gradient reduction (DDP buckets, ZeRO-1/2) overlaps the backward only
         window = busy if zero >= 3 else (2.0 / 3.0) * (busy if zero == 2 else t_mb)

@@ -80,19 +80,30 @@ def print_table(report: dict) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+PREDICTED = ("allocated_peak_gib", "reserved_peak_gib", "device_used_gib", "step_time_s")
+
+
+def predicted_fields(pred) -> dict[str, float]:
+    """A report row's predicted figures of the re-estimated plan ``pred``."""
+    return {k: getattr(pred, k) for k in PREDICTED}
+
+
+def predict_anyway(job, plan):
+    """``plan`` re-estimated for ``job`` (memory and step time) even where it does not fit."""
+    from trainer.fallback import reestimate
+    return reestimate(job, plan, safety_margin_gib=-10 ** 6)
+
+
 def rescore(path: str) -> int:
     """Recompute the predictions of a saved report with the estimator as it is now (no GPU)."""
     from estimator.plan import Plan
-    from trainer.fallback import reestimate
 
     report = json.loads(Path(path).read_text())
     for r in report["rows"]:
         job = check_job(report["model"], report["seq_len"], report["global_batch"], report["steps"],
                         **r.get("job", {}))
         plan = Plan(**r["knobs"])
-        pred = reestimate(job, plan, safety_margin_gib=0.0) or plan
-        r["predicted"] = {k: getattr(pred, k) for k in ("allocated_peak_gib", "reserved_peak_gib",
-                                                       "device_used_gib", "step_time_s")}
+        r["predicted"] = predicted_fields(predict_anyway(job, plan))
     print(f"gpu_check: predictions recomputed now for the measurements in {path}")
     print_table(report)
     return 0
@@ -103,18 +114,16 @@ def predict(a, write: bool) -> int:
     fields empty) under ``--out`` when given."""
     from estimator.catalog import get_gpu
     from estimator.plan import Plan
-    from trainer.fallback import reestimate
 
     rows = []
     for label, kw, job_kw in plan_set(a.set, a.global_batch // a.gpus, zero=a.zero):
         job = check_job(a.model, a.seq_len, a.global_batch, a.steps, **job_kw)
         plan = Plan(gpu_type=a.gpu_type, gpus=a.gpus, dp=a.gpus,
                     grad_accum=a.global_batch // a.gpus // kw["micro_batch"], **kw)
-        pred = reestimate(job, plan, safety_margin_gib=-10 ** 6)    # predicted even where it does not fit
+        pred = predict_anyway(job, plan)
         rows.append({"plan": label, "knobs": plan.model_dump(include=KNOBS),
                      "job": job.model_dump(mode="json", include=set(JOB_KNOBS)), "status": "predicted",
-                     "predicted": {k: getattr(pred, k) for k in ("allocated_peak_gib", "reserved_peak_gib",
-                                                                 "device_used_gib", "step_time_s")}})
+                     "predicted": predicted_fields(pred)})
     report = {"catalog": a.gpu_type, "model": a.model, "seq_len": a.seq_len, "global_batch": a.global_batch,
               "steps": a.steps, "set": a.set, "rows": rows}
     print(f"{a.model}, seq {a.seq_len}, global batch {a.global_batch}, {a.gpus} x {a.gpu_type}: predicted (GiB, s)")
@@ -137,7 +146,6 @@ def oom_drill(a) -> int:
     from estimator.job import TrainingJob
     from estimator.plan import Plan
     from scheduler.discover import nvml_gpus
-    from trainer.fallback import reestimate
     from trainer.runner import run_training
 
     found = nvml_gpus()
@@ -149,7 +157,7 @@ def oom_drill(a) -> int:
                           lr=1e-4, checkpoint_every=5, precision="bf16",
                           tracking=NO_TRACKING)
         plan = Plan(gpu_type=gpu_type, gpus=1, dp=1, micro_batch=mb, grad_accum=1, act_ckpt="none")
-        big = reestimate(job, plan, safety_margin_gib=-10 ** 6)   # predictions even where it does not fit
+        big = predict_anyway(job, plan)
         if big.device_used_gib > 1.15 * cap or mb >= 4096:
             break
         mb *= 2
@@ -330,8 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         m = res.measured
         rows.append({"plan": label, "short": pred.short(), "knobs": plan.model_dump(include=KNOBS),
                      "job": job.model_dump(mode="json", include=set(JOB_KNOBS)), "status": res.status, "wall_s": round(time.time() - t0, 1),
-                     "predicted": {"allocated_peak_gib": pred.allocated_peak_gib, "reserved_peak_gib": pred.reserved_peak_gib,
-                                   "device_used_gib": pred.device_used_gib, "step_time_s": pred.step_time_s},
+                     "predicted": predicted_fields(pred),
                      "measured": m.model_dump(), "first_loss": res.losses[0] if res.losses else None,
                      "last_loss": res.losses[-1] if res.losses else None, "error": res.error})
         print(f"gpu_check: {label}: {res.status} in {time.time() - t0:.0f} s", flush=True)

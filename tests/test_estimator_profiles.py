@@ -422,6 +422,30 @@ def test_lora_adapter_inputs_dropout_and_fp32_adapters():
         estimate(**kw, lora_dropout=1.0)
 
 
+def test_an_input_every_adapter_copies_is_not_counted_but_relu_keeps_its_output():
+    """``_lora_activation_delta`` against the saved-tensor rule (tests/test_lora_saved_inputs.py):
+    Llama's down_proj input is saved by a 16-bit adapter without dropout and by nothing once the
+    adapter copies it; OPT's fc2 input is ReLU's output, which ReLU keeps either way."""
+    from dataclasses import replace
+
+    from estimator import memory
+    from estimator.models import resolve_model
+
+    def shard(model, targets, **kw):
+        spec = resolve_model(model)
+        k = memory.validate_knobs(spec, seq_len=512, finetune="lora", lora_targets=targets, loss="standard", **kw)
+        c, mask_b = 2.0, 1.0
+        base = memory._lora_activation_delta(spec, replace(k, lora_dropout=False, accelerate_amp=False), c, mask_b)
+        return spec, memory._lora_activation_delta(spec, k, c, mask_b)[1], base[1]
+
+    spec, copied, kept = shard("llama-3.2-1b", ["down_proj"], master_weights="fp32")   # fp32 adapters: a copy
+    adapter_only = 2.0 * 16 + 2.0 * spec.f            # rank-r activations + the copy of the f-wide input
+    assert copied == pytest.approx(adapter_only - 2.0 * spec.f)    # the input itself: saved by nothing
+    assert kept == pytest.approx(2.0 * 16)                          # the adapter saves the input itself
+    spec, copied, kept = shard("opt-350m", ["fc2"], lora_dropout=0.1)
+    assert copied - kept == pytest.approx((2.0 + 1.0) * spec.f)     # the copy and its mask, input still kept
+
+
 def test_planner_passes_the_jobs_lora_dropout():
     from estimator.job import TrainingJob
     from estimator.plan import Plan

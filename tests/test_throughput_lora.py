@@ -28,10 +28,12 @@ def adapters_of(spec, **kw):
     return lora_adapters(spec, k)
 
 
-def test_full_fine_tuning_has_no_adapters_and_is_unchanged():
+def test_full_fine_tuning_has_no_adapters_and_its_plans_are_timed_without():
     assert adapters_of(LLAMA) is None
-    p = plan()
-    assert step_time(LLAMA, p, H200, seq_len=2048) == step_time(LLAMA, p, H200, seq_len=2048, adapters=None)
+    job = dict(model="llama-3.2-1b", seq_len=2048, global_batch=8, train_steps=10)
+    assert plan_adapters(job, plan()) is None
+    for p in plans_for_job(job, {"H200-141GB": 8})["H200-141GB"][:6]:
+        assert p.step_time_s == step_time(LLAMA, p, H200, seq_len=2048)
 
 
 def test_lora_drops_the_weight_gradient_gemms_and_adds_adapter_traffic():
@@ -85,9 +87,7 @@ def test_planner_and_reestimate_charge_the_same_adapters():
     assert lora_plans and full_plans
     assert min(p.step_time_s for p in lora_plans) < min(p.step_time_s for p in full_plans)
     for p in lora_plans[:6]:
-        spec = resolve_model("llama-3.2-1b")
-        nodes = 1
-        want = step_time(spec, p, H200, seq_len=2048, nodes=nodes, adapters=plan_adapters(job, p))
+        want = step_time(LLAMA, p, H200, seq_len=2048, adapters=plan_adapters(job, p))
         assert p.step_time_s == pytest.approx(want, rel=1e-12)
         again = reestimate(job_model(job), p, safety_margin_gib=0.0)
         assert again.step_time_s == pytest.approx(want, rel=1e-12)

@@ -125,3 +125,21 @@ def test_prepare_tests_removes_only_stale_extension_build_locks(tmp_path):
     os.utime(old, (now - mod.STALE_BUILD_LOCK_S - 60, now - mod.STALE_BUILD_LOCK_S - 60))
     assert mod.clear_stale_build_locks(str(tmp_path), now) == [old]
     assert not old.exists() and new.exists()
+
+
+def test_a_gpu_launch_reports_expandable_segments_and_a_users_own_setting_wins(monkeypatch):
+    """The trainer reports the allocator mode it ran (``measured["allocator"]``, which
+    ``frenzy calibrate`` fits apart): expandable for the launcher's GPU ranks, the user's own
+    ``PYTORCH_CUDA_ALLOC_CONF`` or the newer ``PYTORCH_ALLOC_CONF`` where set."""
+    from trainer.launcher import launch_env
+    from trainer.train import allocator_mode
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert allocator_mode() == "default"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", launch_env(["0"], cpu=False)["PYTORCH_CUDA_ALLOC_CONF"])
+    assert allocator_mode() == "expandable"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert allocator_mode() == "default"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments: True")
+    assert allocator_mode() == "expandable"
