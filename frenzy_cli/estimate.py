@@ -51,9 +51,9 @@ def register(sub) -> None:
                    help="implementation profile: " + " | ".join(FRAMEWORKS))
     t.add_argument("--master-weights", default="auto", help="auto | fp32 | none (pure 16-bit)")
     t.add_argument("--finetune", default="full", help="full | lora | qlora")
-    t.add_argument("--lora-rank", type=int, default=16)
+    t.add_argument("--lora-rank", type=int, help="adapter rank (default 16; with --finetune lora | qlora)")
     t.add_argument("--lora-targets", help="comma-separated projections (default: PEFT's)")
-    t.add_argument("--lora-dropout", type=float, default=0.0,
+    t.add_argument("--lora-dropout", type=float,
                    help="dropout on the adapters' input (PEFT's default 0; a Frenzy job's 0.05)")
     t.add_argument("--loss", default="auto", help="auto (the framework's own loss path) | standard | chunked | "
                                                   "fused-linear | fp32-logits | none")
@@ -85,7 +85,7 @@ def register(sub) -> None:
     p.add_argument("--attention", default="flash")
     p.add_argument("--master-weights", default="fp32", help="fp32 | none (pure 16-bit)")
     p.add_argument("--finetune", default="full", help="full | lora | qlora")
-    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-rank", type=int, help="adapter rank (default 16; with --finetune lora | qlora)")
     p.add_argument("--cluster", help="cluster YAML (GPU types and counts); default: 8 of every "
                                      "catalog GPU type")
     p.add_argument("--gpu", action="append", help="only this GPU type (repeatable)")
@@ -109,10 +109,22 @@ _EST_KEYS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "v
              "fused_kernels", "overlap_comm", "score_clamp", "allocator")
 
 
+def _adapter_flags_need_lora(args) -> None:
+    """``--lora-*`` with a full fine-tune would be ignored silently: a one-line error instead."""
+    if args.finetune in ("lora", "qlora"):
+        return
+    given = [f"--{k.replace('_', '-')}" for k in ("lora_rank", "lora_targets", "lora_dropout")
+             if getattr(args, k, None) is not None]
+    if given:
+        raise FrenzyInputError("--finetune", f"{', '.join(given)} describe adapters: they need --finetune lora "
+                                             f"or qlora (got {args.finetune!r})")
+
+
 def handle_estimate(args) -> int:
     from estimator import estimate
     from estimator.catalog import resolve_gpu_name
 
+    _adapter_flags_need_lora(args)
     if args.gpu is not None:
         args.gpu = resolve_gpu_name(args.gpu, field="--gpu")
 
@@ -186,14 +198,17 @@ def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int, dict | None,
 def handle_plan(args) -> int:
     from estimator.plans import plans_for_job
 
+    _adapter_flags_need_lora(args)
     if args.top < 1:
         raise FrenzyInputError("--top", f"must be at least 1 (plans shown per GPU type), got {args.top}; "
                                         "--json prints every plan")
 
+    finetune = {"method": args.finetune}
+    if args.lora_rank is not None:
+        finetune["rank"] = args.lora_rank
     job = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
            "precision": args.precision, "optimizer": args.optimizer, "attention": args.attention,
-           "master_weights": args.master_weights,
-           "finetune": {"method": args.finetune, "rank": args.lora_rank}}
+           "master_weights": args.master_weights, "finetune": finetune}
     inv, gpn, gpus, hosts = _inventory(args)
     if args.gpu and args.cluster:
         inv = {g: n for g, n in inv.items() if g in args.gpu}

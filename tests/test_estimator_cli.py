@@ -70,3 +70,29 @@ def test_plan_on_a_cluster_with_its_own_gpu_type(capsys, tmp_path):
     assert rc == 0, err
     plans = json.loads(out)["MI300X-192GB"]
     assert plans and all(p["gpu_type"] == "MI300X-192GB" and p["gpus"] <= 8 for p in plans)
+
+
+def test_adapter_flags_without_lora_are_refused_and_with_lora_they_count(capsys):
+    for cmd in (["estimate", "--model", "gpt2", "--seq-len", "1024", "--lora-rank", "8"],
+                ["plan", "--model", "gpt2", "--seq-len", "1024", "--global-batch", "8", "--lora-rank", "8"],
+                ["estimate", "--model", "gpt2", "--seq-len", "1024", "--lora-dropout", "0.1"]):
+        rc, out, err = run(capsys, *cmd)
+        assert rc == 2 and out == "" and err.strip().count("\n") == 0
+        assert "--finetune" in err and "--lora-" in err and "Traceback" not in err
+    base = ["estimate", "--model", "llama-3.2-1b", "--seq-len", "1024", "--finetune", "lora", "--json"]
+    rc, out, _ = run(capsys, *base)
+    default = json.loads(out)["allocated_peak_gib"]
+    rc, out, _ = run(capsys, *base, "--lora-rank", "256")
+    assert rc == 0 and json.loads(out)["allocated_peak_gib"] > default   # rank 256 holds more than 16
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "frenzy_cli.main", "plan", "--model", "llama-3.1-8b", "--seq-len", "4096",
+           "--global-batch", "64", "--json"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.read(10)                  # the output is ~86 kB, more than a pipe holds: the writer blocks
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err
