@@ -70,6 +70,18 @@ class FinetuneSpec(BaseModel):
         None, description="module names that get adapters (e.g. q_proj, v_proj); default: PEFT's "
                           "default for the architecture")
 
+    @model_validator(mode="after")
+    def _adapters_need_lora(self) -> "FinetuneSpec":
+        # adapter settings under a full fine-tune would be ignored silently: say so instead (a
+        # stored full job repeats the defaults, so only settings that differ from them count)
+        if self.method == "full":
+            set_ = [n for n in ("rank", "alpha", "dropout", "target_modules")
+                    if getattr(self, n) != type(self).model_fields[n].default]
+            if set_:
+                raise ValueError(f"{', '.join(set_)}: adapter settings need method lora or qlora "
+                                 f"(got method full)")
+        return self
+
 
 class OptimSpec(BaseModel):
     """Hyper-parameters of the job's ``optimizer`` (AdamW/Adam: all; SGD: weight decay; the

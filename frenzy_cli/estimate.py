@@ -116,7 +116,7 @@ def _adapter_flags_need_lora(args) -> None:
     given = [f"--{k.replace('_', '-')}" for k in ("lora_rank", "lora_targets", "lora_dropout")
              if getattr(args, k, None) is not None]
     if given:
-        raise FrenzyInputError("--finetune", f"{', '.join(given)} describe adapters: they need --finetune lora "
+        raise FrenzyInputError("--finetune", f"{', '.join(given)}: adapter settings need --finetune lora "
                                              f"or qlora (got {args.finetune!r})")
 
 

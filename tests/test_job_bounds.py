@@ -22,6 +22,8 @@ TINY = "name: tiny\nmodel: gpt2-tiny\nseq_len: 64\nglobal_batch: 8\nprecision: f
     ("train_steps: 3\ncheckpoint_every: true\n", "checkpoint_every", "not a boolean"),
     ("train_steps: 3\noptim: {eps: .inf}\n", "optim.eps", "finite number"),
     ("train_tokens: 10000000000000000000\n", "train_tokens", "less than or equal to"),
+    ("train_steps: 3\nfinetune: {method: full, rank: 8}\n", "finetune", "rank: adapter settings need method lora"),
+    ("train_steps: 3\nfinetune: {target_modules: [q_proj]}\n", "finetune", "target_modules: adapter settings"),
 ])
 def test_bad_numbers_name_their_field(tmp_path, extra, field, rule):
     f = tmp_path / "job.yaml"
@@ -49,3 +51,11 @@ def test_frenzy_run_exits_2_on_a_bad_number_before_anything_is_written(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train_steps" in err[0]
     assert not home.exists() and not (tmp_path / "prefect").exists()
+
+
+def test_a_stored_full_fine_tune_reads_back_and_lora_keeps_its_settings():
+    from estimator.job import FinetuneSpec
+    full = FinetuneSpec()
+    assert FinetuneSpec.model_validate(full.model_dump()) == full      # defaults repeated are not "set"
+    lora = FinetuneSpec(method="lora", rank=8, dropout=0.0, target_modules=["q_proj"])
+    assert FinetuneSpec.model_validate(lora.model_dump()) == lora
