@@ -172,10 +172,13 @@ class DeepBound:
       per menu (each plan's horizon, and the start it would wait for, which does not depend on
       the job's steps), the same float operations in the same order: same answer.
 
-    What is computed per menu is kept while the free GPUs and every profile are unchanged: the
-    free counts and the queued backlogs are compared, and the sum of the profiles' versions
-    grows with every release or reservation added (a version is never reused), so a change is
-    always seen."""
+    What is computed per menu is kept while the free GPUs and every profile's releases and
+    reservations are unchanged: the free counts are compared, and the sum of the profiles'
+    versions grows with every release or reservation added (a version is never reused), so a
+    change is always seen. The queued backlogs, which grow with almost every job deep in the
+    queue, are not part of what is kept: the start a plan would wait for is kept without them
+    and ``waited_start``'s backlog rule is applied to it when it is read (the same float
+    operations in the same order)."""
 
     SLACK_S = 1e-3
 
@@ -184,14 +187,17 @@ class DeepBound:
         self.profiles, self.free, self.now, self.cfg, self.launch_s = profiles, free, now, cfg, launch_s
         self._state: tuple | None = None
         # id(menu) -> [menu, the most steps a plan could start now with, per plan (step s,
-        # horizon, start it would wait for) or None until needed], for ``_state``
+        # horizon, start it would wait for before the backlog rule, GPU type) or None until
+        # needed], for ``_state``
         self._kept: dict[int, list] = {}
+        self._backlogs: tuple | None = None
+        self._queued: dict[str, float] = {}   # GPU type -> waited_start's backlog bound, for _backlogs
 
     def gives_nothing(self, menu: Menu, steps: float) -> bool:
         """True when ``choose(menu.queue, steps, ..., deep=True)`` (with its ``wait_weight``)
         returns None."""
         profiles = self.profiles.values()
-        state = (sum(map(_VERSION, profiles)), tuple(self.free.values()), tuple(map(_BACKLOG, profiles)))
+        state = (sum(map(_VERSION, profiles)), tuple(self.free.values()))
         if state != self._state:
             self._state = state
             self._kept.clear()
@@ -202,6 +208,12 @@ class DeepBound:
             return True                   # no plan of the menu can start now
         if kept[2] is None:
             kept[2] = self._plans(menu.queue)
+        backlogs = tuple(map(_BACKLOG, profiles))
+        if backlogs != self._backlogs:
+            self._backlogs = backlogs
+            now = self.now
+            self._queued = {g: now + (p.busy_gs + p.backlog) / p.total
+                            for g, p in self.profiles.items() if p.backlog}
         return not self._reaches_now(kept[2], steps, wait_weight(menu.queue, steps, self.free, self.cfg))
 
     def _most_steps(self, cands: list[Cand]) -> float:
@@ -220,25 +232,30 @@ class DeepBound:
             most = max(most, (end - now - launch_s + self.SLACK_S) / step_s)
         return most
 
-    def _plans(self, cands: list[Cand]) -> list[tuple[float, float, float]]:
-        """Per plan, in menu order: (step s, horizon, the start it would wait for)."""
+    def _plans(self, cands: list[Cand]) -> list[tuple[float, float, float, str]]:
+        """Per plan, in menu order: (step s, horizon, the start it would wait for before
+        ``waited_start``'s backlog rule, GPU type)."""
         plans = []
         now = self.now
         prof_of, free_of = self.profiles.get, self.free.get
         for step_s, n, g, _ in cands:
             prof = prof_of(g)
             if prof is None:              # choose skips it, after its stop test
-                plans.append((step_s, -INF, INF))
+                plans.append((step_s, -INF, INF, g))
                 continue
             f = free_of(g, 0)
-            plans.append((step_s, prof.horizon(n, now, f), waited_start(prof, n, now, f)))
+            start = prof.wait_start(n, now, f)
+            if start <= now:              # (waited_start's first rules; INF stays INF)
+                start = now + 1.0
+            plans.append((step_s, prof.horizon(n, now, f), start, g))
         return plans
 
-    def _reaches_now(self, plans: list[tuple[float, float, float]], steps: float, wait_w: float) -> bool:
+    def _reaches_now(self, plans: list[tuple[float, float, float, str]], steps: float, wait_w: float) -> bool:
         """``choose``'s loop (deep): does a plan that starts now come before the loop stops?"""
         now, launch_s, tol1 = self.now, self.launch_s, 1.0 + self.cfg.tolerance
+        queued = self._queued
         best = lim = INF
-        for step_s, end, start in plans:
+        for step_s, end, start, g in plans:
             dur = step_s * steps + launch_s
             if dur > lim:
                 return False
@@ -246,6 +263,10 @@ class DeepBound:
                 return True
             if start == INF:
                 continue
+            if queued:                    # waited_start's backlog rule
+                q = queued.get(g)
+                if q is not None and q > start:
+                    start = q
             rel = (start - now) * wait_w + dur
             if rel < best:
                 best = rel

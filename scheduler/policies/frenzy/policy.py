@@ -11,7 +11,7 @@ from .choose import DeepBound, choose, idle_menu, lightly_loaded, order_queue, s
 from .config import FrenzyConfig
 from .gate import build_menu, memory_gate
 from .grow import grow_runs
-from .preempt import preempt_for, preemptible, shrink_for, yield_for
+from .preempt import preempt_for, preemptible, shrink_for, shrinkable, yield_for
 from .profile import build_profiles, expected_end
 from .recall import recall
 from .records import GpuCounts, Menu, Run, WaitNote, Waiter
@@ -126,6 +126,7 @@ class FrenzyPolicy(Policy):
         # would cost them much
         if (cfg.preempt.enabled or cfg.shrink.enabled) and keyed:
             eligible = None                       # preemptible runs, computed when first needed
+            shrinkable_runs = None                # shrinkable runs, likewise
             preempted: set[str] = set()
             started: set[str] = set()
             ends: dict[str, float] = {}           # predicted end of each start decided so far
@@ -141,8 +142,10 @@ class FrenzyPolicy(Policy):
                                                set(movers) if cfg.stopgap.yield_first else set())
                     pre, victims, got = preempt_for(head.job, head.menu, pick, eligible, idx, now, cfg, preempted)
                 if not pre and cfg.shrink.enabled:
-                    pre, victims, got = shrink_for(head.job, head.menu, pick, runs, idx, now, per_node, cfg,
-                                                   preempted, ends)
+                    if shrinkable_runs is None:
+                        shrinkable_runs = shrinkable(runs, now, cfg)
+                    pre, victims, got = shrink_for(head.job, head.menu, pick, shrinkable_runs, idx, now, per_node,
+                                                   cfg, preempted, ends)
                 if pre:
                     out.extend(pre)
                     preempted |= victims

@@ -89,36 +89,55 @@ def preempt_for(job: JobRequest, menu: Menu, pick: Pick, eligible: Eligible, idx
     return out, {rj.job_id for rj in chosen}, Pick(c, now, d)
 
 
-def shrink_for(job: JobRequest, menu: Menu, pick: Pick, runs: dict[str, Run], idx: FreeIndex, now: float,
-               per_node: GpuCounts, cfg: FrenzyConfig, skip: set[str], ends: dict[str, float]) -> Got:
+def shrinkable(runs: dict[str, Run], now: float, cfg: FrenzyConfig) -> list[tuple[Run, float, float]]:
+    """Runs a waiter may shrink, in ``runs`` order: placed, past the shrink grace period, under
+    the re-size cap, with a known end; each with its remaining seconds and steps (what
+    ``shrink_for`` reads of a run does not depend on the waiter: computed once a round)."""
+    sc = cfg.shrink
+    out = []
+    for run in runs.values():
+        rj = run.rj
+        if not rj.placement or now - rj.start_s < sc.grace_s or rj.resizes >= cfg.growth.max_resizes_per_job:
+            continue
+        rem = expected_end(rj, now, cfg.backfill) - now
+        if rem == INF:
+            continue
+        out.append((run, rem, steps_left(run, rem, now, cfg.restart.launch_s)))
+    return out
+
+
+def shrink_for(job: JobRequest, menu: Menu, pick: Pick, shrinkable_runs: list[tuple[Run, float, float]],
+               idx: FreeIndex, now: float, per_node: GpuCounts, cfg: FrenzyConfig, skip: set[str],
+               ends: dict[str, float]) -> Got:
     """A job near the head would wait: restart one run of a type on fewer GPUs of that type (a
     checkpoint restart, as Sia's re-sizing) when that lets the waiter start now and the
     waiter's predicted time saved exceeds the run's predicted time lost (restart and restore
-    included) by ``gain``."""
+    included) by ``gain``. ``shrinkable_runs``: ``shrinkable``'s list for this round."""
     sc = cfg.shrink
     wait_rel = pick.start - now + pick.dur
     if pick.start - now < sc.min_wait_s:
         return NOTHING
     steps = max(job.steps_left, 1)
+    gains: dict[str, list[tuple[Cand, float, float]]] = {}   # type -> (cand, duration, gain), menu order
+    for c in menu.queue:
+        d = c.step_s * steps
+        if wait_rel - d > 0:
+            gains.setdefault(c.gpu_type, []).append((c, d, wait_rel - d))
+    if not gains:
+        return NOTHING
     best = None                                   # (net gain, cand, d, run, run's cand, run's duration)
-    for run in runs.values():
-        rj = run.rj
-        if (not rj.placement or rj.job_id in skip or now - rj.start_s < sc.grace_s
-                or rj.resizes >= cfg.growth.max_resizes_per_job):
-            continue
-        rem = expected_end(rj, now, cfg.backfill) - now
-        if rem == INF:
-            continue
+    for run, rem, vsteps in shrinkable_runs:
         g = run.gpu_type
+        mine = gains.get(g)
+        if mine is None:
+            continue
+        rj = run.rj
+        if rj.job_id in skip:
+            continue
         m = rj.plan.gpus
         free = idx.free_gpus(g)
-        vsteps = steps_left(run, rem, now, cfg.restart.launch_s)
-        for c in menu.queue:
-            if c.gpu_type != g or c.gpus > free + m - 1:
-                continue
-            d = c.step_s * steps
-            gain = wait_rel - d
-            if gain <= 0:
+        for c, d, gain in mine:
+            if c.gpus > free + m - 1:
                 continue
             for vc in run.menu.grow:                 # the run's fastest plan that leaves n free
                 if vc.gpu_type != g or vc.gpus >= m or vc.gpus + c.gpus > free + m:
