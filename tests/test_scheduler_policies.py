@@ -376,6 +376,30 @@ def test_wide_run_shrinks_for_a_waiting_job_when_the_waiter_gains_more():
     assert FrenzyPolicy(shrink=False, preempt_ratio=1e9).schedule([short], st, NOW + 1) == []
 
 
+def test_only_runs_past_their_grace_under_the_resize_cap_with_a_known_end_are_shrinkable():
+    from scheduler.policies.frenzy.preempt import shrinkable
+    pol = FrenzyPolicy(preempt_ratio=1e9, recall=False)   # step 6's shrink alone (a recall takes no grace)
+    big = job("big", ELASTIC, steps=200_000)
+    d = pol.schedule([big], cluster(A100_ONLY), NOW - 3600)
+    short = job("short", [plan("A100-80GB", 4, 20, 1.0)], steps=1800)
+    cases = {"shrinkable": {}, "in its grace": {"start_s": NOW - 60}, "at the re-size cap": {"resizes": 16},
+             "unknown end": {"expected_end_s": float("nan")}}
+    for name, change in cases.items():
+        st = cluster(A100_ONLY)
+        running(st, big, d[0], NOW - 3600, NOW + 10 * 3600)
+        for k, v in change.items():
+            setattr(st.running[0], k, v)
+        runs = pol._runs(st, {n.node_id: n.gpu_type for n in st.nodes})
+        got = shrinkable(runs, NOW, pol.config)
+        assert [r.rj.job_id for r, _, _ in got] == (["big"] if name == "shrinkable" else []), name
+        if name == "shrinkable":
+            (_, rem, steps), = got
+            assert rem == 10 * 3600 and steps > 0
+        # and the round agrees: only a shrinkable run is shrunk for the waiter
+        acts = [(x.action, x.job_id) for x in pol.schedule([short], st, NOW)]
+        assert acts == ([("preempt", "big"), ("start", "big"), ("start", "short")] if name == "shrinkable" else []), name
+
+
 def test_importing_the_registry_does_not_load_scipy():
     """The live submit flow imports the registry; only gavel/sia rounds need numpy/scipy."""
     import subprocess
