@@ -15,6 +15,7 @@ from .resize import restart_cost, shrink_to_fit, steps_left
 INF = math.inf
 Eligible = dict[str, list[tuple[float, object, float]]]   # gpu_type -> (remaining s, RunningJob, ratio):
                                                           # movers first, then longest remaining first
+Shrinkable = list[tuple[Run, float, float]]         # (run, remaining s, remaining steps), runs order
 Got = tuple[list[Decision], set[str], Pick | None]  # decisions, runs stopped, what the job got
 NOTHING: Got = ([], set(), None)
 
@@ -89,7 +90,7 @@ def preempt_for(job: JobRequest, menu: Menu, pick: Pick, eligible: Eligible, idx
     return out, {rj.job_id for rj in chosen}, Pick(c, now, d)
 
 
-def shrinkable(runs: dict[str, Run], now: float, cfg: FrenzyConfig) -> list[tuple[Run, float, float]]:
+def shrinkable(runs: dict[str, Run], now: float, cfg: FrenzyConfig) -> Shrinkable:
     """Runs a waiter may shrink, in ``runs`` order: placed, past the shrink grace period, under
     the re-size cap, with a known end; each with its remaining seconds and steps (what
     ``shrink_for`` reads of a run does not depend on the waiter: computed once a round)."""
@@ -106,7 +107,7 @@ def shrinkable(runs: dict[str, Run], now: float, cfg: FrenzyConfig) -> list[tupl
     return out
 
 
-def shrink_for(job: JobRequest, menu: Menu, pick: Pick, shrinkable_runs: list[tuple[Run, float, float]],
+def shrink_for(job: JobRequest, menu: Menu, pick: Pick, shrinkable_runs: Shrinkable,
                idx: FreeIndex, now: float, per_node: GpuCounts, cfg: FrenzyConfig, skip: set[str],
                ends: dict[str, float]) -> Got:
     """A job near the head would wait: restart one run of a type on fewer GPUs of that type (a
