@@ -121,6 +121,43 @@ def test_deep_bound_is_recomputed_when_a_profile_or_the_free_gpus_change():
     assert choose(menu.queue, 50, {"a": prof}, free, NOW, Choice(), True) is None
 
 
+def test_deep_bound_stays_exact_while_one_type_at_a_time_changes():
+    """The bound keeps each menu's per-type answers and recomputes only the types that changed:
+    a long random sequence of changes to one type (a release, a reservation, GPUs taken or
+    freed, queued backlog) between questions about menus over several types, each answer
+    checked against ``choose`` itself."""
+    rng = random.Random(11)
+    types = ["a", "b", "c"]
+    profiles, free = {}, {}
+    for g in types:
+        profiles[g], free[g] = random_profile(rng, 16)
+    cfg = Choice()
+    bound = DeepBound(profiles, free, NOW, cfg)
+    menus = [random_menu(rng, types) for _ in range(6)]
+    nothing = something = 0
+    for _ in range(1500):
+        g = rng.choice(types)
+        change = rng.randrange(5)
+        if change == 0:
+            profiles[g].add_release(NOW + rng.uniform(1, 5000), rng.randint(1, 4))
+        elif change == 1:
+            t = NOW + rng.uniform(0, 3000)
+            profiles[g].reserve(t, t + rng.uniform(10, 4000), rng.randint(1, 16))
+        elif change == 2:
+            free[g] = rng.randint(0, 16)
+        elif change == 3:
+            profiles[g].backlog += rng.uniform(0, 5000)
+        for _ in range(3):
+            menu = rng.choice(menus)
+            steps = rng.choice([1, rng.randint(2, 50), rng.randint(50, 5000)])
+            w = wait_weight(menu.queue, steps, free, cfg)
+            pick = choose(menu.queue, steps, profiles, free, NOW, cfg, True, False, w)
+            assert bound.gives_nothing(menu, steps) == (pick is None)
+            nothing += pick is None
+            something += pick is not None
+    assert nothing > 100 and something > 100      # both ways exercised
+
+
 def test_deep_bound_is_recomputed_when_a_types_queued_backlog_grows():
     """The fast type frees in 100 s: waiting for it beats the slow type's free GPUs, so a deep job
     gets nothing. Once jobs ahead queue 16,000 GPU-seconds for the fast type, its wait is ~2,100 s
