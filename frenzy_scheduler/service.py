@@ -24,6 +24,7 @@ from scheduler.loop import RoundLoop
 from scheduler.policies import get_policy
 from scheduler.types import Policy
 
+from .collector import collector_held
 from .source import START_LEASE_S, LedgerSource, queue_table
 
 log = logging.getLogger("frenzy.scheduler")
@@ -111,7 +112,8 @@ class SchedulerService:
         self._check_leadership()
         if self.leading and self.loop is not None:
             try:
-                self.loop.step()
+                with collector_held():    # no collector pass inside a round (collector.py)
+                    self.loop.step()
             except Exception:             # a policy bug or a database error: logged, next poll retries
                 log.exception("scheduling round failed")
 
