@@ -75,10 +75,10 @@ class FinetuneSpec(BaseModel):
         # adapter settings under a full fine-tune would be ignored silently: say so instead (a
         # stored full job repeats the defaults, so only settings that differ from them count)
         if self.method == "full":
-            set_ = [n for n in ("rank", "alpha", "dropout", "target_modules")
-                    if getattr(self, n) != type(self).model_fields[n].default]
-            if set_:
-                raise ValueError(f"{', '.join(set_)}: adapter settings need method lora or qlora "
+            given = [n for n in ("rank", "alpha", "dropout", "target_modules")
+                     if getattr(self, n) != type(self).model_fields[n].default]
+            if given:
+                raise ValueError(f"{', '.join(given)}: adapter settings need method lora or qlora "
                                  f"(got method full)")
         return self
 

@@ -85,19 +85,27 @@ def wait_weight(menu: list[Cand], steps: int, free: GpuCounts, cfg: Choice) -> f
 
 def waited_start(prof: Profile, n: int, now: float, free: int) -> float:
     """When a plan of ``n`` GPUs that cannot start now would start on ``prof``'s type: its
-    availability profile's start, at least a second away (a release due now is not placeable this
-    instant), and no earlier than the jobs already queued for the type let it (fluid estimate:
-    the type's GPUs first finish the running work, then the queued work). INF: never."""
-    start = prof.wait_start(n, now, free)
+    availability profile's start (``profile_start``), and no earlier than the jobs already
+    queued for the type let it (``backlog_start``). INF: never."""
+    start = profile_start(prof, n, now, free)
     if start == INF:
         return INF
-    if start <= now:
-        start = now + 1.0
-    if prof.backlog:
-        queued = now + (prof.busy_gs + prof.backlog) / prof.total
-        if queued > start:
-            start = queued
-    return start
+    queued = backlog_start(prof, now)
+    return queued if queued is not None and queued > start else start
+
+
+def profile_start(prof: Profile, n: int, now: float, free: int) -> float:
+    """``waited_start`` read off the availability profile alone: from when on ``n`` GPUs stay
+    free, at least a second away (a release due now is not placeable this instant). INF: never."""
+    start = prof.wait_start(n, now, free)
+    return now + 1.0 if start <= now else start
+
+
+def backlog_start(prof: Profile, now: float) -> float | None:
+    """The earliest start the work queued for ``prof``'s type without a reservation allows
+    (fluid estimate: its GPUs first finish the running work, then the queued work); None
+    without queued work."""
+    return now + (prof.busy_gs + prof.backlog) / prof.total if prof.backlog else None
 
 
 def choose(menu: list[Cand], steps: int, profiles: dict[str, Profile], free: GpuCounts, now: float,
@@ -212,8 +220,7 @@ class DeepBound:
         if backlogs != self._backlogs:
             self._backlogs = backlogs
             now = self.now
-            self._queued = {g: now + (p.busy_gs + p.backlog) / p.total
-                            for g, p in self.profiles.items() if p.backlog}
+            self._queued = {g: backlog_start(p, now) for g, p in self.profiles.items() if p.backlog}
         return not self._reaches_now(kept[2], steps, wait_weight(menu.queue, steps, self.free, self.cfg))
 
     def _most_steps(self, cands: list[Cand]) -> float:
@@ -244,10 +251,7 @@ class DeepBound:
                 plans.append((step_s, -INF, INF, g))
                 continue
             f = free_of(g, 0)
-            start = prof.wait_start(n, now, f)
-            if start <= now:              # (waited_start's first rules; INF stays INF)
-                start = now + 1.0
-            plans.append((step_s, prof.horizon(n, now, f), start, g))
+            plans.append((step_s, prof.horizon(n, now, f), profile_start(prof, n, now, f), g))
         return plans
 
     def _reaches_now(self, plans: list[tuple[float, float, float, str]], steps: float, wait_w: float) -> bool:
@@ -263,7 +267,7 @@ class DeepBound:
                 return True
             if start == INF:
                 continue
-            if queued:                    # waited_start's backlog rule
+            if queued:                    # waited_start's backlog rule (backlog_start)
                 q = queued.get(g)
                 if q is not None and q > start:
                     start = q

@@ -122,8 +122,9 @@ def shrink_for(job: JobRequest, menu: Menu, pick: Pick, shrinkable_runs: Shrinka
     gains: dict[str, list[tuple[Cand, float, float]]] = {}   # type -> (cand, duration, gain), menu order
     for c in menu.queue:
         d = c.step_s * steps
-        if wait_rel - d > 0:
-            gains.setdefault(c.gpu_type, []).append((c, d, wait_rel - d))
+        gain = wait_rel - d
+        if gain > 0:
+            gains.setdefault(c.gpu_type, []).append((c, d, gain))
     if not gains:
         return NOTHING
     best = None                                   # (net gain, cand, d, run, run's cand, run's duration)
