@@ -954,31 +954,32 @@ def stage_peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool = False) -> 
 
 
 def peak_allocated(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool,
-                   batches: "tuple[tuple[int, int], ...]") -> list[float]:
+                   batches: "tuple[tuple[int, int], ...]", terms: tuple | None = None) -> list[float]:
     """The largest stage's allocated peak (bytes) of ``k`` run at each (micro_batch, grad_accum)
     of ``batches`` instead of its own: ``max(s.allocated for s in stage_peaks(...))`` of each,
     to the bit, with what does not depend on the batch computed once (the planner's memory
-    table asks every micro-batch of every structure)."""
-    return _peaks(spec, k, ov, cpu, batches, False)
+    table asks every micro-batch of every structure); ``terms``: ``peak_terms(spec, k, ov,
+    cpu)`` kept from an earlier call (the planner asks a structure again for each global batch)."""
+    return _peaks(spec, k, ov, cpu, batches, False, terms)
 
 
-def _peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool, batches: tuple, breakdown: bool) -> list:
-    """Per (micro_batch, grad_accum) of ``batches``: the stages' ``StagePeak`` (``breakdown``), or
-    the largest stage's allocated bytes."""
+def peak_terms(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool) -> tuple:
+    """What ``_peaks`` computes of ``k`` before it reads a batch: what it reads of the shared
+    setup (``_stage_setup``) and, per pipeline stage, its model states, buffers and
+    optimizer-step total. Pure in its arguments (``k``'s micro-batch and accumulation are not read): the
+    planner keeps it per structure and asks it of every global batch."""
     prof = get_profile(k.framework)
-    # unpacked once into locals (the loop below reads them per stage), in _StageSetup's order
+    setup = _stage_setup(spec, prof, _shape_of(k), cpu)
     (c, pure, torch_zero, lora, act_amp, sem, N, w_b, g_b, opt_b, g32_b, layer_p, emb_p,
      head_p, largest, st_b, transient_tok, h, V, e, f, tied, arch, positions, dropout,
      step_tmp_b, lora_p, base_b, head_w, largest_tensor, sp_div, per_layer_tok, r,
      ckpt_keep_tok, held_b, bwd_loss_b, logits_tok, full, fsdp_sgo, w_div, g_div, o_div,
-     casts, layer_copies, keep_tok, e_unsharded, inbwd, ddp_copy) = _stage_setup(
-        spec, prof, _shape_of(k), cpu)
+     casts, layer_copies, keep_tok, e_unsharded, inbwd, ddp_copy) = setup
     zero, offload, loss, optimizer, opt_in_bwd = k.zero, k.offload, k.loss, k.optimizer, k.opt_in_bwd
-    t, p, dp, vpp, act_offload = k.tp, k.pp, k.dp, k.vpp, k.act_offload
-    chunked = loss == "chunked"
+    t, p, dp, act_offload = k.tp, k.pp, k.dp, k.act_offload
     bucket_elems = k.bucket or prof.zero_bucket_elems or ov.zero_bucket_elems
 
-    out: list = [[] for _ in batches] if breakdown else [0.0] * len(batches)
+    stages = []
     for i, L_i in enumerate(_stage_layers(spec.layers, p)):
         first, last = i == 0, i == p - 1
         P = L_i * layer_p + (emb_p if first else 0.0) + (head_p if last else 0.0)
@@ -1091,6 +1092,30 @@ def _peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool, batches: tuple, 
             c_total = weights + optim + other_fixed + g_b * min(Pt, largest_tensor) + inbwd_tmp
         else:
             c_total = weights + grads + optim + other_fixed + max(after_bwd, grads32 + tmp)
+        stages.append((i, L_i, first, last, kept_layers, fin, weights, unsharded, grads, optim,
+                       other_fixed, head_grad, copies, inbwd_tmp, grads_end, c_total, after_bwd,
+                       grads32, tmp))
+    # what the batch loop reads of the setup (the planner keeps these per structure, not the
+    # whole record: its memory of a trace's structures)
+    consts = (c, act_amp, sem, transient_tok, h, V, e, arch, dropout, sp_div, per_layer_tok, r,
+              ckpt_keep_tok, held_b, bwd_loss_b, logits_tok, full, layer_copies, keep_tok, e_unsharded)
+    return consts, tuple(stages)
+
+
+def _peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool, batches: tuple, breakdown: bool,
+           terms: tuple | None = None) -> list:
+    """Per (micro_batch, grad_accum) of ``batches``: the stages' ``StagePeak`` (``breakdown``), or
+    the largest stage's allocated bytes; ``terms``: ``peak_terms`` of the same arguments, when
+    the caller kept them."""
+    consts, stages = terms if terms is not None else peak_terms(spec, k, ov, cpu)
+    (c, act_amp, sem, transient_tok, h, V, e, arch, dropout, sp_div, per_layer_tok, r,
+     ckpt_keep_tok, held_b, bwd_loss_b, logits_tok, full, layer_copies, keep_tok, e_unsharded) = consts
+    loss, opt_in_bwd, p, vpp = k.loss, k.opt_in_bwd, k.pp, k.vpp
+    chunked = loss == "chunked"
+
+    out: list = [[] for _ in batches] if breakdown else [0.0] * len(batches)
+    for (i, L_i, first, last, kept_layers, fin, weights, unsharded, grads, optim, other_fixed,
+         head_grad, copies, inbwd_tmp, grads_end, c_total, after_bwd, grads32, tmp) in stages:
         # --- what it does: per (micro-batch, accumulation) ---
         for bi, (mb_, ga_) in enumerate(batches):
             T = mb_ * k.seq_len / k.cp                # tokens per micro-batch on this rank
@@ -1235,6 +1260,22 @@ def _finish(alloc_b: float, ov: Overheads, k: Knobs) -> tuple[float, float, floa
     reserved = alloc * (1.0 + _fragmentation(ov, k))
     used = reserved + _outside_allocator_gib(ov, k)
     return alloc, reserved, used
+
+
+def finish_key(k: Knobs) -> tuple:
+    """All ``_finish`` and ``_alloc_limit_b`` read of ``k`` (``_fragmentation``: checkpointing,
+    the allocator setting, adapters; ``_outside_allocator_gib``: the communicators): knobs
+    with equal keys have equal limits, so the planner asks once per key and GPU type."""
+    return (k.act_ckpt, k.expandable, k.finetune != "full", _comms(k))
+
+
+def batch_key(k: Knobs, grad_accum: int) -> int:
+    """All ``_peaks`` reads of a gradient accumulation of ``k``: whether gradients persist
+    between micro-batches (more than one) and the micro-batches a plain 1F1B pipeline has in
+    flight (``min(m, pp - stage)``): ``min(grad_accum, max(pp, 2))``; an interleaved schedule
+    reads all of it (``_interleaved_inflight``). Equal keys, equal peaks: the planner's memory
+    tables share them across global batches."""
+    return grad_accum if k.vpp > 1 else min(grad_accum, max(k.pp, 2))
 
 
 def _alloc_limit_b(used_gib: float, ov: Overheads, k: Knobs) -> float:

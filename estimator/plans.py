@@ -4,7 +4,9 @@ global batch), with memory and step-time predictions, ranked fastest first.
 
 Speed: the allocated bytes of a configuration do not depend on the GPU type (only the
 overhead terms do), so the memory table of a job shape is computed once and cached; each GPU
-type then only applies its overheads, its capacity and the throughput model. Per GPU count only
+type then only applies its overheads, its capacity and the throughput model. Nor do a
+structure's validation, launch rule and batch-independent memory terms depend on the global
+batch or the node size: they are kept per structure and shared by every table of the shape. Per GPU count only
 the few fastest plans are kept, so step times are asked only of the candidates that may be
 among them (``_time_fastest``: a floor shared by a plan shape's ZeRO / offload variants proves
 the others slower); the kept plans and their figures are those of timing every candidate.
@@ -20,8 +22,9 @@ from typing import Any
 from .catalog import GPU, get_gpu
 from .errors import DoesNotFitError, FrenzyInputError
 from .job import TrainingJob
-from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, estimate, host_offload_bytes,
-                     lora_adapters, peak_allocated, validate_knobs)
+from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, batch_key, estimate, finish_key,
+                     host_offload_bytes, lora_adapters, peak_allocated, peak_terms,
+                     validate_knobs)
 from .models import ModelSpec, resolve_model, with_positions
 from .overheads import Overheads, overheads_for
 from .plan import Plan
@@ -73,7 +76,8 @@ class _PlanShape:
 
 def _time_fastest(cands: list[list], spec: ModelSpec, gpu: GPU, seq_len: int, nodes: int,
                   precision: str, attention: str, factors: Factors, lora: bool = False) -> list[list]:
-    """The candidates of one GPU count (``[why, None, micro_batch, base, allocated bytes]``,
+    """The candidates of one GPU count (``[why, None, micro_batch, base, allocated bytes,
+    grad_accum]``,
     table order) that may be among the ``KEEP_PER_COUNT`` fastest of their kind (launchable,
     or not), with their step times filled in, in table order.
 
@@ -95,7 +99,7 @@ def _time_fastest(cands: list[list], spec: ModelSpec, gpu: GPU, seq_len: int, no
         sh = shared.get(key)
         if sh is None:
             shape = _PlanShape(base.dp, base.tp, base.pp, base.cp, base.zero, base.offload, base.act_ckpt, mb,
-                               base.grad_accum // mb, precision, attention, base.vpp)
+                               c[5], precision, attention, base.vpp)
             sh = shared[key] = shared_parts(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors,
                                             adapters=ad)
         return sh
@@ -154,14 +158,48 @@ def _offloads(zero: int) -> tuple[str, ...]:
     return ("none", "optimizer") if zero >= 1 else ("none",)
 
 
+class _Structure:
+    """One structure of a job shape (GPU count, dp/tp/pp/cp, ZeRO, offload, checkpointing)
+    and what every global batch of the shape shares: its knobs validated at micro-batch 1 and
+    accumulation 1 (``base``; validation reads the accumulation only to refuse
+    optimizer-in-backward beside it, which the planner never asks), the batch-independent part
+    of its peaks (``memory.peak_terms``), the peaks asked so far by (micro-batch,
+    ``memory.batch_key``), and the trainer's launch rule (``rule``, None until asked; it reads
+    the accumulation only for interleaved pipelines)."""
+
+    __slots__ = ("n", "base", "fin_key", "terms", "peaks", "rule")
+
+    def __init__(self, n: int, base: Knobs, terms: tuple):
+        self.n, self.base, self.fin_key, self.terms = n, base, finish_key(base), terms
+        self.peaks: dict[tuple[int, int], float] = {}
+        self.rule: tuple[str | None] | None = None
+
+
+@lru_cache(maxsize=64)
+def _structure_memo(spec: ModelSpec, seq_len: int, precision: str, optimizer: str, attention: str,
+                    cpu: bool, tech: _Technique, vpp: int) -> dict[tuple, _Structure | None]:
+    """The structures of a job shape met so far, whatever the global batch, GPU count limit or
+    node size (none of which validation or the peaks read): (n, tp, pp, cp, zero, offload,
+    act_ckpt) -> ``_Structure``, or None where the model refuses the knobs. A job mix shares a
+    shape across global batches and node sizes: the full cluster04 trace on large-4type builds
+    540,228 table rows from 84,084 structures. Memory: about 3 KB per structure (~250 MB for
+    that trace's 52 shapes), bounded by the 64 shapes kept."""
+    return {}
+
+
+# (structure, per-rank batch, ((micro_batch, allocated_bytes), ...), (allocated_bytes, ...))
+TableRow = tuple[_Structure, int, tuple[tuple[int, float], ...], tuple[float, ...]]
+
+
 @lru_cache(maxsize=256)
 def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, max_gpus: int, gpus_per_node: int,
                   cpu: bool, tech: _Technique = _Technique(), cpu_kinds: bool = False,
-                  with_cp: bool = False, vpp: int = 1) -> tuple[
-                      tuple[Knobs, int, tuple[tuple[int, float], ...], tuple[float, ...]], ...]:
+                  with_cp: bool = False, vpp: int = 1) -> tuple[TableRow, ...]:
     """Every structure (gpu count, dp/tp/pp/cp, zero, offload, checkpointing) of a job shape
-    with the allocated bytes of each candidate micro-batch (ascending: allocation grows with it).
+    with the allocated bytes of each candidate micro-batch (ascending: allocation grows with
+    it; a micro-batch no GPU holds ends the row). What does not depend on the global batch
+    comes from the shape's ``_structure_memo``.
 
     On the CPU pseudo GPU type (``cpu``) only data-parallel structures, unless ``cpu_kinds``:
     then tp (DeepSpeed AutoTP), pp (the pipeline path), cp (Ulysses) and offload (ZeRO-Offload)
@@ -176,10 +214,7 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     pipelines) gives every pp > 1 structure that many virtual stages per rank (those whose layers
     do not split into pp x vpp equal chunks drop out); unasked, pipelines are plain 1F1B: the
     interleaved bubble term would make every pp plan prefer vpp = 2, and its extra
-    point-to-point cost is modelled from the paper, not measured on a GPU here.
-
-    Entries: (knobs at micro_batch 1, gpus, ((micro_batch, allocated_bytes), ...),
-    (allocated_bytes, ...))."""
+    point-to-point cost is modelled from the paper, not measured on a GPU here."""
     rows = []
     counts = sorted(set(_pow2_upto(max_gpus)) | {g for g in range(gpus_per_node, max_gpus + 1,
                                                                    gpus_per_node)})
@@ -189,47 +224,76 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     from .catalog import CATALOG
     ceiling_b = max(g.memory_gib for g in CATALOG.values()) * 4 * GIB   # room for custom types
     dp_only = cpu and not cpu_kinds
+    memo = _structure_memo(spec, seq_len, precision, optimizer, attention, cpu, tech, vpp)
     for n in counts:
         tps = [1] if dp_only else [t for t in _pow2_upto(min(n, gpus_per_node)) if spec.heads % t == 0
                                    and (spec.n_kv % t == 0 or t % spec.n_kv == 0)]
         for tp, pp, cp in _layouts(spec, n, tps, gpus_per_node, seq_len, dp_only, with_cp):
-                dp = n // (tp * pp * cp)
-                if global_batch % dp:
+            dp = n // (tp * pp * cp)
+            if global_batch % dp:
+                continue
+            if dp_only:
+                zeros = (0, 2) if dp > 1 and shard_ok else (0,)
+            elif dp == 1 or not shard_ok:
+                zeros = (0,)
+            else:
+                # pipelines too: the trainer's pipeline path runs ZeRO-1 with torch's
+                # ZeroRedundancyOptimizer and ZeRO-2/3 with FSDP2, over each stage's replicas
+                zeros = (0, 1, 2, 3)
+            per_rank = global_batch // dp
+            mbs = _divisors(per_rank)
+            for zero, off, ck in ((z, o, ck) for z in zeros
+                                  for o in (("none",) if dp_only else _offloads(z))
+                                  for ck in ckpts):
+                key = (n, tp, pp, cp, zero, off, ck)
+                try:
+                    s = memo[key]
+                except KeyError:
+                    s = memo[key] = _new_structure(spec, seq_len, n, dp, tp, pp, cp, zero, off, ck,
+                                                   precision, optimizer, attention, tech, vpp, ov, cpu)
+                if s is None:
                     continue
-                if dp_only:
-                    zeros = (0, 2) if dp > 1 and shard_ok else (0,)
-                elif dp == 1 or not shard_ok:
-                    zeros = (0,)
-                else:
-                    # pipelines too: the trainer's pipeline path runs ZeRO-1 with torch's
-                    # ZeroRedundancyOptimizer and ZeRO-2/3 with FSDP2, over each stage's replicas
-                    zeros = (0, 1, 2, 3)
-                per_rank = global_batch // dp
-                mbs = _divisors(per_rank)
-                batches = tuple((mb, per_rank // mb) for mb in mbs)
-                for zero, off, ck in ((z, o, ck) for z in zeros
-                                      for o in (("none",) if dp_only else _offloads(z))
-                                      for ck in ckpts):
-                        try:
-                            base = validate_knobs(spec, seq_len=seq_len, micro_batch=1,
-                                                  grad_accum=per_rank, dp=dp, tp=tp, pp=pp, cp=cp,
-                                                  vpp=vpp if pp > 1 else 1, zero=zero, offload=off, precision=precision,
-                                                  optimizer=optimizer, act_ckpt=ck,
-                                                  attention=attention, framework=tech.framework,
-                                                  master_weights=tech.master_weights,
-                                                  finetune=tech.finetune,
-                                                  lora_rank=tech.lora_rank,
-                                                  lora_targets=tech.lora_targets,
-                                                  lora_dropout=tech.lora_dropout)
-                        except FrenzyInputError:
-                            continue
-                        allocs = []
-                        for mb, a in zip(mbs, peak_allocated(spec, base, ov, cpu, batches)):
-                            allocs.append((mb, a))
-                            if a > ceiling_b:     # no GPU holds this: larger ones neither
-                                break
-                        rows.append((base, n, tuple(allocs), tuple(a for _, a in allocs)))
+                rows.append((s, per_rank, *_table_allocs(spec, s, per_rank, mbs, ov, cpu, ceiling_b)))
     return tuple(rows)
+
+
+def _new_structure(spec: ModelSpec, seq_len: int, n: int, dp: int, tp: int, pp: int, cp: int,
+                   zero: int, off: str, ck: str, precision: str, optimizer: str, attention: str,
+                   tech: _Technique, vpp: int, ov: Overheads, cpu: bool) -> _Structure | None:
+    """A structure validated (None where the model refuses its knobs) with its peak terms."""
+    try:
+        base = validate_knobs(spec, seq_len=seq_len, micro_batch=1, grad_accum=1, dp=dp, tp=tp,
+                              pp=pp, cp=cp, vpp=vpp if pp > 1 else 1, zero=zero, offload=off,
+                              precision=precision, optimizer=optimizer, act_ckpt=ck,
+                              attention=attention, framework=tech.framework,
+                              master_weights=tech.master_weights, finetune=tech.finetune,
+                              lora_rank=tech.lora_rank, lora_targets=tech.lora_targets,
+                              lora_dropout=tech.lora_dropout)
+    except FrenzyInputError:
+        return None
+    return _Structure(n, base, peak_terms(spec, base, ov, cpu))
+
+
+def _table_allocs(spec: ModelSpec, s: _Structure, per_rank: int, mbs: list[int], ov: Overheads,
+                  cpu: bool, ceiling_b: float) -> tuple[tuple, tuple]:
+    """A table row's ((micro_batch, allocated bytes), ...) and (allocated bytes, ...): the
+    micro-batches ``mbs`` of ``per_rank``, up to the first that no GPU holds; peaks asked by an
+    earlier global batch (same ``memory.batch_key``) are not asked again."""
+    base, peaks = s.base, s.peaks
+    keys = [(mb, batch_key(base, per_rank // mb)) for mb in mbs]
+    missing = [i for i, key in enumerate(keys) if key not in peaks]
+    if missing:
+        got = peak_allocated(spec, base, ov, cpu, tuple((mbs[i], per_rank // mbs[i]) for i in missing),
+                             s.terms)
+        for i, a in zip(missing, got):
+            peaks[keys[i]] = a
+    allocs = []
+    for mb, key in zip(mbs, keys):
+        a = peaks[key]
+        allocs.append((mb, a))
+        if a > ceiling_b:     # no GPU holds this: larger ones neither
+            break
+    return tuple(allocs), tuple(a for _, a in allocs)
 
 
 def _layouts(spec: ModelSpec, n: int, tps: list[int], gpus_per_node: int, seq_len: int,
@@ -251,15 +315,16 @@ def _layouts(spec: ModelSpec, n: int, tps: list[int], gpus_per_node: int, seq_le
     return out
 
 
-def _plan(gpu: GPU, n: int, base: Knobs, mb: int, precision: str, optimizer: str, attention: str,
-          a: float, r: float, u: float, step_time_s: float, why: str | None, nodes: int = 1) -> Plan:
-    """The Plan of a structure (``base``, at micro-batch 1) run at micro-batch ``mb`` on
-    ``nodes`` nodes; ``why``: the reason the trainer cannot launch it (``_launch_rule``), None
-    when it can."""
+def _plan(gpu: GPU, n: int, base: Knobs, mb: int, ga: int, precision: str, optimizer: str,
+          attention: str, a: float, r: float, u: float, step_time_s: float, why: str | None,
+          nodes: int = 1) -> Plan:
+    """The Plan of a structure (``base``) run at micro-batch ``mb`` with gradient accumulation
+    ``ga`` on ``nodes`` nodes; ``why``: the reason the trainer cannot launch it
+    (``_launch_rule``), None when it can."""
     return Plan.model_construct(
         gpu_type=gpu.name, gpus=n, nodes=nodes, dp=base.dp, tp=base.tp, pp=base.pp, vpp=base.vpp, cp=base.cp, zero=base.zero,
         offload=base.offload, act_ckpt=base.act_ckpt, micro_batch=mb,
-        grad_accum=base.grad_accum // mb, precision=precision, optimizer=optimizer,
+        grad_accum=ga, precision=precision, optimizer=optimizer,
         attention=attention, allocated_peak_gib=a, reserved_peak_gib=r, device_used_gib=u,
         step_time_s=step_time_s, not_launchable=why)
 
@@ -305,11 +370,17 @@ def heads_rule(tp: int, cp: int, heads: int, kv_heads: int | None = None, pp: in
     return None
 
 
-def _table_rule(spec: ModelSpec, base, n: int, mb: int) -> str | None:
-    """``_launch_rule`` of a memory-table entry (knobs at micro-batch 1) on ``n`` GPUs at
-    micro-batch ``mb``: its gradient accumulation is the table's over ``mb``."""
-    return _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads, spec.n_kv,
-                        spec.arch, vpp=base.vpp, grad_accum=base.grad_accum // mb, layers=spec.layers)
+def _table_rule(spec: ModelSpec, s: _Structure, ga: int) -> str | None:
+    """``_launch_rule`` of a structure run with gradient accumulation ``ga``: asked once per
+    structure unless its pipeline is interleaved (the one rule that reads ``ga``)."""
+    base = s.base
+    if base.vpp > 1:
+        return _launch_rule(base.tp, base.pp, base.cp, s.n, base.dp, base.zero, base.offload, spec.heads,
+                            spec.n_kv, spec.arch, vpp=base.vpp, grad_accum=ga, layers=spec.layers)
+    if s.rule is None:
+        s.rule = (_launch_rule(base.tp, base.pp, base.cp, s.n, base.dp, base.zero, base.offload, spec.heads,
+                               spec.n_kv, spec.arch, vpp=1, grad_accum=1, layers=spec.layers),)
+    return s.rule[0]
 
 
 def not_launchable_reason(plan: Plan, spec: ModelSpec | None = None) -> str | None:
@@ -376,46 +447,52 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                           int(flt.get("vpp", 1)) if flt else 1)
     cap = gpu.memory_gib - margin
     by_count: dict[int, list[list]] = {}
-    for base, n, allocs, alloc_values in table:
+    limits: dict[tuple, float] = {}     # memory.finish_key -> the most allocated bytes that fit
+    for s, per_rank, allocs, alloc_values in table:
+        base, n = s.base, s.n
+        limit = limits.get(s.fin_key)
+        if limit is None:
+            limit = limits[s.fin_key] = _alloc_limit_b(cap, ov, base)
         # used GiB grows with allocated bytes, so the largest fitting micro-batch is a bisection
-        j = bisect_right(alloc_values, _alloc_limit_b(cap, ov, base))
+        j = bisect_right(alloc_values, limit)
         if j == 0:
             mb0, a0 = allocs[0]
             a, r, u = _finish(a0, ov, base)
-            keep_closest.append((u - cap, n, base, mb0, a, r, u))
+            keep_closest.append((u - cap, s, per_rank // mb0, mb0, a, r, u))
             continue
         mb, a_b = allocs[j - 1]
-        why = _table_rule(spec, base, n, mb) or _host_rule(spec, base, n, gpus_per_node, host_ram_gib)
+        ga = per_rank // mb
+        why = _table_rule(spec, s, ga) or _host_rule(spec, base, n, gpus_per_node, host_ram_gib)
         # the step time (None here) is filled in by _time_fastest, for those that may be kept
-        by_count.setdefault(n, []).append([why, None, mb, base, a_b])
+        by_count.setdefault(n, []).append([why, None, mb, base, a_b, ga])
     plans = []
     n_fit = sum(len(c) for c in by_count.values())
     f = calibrated_factors()        # one snapshot of the calibration file for the whole type
     for n, cands in by_count.items():
         nodes = nodes_for(n, gpus_per_node)
         if flt:     # on the knobs alone (memory and step time are not filter knobs)
-            cands = [c for c in cands if matches(_plan(gpu, n, c[3], c[2], precision, optimizer, attention,
-                                                       0.0, 0.0, 0.0, 0.0, c[0], nodes), flt, gpus_per_node)]
+            cands = [c for c in cands if matches(_plan(gpu, n, c[3], c[2], c[5], precision, optimizer,
+                                                       attention, 0.0, 0.0, 0.0, 0.0, c[0], nodes),
+                                                 flt, gpus_per_node)]
         # every launchable plan is considered before the best few per count are kept, so
         # faster plans the trainer cannot launch never crowd out the ones it can; memory
         # figures and Plan objects are made for the timed and the kept ones only
-        timed = [(why, st, *_finish(a_b, ov, base)[::-1], mb, base)
-                 for why, st, mb, base, a_b in _time_fastest(cands, spec, gpu, seq_len, nodes, precision,
+        timed = [(why, st, *_finish(a_b, ov, base)[::-1], mb, ga, base)
+                 for why, st, mb, base, a_b, ga in _time_fastest(cands, spec, gpu, seq_len, nodes, precision,
                                                              attention, f, tech.finetune != "full")]
         timed.sort(key=lambda c: (c[0] is not None, c[1], c[2]))
         kept = [c for c in timed if c[0] is None][:KEEP_PER_COUNT] + \
             [c for c in timed if c[0] is not None][:KEEP_PER_COUNT]
-        plans.extend(_plan(gpu, n, base, mb, precision, optimizer, attention, round(a, 4),
+        plans.extend(_plan(gpu, n, base, mb, ga, precision, optimizer, attention, round(a, 4),
                            round(r, 4), round(u, 4), st, why, nodes)
-                     for why, st, u, r, a, mb, base in kept)
+                     for why, st, u, r, a, mb, ga, base in kept)
     plans.sort(key=lambda p: (p.not_launchable is not None, p.step_time_s, p.gpus,
                               p.device_used_gib))
     closest = None
     if keep_closest and not n_fit:
-        short, n, base, mb, a, r, u = min(keep_closest, key=lambda x: x[0])
-        why = _table_rule(spec, base, n, mb)
-        closest = (short, _plan(gpu, n, base, mb, precision, optimizer, attention, a, r, u, 0.0, why,
-                                nodes_for(n, gpus_per_node)))
+        short, s, ga, mb, a, r, u = min(keep_closest, key=lambda x: x[0])
+        closest = (short, _plan(gpu, s.n, s.base, mb, ga, precision, optimizer, attention, a, r, u, 0.0,
+                                _table_rule(spec, s, ga), nodes_for(s.n, gpus_per_node)))
     return tuple(plans), closest, n_fit
 
 

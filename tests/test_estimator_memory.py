@@ -225,20 +225,34 @@ def test_fast_built_estimate_equals_a_validated_one():
 
 
 def test_stage_peaks_unpacks_the_stage_setup_by_its_field_names():
-    """``_peaks`` (``stage_peaks``, ``peak_allocated``) unpacks ``_stage_setup``'s record
-    positionally (speed): its target names must be the record's fields in order, or terms would
-    silently swap."""
+    """``peak_terms`` unpacks ``_stage_setup``'s record positionally (speed): its target names
+    must be the record's fields in order, or terms would silently swap; and ``_peaks`` must
+    unpack the batch loop's constants and each stage's terms in the order ``peak_terms`` packs
+    them."""
     import ast
     import inspect
 
     from estimator import memory
 
-    tree = ast.parse(inspect.getsource(memory._peaks).lstrip())
-    targets = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
-               and getattr(n.value.func, "id", None) == "_stage_setup"]
+    terms_src = ast.parse(inspect.getsource(memory.peak_terms).lstrip())
+    peaks_src = ast.parse(inspect.getsource(memory._peaks).lstrip())
+    targets = [n for n in ast.walk(terms_src) if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Tuple)
+               and isinstance(n.value, ast.Name) and n.value.id == "setup"]
     assert len(targets) == 1
-    names = tuple(elt.id for elt in targets[0].targets[0].elts)
-    assert names == memory._StageSetup._fields
+    assert tuple(elt.id for elt in targets[0].targets[0].elts) == memory._StageSetup._fields
+    # the batch loop's constants: packed in peak_terms, unpacked in _peaks, in one order
+    packed_c = [n.value for n in ast.walk(terms_src) if isinstance(n, ast.Assign)
+                and getattr(n.targets[0], "id", None) == "consts"]
+    unpacked_c = [n.targets[0] for n in ast.walk(peaks_src) if isinstance(n, ast.Assign)
+                  and getattr(n.value, "id", None) == "consts"]
+    assert len(packed_c) == 1 and len(unpacked_c) == 1
+    assert [e.id for e in packed_c[0].elts] == [e.id for e in unpacked_c[0].elts]
+    packed = [n for n in ast.walk(ast.parse(inspect.getsource(memory.peak_terms).lstrip()))
+              if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "append"]
+    unpacked = [n for n in ast.walk(ast.parse(inspect.getsource(memory._peaks).lstrip()))
+                if isinstance(n, ast.For) and isinstance(n.iter, ast.Name) and n.iter.id == "stages"]
+    assert len(packed) == 1 and len(unpacked) == 1
+    assert [e.id for e in packed[0].args[0].elts] == [e.id for e in unpacked[0].target.elts]
 
 
 def test_peak_allocated_equals_stage_peaks_at_each_batch_to_the_bit():
@@ -269,3 +283,33 @@ def test_peak_allocated_equals_stage_peaks_at_each_batch_to_the_bit():
                 want = [max(s.allocated for s in memory.stage_peaks(spec, replace(k, micro_batch=mb, grad_accum=ga),
                                                                    ov, cpu)) for mb, ga in batches]
                 assert got == want, (model, kw, cpu)
+
+
+def test_batch_key_tells_apart_every_accumulation_the_peaks_read():
+    """The planner shares a structure's peaks across global batches by (micro-batch,
+    ``batch_key``): two accumulations with one key must have the same peak, to the bit (plain
+    and interleaved pipelines, one stage, ZeRO-3 offload, LoRA); and the key must not merge
+    accumulations whose peaks differ (a pipeline's in-flight micro-batches)."""
+    from estimator import memory
+    from estimator.models import resolve_model, with_positions
+    from estimator.overheads import overheads_for
+
+    spec = with_positions(resolve_model("llama-2-7b"), 1024)
+    cases = [dict(), dict(zero=2, dp=4), dict(pp=2, dp=2, zero=1), dict(pp=4, dp=2),
+             dict(pp=2, vpp=2, dp=2, zero=2), dict(zero=3, dp=8, offload="optimizer"),
+             dict(finetune="lora", dp=2), dict(pp=8, act_ckpt="full")]
+    distinct_pp4 = set()
+    for kw in cases:
+        k = memory.validate_knobs(spec, seq_len=1024, **kw)
+        for cpu in (False, True):
+            ov = overheads_for(None, is_cpu=cpu)
+            for mb in (1, 2, 4):
+                gas = tuple(range(1, 17))
+                peaks = memory.peak_allocated(spec, k, ov, cpu, tuple((mb, ga) for ga in gas))
+                by_key: dict[int, float] = {}
+                for ga, a in zip(gas, peaks):
+                    assert by_key.setdefault(memory.batch_key(k, ga), a) == a, (kw, cpu, mb, ga)
+                if kw == dict(pp=4, dp=2) and not cpu and mb == 2:
+                    distinct_pp4 = set(peaks)
+    # one micro-batch (no gradients kept between), then 2, 3 and 4+ in flight on the first of 4 stages
+    assert len(distinct_pp4) == 4

@@ -226,9 +226,9 @@ def test_the_planner_times_only_plans_it_may_keep_and_keeps_what_timing_all_woul
 
     def time_all(cands, spec, gpu, seq_len, nodes, precision, attention, factors, lora=False):
         for c in cands:
-            mb, base = c[2], c[3]
+            mb, base, ga = c[2], c[3], c[5]
             shape = plans_mod._PlanShape(base.dp, base.tp, base.pp, base.cp, base.zero, base.offload,
-                                         base.act_ckpt, mb, base.grad_accum // mb, precision, attention, base.vpp)
+                                         base.act_ckpt, mb, ga, precision, attention, base.vpp)
             c[1] = step_time(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors,
                              adapters=plans_mod.lora_adapters(spec, base) if lora else None)
         return cands
@@ -260,3 +260,31 @@ def test_the_planner_times_only_plans_it_may_keep_and_keeps_what_timing_all_woul
     plans_mod._plans_cached.cache_clear()
     # and it did skip step times: fewer candidates timed than there were
     assert sum(t for _, t in timed) < sum(n for n, _ in timed)
+
+
+def test_a_global_batch_planned_after_others_gets_the_plans_of_a_fresh_planner():
+    """The structures of a job shape, their launch rules and their peaks are shared across
+    global batches; the plans of a batch asked after others (the memo filled) must be those of
+    a planner that never saw the shape, every field to the bit, interleaved pipelines too."""
+    from estimator import plans as plans_mod
+    from estimator.plan_filter import parse_plan_filter
+
+    inv = {"A100-40GB": 32, "L40S-48GB": 16, "RTX3090-24GB": 8}
+
+    def dump(job, **kw):
+        return {g: [p.model_dump() for p in ps] for g, ps in plans_for_job(job, inv, **kw).items()}
+
+    def fresh():
+        for f in (plans_mod._structure_memo, plans_mod._memory_table, plans_mod._plans_cached,
+                  plans_mod._launch_rule):
+            f.cache_clear()
+
+    for job, kw in [(dict(model="llama-3.2-1b", seq_len=2048), {}),
+                    (dict(model="llama-3.1-8b", seq_len=4096), {"plan_filter": parse_plan_filter("vpp=2")})]:
+        fresh()
+        alone = dump({**job, "global_batch": 96}, **kw)
+        fresh()
+        for gb in (32, 256, 48, 8):
+            dump({**job, "global_batch": gb}, **kw)
+        assert dump({**job, "global_batch": 96}, **kw) == alone
+        assert sum(map(len, alone.values())) > 0
