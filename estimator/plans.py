@@ -27,6 +27,7 @@ from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, batch_key, e
                      validate_knobs)
 from .models import ModelSpec, resolve_model, with_positions
 from .overheads import Overheads, overheads_for
+from .profiles import Profile, get_profile
 from .plan import Plan
 from .throughput import Adapters, Factors, calibrated_factors, shared_parts, step_time_with
 
@@ -177,13 +178,16 @@ class _Structure:
 
 @lru_cache(maxsize=64)
 def _structure_memo(spec: ModelSpec, seq_len: int, precision: str, optimizer: str, attention: str,
-                    cpu: bool, tech: _Technique, vpp: int) -> dict[tuple, _Structure | None]:
+                    cpu: bool, tech: _Technique, vpp: int, prof: Profile) -> dict[tuple, _Structure | None]:
     """The structures of a job shape met so far, whatever the global batch, GPU count limit or
     node size (none of which validation or the peaks read): (n, tp, pp, cp, zero, offload,
     act_ckpt) -> ``_Structure``, or None where the model refuses the knobs. A job mix shares a
     shape across global batches and node sizes: the full cluster04 trace on large-4type builds
-    540,228 table rows from 84,084 structures. Memory: about 3 KB per structure (~250 MB for
-    that trace's 52 shapes), bounded by the 64 shapes kept."""
+    540,228 table rows from 84,084 structures. ``prof``: the framework's profile object
+    (``PROFILES`` may be replaced at run time; validation and the peaks read it). Memory: about
+    3 KB per structure (~250 MB for that trace's 52 shapes); 64 shapes are kept, and within a
+    shape the peaks grow with the micro-batches asked (a shape planned at every global batch
+    1-200 on 32 GPUs: ~12 MB)."""
     return {}
 
 
@@ -195,7 +199,7 @@ TableRow = tuple[_Structure, int, tuple[tuple[int, float], ...], tuple[float, ..
 def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, max_gpus: int, gpus_per_node: int,
                   cpu: bool, tech: _Technique = _Technique(), cpu_kinds: bool = False,
-                  with_cp: bool = False, vpp: int = 1) -> tuple[TableRow, ...]:
+                  with_cp: bool = False, vpp: int = 1, prof: Profile | None = None) -> tuple[TableRow, ...]:
     """Every structure (gpu count, dp/tp/pp/cp, zero, offload, checkpointing) of a job shape
     with the allocated bytes of each candidate micro-batch (ascending: allocation grows with
     it; a micro-batch no GPU holds ends the row). What does not depend on the global batch
@@ -214,7 +218,8 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     pipelines) gives every pp > 1 structure that many virtual stages per rank (those whose layers
     do not split into pp x vpp equal chunks drop out); unasked, pipelines are plain 1F1B: the
     interleaved bubble term would make every pp plan prefer vpp = 2, and its extra
-    point-to-point cost is modelled from the paper, not measured on a GPU here."""
+    point-to-point cost is modelled from the paper, not measured on a GPU here.
+    ``prof``: the framework's profile object, a key only (``_structure_memo``)."""
     rows = []
     counts = sorted(set(_pow2_upto(max_gpus)) | {g for g in range(gpus_per_node, max_gpus + 1,
                                                                    gpus_per_node)})
@@ -224,7 +229,8 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     from .catalog import CATALOG
     ceiling_b = max(g.memory_gib for g in CATALOG.values()) * 4 * GIB   # room for custom types
     dp_only = cpu and not cpu_kinds
-    memo = _structure_memo(spec, seq_len, precision, optimizer, attention, cpu, tech, vpp)
+    memo = _structure_memo(spec, seq_len, precision, optimizer, attention, cpu, tech, vpp,
+                           get_profile(tech.framework))
     for n in counts:
         tps = [1] if dp_only else [t for t in _pow2_upto(min(n, gpus_per_node)) if spec.heads % t == 0
                                    and (spec.n_kv % t == 0 or t % spec.n_kv == 0)]
@@ -413,11 +419,14 @@ def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
                    fitting: list | None = None) -> list[Plan]:
     """``fitting``: gets the number of plans that fit before ``plan_filter`` kept its matches."""
     ov = overheads_for(gpu.name, is_cpu=gpu.is_cpu)
+    tech = _technique(job)
+    # the profile object is part of the caches' keys: PROFILES may be replaced at run time
     plans, closest, n_fit = _plans_cached(spec, job.seq_len, job.global_batch, job.precision,
                                           job.optimizer, job.attention, gpu, max_gpus, gpus_per_node,
-                                          float(margin), ov, _technique(job),
+                                          float(margin), ov, tech,
                                           None if host_ram_gib is None else float(host_ram_gib),
-                                          tuple(plan_filter.items()) if plan_filter else None)
+                                          tuple(plan_filter.items()) if plan_filter else None,
+                                          get_profile(tech.framework))
     if keep_closest is not None and closest is not None:
         keep_closest.append(closest)
     if fitting is not None:
@@ -429,8 +438,8 @@ def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
 def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, gpu: GPU, max_gpus: int, gpus_per_node: int,
                   margin: float, ov: Overheads, tech: _Technique = _Technique(),
-                  host_ram_gib: float | None = None, plan_filter: tuple | None = None
-                  ) -> tuple[tuple[Plan, ...], tuple[float, Plan] | None, int]:
+                  host_ram_gib: float | None = None, plan_filter: tuple | None = None,
+                  prof: Profile | None = None) -> tuple[tuple[Plan, ...], tuple[float, Plan] | None, int]:
     """The plans of one job shape on one GPU type, the closest miss when none fits (shortfall
     GiB, plan), and how many fit. With ``host_ram_gib`` (per node) offload plans whose
     offloaded states the nodes cannot hold are marked not launchable; with ``plan_filter``
@@ -444,7 +453,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                           max_gpus, gpus_per_node, gpu.is_cpu, tech,
                           gpu.is_cpu and asks_for_parallel_kind(flt),
                           not gpu.is_cpu or (bool(flt) and int(flt.get("cp", 1)) > 1),
-                          int(flt.get("vpp", 1)) if flt else 1)
+                          int(flt.get("vpp", 1)) if flt else 1, prof)
     cap = gpu.memory_gib - margin
     by_count: dict[int, list[list]] = {}
     limits: dict[tuple, float] = {}     # memory.finish_key -> the most allocated bytes that fit

@@ -313,3 +313,43 @@ def test_batch_key_tells_apart_every_accumulation_the_peaks_read():
                     distinct_pp4 = set(peaks)
     # one micro-batch (no gradients kept between), then 2, 3 and 4+ in flight on the first of 4 stages
     assert len(distinct_pp4) == 4
+
+
+def test_the_planner_s_shared_terms_read_no_batch_and_finish_key_is_all_the_limits_read():
+    """The planner keeps ``peak_terms`` per structure across global batches and asks each
+    allocation limit once per ``finish_key``: ``peak_terms`` and ``_peaks`` must read neither the
+    knobs' micro-batch nor their accumulation (the batches come as arguments), and knobs with one
+    ``finish_key`` must get the same limit and the same finish on every GPU type's overheads."""
+    import ast
+    import inspect
+    import itertools
+
+    from estimator import memory
+    from estimator.models import resolve_model, with_positions
+    from estimator.overheads import overheads_for
+
+    for fn in (memory.peak_terms, memory._peaks):
+        tree = ast.parse(inspect.getsource(fn).lstrip())
+        read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Name) and n.value.id == "k"}
+        assert not read & {"micro_batch", "grad_accum"}, (fn.__name__, read)
+
+    spec = with_positions(resolve_model("llama-3.2-1b"), 2048)
+    knobs = []
+    for dp, tp, pp, zero, off, ck, ft, alloc in itertools.product(
+            (1, 2), (1, 2), (1, 2), (0, 2, 3), ("none", "optimizer"), ("none", "full"),
+            ("full", "lora"), ("default", "expandable")):
+        try:
+            knobs.append(memory.validate_knobs(spec, seq_len=2048, dp=dp, tp=tp, pp=pp, zero=zero,
+                                               offload=off, act_ckpt=ck, finetune=ft, allocator=alloc))
+        except FrenzyInputError:
+            pass
+    groups: dict[tuple, list] = {}
+    for k in knobs:
+        groups.setdefault(memory.finish_key(k), []).append(k)
+    assert len(groups) > 8 and any(len(g) > 4 for g in groups.values())
+    for gpu in (None, "H100-80GB", "A10-24GB", "RTX4090-24GB"):
+        ov = overheads_for(gpu, is_cpu=False)
+        for g in groups.values():
+            assert len({memory._alloc_limit_b(70.0, ov, k) for k in g}) == 1
+            assert len({memory._finish(3e10, ov, k) for k in g}) == 1

@@ -288,3 +288,31 @@ def test_a_global_batch_planned_after_others_gets_the_plans_of_a_fresh_planner()
             dump({**job, "global_batch": gb}, **kw)
         assert dump({**job, "global_batch": 96}, **kw) == alone
         assert sum(map(len, alone.values())) > 0
+
+
+def test_a_replaced_framework_profile_is_planned_afresh(monkeypatch):
+    """``estimator.profiles.PROFILES`` may be replaced at run time: the planner's caches (the
+    shape's structures, its tables, its plans) are keyed by the profile object, so plans after
+    a replacement are a fresh planner's, for a batch seen before and a new one."""
+    import dataclasses
+
+    from estimator import plans as plans_mod, profiles
+
+    inv = {"A100-40GB": 16}
+    job = dict(model="llama-3.2-1b", seq_len=2048)
+
+    def dump(gb):
+        return {g: [p.model_dump() for p in ps]
+                for g, ps in plans_for_job({**job, "global_batch": gb}, inv).items()}
+
+    def fresh():
+        for f in (plans_mod._structure_memo, plans_mod._memory_table, plans_mod._plans_cached):
+            f.cache_clear()
+
+    before = dump(32)
+    monkeypatch.setitem(profiles.PROFILES, "frenzy",
+                        dataclasses.replace(profiles.PROFILES["frenzy"], zero_bucket_elems=5e9))
+    warm = dump(32), dump(64)
+    fresh()
+    assert warm == (dump(32), dump(64))
+    assert warm[0] != before          # the bucket term moved the ZeRO plans' memory
