@@ -41,6 +41,35 @@ def make_client(api_url: str | None = None, api_key: str | None = None, timeout_
     return httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
 
 
+# Answers that say "not now" rather than "no": what Prefect's own client retries (408, 429, 502,
+# 503: a server whose database is busy answers 503 and has rolled the request back), and 504.
+RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
+RETRIES = 5                     # Prefect's default (PREFECT_CLIENT_MAX_RETRIES)
+BACKOFF_S = 0.5                 # then 1, 2, 4, 8 s: ~15 s in all, within an Airflow task's patience
+
+
+def _send(client: httpx.Client, method: str, url: str, **kw: Any) -> httpx.Response:
+    """One API call, sent again on a transient answer (``RETRY_STATUSES``, a Retry-After header
+    honoured up to 30 s) or when the connection could not be made (nothing was sent); any other
+    answer is returned as it is."""
+    for attempt in range(RETRIES + 1):
+        delay = BACKOFF_S * 2 ** attempt
+        try:
+            r = client.request(method, url, **kw)
+        except httpx.ConnectError:
+            if attempt == RETRIES:
+                raise
+        else:
+            if r.status_code not in RETRY_STATUSES or attempt == RETRIES:
+                return r
+            try:
+                delay = min(30.0, float(r.headers.get("retry-after", delay)))
+            except ValueError:
+                pass
+        time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
 def _check(r: httpx.Response, what: str) -> Any:
     if r.status_code >= 400:
         raise RuntimeError(f"{what}: HTTP {r.status_code}: {r.text[:500]}")
@@ -52,7 +81,7 @@ def find_deployment(client: httpx.Client, name: str) -> dict:
     if "/" not in name:
         raise ValueError(f"deployment: {name!r} must be '<flow name>/<deployment name>'")
     flow, dep = name.split("/", 1)
-    r = client.get(f"/deployments/name/{quote(flow, safe='')}/{quote(dep, safe='')}")
+    r = _send(client, "GET", f"/deployments/name/{quote(flow, safe='')}/{quote(dep, safe='')}")
     if r.status_code == 404:
         raise ValueError(f"deployment: no deployment {name!r} on the Prefect server")
     return _check(r, f"read deployment {name}")
@@ -72,14 +101,14 @@ def trigger(client: httpx.Client, deployment: str, *, parameters: Mapping[str, A
         body["idempotency_key"] = idempotency_key
     if name:
         body["name"] = name
-    r = client.post(f"/deployments/{dep['id']}/create_flow_run", json=body)
+    r = _send(client, "POST", f"/deployments/{dep['id']}/create_flow_run", json=body)
     if r.status_code == 409:
         raise ValueError(f"parameters: rejected by the Prefect server: {r.text[:500]}")
     return _check(r, f"create a run of {deployment}")
 
 
 def read_flow_run(client: httpx.Client, flow_run_id: str) -> dict:
-    return _check(client.get(f"/flow_runs/{flow_run_id}"), f"read flow run {flow_run_id}")
+    return _check(_send(client, "GET", f"/flow_runs/{flow_run_id}"), f"read flow run {flow_run_id}")
 
 
 def state_type(flow_run: Mapping[str, Any]) -> str:

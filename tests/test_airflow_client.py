@@ -178,3 +178,44 @@ def _fail_when_created(http, deployment: str, key: str) -> None:
             _finish_later(http, runs[0]["id"], "CRASHED", after_s=0).join()
             return
         time.sleep(0.2)
+
+
+def test_a_busy_server_is_asked_again_and_a_refusal_is_not(monkeypatch):
+    """A Prefect server whose database is busy answers 503 (the request rolled back): the client
+    asks again with backoff, as Prefect's own client does; an error that is not transient (500)
+    is reported at once. A real HTTP server on a local port plays the busy Prefect server."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answers = {"busy": [503, 503, 200], "broken": [500, 200]}
+    asked: dict[str, int] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):                                   # /api/flow_runs/<which>
+            which = self.path.rsplit("/", 1)[-1]
+            n = asked[which] = asked.get(which, 0) + 1
+            code = answers[which][min(n, len(answers[which])) - 1]
+            body = json.dumps({"id": which} if code == 200 else {"exception_message": "nope"}).encode()
+            self.send_response(code)
+            if code == 503:
+                self.send_header("Retry-After", "0")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(af, "BACKOFF_S", 0.01)
+    try:
+        with af.make_client(f"http://127.0.0.1:{server.server_port}/api") as c:
+            assert af.read_flow_run(c, "busy") == {"id": "busy"}
+            assert asked["busy"] == 3
+            with pytest.raises(RuntimeError, match="HTTP 500"):
+                af.read_flow_run(c, "broken")
+            assert asked["broken"] == 1
+    finally:
+        server.shutdown()
