@@ -40,9 +40,7 @@ def bench_estimate(n: int = 5000, clock=time.perf_counter) -> float:
 def bench_plans(reps: int = 50) -> tuple[float, float, float, float, int]:
     job = dict(model="llama-3.1-8b", seq_len=4096, global_batch=256)
     inv = {g: 64 for g in list(GPU_NAMES)[:8]}
-    plans_mod._structure_memo.cache_clear()
-    plans_mod._memory_table.cache_clear()
-    plans_mod._plans_cached.cache_clear()
+    plans_mod.clear_caches()
     t = time.perf_counter()
     out = plans_mod.plans_for_job(job, inv)
     cold = (time.perf_counter() - t) * 1e3

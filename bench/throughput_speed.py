@@ -57,9 +57,7 @@ def captured_calls() -> list[tuple]:
     def timed(sh, zero, offload):
         calls.append(("time", sh, zero, offload))
         return saved[1](sh, zero, offload)
-    plans_mod._structure_memo.cache_clear()
-    plans_mod._memory_table.cache_clear()
-    plans_mod._plans_cached.cache_clear()
+    plans_mod.clear_caches()
     plans_mod.shared_parts, plans_mod.step_time_with = shared, timed
     try:
         plans_mod.plans_for_job(JOB, {g: 64 for g in list(GPU_NAMES)[:8]})
@@ -90,9 +88,7 @@ def main() -> None:
         return statistics.median(times)
     job_ms, job_cpu = job(time.perf_counter), job(time.process_time)
     inv = {g: 64 for g in list(GPU_NAMES)[:8]}
-    plans_mod._structure_memo.cache_clear()
-    plans_mod._memory_table.cache_clear()
-    plans_mod._plans_cached.cache_clear()
+    plans_mod.clear_caches()
     t = time.perf_counter()
     plans_mod.plans_for_job(JOB, inv)
     cold = (time.perf_counter() - t) * 1e3

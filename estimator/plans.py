@@ -165,15 +165,14 @@ class _Structure:
     accumulation 1 (``base``; validation reads the accumulation only to refuse
     optimizer-in-backward beside it, which the planner never asks), the batch-independent part
     of its peaks (``memory.peak_terms``), the peaks asked so far by (micro-batch,
-    ``memory.batch_key``), and the trainer's launch rule (``rule``, None until asked; it reads
-    the accumulation only for interleaved pipelines)."""
+    ``memory.batch_key``), and the trainer's launch rule (``rule``; an interleaved pipeline's
+    reads the accumulation, so ``_table_rule`` asks it per accumulation instead)."""
 
     __slots__ = ("n", "base", "fin_key", "terms", "peaks", "rule")
 
-    def __init__(self, n: int, base: Knobs, terms: tuple):
-        self.n, self.base, self.fin_key, self.terms = n, base, finish_key(base), terms
+    def __init__(self, n: int, base: Knobs, terms: tuple, rule: str | None):
+        self.n, self.base, self.fin_key, self.terms, self.rule = n, base, finish_key(base), terms, rule
         self.peaks: dict[tuple[int, int], float] = {}
-        self.rule: tuple[str | None] | None = None
 
 
 @lru_cache(maxsize=64)
@@ -199,7 +198,7 @@ TableRow = tuple[_Structure, int, tuple[tuple[int, float], ...], tuple[float, ..
 def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, max_gpus: int, gpus_per_node: int,
                   cpu: bool, tech: _Technique = _Technique(), cpu_kinds: bool = False,
-                  with_cp: bool = False, vpp: int = 1, prof: Profile | None = None) -> tuple[TableRow, ...]:
+                  with_cp: bool = False, vpp: int = 1, *, prof: Profile) -> tuple[TableRow, ...]:
     """Every structure (gpu count, dp/tp/pp/cp, zero, offload, checkpointing) of a job shape
     with the allocated bytes of each candidate micro-batch (ascending: allocation grows with
     it; a micro-batch no GPU holds ends the row). What does not depend on the global batch
@@ -219,7 +218,7 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     do not split into pp x vpp equal chunks drop out); unasked, pipelines are plain 1F1B: the
     interleaved bubble term would make every pp plan prefer vpp = 2, and its extra
     point-to-point cost is modelled from the paper, not measured on a GPU here.
-    ``prof``: the framework's profile object, a key only (``_structure_memo``)."""
+    ``prof``: the framework's profile object (``PROFILES`` may be replaced at run time)."""
     rows = []
     counts = sorted(set(_pow2_upto(max_gpus)) | {g for g in range(gpus_per_node, max_gpus + 1,
                                                                    gpus_per_node)})
@@ -229,8 +228,7 @@ def _memory_table(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
     from .catalog import CATALOG
     ceiling_b = max(g.memory_gib for g in CATALOG.values()) * 4 * GIB   # room for custom types
     dp_only = cpu and not cpu_kinds
-    memo = _structure_memo(spec, seq_len, precision, optimizer, attention, cpu, tech, vpp,
-                           get_profile(tech.framework))
+    memo = _structure_memo(spec, seq_len, precision, optimizer, attention, cpu, tech, vpp, prof)
     for n in counts:
         tps = [1] if dp_only else [t for t in _pow2_upto(min(n, gpus_per_node)) if spec.heads % t == 0
                                    and (spec.n_kv % t == 0 or t % spec.n_kv == 0)]
@@ -277,7 +275,7 @@ def _new_structure(spec: ModelSpec, seq_len: int, n: int, dp: int, tp: int, pp: 
                               lora_dropout=tech.lora_dropout)
     except FrenzyInputError:
         return None
-    return _Structure(n, base, peak_terms(spec, base, ov, cpu))
+    return _Structure(n, base, peak_terms(spec, base, ov, cpu), _structure_rule(spec, base, n, 1))
 
 
 def _table_allocs(spec: ModelSpec, s: _Structure, per_rank: int, mbs: list[int], ov: Overheads,
@@ -300,6 +298,14 @@ def _table_allocs(spec: ModelSpec, s: _Structure, per_rank: int, mbs: list[int],
         if a > ceiling_b:     # no GPU holds this: larger ones neither
             break
     return tuple(allocs), tuple(a for _, a in allocs)
+
+
+def clear_caches() -> None:
+    """Forget every job shape the planner has seen (structures, memory tables, plans, launch
+    rules): the next plans are a planner's that never saw them (speed benchmarks' cold figures,
+    tests)."""
+    for cache in (_structure_memo, _memory_table, _plans_cached, _launch_rule):
+        cache.cache_clear()
 
 
 def _layouts(spec: ModelSpec, n: int, tps: list[int], gpus_per_node: int, seq_len: int,
@@ -376,17 +382,16 @@ def heads_rule(tp: int, cp: int, heads: int, kv_heads: int | None = None, pp: in
     return None
 
 
+def _structure_rule(spec: ModelSpec, base: Knobs, n: int, ga: int) -> str | None:
+    """``_launch_rule`` of a structure's knobs on ``n`` GPUs with gradient accumulation ``ga``."""
+    return _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads,
+                        spec.n_kv, spec.arch, vpp=base.vpp, grad_accum=ga, layers=spec.layers)
+
+
 def _table_rule(spec: ModelSpec, s: _Structure, ga: int) -> str | None:
-    """``_launch_rule`` of a structure run with gradient accumulation ``ga``: asked once per
-    structure unless its pipeline is interleaved (the one rule that reads ``ga``)."""
-    base = s.base
-    if base.vpp > 1:
-        return _launch_rule(base.tp, base.pp, base.cp, s.n, base.dp, base.zero, base.offload, spec.heads,
-                            spec.n_kv, spec.arch, vpp=base.vpp, grad_accum=ga, layers=spec.layers)
-    if s.rule is None:
-        s.rule = (_launch_rule(base.tp, base.pp, base.cp, s.n, base.dp, base.zero, base.offload, spec.heads,
-                               spec.n_kv, spec.arch, vpp=1, grad_accum=1, layers=spec.layers),)
-    return s.rule[0]
+    """The launch rule of a structure run with gradient accumulation ``ga``: the structure's own
+    unless its pipeline is interleaved (the one rule that reads ``ga``)."""
+    return s.rule if s.base.vpp == 1 else _structure_rule(spec, s.base, s.n, ga)
 
 
 def not_launchable_reason(plan: Plan, spec: ModelSpec | None = None) -> str | None:
@@ -426,7 +431,7 @@ def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
                                           float(margin), ov, tech,
                                           None if host_ram_gib is None else float(host_ram_gib),
                                           tuple(plan_filter.items()) if plan_filter else None,
-                                          get_profile(tech.framework))
+                                          prof=get_profile(tech.framework))
     if keep_closest is not None and closest is not None:
         keep_closest.append(closest)
     if fitting is not None:
@@ -438,8 +443,8 @@ def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
 def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: str,
                   optimizer: str, attention: str, gpu: GPU, max_gpus: int, gpus_per_node: int,
                   margin: float, ov: Overheads, tech: _Technique = _Technique(),
-                  host_ram_gib: float | None = None, plan_filter: tuple | None = None,
-                  prof: Profile | None = None) -> tuple[tuple[Plan, ...], tuple[float, Plan] | None, int]:
+                  host_ram_gib: float | None = None, plan_filter: tuple | None = None, *,
+                  prof: Profile) -> tuple[tuple[Plan, ...], tuple[float, Plan] | None, int]:
     """The plans of one job shape on one GPU type, the closest miss when none fits (shortfall
     GiB, plan), and how many fit. With ``host_ram_gib`` (per node) offload plans whose
     offloaded states the nodes cannot hold are marked not launchable; with ``plan_filter``
@@ -453,7 +458,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                           max_gpus, gpus_per_node, gpu.is_cpu, tech,
                           gpu.is_cpu and asks_for_parallel_kind(flt),
                           not gpu.is_cpu or (bool(flt) and int(flt.get("cp", 1)) > 1),
-                          int(flt.get("vpp", 1)) if flt else 1, prof)
+                          int(flt.get("vpp", 1)) if flt else 1, prof=prof)
     cap = gpu.memory_gib - margin
     by_count: dict[int, list[list]] = {}
     limits: dict[tuple, float] = {}     # memory.finish_key -> the most allocated bytes that fit

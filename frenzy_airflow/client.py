@@ -31,16 +31,6 @@ def idempotency_key(dag_id: str, task_id: str, run_id: str, map_index: int = -1)
     return key if map_index < 0 else f"{key}:{map_index}"
 
 
-def make_client(api_url: str | None = None, api_key: str | None = None, timeout_s: float = 30.0) -> httpx.Client:
-    """An HTTP client for a Prefect API (``http://host:4200/api``, or a Prefect Cloud workspace
-    URL with an API key)."""
-    url = (api_url or os.environ.get("PREFECT_API_URL") or "").rstrip("/")
-    if not url:
-        raise ValueError("api_url: give the Prefect API URL (or set PREFECT_API_URL)")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
-
-
 # Answers that say "not now" rather than "no": what Prefect's own client retries (408, 429, 502,
 # 503: a server whose database is busy answers 503 and has rolled the request back), and 504.
 RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
@@ -48,26 +38,31 @@ RETRIES = 5                     # Prefect's default (PREFECT_CLIENT_MAX_RETRIES)
 BACKOFF_S = 0.5                 # then 1, 2, 4, 8 s: ~15 s in all, within an Airflow task's patience
 
 
+def make_client(api_url: str | None = None, api_key: str | None = None, timeout_s: float = 30.0) -> httpx.Client:
+    """An HTTP client for a Prefect API (``http://host:4200/api``, or a Prefect Cloud workspace
+    URL with an API key); a connection that cannot be made is tried again ``RETRIES`` times
+    (httpx's transport: nothing was sent, so any call may be)."""
+    url = (api_url or os.environ.get("PREFECT_API_URL") or "").rstrip("/")
+    if not url:
+        raise ValueError("api_url: give the Prefect API URL (or set PREFECT_API_URL)")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(base_url=url, headers=headers, timeout=timeout_s,
+                        transport=httpx.HTTPTransport(retries=RETRIES))
+
+
 def _send(client: httpx.Client, method: str, url: str, **kw: Any) -> httpx.Response:
-    """One API call, sent again on a transient answer (``RETRY_STATUSES``, a Retry-After header
-    honoured up to 30 s) or when the connection could not be made (nothing was sent); any other
-    answer is returned as it is."""
-    for attempt in range(RETRIES + 1):
-        delay = BACKOFF_S * 2 ** attempt
+    """One API call, sent again on a transient answer (``RETRY_STATUSES``), after a backoff or
+    the answer's Retry-After (at most 30 s); any other answer, and the last one, as it is."""
+    for attempt in range(RETRIES):
+        r = client.request(method, url, **kw)
+        if r.status_code not in RETRY_STATUSES:
+            return r
         try:
-            r = client.request(method, url, **kw)
-        except httpx.ConnectError:
-            if attempt == RETRIES:
-                raise
-        else:
-            if r.status_code not in RETRY_STATUSES or attempt == RETRIES:
-                return r
-            try:
-                delay = min(30.0, float(r.headers.get("retry-after", delay)))
-            except ValueError:
-                pass
+            delay = min(30.0, float(r.headers["retry-after"]))
+        except (KeyError, ValueError):
+            delay = BACKOFF_S * 2 ** attempt
         time.sleep(delay)
-    raise AssertionError("unreachable")
+    return client.request(method, url, **kw)
 
 
 def _check(r: httpx.Response, what: str) -> Any:

@@ -247,9 +247,10 @@ def test_stage_peaks_unpacks_the_stage_setup_by_its_field_names():
                   and getattr(n.value, "id", None) == "consts"]
     assert len(packed_c) == 1 and len(unpacked_c) == 1
     assert [e.id for e in packed_c[0].elts] == [e.id for e in unpacked_c[0].elts]
-    packed = [n for n in ast.walk(ast.parse(inspect.getsource(memory.peak_terms).lstrip()))
+    # each stage's terms: appended in peak_terms, the loop target in _peaks, in one order
+    packed = [n for n in ast.walk(terms_src)
               if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "append"]
-    unpacked = [n for n in ast.walk(ast.parse(inspect.getsource(memory._peaks).lstrip()))
+    unpacked = [n for n in ast.walk(peaks_src)
                 if isinstance(n, ast.For) and isinstance(n.iter, ast.Name) and n.iter.id == "stages"]
     assert len(packed) == 1 and len(unpacked) == 1
     assert [e.id for e in packed[0].args[0].elts] == [e.id for e in unpacked[0].target.elts]
