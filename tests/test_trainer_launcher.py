@@ -108,15 +108,10 @@ def test_launch_env_sets_devices_attempt_and_cpu_mode():
 def test_prepare_tests_removes_only_stale_extension_build_locks(tmp_path):
     """A killed DeepSpeed op build leaves torch's lock file, on which every later build waits
     forever; ``scripts/prepare_tests.py`` removes locks older than any build, not fresh ones."""
-    import importlib.util
     import os
     import time
-    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(
-        "prepare_tests", Path(__file__).resolve().parents[1] / "scripts" / "prepare_tests.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _prepare_tests_module()
     old, new = tmp_path / "cpu_adam" / "lock", tmp_path / "shm" / "lock"
     for p in (old, new):
         p.parent.mkdir()
@@ -125,6 +120,50 @@ def test_prepare_tests_removes_only_stale_extension_build_locks(tmp_path):
     os.utime(old, (now - mod.STALE_BUILD_LOCK_S - 60, now - mod.STALE_BUILD_LOCK_S - 60))
     assert mod.clear_stale_build_locks(str(tmp_path), now) == [old]
     assert not old.exists() and new.exists()
+
+
+def _prepare_tests_module():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "prepare_tests", Path(__file__).resolve().parents[1] / "scripts" / "prepare_tests.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_prepare_tests_knows_a_killed_build_by_its_mark_and_a_live_one_by_its_flock(tmp_path):
+    """An interrupted `make test` leaves torch's lock file, fresh: the next prepare step sees its
+    own mark still set and removes the lock at once instead of waiting 30 min; a build process
+    outliving its step keeps the mark taken, so nothing removes the lock of a live build."""
+    import fcntl
+    import subprocess
+    import sys
+
+    mod = _prepare_tests_module()
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    with mod.build_guard(str(tmp_path)) as (_, killed):
+        assert not killed                                   # no build through the mark before
+    assert mod.clear_stale_build_locks(str(tmp_path)) == [] and lock.exists()   # fresh: kept
+    with pytest.raises(KeyboardInterrupt):
+        with mod.build_guard(str(tmp_path)):
+            raise KeyboardInterrupt                         # Ctrl-C during the build
+    with mod.build_guard(str(tmp_path)) as (fd, killed):
+        assert killed
+        assert mod.clear_stale_build_locks(str(tmp_path), all_stale=killed) == [lock]
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(fd,))
+    try:
+        with open(tmp_path / mod.BUILD_MARK) as f:
+            with pytest.raises(BlockingIOError):            # the step is done, its build is not
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        child.kill()
+        child.wait()
+    with mod.build_guard(str(tmp_path)) as (_, killed):
+        assert not killed                                   # the last build ended normally
 
 
 def test_a_gpu_launch_reports_expandable_segments_and_a_users_own_setting_wins(monkeypatch):
