@@ -75,12 +75,21 @@ class _PlanShape:
     matmul_precision: str = "default"   # the planner's plans run at the default (Plan's default)
 
 
-def _time_fastest(cands: list[list], spec: ModelSpec, gpu: GPU, seq_len: int, nodes: int,
-                  precision: str, attention: str, factors: Factors, lora: bool = False) -> list[list]:
-    """The candidates of one GPU count (``[why, None, micro_batch, base, allocated bytes,
-    grad_accum]``,
-    table order) that may be among the ``KEEP_PER_COUNT`` fastest of their kind (launchable,
-    or not), with their step times filled in, in table order.
+class _Candidate:
+    """A structure at its largest micro-batch that fits one GPU type: the plan it would be
+    (``why`` it cannot launch, or None), before its step time (``step_time``, filled in by
+    ``_time_fastest`` for the candidates that may be kept)."""
+
+    __slots__ = ("why", "step_time", "mb", "base", "alloc_b", "ga")
+
+    def __init__(self, why: str | None, mb: int, base: Knobs, alloc_b: float, ga: int):
+        self.why, self.step_time, self.mb, self.base, self.alloc_b, self.ga = why, None, mb, base, alloc_b, ga
+
+
+def _time_fastest(cands: list[_Candidate], spec: ModelSpec, gpu: GPU, seq_len: int, nodes: int,
+                  precision: str, attention: str, factors: Factors, lora: bool = False) -> list[_Candidate]:
+    """The candidates of one GPU count (table order) that may be among the ``KEEP_PER_COUNT``
+    fastest of their kind (launchable, or not), with their step times filled in, in table order.
 
     Candidates that differ only in ZeRO stage and offload share a shape (tp, pp, cp,
     micro-batch, checkpointing; dp and nodes follow from the count): what their step times
@@ -93,32 +102,32 @@ def _time_fastest(cands: list[list], spec: ModelSpec, gpu: GPU, seq_len: int, no
     they are fp32 follows the ZeRO stage) are part of its shape."""
     shared: dict[tuple, tuple] = {}
 
-    def shared_of(c: list) -> tuple:
-        mb, base = c[2], c[3]
+    def shared_of(c: _Candidate) -> tuple:
+        mb, base = c.mb, c.base
         ad = lora_adapters(spec, base) if lora else None
         key = (base.tp, base.pp, base.cp, mb, base.act_ckpt, ad)
         sh = shared.get(key)
         if sh is None:
             shape = _PlanShape(base.dp, base.tp, base.pp, base.cp, base.zero, base.offload, base.act_ckpt, mb,
-                               c[5], precision, attention, base.vpp)
+                               c.ga, precision, attention, base.vpp)
             sh = shared[key] = shared_parts(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors,
                                             adapters=ad)
         return sh
 
-    n_launchable = sum(1 for c in cands if c[0] is None)
+    n_launchable = sum(1 for c in cands if c.why is None)
     crowded = {True: n_launchable > KEEP_PER_COUNT, False: len(cands) - n_launchable > KEEP_PER_COUNT}
     # all of a kind are kept when there are no more than KEEP_PER_COUNT: timed without a floor
-    order = sorted((shared_of(c)[0] if crowded[c[0] is None] else -math.inf, i) for i, c in enumerate(cands))
+    order = sorted((shared_of(c)[0] if crowded[c.why is None] else -math.inf, i) for i, c in enumerate(cands))
     fastest: dict[bool, list[float]] = {True: [], False: []}     # launchable? -> best step times
     for fl, i in order:
         c = cands[i]
-        best = fastest[c[0] is None]
+        best = fastest[c.why is None]
         if len(best) >= KEEP_PER_COUNT and fl > best[-1]:
             continue
-        c[1] = st = step_time_with(shared_of(c), c[3].zero, c[3].offload)
+        c.step_time = st = step_time_with(shared_of(c), c.base.zero, c.base.offload)
         insort(best, st)
         del best[KEEP_PER_COUNT:]
-    return [c for c in cands if c[1] is not None]
+    return [c for c in cands if c.step_time is not None]
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -460,7 +469,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                           not gpu.is_cpu or (bool(flt) and int(flt.get("cp", 1)) > 1),
                           int(flt.get("vpp", 1)) if flt else 1, prof=prof)
     cap = gpu.memory_gib - margin
-    by_count: dict[int, list[list]] = {}
+    by_count: dict[int, list[_Candidate]] = {}
     limits: dict[tuple, float] = {}     # memory.finish_key -> the most allocated bytes that fit
     for s, per_rank, allocs, alloc_values in table:
         base, n = s.base, s.n
@@ -477,23 +486,22 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         mb, a_b = allocs[j - 1]
         ga = per_rank // mb
         why = _table_rule(spec, s, ga) or _host_rule(spec, base, n, gpus_per_node, host_ram_gib)
-        # the step time (None here) is filled in by _time_fastest, for those that may be kept
-        by_count.setdefault(n, []).append([why, None, mb, base, a_b, ga])
+        by_count.setdefault(n, []).append(_Candidate(why, mb, base, a_b, ga))
     plans = []
     n_fit = sum(len(c) for c in by_count.values())
     f = calibrated_factors()        # one snapshot of the calibration file for the whole type
     for n, cands in by_count.items():
         nodes = nodes_for(n, gpus_per_node)
         if flt:     # on the knobs alone (memory and step time are not filter knobs)
-            cands = [c for c in cands if matches(_plan(gpu, n, c[3], c[2], c[5], precision, optimizer,
-                                                       attention, 0.0, 0.0, 0.0, 0.0, c[0], nodes),
+            cands = [c for c in cands if matches(_plan(gpu, n, c.base, c.mb, c.ga, precision, optimizer,
+                                                       attention, 0.0, 0.0, 0.0, 0.0, c.why, nodes),
                                                  flt, gpus_per_node)]
         # every launchable plan is considered before the best few per count are kept, so
         # faster plans the trainer cannot launch never crowd out the ones it can; memory
         # figures and Plan objects are made for the timed and the kept ones only
-        timed = [(why, st, *_finish(a_b, ov, base)[::-1], mb, ga, base)
-                 for why, st, mb, base, a_b, ga in _time_fastest(cands, spec, gpu, seq_len, nodes, precision,
-                                                             attention, f, tech.finetune != "full")]
+        timed = [(c.why, c.step_time, *_finish(c.alloc_b, ov, c.base)[::-1], c.mb, c.ga, c.base)
+                 for c in _time_fastest(cands, spec, gpu, seq_len, nodes, precision, attention, f,
+                                        tech.finetune != "full")]
         timed.sort(key=lambda c: (c[0] is not None, c[1], c[2]))
         kept = [c for c in timed if c[0] is None][:KEEP_PER_COUNT] + \
             [c for c in timed if c[0] is not None][:KEEP_PER_COUNT]

@@ -226,10 +226,10 @@ def test_the_planner_times_only_plans_it_may_keep_and_keeps_what_timing_all_woul
 
     def time_all(cands, spec, gpu, seq_len, nodes, precision, attention, factors, lora=False):
         for c in cands:
-            mb, base, ga = c[2], c[3], c[5]
+            base = c.base
             shape = plans_mod._PlanShape(base.dp, base.tp, base.pp, base.cp, base.zero, base.offload,
-                                         base.act_ckpt, mb, ga, precision, attention, base.vpp)
-            c[1] = step_time(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors,
+                                         base.act_ckpt, c.mb, c.ga, precision, attention, base.vpp)
+            c.step_time = step_time(spec, shape, gpu, seq_len=seq_len, nodes=nodes, factors=factors,
                              adapters=plans_mod.lora_adapters(spec, base) if lora else None)
         return cands
 
