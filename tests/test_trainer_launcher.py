@@ -105,65 +105,81 @@ def test_launch_env_sets_devices_attempt_and_cpu_mode():
     assert "torch_extensions" in ds["TORCH_EXTENSIONS_DIR"]
 
 
-def test_prepare_tests_removes_only_stale_extension_build_locks(tmp_path):
+def test_stale_extension_build_locks_are_removed_by_age(tmp_path):
     """A killed DeepSpeed op build leaves torch's lock file, on which every later build waits
-    forever; ``scripts/prepare_tests.py`` removes locks older than any build, not fresh ones."""
+    forever; a lock no build mark explains is removed once older than any build, not before."""
     import os
-    import time
 
-    mod = _prepare_tests_module()
+    from trainer import op_builds
+
     old, new = tmp_path / "cpu_adam" / "lock", tmp_path / "shm" / "lock"
     for p in (old, new):
         p.parent.mkdir()
         p.touch()
     now = time.time()
-    os.utime(old, (now - mod.STALE_BUILD_LOCK_S - 60, now - mod.STALE_BUILD_LOCK_S - 60))
-    assert mod.clear_stale_build_locks(str(tmp_path), now) == [old]
+    os.utime(old, (now - op_builds.STALE_BUILD_LOCK_S - 60, now - op_builds.STALE_BUILD_LOCK_S - 60))
+    assert op_builds.clear_stale_build_locks(str(tmp_path), now) == [old]
     assert not old.exists() and new.exists()
 
 
-def _prepare_tests_module():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "prepare_tests", Path(__file__).resolve().parents[1] / "scripts" / "prepare_tests.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_prepare_tests_knows_a_killed_build_by_its_mark_and_a_live_one_by_its_flock(tmp_path):
-    """An interrupted `make test` leaves torch's lock file, fresh: the next prepare step sees its
-    own mark still set and removes the lock at once instead of waiting 30 min; a build process
-    outliving its step keeps the mark taken, so nothing removes the lock of a live build."""
+def test_a_killed_build_is_known_by_its_mark_and_a_live_one_by_its_flock(tmp_path):
+    """A run (or `make test`) killed while DeepSpeed's ops compile leaves torch's lock file,
+    fresh: the next build sees the mark still set and removes the lock at once instead of
+    hanging on it; a build process outliving its caller keeps the mark taken, so nothing removes
+    the lock of a live build."""
     import fcntl
     import subprocess
-    import sys
 
-    mod = _prepare_tests_module()
+    from trainer import op_builds
+
     lock = tmp_path / "cpu_adam" / "lock"
     lock.parent.mkdir()
     lock.touch()
-    with mod.build_guard(str(tmp_path)) as (_, killed):
-        assert not killed                                   # no build through the mark before
-    assert mod.clear_stale_build_locks(str(tmp_path)) == [] and lock.exists()   # fresh: kept
+    with op_builds.build_guard(str(tmp_path)) as mark:
+        assert not mark.killed                              # no build through the mark before
+        mark.done()
+    assert op_builds.clear_stale_build_locks(str(tmp_path)) == [] and lock.exists()   # fresh: kept
     with pytest.raises(KeyboardInterrupt):
-        with mod.build_guard(str(tmp_path)):
-            raise KeyboardInterrupt                         # Ctrl-C during the build
-    with mod.build_guard(str(tmp_path)) as (fd, killed):
-        assert killed
-        assert mod.clear_stale_build_locks(str(tmp_path), all_stale=killed) == [lock]
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(fd,))
+        with op_builds.build_guard(str(tmp_path)):
+            raise KeyboardInterrupt                         # a stop during the build
+    with op_builds.build_guard(str(tmp_path)) as mark:
+        assert mark.killed
+        assert op_builds.clear_stale_build_locks(str(tmp_path), all_stale=mark.killed) == [lock]
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(mark.fd,))
+        mark.done()
     try:
-        with open(tmp_path / mod.BUILD_MARK) as f:
-            with pytest.raises(BlockingIOError):            # the step is done, its build is not
+        with open(tmp_path / op_builds.BUILD_MARK) as f:
+            with pytest.raises(BlockingIOError):            # the caller is done, its build is not
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
         child.kill()
         child.wait()
-    with mod.build_guard(str(tmp_path)) as (_, killed):
-        assert not killed                                   # the last build ended normally
+    with op_builds.build_guard(str(tmp_path)) as mark:
+        assert not mark.killed                              # the last build ended normally
+    with op_builds.build_guard(str(tmp_path)) as mark:
+        assert mark.killed                                  # ... and this one did not say so
+
+
+def test_a_launch_builds_only_the_ops_its_machine_lacks(tmp_path):
+    """``ensure_cpu_ops`` compiles nothing when the ops are there (no DeepSpeed import, no child),
+    asks CPU Adam only of offload plans, and a failed build is reported in one line, not raised."""
+    from trainer import op_builds
+
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "DS_ACCELERATOR": "cpu"}
+    for b in (op_builds.SHM_COMM, op_builds.CPU_ADAM):
+        name = op_builds.CPU_OP_NAMES[b]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.so").touch()
+    said: list[str] = []
+    assert op_builds.ensure_cpu_ops(env, offload=True, log=said.append) is None and said == []
+    (tmp_path / "cpu_adam" / "cpu_adam.so").unlink()
+    assert op_builds.ensure_cpu_ops(env, offload=False, log=said.append) is None and said == []
+    assert op_builds.missing_ops(str(tmp_path), (op_builds.SHM_COMM, op_builds.CPU_ADAM)) == (op_builds.CPU_ADAM,)
+    # a build that cannot run (no such accelerator): its error line comes back, nothing raised
+    err = op_builds.ensure_cpu_ops({**env, "DS_ACCELERATOR": "no-such-accelerator"}, offload=True,
+                                   log=said.append)
+    assert err and "compiling DeepSpeed's CPU ops once" in said[0] and "not built" in said[-1]
+    assert (tmp_path / op_builds.BUILD_MARK).read_text() == ""     # it returned: not a killed build
 
 
 def test_a_gpu_launch_reports_expandable_segments_and_a_users_own_setting_wins(monkeypatch):

@@ -51,7 +51,7 @@ from estimator.job import TrainingJob
 from estimator.models import resolve_model
 from estimator.plan import Plan
 
-from . import allowlist, checkpoints, control, interrupt, resume
+from . import allowlist, checkpoints, control, interrupt, op_builds, resume
 from .data import check_data, check_eval
 from .loglines import parse_line
 from .fallback import fallback_plans
@@ -501,6 +501,12 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                 + (f", resuming from step {resumed}" if resumed else ""))
             env = launch_env(devices[:local], cpu=is_cpu_plan(current), attempt=number,
                              deepspeed=uses_deepspeed(current), main_address=address)
+            if is_cpu_plan(current) and uses_deepspeed(current):
+                try:    # before the ranks: a build killed earlier would hang them with no message
+                    op_builds.ensure_cpu_ops(env, offload=current.offload != "none", log=log)
+                except BaseException:
+                    release()
+                    raise
             left = remaining()
             t0 = time.monotonic()
             # line-buffered: the log is current on disk (tail -f; what is left after a kill -9)
