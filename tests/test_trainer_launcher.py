@@ -198,3 +198,22 @@ def test_a_gpu_launch_reports_expandable_segments_and_a_users_own_setting_wins(m
     assert allocator_mode() == "default"
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments: True")
     assert allocator_mode() == "expandable"
+
+
+def test_kill_all_stops_a_process_the_run_waits_on():
+    """An op build the run waits on (``trainer.op_builds``) is stopped with the launches when
+    the orchestrating process has to stop, and is forgotten once the wait ends."""
+    import subprocess
+
+    from trainer import launcher
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        with launcher.stopped_with_launches(child):
+            assert child in launcher.live_launches()
+            assert launcher.kill_all(grace_s=1.0) == 1
+            child.wait(timeout=10)                              # stopped (psutil reaped it)
+        assert child not in launcher.live_launches()
+    finally:
+        child.kill()
+        child.wait()

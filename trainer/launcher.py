@@ -21,7 +21,8 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -151,6 +152,17 @@ def kill_tree(proc: subprocess.Popen, grace_s: float) -> None:
 
 def live_launches() -> list[subprocess.Popen]:
     return [p for p in list(_LIVE.values()) if p.poll() is None]
+
+
+@contextmanager
+def stopped_with_launches(proc: subprocess.Popen) -> Iterator[None]:
+    """While inside, ``kill_all`` stops ``proc`` (a child started in a session of its own) as it
+    stops the launches: a process the launcher did not start but the run waits on."""
+    _LIVE[proc.pid] = proc
+    try:
+        yield
+    finally:
+        _LIVE.pop(proc.pid, None)
 
 
 def kill_all(grace_s: float) -> int:

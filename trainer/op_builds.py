@@ -32,7 +32,7 @@ from . import launcher
 
 # one build here takes ~1-2 min on 2 cores: a lock this old that no mark explains is a killed build's
 STALE_BUILD_LOCK_S = 30 * 60
-BUILD_MARK = ".frenzy-prepare-build"
+BUILD_MARK = ".frenzy-op-build"
 # DeepSpeed's op builder -> the extension (folder and .so) it compiles
 SHM_COMM, CPU_ADAM = "ShareMemCommBuilder", "CPUAdamBuilder"
 CPU_OP_NAMES = {SHM_COMM: "deepspeed_shm_comm", CPU_ADAM: "cpu_adam"}
@@ -100,7 +100,7 @@ def build_ops(env: Mapping[str, str], builders: tuple[str, ...],
     """Compile ``builders``' ops in one child process with the launch environment ``env`` (its
     ``TORCH_EXTENSIONS_DIR`` and ``DS_ACCELERATOR``), under the build mark; stale locks go first.
     Returns None when built (or found built once the mark is ours), else the build's last error line
-    (the ranks then try, and report).
+    or "the build was stopped" (the ranks then try, and report).
     The build process holds the mark too, so one that outlives its caller keeps it taken; an
     exception here (a stop) kills the build's whole tree (ninja runs each compiler in a process
     group of its own) and, like a build killed by a signal (``launcher.kill_all``), leaves the
@@ -121,19 +121,21 @@ def build_ops(env: Mapping[str, str], builders: tuple[str, ...],
         child = subprocess.Popen([sys.executable, "-c", code], env=dict(env), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, pass_fds=(mark.fd,),
                                  start_new_session=True)
-        launcher._LIVE[child.pid] = child               # launcher.kill_all stops it with the launches
         try:
-            _, err = child.communicate()
+            with launcher.stopped_with_launches(child):
+                _, err = child.communicate()
         except BaseException:
             launcher.kill_tree(child, grace_s=0.0)
             raise
-        finally:
-            launcher._LIVE.pop(child.pid, None)
-        if child.returncode >= 0:                       # ended by itself, built or not
+        # what was built is read from the folder, not the exit status: a build stopped by
+        # launcher.kill_all is reaped by psutil there, and Popen then reads exit status 0
+        if not missing_ops(ext_dir, builders):
             mark.done()
-    if child.returncode != 0:
-        return (err.strip().splitlines() or [f"killed by signal {-child.returncode}"])[-1]
-    return None
+            return None
+        if child.returncode > 0:        # failed by itself: torch's build released its own lock
+            mark.done()
+            return (err.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
+    return "the build was stopped"      # the mark stays set: its locks are stale for the next caller
 
 
 def ensure_cpu_ops(env: Mapping[str, str], *, offload: bool, log: Callable[[str], None] = print) -> str | None:

@@ -507,6 +507,11 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                 except BaseException:
                     release()
                     raise
+                if interrupt.requested():       # a stop during the build (it may have killed it)
+                    release()
+                    status, error = "failed", f"interrupted ({interrupt.requested()}) before attempt {number}"
+                    log(f"frenzy: {error}")
+                    break
             left = remaining()
             t0 = time.monotonic()
             # line-buffered: the log is current on disk (tail -f; what is left after a kill -9)
