@@ -22,15 +22,21 @@ sys.path.insert(0, str(ROOT))
 
 
 def build_deepspeed_ops() -> None:
+    import time
+
     from trainer.launcher import launch_env
-    from trainer.op_builds import ensure_cpu_ops
+    from trainer.op_builds import CPU_ADAM, SHM_COMM, build_ops
 
     # the environment of a CPU DeepSpeed launch (its TORCH_EXTENSIONS_DIR and accelerator), and
-    # the launcher's own build: stale locks of a killed build go first (trainer.op_builds)
+    # the launcher's own build (stale locks of a killed build go first: trainer.op_builds), asked
+    # to load the ops even when they are there: torch rebuilds one whose sources or flags changed
+    # (another checkout's environment, a new DeepSpeed), which a launch's check for the file misses
     env = launch_env(["0"], cpu=True, deepspeed=True)
-    err = ensure_cpu_ops(env, offload=True, log=lambda line: print(line.replace("frenzy:", "prepare_tests:", 1)))
-    if err is None:
-        print(f"prepare_tests: DeepSpeed CPU ops ready in {env['TORCH_EXTENSIONS_DIR']}")
+    t0 = time.monotonic()
+    err = build_ops(env, (SHM_COMM, CPU_ADAM), log=lambda line: print(line.replace("frenzy:", "prepare_tests:", 1)),
+                    load_existing=True)
+    print(f"prepare_tests: DeepSpeed ops not built: {err}" if err else
+          f"prepare_tests: DeepSpeed CPU ops ready in {env['TORCH_EXTENSIONS_DIR']} ({time.monotonic() - t0:.0f} s)")
 
 
 def build_airflow_env() -> None:

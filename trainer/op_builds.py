@@ -96,9 +96,11 @@ def missing_ops(ext_dir: str, builders: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def build_ops(env: Mapping[str, str], builders: tuple[str, ...],
-              log: Callable[[str], None] = print) -> str | None:
+              log: Callable[[str], None] = print, *, load_existing: bool = False) -> str | None:
     """Compile ``builders``' ops in one child process with the launch environment ``env`` (its
     ``TORCH_EXTENSIONS_DIR`` and ``DS_ACCELERATOR``), under the build mark; stale locks go first.
+    With ``load_existing`` the ops found built are loaded too, so torch rebuilds those whose
+    sources or flags changed (``scripts/prepare_tests.py``; a launch checks for the files only).
     Returns None when built (or found built once the mark is ours), else the build's last error line
     or "the build was stopped" (the ranks then try, and report).
     The build process holds the mark too, so one that outlives its caller keeps it taken; an
@@ -111,7 +113,8 @@ def build_ops(env: Mapping[str, str], builders: tuple[str, ...],
     with build_guard(ext_dir, log) as mark:
         for lock in clear_stale_build_locks(ext_dir, all_stale=mark.killed):
             log(f"frenzy: removed a stale build lock {lock} (a killed build left it)")
-        builders = missing_ops(ext_dir, builders)      # built meanwhile by the mark's last holder?
+        if not load_existing:
+            builders = missing_ops(ext_dir, builders)  # built meanwhile by the mark's last holder?
         if not builders:
             mark.done()
             return None
