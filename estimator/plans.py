@@ -499,15 +499,16 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         # every launchable plan is considered before the best few per count are kept, so
         # faster plans the trainer cannot launch never crowd out the ones it can; memory
         # figures and Plan objects are made for the timed and the kept ones only
-        timed = [(c.why, c.step_time, *_finish(c.alloc_b, ov, c.base)[::-1], c.mb, c.ga, c.base)
+        # (candidate, (allocated, reserved, used GiB)), fastest first, then the least used
+        timed = [(c, _finish(c.alloc_b, ov, c.base))
                  for c in _time_fastest(cands, spec, gpu, seq_len, nodes, precision, attention, f,
                                         tech.finetune != "full")]
-        timed.sort(key=lambda c: (c[0] is not None, c[1], c[2]))
-        kept = [c for c in timed if c[0] is None][:KEEP_PER_COUNT] + \
-            [c for c in timed if c[0] is not None][:KEEP_PER_COUNT]
-        plans.extend(_plan(gpu, n, base, mb, ga, precision, optimizer, attention, round(a, 4),
-                           round(r, 4), round(u, 4), st, why, nodes)
-                     for why, st, u, r, a, mb, ga, base in kept)
+        timed.sort(key=lambda t: (t[0].why is not None, t[0].step_time, t[1][2]))
+        kept = [t for t in timed if t[0].why is None][:KEEP_PER_COUNT] + \
+            [t for t in timed if t[0].why is not None][:KEEP_PER_COUNT]
+        plans.extend(_plan(gpu, n, c.base, c.mb, c.ga, precision, optimizer, attention, round(a, 4),
+                           round(r, 4), round(u, 4), c.step_time, c.why, nodes)
+                     for c, (a, r, u) in kept)
     plans.sort(key=lambda p: (p.not_launchable is not None, p.step_time_s, p.gpus,
                               p.device_used_gib))
     closest = None

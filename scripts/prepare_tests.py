@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,19 +23,18 @@ sys.path.insert(0, str(ROOT))
 
 
 def build_deepspeed_ops() -> None:
-    import time
-
     from trainer.launcher import launch_env
-    from trainer.op_builds import CPU_ADAM, SHM_COMM, build_ops
+    from trainer.op_builds import CPU_ADAM, SHM_COMM, build_ops, clear_stale_build_locks
 
-    # the environment of a CPU DeepSpeed launch (its TORCH_EXTENSIONS_DIR and accelerator), and
-    # the launcher's own build (stale locks of a killed build go first: trainer.op_builds), asked
-    # to load the ops even when they are there: torch rebuilds one whose sources or flags changed
-    # (another checkout's environment, a new DeepSpeed), which a launch's check for the file misses
+    # the environment of a CPU DeepSpeed launch (its TORCH_EXTENSIONS_DIR and accelerator) and
+    # the launcher's own steps (trainer.op_builds), the ops loaded even when they are there:
+    # torch rebuilds one whose sources or flags changed (another checkout's environment, a new
+    # DeepSpeed), which a launch's check for the files misses
     env = launch_env(["0"], cpu=True, deepspeed=True)
+    for lock in clear_stale_build_locks(env["TORCH_EXTENSIONS_DIR"]):
+        print(f"prepare_tests: removed a stale build lock {lock} (a killed process left it)")
     t0 = time.monotonic()
-    err = build_ops(env, (SHM_COMM, CPU_ADAM), log=lambda line: print(line.replace("frenzy:", "prepare_tests:", 1)),
-                    load_existing=True)
+    err = build_ops(env, (SHM_COMM, CPU_ADAM))
     print(f"prepare_tests: DeepSpeed ops not built: {err}" if err else
           f"prepare_tests: DeepSpeed CPU ops ready in {env['TORCH_EXTENSIONS_DIR']} ({time.monotonic() - t0:.0f} s)")
 

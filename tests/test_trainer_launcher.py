@@ -105,64 +105,36 @@ def test_launch_env_sets_devices_attempt_and_cpu_mode():
     assert "torch_extensions" in ds["TORCH_EXTENSIONS_DIR"]
 
 
-def test_stale_extension_build_locks_are_removed_by_age(tmp_path):
-    """A killed DeepSpeed op build leaves torch's lock file, on which every later build waits
-    forever; a lock no build mark explains is removed once older than any build, not before."""
-    import os
-
-    from trainer import op_builds
-
-    old, new = tmp_path / "cpu_adam" / "lock", tmp_path / "shm" / "lock"
-    for p in (old, new):
-        p.parent.mkdir()
-        p.touch()
-    now = time.time()
-    os.utime(old, (now - op_builds.STALE_BUILD_LOCK_S - 60, now - op_builds.STALE_BUILD_LOCK_S - 60))
-    assert op_builds.clear_stale_build_locks(str(tmp_path), now) == [old]
-    assert not old.exists() and new.exists()
-
-
-def test_a_killed_build_is_known_by_its_mark_and_a_live_one_by_its_flock(tmp_path):
-    """A run (or `make test`) killed while DeepSpeed's ops compile leaves torch's lock file,
-    fresh: the next build sees the mark still set and removes the lock at once instead of
-    hanging on it; a build process outliving its caller keeps the mark taken, so nothing removes
-    the lock of a live build."""
-    import fcntl
+def test_a_build_lock_is_removed_only_once_its_holder_is_gone(tmp_path):
+    """torch's build lock is a bare file its holder keeps open; a process killed while holding
+    it (building or loading an op) leaves it, and every later load waits on it forever. A lock
+    a live process holds is kept; the same lock once its holder is killed is removed."""
     import subprocess
 
     from trainer import op_builds
 
-    lock = tmp_path / "cpu_adam" / "lock"
-    lock.parent.mkdir()
-    lock.touch()
-    with op_builds.build_guard(str(tmp_path)) as mark:
-        assert not mark.killed                              # no build through the mark before
-        mark.done()
-    assert op_builds.clear_stale_build_locks(str(tmp_path)) == [] and lock.exists()   # fresh: kept
-    with pytest.raises(KeyboardInterrupt):
-        with op_builds.build_guard(str(tmp_path)):
-            raise KeyboardInterrupt                         # a stop during the build
-    with op_builds.build_guard(str(tmp_path)) as mark:
-        assert mark.killed
-        assert op_builds.clear_stale_build_locks(str(tmp_path), all_stale=mark.killed) == [lock]
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(mark.fd,))
-        mark.done()
+    held, left = tmp_path / "cpu_adam" / "lock", tmp_path / "deepspeed_shm_comm" / "lock"
+    for p in (held, left):
+        p.parent.mkdir()
+    left.touch()                                            # its holder died long ago
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time\n"
+                               f"fd = os.open({str(held)!r}, os.O_CREAT | os.O_EXCL)\n"
+                               "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
-        with open(tmp_path / op_builds.BUILD_MARK) as f:
-            with pytest.raises(BlockingIOError):            # the caller is done, its build is not
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert holder.stdout.readline().strip() == "held"
+        assert op_builds.clear_stale_build_locks(str(tmp_path), settle_s=0.05) == [left]
+        assert held.exists() and not left.exists()
     finally:
-        child.kill()
-        child.wait()
-    with op_builds.build_guard(str(tmp_path)) as mark:
-        assert not mark.killed                              # the last build ended normally
-    with op_builds.build_guard(str(tmp_path)) as mark:
-        assert mark.killed                                  # ... and this one did not say so
+        holder.kill()                                       # killed while holding it
+        holder.wait()
+    assert op_builds.clear_stale_build_locks(str(tmp_path), settle_s=0.05) == [held]
+    assert op_builds.clear_stale_build_locks(str(tmp_path), settle_s=0.05) == []
 
 
 def test_a_launch_builds_only_the_ops_its_machine_lacks(tmp_path):
-    """``ensure_cpu_ops`` compiles nothing when the ops are there (no DeepSpeed import, no child),
-    asks CPU Adam only of offload plans, and a failed build is reported in one line, not raised."""
+    """``ensure_ops`` compiles nothing when the ops are there (no DeepSpeed import, no child)
+    but still removes a dead holder's lock beside them, asks CPU Adam only of offload plans,
+    builds nothing for a GPU launch, and reports a failed build in one line, not raised."""
     from trainer import op_builds
 
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "DS_ACCELERATOR": "cpu"}
@@ -170,16 +142,19 @@ def test_a_launch_builds_only_the_ops_its_machine_lacks(tmp_path):
         name = op_builds.CPU_OP_NAMES[b]
         (tmp_path / name).mkdir()
         (tmp_path / name / f"{name}.so").touch()
+    (tmp_path / "cpu_adam" / "lock").touch()                # a rank killed while it loaded the op
     said: list[str] = []
-    assert op_builds.ensure_cpu_ops(env, offload=True, log=said.append) is None and said == []
+    assert op_builds.ensure_ops(env, cpu=True, offload=True, log=said.append) is None
+    assert not (tmp_path / "cpu_adam" / "lock").exists() and len(said) == 1 and "stale build lock" in said[0]
     (tmp_path / "cpu_adam" / "cpu_adam.so").unlink()
-    assert op_builds.ensure_cpu_ops(env, offload=False, log=said.append) is None and said == []
+    said.clear()
+    assert op_builds.ensure_ops(env, cpu=True, offload=False, log=said.append) is None and said == []
+    assert op_builds.ensure_ops(env, cpu=False, offload=True, log=said.append) is None and said == []
     assert op_builds.missing_ops(str(tmp_path), (op_builds.SHM_COMM, op_builds.CPU_ADAM)) == (op_builds.CPU_ADAM,)
     # a build that cannot run (no such accelerator): its error line comes back, nothing raised
-    err = op_builds.ensure_cpu_ops({**env, "DS_ACCELERATOR": "no-such-accelerator"}, offload=True,
-                                   log=said.append)
+    err = op_builds.ensure_ops({**env, "DS_ACCELERATOR": "no-such-accelerator"}, cpu=True, offload=True,
+                               log=said.append)
     assert err and "compiling DeepSpeed's CPU ops once" in said[0] and "not built" in said[-1]
-    assert (tmp_path / op_builds.BUILD_MARK).read_text() == ""     # it returned: not a killed build
 
 
 def test_a_gpu_launch_reports_expandable_segments_and_a_users_own_setting_wins(monkeypatch):

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import textwrap
+from pathlib import Path
 
 import psutil
 import pytest
@@ -86,14 +87,26 @@ def test_two_process_accelerate_trains_tiny_gpt2_with_falling_loss(tmp_path):
 def test_deepspeed_zero2_on_cpu_resuming_a_plain_checkpoint(tmp_path):
     """ZeRO-2 through DeepSpeed (first run builds its shm comm op, ~30 s-2 min, cached in
     TORCH_EXTENSIONS_DIR), continuing a run that a plain plan started: the checkpoint format
-    differs, so the weights are carried over (optimizer restarts) and the step count goes on."""
+    differs, so the weights are carried over (optimizer restarts) and the step count goes on.
+    A lock a process killed while loading the op left in the extension folder (on which every
+    load would wait forever) is removed by the launch before its ranks start."""
+    from trainer.launcher import launch_env
+    from trainer.op_builds import CPU_OP_NAMES, SHM_COMM
+
     short = job(train_steps=2)
     first, *_ = train(short, cpu_plan(short, gpus=1), tmp_path)
     assert first.status == "completed" and first.checkpoint_dir.endswith("step-00000002")
     j = job(train_steps=4)
     plan = cpu_plan(j, gpus=2).model_copy(update={"zero": 2})
-    res, dev, lines, steps, _ = train(j, plan, tmp_path)
+    lock = Path(launch_env([], cpu=True, deepspeed=True)["TORCH_EXTENSIONS_DIR"]) / CPU_OP_NAMES[SHM_COMM] / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    try:
+        res, dev, lines, steps, _ = train(j, plan, tmp_path, deadline_s=240)   # waiting on it: never ends
+    finally:
+        lock.unlink(missing_ok=True)
     assert res.status == "completed", "\n".join(lines[-30:])
+    assert any(f"removed a stale build lock {lock}" in l for l in lines)
     assert res.attempts[0].resumed_from_step == 2
     assert any(l.startswith("FRENZY_RESUME") and '"mode": "weights"' in l for l in lines)
     assert [s for s, _, _ in steps] == [3, 4]

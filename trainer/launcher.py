@@ -66,8 +66,11 @@ def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed
     # when the project is not installed (the GPU check runs it straight from a checkout).
     paths = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    # DeepSpeed compiles a small op on first use; keep the build where reruns and CI find it.
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "frenzy" / "torch_extensions"))
+    # DeepSpeed compiles its ops on first use; keep the builds where reruns and CI find them, one
+    # folder per machine (a shared home directory must not share it: trainer.op_builds tells a
+    # stale build lock by its holder, which it sees on this machine only)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "frenzy" / "torch_extensions"
+                                               / socket.gethostname()))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["HF_HUB_OFFLINE"] = "1"           # never reach a hub from a training run
     env["TRANSFORMERS_OFFLINE"] = "1"

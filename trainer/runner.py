@@ -474,7 +474,12 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
     registered.__enter__()
     try:
         for number in range(first_attempt, first_attempt + 10 ** 6):
-            if interrupt.requested():
+            if uses_deepspeed(current):
+                # before the ranks and their devices: a lock a killed build or load left, or an op
+                # this machine lacks, would hang them before their first step with no message
+                op_builds.ensure_ops(launch_env([], cpu=is_cpu_plan(current), deepspeed=True),
+                                     cpu=is_cpu_plan(current), offload=current.offload != "none", log=log)
+            if interrupt.requested():   # a stop during the build too
                 status, error = "failed", f"interrupted ({interrupt.requested()}) before attempt {number}"
                 log(f"frenzy: {error}")
                 break
@@ -501,17 +506,6 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                 + (f", resuming from step {resumed}" if resumed else ""))
             env = launch_env(devices[:local], cpu=is_cpu_plan(current), attempt=number,
                              deepspeed=uses_deepspeed(current), main_address=address)
-            if is_cpu_plan(current) and uses_deepspeed(current):
-                try:    # before the ranks: a build killed earlier would hang them with no message
-                    op_builds.ensure_cpu_ops(env, offload=current.offload != "none", log=log)
-                except BaseException:
-                    release()
-                    raise
-                if interrupt.requested():       # a stop during the build (it may have killed it)
-                    release()
-                    status, error = "failed", f"interrupted ({interrupt.requested()}) before attempt {number}"
-                    log(f"frenzy: {error}")
-                    break
             left = remaining()
             t0 = time.monotonic()
             # line-buffered: the log is current on disk (tail -f; what is left after a kill -9)
