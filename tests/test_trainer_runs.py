@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import textwrap
 from pathlib import Path
@@ -84,7 +85,7 @@ def test_two_process_accelerate_trains_tiny_gpt2_with_falling_loss(tmp_path):
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_on_cpu_resuming_a_plain_checkpoint(tmp_path):
+def test_deepspeed_zero2_on_cpu_resuming_a_plain_checkpoint(tmp_path, monkeypatch):
     """ZeRO-2 through DeepSpeed (first run builds its shm comm op, ~30 s-2 min, cached in
     TORCH_EXTENSIONS_DIR), continuing a run that a plain plan started: the checkpoint format
     differs, so the weights are carried over (optimizer restarts) and the step count goes on.
@@ -98,7 +99,14 @@ def test_deepspeed_zero2_on_cpu_resuming_a_plain_checkpoint(tmp_path):
     assert first.status == "completed" and first.checkpoint_dir.endswith("step-00000002")
     j = job(train_steps=4)
     plan = cpu_plan(j, gpus=2).model_copy(update={"zero": 2})
-    lock = Path(launch_env([], cpu=True, deepspeed=True)["TORCH_EXTENSIONS_DIR"]) / CPU_OP_NAMES[SHM_COMM] / "lock"
+    # the lock goes into a private copy of the machine's extension folder: in the shared one, a
+    # launch of another test process (pytest-xdist) could sweep it first
+    shared = Path(launch_env([], cpu=True, deepspeed=True)["TORCH_EXTENSIONS_DIR"]) / CPU_OP_NAMES[SHM_COMM]
+    own = tmp_path / "torch_extensions"
+    if shared.is_dir():
+        shutil.copytree(shared, own / shared.name)          # the built op (torch loads it, no rebuild)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(own))
+    lock = own / CPU_OP_NAMES[SHM_COMM] / "lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()
     try:
