@@ -122,7 +122,7 @@ def part_jct(policies: list[str], lines: list[str], world: float | None = None) 
     OUT.mkdir(parents=True, exist_ok=True)
     lines += ["## Average JCT per policy", "",
               "Each block: one workload on one cluster, seed 0, noise 0.1 (defaults), start-up 60 s. "
-              "Targets (issue 5): frenzy avg JCT >= 25% below fifo-user, >= 12% below frenzy-paper, "
+              "Targets: frenzy avg JCT >= 25% below fifo-user, >= 12% below frenzy-paper, "
               "below gavel and sia; zero OOM for frenzy.", ""]
     for w in WORKLOADS:
         for cname in w.flags:
@@ -402,7 +402,7 @@ def part_full(lines: list[str]) -> None:
               f"{r.completed}/{r.jobs} completed, {r.oom_events} OOM.", ""]
 
 
-HEADER = """# Benchmarks: JCT and scheduler overhead (issue 5)
+HEADER = """# Benchmarks: JCT and scheduler overhead
 
 Produced by `python bench/jct.py` (parts: `--part jct|seeds|speed|full`); every figure comes with
 the command that reproduces it. All numbers measured on the shared 2-core development machine

@@ -1,4 +1,4 @@
-"""Analytic per-GPU training memory: the `estimate` contract (issue 2) and its model (issue 3).
+"""Analytic per-GPU training memory: the `estimate` contract and its model.
 
 Peak allocated bytes = max over four phases of one training step, per pipeline stage:
 

@@ -1,4 +1,4 @@
-"""End to end on a real Prefect server (issue 7 item 8).
+"""End to end on a real Prefect server.
 
 `prefect server start` on loopback (SQLite, or a fresh PostgreSQL database when
 FRENZY_TEST_POSTGRES_URL is set) -> `frenzy pools sync` -> `prefect deploy` of frenzy-submit onto

@@ -1,4 +1,4 @@
-"""Frenzy's trainer: from a chosen plan to a real training run (issue 6).
+"""Frenzy's trainer: from a chosen plan to a real training run.
 
 * ``launch_config``: Accelerate / DeepSpeed configs and the training spec, written to the run folder.
 * ``launcher``: ``accelerate launch`` in its own process group, streamed, with a deadline.
