@@ -17,6 +17,15 @@ import pytest
 
 # Isolate Prefect and Frenzy state before anything imports prefect.
 _HOME = tempfile.mkdtemp(prefix="frenzy-test-home-")
+# Each test process (pytest-xdist worker) its own homes, also inside homes the caller set (CI
+# sets both): a shared FRENZY_HOME would share the default ledger, and with it the embedded
+# schedulers' leadership, between processes.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    for _name in ("PREFECT_HOME", "FRENZY_HOME"):
+        if os.environ.get(_name):
+            os.environ[_name] = os.path.join(os.environ[_name], _WORKER)
+            os.makedirs(os.environ[_name], exist_ok=True)
 os.environ.setdefault("PREFECT_HOME", os.path.join(_HOME, "prefect"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
