@@ -5,6 +5,7 @@ and port node 0 published in the ledger; the losses must match a one-node run of
 ranks. Plus the rendezvous record and the gang's failure logic, without processes."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -582,3 +583,27 @@ def test_a_gang_that_runs_out_of_memory_falls_back_and_resumes_with_the_same_los
     assert_matches(out["losses"], one_node.losses)          # steps 1-2 of launch 1, step 3 of launch 2
     with get_client(sync_client=True) as client:
         assert client.read_global_concurrency_limit_by_name(gpu_limit_name(pool)).active_slots == 0
+
+
+def test_nodes_writing_the_same_launch_file_at_once_never_rename_each_others_away(tmp_path):
+    """The nodes of a gang write the same spec into one shared folder; two writers with one pid
+    (threads of one process here, two hosts on shared storage in a real gang) once used the same
+    temporary name, and one renamed the other's file away (FileNotFoundError)."""
+    from trainer.launch_config import _write_atomic
+
+    target, errors = tmp_path / "train_spec.json", []
+
+    def writer(r: int) -> None:
+        for i in range(300):
+            try:
+                _write_atomic(target, f'{{"node": {r}, "i": {i}}}')
+            except OSError as err:
+                errors.append(err)
+
+    threads = [threading.Thread(target=writer, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and json.loads(target.read_text())["i"] == 299
+    assert [p.name for p in tmp_path.iterdir()] == ["train_spec.json"]     # no temporary left

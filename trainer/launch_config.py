@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -318,10 +319,17 @@ def accelerate_file(num_machines: int = 1, machine_rank: int = 0) -> str:
 
 def _write_atomic(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all: the nodes of a multi-node run write the same spec and
-    DeepSpeed file into one shared folder, and a node must never read another's half-written one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    DeepSpeed file into one shared folder, and a node must never read another's half-written one.
+    The temporary name is unique per write, not per process: two nodes' writers may share a pid
+    (two hosts on shared storage, or two runners in threads of one process) and one would rename
+    the other's file away (a FileNotFoundError in a two-node test run in one process: seen)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_launch_files(run_dir: str | Path, plan: Plan, job: TrainingJob, *, num_machines: int = 1,
