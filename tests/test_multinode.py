@@ -607,3 +607,42 @@ def test_nodes_writing_the_same_launch_file_at_once_never_rename_each_others_awa
         t.join()
     assert errors == [] and json.loads(target.read_text())["i"] == 299
     assert [p.name for p in tmp_path.iterdir()] == ["train_spec.json"]     # no temporary left
+
+
+@pytest.mark.slow
+def test_a_node_launcher_waiting_for_its_rendezvous_stops_when_its_runner_is_gone(weights, tmp_path):
+    """Node 1 of 2 launched while node 0 never comes (its runner failed at once): the launcher
+    waits in torch's rendezvous, with no ranks yet; when the process that started it dies hard,
+    the launcher stops too instead of waiting out the rendezvous timeout (15 min seen)."""
+    import socket
+    import subprocess
+
+    import psutil
+
+    from trainer.launch_config import write_launch_files
+    from trainer.launcher import launch_env
+    from trainer.runner import launch_command
+
+    with socket.socket() as s:            # a port nobody listens on: node 0 never comes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    paths = write_launch_files(tmp_path, plan(2), job(weights), num_machines=2, machine_rank=1,
+                               main_address="127.0.0.1", main_port=port, cpu=True)
+    runner = subprocess.Popen(["sleep", "600"])             # stands for the node's runner
+    env = launch_env(["cpu0"], cpu=True, main_address="127.0.0.1")
+    env["FRENZY_PARENT_PID"] = str(runner.pid)
+    launcher = subprocess.Popen(launch_command(paths), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        time.sleep(8)                                       # in its rendezvous by now
+        assert launcher.poll() is None, launcher.stdout.read()[-3000:]
+        runner.kill()
+        runner.wait()
+        out, _ = launcher.communicate(timeout=30)
+        assert "is gone; stopping this launcher" in out, out[-3000:]
+    finally:
+        for p in (launcher, runner):
+            if p.poll() is None:
+                for c in psutil.Process(p.pid).children(recursive=True) + [psutil.Process(p.pid)]:
+                    c.kill()
+                p.wait()

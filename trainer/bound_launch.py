@@ -52,6 +52,12 @@ def patch_static_rendezvous(address: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # The launcher stops when its runner is gone, as its ranks do: a node still waiting for its
+    # gang's rendezvous has no ranks yet, and would otherwise wait out torch's rendezvous timeout
+    # (15 min seen) after the runner that started it was killed.
+    from trainer.train import watch_orchestrator
+
+    watch_orchestrator(what="launcher")
     address = os.environ.get(BIND_ENV)
     if address:
         patch_static_rendezvous(address)

@@ -696,8 +696,9 @@ def load_weights_only(model, latest) -> None:
         model.tie_weights()
 
 
-def watch_orchestrator(poll_s: float = 2.0) -> None:
-    """Exit when the process that launched us is gone (``FRENZY_PARENT_PID``).
+def watch_orchestrator(poll_s: float = 2.0, what: str = "rank") -> None:
+    """Exit when the process that launched us is gone (``FRENZY_PARENT_PID``); ``what`` names
+    this process in the line it prints (a rank, or the launcher: ``trainer.bound_launch``).
 
     The runner kills the whole tree on timeout, cancellation or an exception; this covers the
     one case it cannot: the orchestrator itself killed hard (SIGKILL, OOM killer). The ranks run
@@ -725,7 +726,7 @@ def watch_orchestrator(poll_s: float = 2.0) -> None:
     def loop() -> None:
         while alive():
             time.sleep(poll_s)
-        print(f"frenzy: orchestrator {pid} is gone; stopping this rank", file=sys.stderr, flush=True)
+        print(f"frenzy: orchestrator {pid} is gone; stopping this {what}", file=sys.stderr, flush=True)
         os._exit(4)
 
     threading.Thread(target=loop, name="frenzy-orchestrator-watch", daemon=True).start()
