@@ -33,11 +33,10 @@ demo: setup
 	$(BIN)/frenzy run $(JOB)
 
 # What the suite's tests would otherwise build on their first run on a machine (DeepSpeed's CPU
-# ops, the Airflow test's environment): built here, outside the timed test command.
-# One test process. `pytest -n 2 --dist loadfile` (pytest-xdist, in the dev extra) runs the suite
-# in 12-14 min instead of 18 on 2 cores, but two processes launching gangs at once bring out a
-# race for a rendezvous port (docs/benchmarks.md, "Two test processes"): not the default until
-# that is fixed.
+# ops, the Airflow test's environment) is built first, outside the timed test command. Then one
+# test process: `pytest -n 2 --dist loadfile` (pytest-xdist, in the dev extra) takes 12-14 min
+# instead of 18 on 2 cores, but two processes launching gangs at once race for a rendezvous port
+# (docs/benchmarks.md, "Two test processes"): not the default until that is fixed.
 test: setup
 	$(BIN)/python scripts/prepare_tests.py
 	$(BIN)/python -m pytest -q -ra --durations=15

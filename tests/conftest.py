@@ -3,9 +3,9 @@
     pytestmark = pytest.mark.usefixtures("prefect_server")
 
 Starting a Prefect test server costs 12-25 s on 2 cores (migrations), so there is exactly one
-per pytest session, created lazily by the first test that asks for it (``make test`` runs two
-test processes, pytest-xdist: one each). Tests that share something outside their process (the
-DeepSpeed extension folder, a PostgreSQL database) keep what they change in a copy, a schema or a
+per pytest session, created lazily by the first test that asks for it (one per test process
+under ``pytest -n 2``). Tests that share something outside their process (the DeepSpeed
+extension folder, a PostgreSQL database) keep what they change in a copy, a schema or a
 database of their own.
 """
 from __future__ import annotations

@@ -19,11 +19,11 @@ Pure (no torch): the runner imports it, and the program reads with ``read_reques
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Literal
+
+from .files import write_atomic
 
 CONTROL_FILE = "control.json"
 ACK_FILE = "control-ack.json"
@@ -33,20 +33,6 @@ Action = Literal["stop", "export"]
 ACTION_CODES: dict[str, int] = {"stop": 1, "export": 2}
 
 ControlRequest = dict[str, Any]      # {"action", "reason", "request_id"}
-
-
-def _write_atomic(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)            # readers see the old file or the new one, never half
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def request(run_dir: str | Path, action: Action, *, reason: str, request_id: str | None = None,
@@ -59,7 +45,7 @@ def request(run_dir: str | Path, action: Action, *, reason: str, request_id: str
     payload: dict[str, Any] = {"action": action, "reason": reason, "request_id": rid}
     if export and action == "stop":
         payload["export"] = True
-    _write_atomic(Path(run_dir) / CONTROL_FILE, payload)
+    write_atomic(Path(run_dir) / CONTROL_FILE, json.dumps(payload))
     return rid
 
 
@@ -110,4 +96,4 @@ def acknowledge(run_dir: str | Path, req: ControlRequest, step: int) -> None:
     except (OSError, json.JSONDecodeError):
         doc = {}
     ids = list(doc.get("handled", [])) + [req["request_id"]]
-    _write_atomic(path, {"handled": ids, "last": {**req, "step": step}})
+    write_atomic(path, json.dumps({"handled": ids, "last": {**req, "step": step}}))

@@ -16,8 +16,6 @@ anything starts.
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,6 +25,7 @@ from estimator.errors import FrenzyInputError
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
+from .files import write_atomic
 from .parallel import pipeline_layers_rule, plan_world, uses_deepspeed
 
 ACCELERATE_FILE = "accelerate.yaml"
@@ -317,21 +316,6 @@ def accelerate_file(num_machines: int = 1, machine_rank: int = 0) -> str:
     return ACCELERATE_FILE if num_machines == 1 else f"accelerate-node{machine_rank}.yaml"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all: the nodes of a multi-node run write the same spec and
-    DeepSpeed file into one shared folder, and a node must never read another's half-written one.
-    The temporary name is unique per write, not per process: two nodes' writers may share a pid
-    (two hosts on shared storage, or two runners in threads of one process) and one would rename
-    the other's file away (a FileNotFoundError in a two-node test run in one process: seen)."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_launch_files(run_dir: str | Path, plan: Plan, job: TrainingJob, *, num_machines: int = 1,
                        machine_rank: int = 0, main_address: str | None = None, main_port: int = 29500,
                        cpu: bool | None = None, validate: bool = True, resume_from: str | None = None) -> Paths:
@@ -352,13 +336,13 @@ def write_launch_files(run_dir: str | Path, plan: Plan, job: TrainingJob, *, num
                             master_weights=job.master_weights)
     run_dir.mkdir(parents=True, exist_ok=True)
     acc_path = run_dir / accelerate_file(num_machines, machine_rank)
-    _write_atomic(acc_path, yaml.safe_dump(acc, sort_keys=False))
+    write_atomic(acc_path, yaml.safe_dump(acc, sort_keys=False))
     ds_path = None
     if ds is not None:
         ds_path = run_dir / DEEPSPEED_FILE
-        _write_atomic(ds_path, json.dumps(ds, indent=2))
+        write_atomic(ds_path, json.dumps(ds, indent=2))
     else:
         (run_dir / DEEPSPEED_FILE).unlink(missing_ok=True)   # a fallback from ZeRO to none
     spec_path = run_dir / SPEC_FILE
-    _write_atomic(spec_path, json.dumps(spec, indent=2))
+    write_atomic(spec_path, json.dumps(spec, indent=2))
     return Paths(run_dir, acc_path, ds_path, spec_path)
