@@ -33,13 +33,15 @@ demo: setup
 	$(BIN)/frenzy run $(JOB)
 
 # What the suite's tests would otherwise build on their first run on a machine (DeepSpeed's CPU
-# ops, the Airflow test's environment) is built first, outside the timed test command. Then one
-# test process: `pytest -n 2 --dist loadfile` (pytest-xdist, in the dev extra) takes 12-14 min
-# instead of 18 on 2 cores, but two processes launching gangs at once race for a rendezvous port
-# (docs/benchmarks.md, "Two test processes"): not the default until that is fixed.
+# ops, the Airflow test's environment) is built first, outside the timed test command. Then two
+# test processes (pytest-xdist, in the dev extra): a heavy test is mostly one process starting up
+# (imports, a Prefect server), so two of them keep the 2 cores busy; `--dist loadfile` keeps each
+# file's tests, and the weights and reference runs its fixtures make once, in one process. Each
+# process gets its own FRENZY_HOME and PREFECT_HOME (tests/conftest.py); rendezvous ports are drawn
+# where no other process takes them (trainer/ports.py). `pytest -q` alone runs one process.
 test: setup
 	$(BIN)/python scripts/prepare_tests.py
-	$(BIN)/python -m pytest -q -ra --durations=15
+	$(BIN)/python -m pytest -q -ra --durations=15 -n 2 --dist loadfile
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not prefect"

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
+
+from trainer.ports import free_port  # noqa: E402
 
 MARKER = "FRENZY_BENCH_MARKER"
 # after the end, how long processes get to go away (the ranks poll their parent every 2 s)
@@ -240,12 +241,6 @@ def kill9_server(base, args):
                else r.status(rc), r.leftovers(), f"exit {rc} after {took:.0f} s: {tail[0][:100]}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _prefect_server(base: Path, port: int, marker: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(base / "dedicated-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", **{MARKER: marker})
@@ -270,7 +265,7 @@ def _wait_health(port: int, timeout_s: float = 180) -> bool:
 
 
 def server_restart(base, args):
-    port = _free_port()
+    port = free_port()
     smark = uuid.uuid4().hex
     server = _prefect_server(base, port, smark)
     try:

@@ -65,7 +65,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -89,12 +88,6 @@ CALIB_B_GROW_AT = 300          # B's grow request once the heartbeat reports thi
 # clear of its threshold
 LONG_MARGIN = 1.1
 GAP_TICKS = 3                  # ticks the long job runs alone before the first other arrival
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_health(url: str, timeout_s: float) -> None:
@@ -543,7 +536,9 @@ def main(argv=None) -> int:
     cluster = str(work / "cluster.yaml")
     Path(cluster).write_text(CLUSTER_YAML)
     ledger = f"sqlite:///{work / 'ledger.db'}"
-    port = _free_port()
+    from trainer.ports import free_port
+
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(work / "prefect"),
            # the ledger as a site gives it to its workers (docs/fleet.md): a pool run gets no

@@ -1,10 +1,19 @@
 """Where Frenzy keeps its state: the ledger, runs and checkpoints, the calibration file, the
 embedded Prefect server's database. One place decides it: ``$FRENZY_HOME``, else ``./.frenzy``,
 made absolute against the working directory when asked: paths a run returns (checkpoints, the
-export, the run folder) stay valid for a caller that changes directory, and for pool workers."""
+export, the run folder) stay valid for a caller that changes directory, and for pool workers.
+
+State files are written whole or not at all (``write_atomic``): their readers (a training's
+ranks, the runner, the nodes of a gang on shared storage, an estimate reading the calibration
+file) must see the old content or the new one, never half of it; and writers may share a pid
+(two hosts on shared storage, two runners in threads of one process), so the temporary file is
+named per write, not per process (one writer renamed another's away: a FileNotFoundError, seen
+in a two-node test run in one process).
+"""
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 DEFAULT_HOME = ".frenzy"
@@ -12,6 +21,22 @@ DEFAULT_HOME = ".frenzy"
 
 def frenzy_home() -> Path:
     return Path(os.environ.get("FRENZY_HOME") or DEFAULT_HOME).absolute()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed over it (flushed to disk
+    first); a failed write leaves no temporary file behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # path -> (mtime_ns, parsed): calibration files are read on the estimate's hot path, so they are

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from operator import attrgetter
 from pathlib import Path
-from .home import DEFAULT_HOME, forget_json_cache, frenzy_home, read_json_cached
+from .home import DEFAULT_HOME, forget_json_cache, frenzy_home, read_json_cached, write_atomic
 
 # --- documented defaults ------------------------------------------------------------------
 # CUDA context + kernel images per process with lazy module loading (CUDA 11.7+ default):
@@ -143,9 +143,7 @@ def write_calibration(fits: dict[str, dict[str, float]], path: str | os.PathLike
             current = {}
     for g, terms in fits.items():
         current.setdefault(g, {}).update({k: float(v) for k, v in terms.items() if k in FIELDS})
-    tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(current, indent=2, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, p)
+    write_atomic(p, json.dumps(current, indent=2, sort_keys=True))
     forget_json_cache()
     return p
 

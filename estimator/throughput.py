@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import GPU
-from .home import DEFAULT_HOME, forget_json_cache, read_json_cached
+from .home import DEFAULT_HOME, forget_json_cache, read_json_cached, write_atomic
 
 # --- named constants (defaults of Factors) -----------------------------------------------
 ATTN_FLOPS_PER_LHS = 12.0          # training FLOPs per token per (layer x hidden x seq), no recompute
@@ -798,9 +798,7 @@ def write_calibration(fitted: Factors, gpu_types: list[str], path: str | os.Path
     for g in gpu_types:
         terms = {k: getattr(fitted, k)[g] for k in CALIBRATED_KEYS if g in getattr(fitted, k)}
         current.setdefault(g, {}).update(terms)
-    tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(current, indent=2, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, p)
+    write_atomic(p, json.dumps(current, indent=2, sort_keys=True))
     forget_json_cache()
     _cal_checked.clear()
     return p

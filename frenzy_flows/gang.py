@@ -113,7 +113,7 @@ def node_endpoint(gang, gang_id: str, node_rank: int, address: str,
                   timeout_s: float = RENDEZVOUS_WAIT_S) -> Callable[[], tuple[str, int]]:
     """``NodeRole.endpoint`` for one node: node 0 finds a free port on its own address and
     publishes both; another node waits for node 0's record (``RendezvousTimeout``)."""
-    from trainer.launcher import free_port
+    from trainer.ports import free_port
 
     def endpoint() -> tuple[str, int]:
         if node_rank == 0:

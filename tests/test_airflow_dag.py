@@ -31,7 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_e2e_server import _free_port, _stop
+from tests.test_e2e_server import _stop
+from trainer.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -102,7 +103,7 @@ def _wait_http(http, path: str, proc: subprocess.Popen, tail, timeout_s: float =
 def test_airflow_dag_trains_through_frenzy_submit(tmp_path, airflow_env):
     import httpx
 
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "FRENZY_"))}
     # PREFECT_HOME is not tmp_path/prefect: the Airflow side runs in tmp_path, where a folder of

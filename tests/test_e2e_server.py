@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from trainer.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -30,12 +31,6 @@ pytestmark = [pytest.mark.slow]
 
 TINY_JOB = {"name": "e2e-tiny", "model": "gpt2-tiny", "seq_len": 32, "global_batch": 4, "train_steps": 4,
             "precision": "fp32", "lr": 0.003, "checkpoint_every": 2, "data": {"kind": "synthetic"}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
@@ -79,7 +74,7 @@ def postgres_database():
 def test_submit_lands_on_the_cpu_pool_and_trains_through_workers(tmp_path, postgres_database):
     import httpx
 
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_API_URL=api, FRENZY_HOME=str(tmp_path / "frenzy"),

@@ -589,7 +589,7 @@ def test_nodes_writing_the_same_launch_file_at_once_never_rename_each_others_awa
     """The nodes of a gang write the same spec into one shared folder; two writers with one pid
     (threads of one process here, two hosts on shared storage in a real gang) once used the same
     temporary name, and one renamed the other's file away (FileNotFoundError)."""
-    from trainer.files import write_atomic
+    from estimator.home import write_atomic
 
     target, errors = tmp_path / "train_spec.json", []
 

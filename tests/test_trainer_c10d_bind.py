@@ -9,7 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from trainer.launcher import free_port, launch_env
+from trainer.launcher import launch_env
+from trainer.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-from .files import write_atomic
+from estimator.home import write_atomic
 
 CONTROL_FILE = "control.json"
 ACK_FILE = "control-ack.json"

@@ -22,10 +22,10 @@ from typing import Any, NamedTuple
 import yaml
 
 from estimator.errors import FrenzyInputError
+from estimator.home import write_atomic
 from estimator.job import TrainingJob
 from estimator.plan import Plan
 
-from .files import write_atomic
 from .parallel import pipeline_layers_rule, plan_world, uses_deepspeed
 
 ACCELERATE_FILE = "accelerate.yaml"

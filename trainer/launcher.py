@@ -27,11 +27,12 @@ from pathlib import Path
 
 import psutil
 
+from .ports import LOOPBACK
+
 # A line that means CUDA (or the injected rehearsal of it) ran out of memory.
 OOM_MARKERS = ("FRENZY_OOM", "CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory",
                "CUBLAS_STATUS_ALLOC_FAILED")
 TAIL_LINES = 200
-LOOPBACK = "127.0.0.1"
 LOOPBACK_IFNAME = "lo"          # Linux's loopback interface
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -105,15 +106,6 @@ def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed
     if extra:
         env.update(extra)
     return env
-
-
-def free_port(address: str = LOOPBACK) -> int:
-    """A TCP port free right now on ``address`` (for the rendezvous of one attempt; in a
-    multi-node launch node 0 asks on its own address and publishes the answer)."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 def kill_tree(proc: subprocess.Popen, grace_s: float) -> None:

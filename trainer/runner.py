@@ -57,7 +57,8 @@ from .loglines import parse_line
 from .fallback import fallback_plans
 from .launch_config import (Paths, check_heads, check_pipeline_model, check_realisable, is_cpu_plan, training_spec,
                             write_launch_files)
-from .launcher import free_port, launch_env, run_process_group
+from .launcher import launch_env, run_process_group
+from .ports import free_port
 from .parallel import uses_deepspeed
 from .pretrained import check_job
 
