@@ -160,7 +160,10 @@ def test_injected_oom_falls_back_and_resumes_with_the_same_global_batch(tmp_path
 
 @pytest.mark.slow
 def test_killed_rank_is_retried_and_resumes_from_checkpoint(tmp_path):
-    j = job(train_steps=8)
+    # Step reports reach ``on_step`` through a thread of their own, after the step: on a loaded
+    # machine the report of step 3 came after a run of 8 tiny steps had ended (nothing left to
+    # kill). 40 steps leave the kill seconds of room; it still lands mid-run.
+    j = job(train_steps=40)
     plan = cpu_plan(j, gpus=2)
     killed = []
 
@@ -179,8 +182,9 @@ def test_killed_rank_is_retried_and_resumes_from_checkpoint(tmp_path):
     assert res.status == "completed", res.error
     assert [a.outcome for a in res.attempts] == ["failed", "ok"], [(a.outcome, a.error) for a in res.attempts]
     assert res.attempts[1].plan == plan                              # transient: same plan
-    assert res.attempts[1].resumed_from_step in (2, 4, 6)
-    assert len(res.losses) == 8 and dev.released == 2
+    resumed = res.attempts[1].resumed_from_step
+    assert resumed >= 2 and resumed % 2 == 0 and resumed < 40          # a checkpoint, not the end
+    assert len(res.losses) == 40 and dev.released == 2
     assert no_training_processes_left()
 
 
