@@ -105,6 +105,23 @@ def test_launch_env_sets_devices_attempt_and_cpu_mode():
     assert "torch_extensions" in ds["TORCH_EXTENSIONS_DIR"]
 
 
+def test_deepspeed_ops_are_kept_per_machine_and_python_environment(monkeypatch, tmp_path):
+    """Two environments (two checkouts' .venv) sharing one folder rebuilt the ops every time the
+    other had run: torch's build flags hold the environment's include paths."""
+    import socket
+    import sys
+
+    from trainer.launcher import extensions_dir
+
+    here = extensions_dir()
+    assert here.parent.name == socket.gethostname() and here.parent.parent.name == "torch_extensions"
+    assert launch_env([], cpu=True, deepspeed=True, base={})["TORCH_EXTENSIONS_DIR"] == str(here)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / ".venv"))
+    other = extensions_dir()
+    assert other != here and other.parent == here.parent and other.name.startswith(".venv-")
+    assert launch_env([], cpu=True, deepspeed=True, base={"TORCH_EXTENSIONS_DIR": "/x"})["TORCH_EXTENSIONS_DIR"] == "/x"
+
+
 def test_a_build_lock_is_removed_only_once_its_holder_is_gone(tmp_path):
     """torch's build lock is a bare file its holder keeps open; a process killed while holding
     it (building or loading an op) leaves it, and every later load waits on it forever. A lock

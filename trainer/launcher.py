@@ -15,10 +15,12 @@ with plain subprocesses.
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -67,11 +69,7 @@ def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed
     # when the project is not installed (the GPU check runs it straight from a checkout).
     paths = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    # DeepSpeed compiles its ops on first use; keep the builds where reruns and CI find them, one
-    # folder per machine (a shared home directory must not share it: trainer.op_builds tells a
-    # stale build lock by its holder, which it sees on this machine only)
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "frenzy" / "torch_extensions"
-                                               / socket.gethostname()))
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["HF_HUB_OFFLINE"] = "1"           # never reach a hub from a training run
     env["TRANSFORMERS_OFFLINE"] = "1"
@@ -106,6 +104,18 @@ def launch_env(devices: Sequence[str], *, cpu: bool, attempt: int = 1, deepspeed
     if extra:
         env.update(extra)
     return env
+
+
+def extensions_dir() -> Path:
+    """Where DeepSpeed's JIT ops are built and kept, so reruns and CI find them: one folder per
+    machine and Python environment. Per machine: a shared home directory must not share it
+    (``trainer.op_builds`` tells a stale build lock by its holder, which it sees on this machine
+    only). Per environment: torch rebuilds an op whose build flags changed, and they hold the
+    environment's own include paths, so two environments (two checkouts' ``.venv``) sharing a
+    folder rebuilt the ops (~75 s on 2 cores) every time the other had run."""
+    prefix = os.path.realpath(sys.prefix)
+    env_id = f"{Path(prefix).name}-{hashlib.sha1(prefix.encode()).hexdigest()[:10]}"
+    return Path.home() / ".cache" / "frenzy" / "torch_extensions" / socket.gethostname() / env_id
 
 
 def kill_tree(proc: subprocess.Popen, grace_s: float) -> None:

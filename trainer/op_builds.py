@@ -14,9 +14,9 @@ So before a DeepSpeed launch the launcher removes the locks no live process hold
 file just before it removes it), whoever left them, and on the CPU compiles the ops the machine
 lacks in one child process (``ensure_ops``): the run log says so instead of the ranks going
 silent for minutes. The holder check sees this machine's processes only, so the launcher's
-extension folder is per machine (``trainer.launcher.launch_env``: the host name is in its default
-path, a shared home directory does not share it). ``scripts/prepare_tests.py`` builds through
-``build_ops`` before the test suite.
+extension folder is per machine (``trainer.launcher.extensions_dir``: the host name is in its
+default path, a shared home directory does not share it; and per Python environment).
+``scripts/prepare_tests.py`` builds through ``build_ops`` before the test suite.
 
 No torch here: the build runs in a child process with the launch's environment.
 """
