@@ -16,6 +16,10 @@ when it is killed outright.
   stops the server and exits whatever it was doing (the ledger's lease TTL frees what is left).
   A second signal skips to the kill.
 * The embedded server exiting on its own stops the run the same way (exit status 1).
+* The embedded server's own output (uvicorn's and the database layer's messages, among them the
+  tracebacks its shutdown may log for requests it cancels) goes to ``embedded-server.log`` in
+  ``PREFECT_HOME``, not to the terminal of the run; a failed start and a server that exits on
+  its own name the file.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 # The issue's bound for the whole stop is 30 s. A graceful stop needs the step under way plus
 # a checkpoint save: a few seconds for the CPU and the small GPU jobs measured here, so 15 s
@@ -38,6 +43,8 @@ EXIT_AFTER_S = 27.0
 SERVER_POLL_S = 1.0
 
 PR_SET_PDEATHSIG = 1          # <linux/prctl.h>
+SERVER_LOG = "embedded-server.log"
+SERVER_LOG_MAX_BYTES = 8 << 20  # a longer log is started afresh at the next server start
 
 _prctl = None
 if sys.platform.startswith("linux"):
@@ -67,18 +74,47 @@ def guarded_server_class():
             import prefect
             from prefect.settings import get_current_settings
 
-            # the same command and environment as Prefect's own (prefect 3.9 server.py)
-            return subprocess.Popen(
-                args=[sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent),
-                      "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
-                      "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
-                env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-                     "PREFECT__SERVER_FINAL": "1",
-                     **get_current_settings().to_environment_variables(exclude_unset=True)},
-                start_new_session=True, preexec_fn=_die_with_parent)
+            # the same command and environment as Prefect's own (prefect 3.9 server.py); its
+            # output to the log file (the child keeps its own descriptor of it)
+            with open_server_log() as log:
+                return subprocess.Popen(
+                    args=[sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent),
+                          "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+                          "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
+                    env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+                         "PREFECT__SERVER_FINAL": "1",
+                         **get_current_settings().to_environment_variables(exclude_unset=True)},
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=_die_with_parent)
 
     _CLASS.append(GuardedServer)
     return GuardedServer
+
+
+def server_log_path() -> Path:
+    from prefect.settings import get_current_settings
+
+    return Path(get_current_settings().home) / SERVER_LOG
+
+
+def open_server_log():
+    """The embedded server's log, opened for the server process to append to (started afresh
+    when it has grown past ``SERVER_LOG_MAX_BYTES``), with a line marking this start."""
+    path = server_log_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    big = path.exists() and path.stat().st_size > SERVER_LOG_MAX_BYTES
+    log = open(path, "w" if big else "a", encoding="utf-8")
+    log.write(f"--- embedded Prefect server started by pid {os.getpid()} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    log.flush()
+    return log
+
+
+def server_log_tail(lines: int = 15) -> str:
+    """The last ``lines`` lines of the embedded server's log ('' when there is none)."""
+    try:
+        return "\n".join(server_log_path().read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def start_embedded_server():
@@ -96,7 +132,10 @@ def start_embedded_server():
     if existing is not None and not isinstance(existing, cls):
         return None               # someone started Prefect's own already: leave it alone
     server = cls()
-    server.start()
+    try:
+        server.start()
+    except RuntimeError as err:        # did not come up: what it said is in its log
+        raise RuntimeError(f"{err} (its log, {server_log_path()}, ends:\n{server_log_tail()})") from err
     return server
 
 
@@ -201,8 +240,8 @@ class Stopper:
         while proc is not None and not self._done.wait(SERVER_POLL_S):
             rc = proc.poll()
             if rc is not None and not self._done.is_set():
-                self.say(f"the embedded Prefect server exited ({rc}): stopping the training with a "
-                         f"checkpoint and exiting")
+                self.say(f"the embedded Prefect server exited ({rc}; its log: {server_log_path()}): "
+                         f"stopping the training with a checkpoint and exiting")
                 self._server_dead = True
                 self._begin("the embedded Prefect server exited", 1)
                 return
