@@ -41,7 +41,7 @@ its configuration in one dataclass of ``config.FrenzyConfig``:
 8. Recall (``recall.recall``, ``Recall``). Each waiting job (wait > 1 min) may take back GPUs
    lent to a run beyond that run's 90% plan, the run shrinking to a smaller plan of its menu,
    when the waiter's gain beats the run's loss (counted while the waiter runs, plus two
-   restarts); runs with < 15 min left keep theirs.
+   restarts); runs that end before the waiter's predicted start and within 15 min keep theirs.
 9. Placement. Fewest nodes, best fit (``FreeIndex.place_compact``); tensor-parallel groups
    inside one node.
 

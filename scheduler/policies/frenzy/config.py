@@ -171,7 +171,16 @@ class Recall:
 
     enabled: bool = True
     min_wait_s: float = 60.0         # a waiter recalls only when it would wait > 1 min ...
-    min_left_s: float = 900.0        # ... from runs with >= 15 min left (others free theirs soon)
+    min_left_s: float = 900.0        # ... from runs with >= 15 min left or that outlast the waiter's
+                                     # predicted wait (others free theirs in time for it). With the
+                                     # 15 min floor alone most GPUs lent in a burst were out of reach
+                                     # (itp05 / large-4type, round world: ~250 of ~350 in runs with less
+                                     # left); every bench block, seeds 0-3, both worlds, vs Sia: behind on
+                                     # 8 -> 7 of 72, geometric mean training seeds -14.19% -> -14.37%,
+                                     # held-out -13.25% -> -13.37%; worse by > 0.5% on 6 rows, at most
+                                     # +4.7% (itp05 large, event world, held-out seed 2, ahead of Sia);
+                                     # no floor at all: 11 behind (docs/benchmarks.md, "A minute per
+                                     # policy variant")
 
 
 @dataclass(frozen=True, slots=True)
