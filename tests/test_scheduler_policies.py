@@ -343,6 +343,28 @@ def test_a_waiter_recalls_gpus_lent_to_a_run_beyond_its_efficient_plan():
     assert [x.job_id for x in pol.schedule([short], st, NOW)] == ["big", "big", "short"]
 
 
+def test_a_run_with_little_left_gives_lent_gpus_back_when_it_outlasts_the_waiters_wait():
+    # big (8 of a node's 8 GPUs, 4 lent) has 10 min left; the other node frees at NOW + t. The
+    # waiter would start then: when big outlasts that wait its lent GPUs are recalled now; when
+    # big ends first the waiter's start counts on them, and big keeps them
+    two = "pools:\n  - {name: a, gpu: A100-80GB, nodes: 2, gpus_per_node: 8}\n"
+
+    def round_with_other_node_free_at(t):
+        pol = FrenzyPolicy(shrink=False, preempt_ratio=1e9)     # only the recall may act
+        big = job("big", ELASTIC, steps=200_000)
+        d = pol.schedule([big], cluster(two), NOW - 3600)
+        assert d[0].plan.gpus == 8
+        st = cluster(two)
+        running(st, big, d[0], NOW - 3600, NOW + 600)
+        other = next(n.node_id for n in st.nodes if n.node_id not in d[0].placement)
+        occupy(st, other, list(range(8)), plan("A100-80GB", 8, 20, 1.0), end=NOW + t)
+        short = job("short", [plan("A100-80GB", 4, 20, 1.0)], steps=1800)
+        return [(x.action, x.job_id) for x in pol.schedule([short], st, NOW)]
+
+    assert round_with_other_node_free_at(580) == [("preempt", "big"), ("start", "big"), ("start", "short")]
+    assert round_with_other_node_free_at(700) == []           # big ends first: the waiter waits for it
+
+
 def test_a_job_started_by_preemption_can_grow_later():
     pol = FrenzyPolicy()
     st = cluster(A100_ONLY)
