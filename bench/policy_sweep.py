@@ -140,16 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     geo = math.exp(sum(logs) / len(logs)) - 1
     who = "variant" if options else "frenzy"
+    ooms = sum((variant[k] if options else cache[f"{k}/frenzy"])[1] for k in rows)
     print(f"\n{who} behind {args.baseline} on {len(behind)} of {len(rows)}: {', '.join(behind) or '-'}")
     if options:
         print(f"variant worse than frenzy's defaults by > {args.worse:.1%} on {len(worse)} of {len(rows)}")
-    print(f"geometric mean of {who} / {args.baseline}: {geo:+.2%}")
+    print(f"geometric mean of {who} / {args.baseline}: {geo:+.2%}; {who}'s OOM events: {ooms}")
     print("command: python bench/policy_sweep.py " + " ".join(
         [f"--set {p}" for p in args.set] + ([f"--seeds {args.seeds}"] if args.seeds != "0,1,2,3" else [])
         + ([f"--only {args.only}"] if args.only else [])))
     if args.json:
         print(json.dumps({"rows": len(rows), "behind": len(behind), "worse": len(worse),
-                          "geo_mean": round(geo, 4), "options": options}))
+                          "geo_mean": round(geo, 4), "oom_events": ooms, "options": options}))
     return 0
 
 
