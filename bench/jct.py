@@ -198,12 +198,17 @@ def summary(rows: list[dict]) -> list[str]:
 
 
 def _seed_run(task):
-    wl_path, cpath, policy, seed, world = task
+    """(average JCT s, OOM events) of one policy on one workload, truth seed and world; a sixth
+    element of ``task``, when given, holds the policy's options (``get_policy`` keywords)."""
+    wl_path, cpath, policy, seed, world, *options = task
     from scheduler.cluster import load_cluster
+    from scheduler.policies import get_policy
     from scheduler.sim import SimConfig, simulate
     from scheduler.workload import read_workload
     cluster = load_cluster(cpath)
     jobs = read_workload(wl_path, extra_gpu_types=cluster.gpu_types)
+    if options and options[0]:
+        policy = get_policy(policy, **options[0])
     r = simulate(jobs, cluster, policy, config=SimConfig(seed=seed, noise=0.1, world_round_s=world))
     return r.avg_jct_s, r.oom_events
 

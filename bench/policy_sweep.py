@@ -25,33 +25,16 @@ import json
 import math
 import os
 import sys
-import time
 from multiprocessing import Pool
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.jct import CLUSTERS, OUT, TUNING_SEEDS, WORKLOADS, make_workload  # noqa: E402
+from bench.jct import CLUSTERS, OUT, TUNING_SEEDS, WORKLOADS, _seed_run, make_workload  # noqa: E402
 
 CACHE = OUT / "policy-sweep-cache.json"
 ROUND_S = 60.0
-
-
-def _simulate(task: tuple) -> tuple[float, int, float]:
-    """(average JCT s, OOM events, wall s) of one policy on one block, seed and world."""
-    wl, cluster_path, policy, seed, world, options = task
-    from scheduler.cluster import load_cluster
-    from scheduler.policies import get_policy
-    from scheduler.sim import SimConfig, simulate
-    from scheduler.workload import read_workload
-
-    cluster = load_cluster(cluster_path)
-    jobs = read_workload(wl, extra_gpu_types=cluster.gpu_types)
-    t0 = time.perf_counter()
-    r = simulate(jobs, cluster, get_policy(policy, **options),
-                 config=SimConfig(seed=seed, noise=0.1, world_round_s=world))
-    return r.avg_jct_s, r.oom_events, time.perf_counter() - t0
 
 
 def _value(text: str):
@@ -110,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 if options:
                     tasks.append((f"{key}/variant", (str(wl), CLUSTERS[c], "frenzy", s, world, options)))
     with Pool(min(2, os.cpu_count() or 1)) as pool:
-        results = pool.map(_simulate, [t for _, t in tasks])
+        results = pool.map(_seed_run, [t for _, t in tasks])
     variant = {}
     for (key, _), r in zip(tasks, results):
         if key.endswith("/variant"):

@@ -10,17 +10,20 @@ from .records import GpuCounts, Run, Waiter
 from .resize import restart_cost, shrink_to_fit, steps_left
 
 
-def lent_runs(runs: dict[str, Run], now: float, cfg: FrenzyConfig, touched: set[str]) -> dict[str, list[Run]]:
+def lent_runs(runs: dict[str, Run], now: float, cfg: FrenzyConfig,
+              touched: set[str]) -> dict[str, list[tuple[Run, float, float]]]:
     """Per GPU type, runs holding more GPUs than their menu's largest 90%-efficiency plan (from
-    an idle start or growth)."""
-    lent: dict[str, list[Run]] = {}
+    an idle start or growth), each with its predicted remaining seconds and steps (computed
+    once per round, not once per waiter)."""
+    lent: dict[str, list[tuple[Run, float, float]]] = {}
     for run in runs.values():
         rj = run.rj
         if not rj.placement or rj.job_id in touched:
             continue
         g = run.gpu_type
         if rj.plan.gpus > run.menu.top.get(g, 0):
-            lent.setdefault(g, []).append(run)
+            rem = expected_end(rj, now, cfg.backfill) - now
+            lent.setdefault(g, []).append((run, rem, steps_left(run, rem, now, cfg.restart.launch_s)))
     return lent
 
 
@@ -30,8 +33,8 @@ def recall(waiting: list[Waiter], runs: dict[str, Run], idx: FreeIndex, now: flo
     smaller plan of its menu, not below its 90%-efficiency plan, so a waiter starts now, when
     the waiter's predicted gain beats the run's loss. A run keeps its lent GPUs when it is
     predicted to end before the waiter's predicted start and within ``Recall.min_left_s``: the
-    waiter's start counts on them then; a run that outlasts the waiter's wait holds them past it. The run is expected to grow back once the
-    waiter is done, so the loss is its slowdown while the waiter runs plus two restarts (or its
+    waiter's start counts on them then; a run that outlasts the waiter's wait holds them past
+    it. The run is expected to grow back once the waiter is done, so the loss is its slowdown while the waiter runs plus two restarts (or its
     whole predicted loss, if smaller). Each run gives GPUs back at most once per round."""
     lent = lent_runs(runs, now, cfg, touched)
     out: list[Decision] = []
@@ -50,15 +53,13 @@ def recall(waiting: list[Waiter], runs: dict[str, Run], idx: FreeIndex, now: flo
             if gain <= 0:
                 continue
             free = idx.free_gpus(g)
-            for run in lent.get(g, ()):
+            for run, rem, vsteps in lent.get(g, ()):
                 rj = run.rj
                 m, floor = rj.plan.gpus, run.menu.top.get(g, 0)
                 if rj.job_id in recalled or free + m - floor < n:
                     continue
-                rem = expected_end(rj, now, cfg.backfill) - now
                 if rem <= min(cfg.recall.min_left_s, w.start - now):
                     continue                       # it frees them in time for the waiter anyway
-                vsteps = steps_left(run, rem, now, cfg.restart.launch_s)
                 for vc in run.menu.grow:           # fastest first
                     vstep, vn, vg, _ = vc
                     if vg != g or vn >= m or vn < floor or vn + n > free + m:
