@@ -424,7 +424,7 @@ def _host_rule(spec: ModelSpec, base: Knobs, n: int, gpus_per_node: int,
         return None
     return (f"plan.offload: {base.offload} needs {per * procs:,.0f} GiB of host memory per node "
             f"({procs} process{'es' if procs != 1 else ''} x {per:,.1f} GiB) but a node has "
-            f"{host_ram_gib:,.0f} GiB (the cluster's host_ram_gib)")
+            f"{host_ram_gib:,.0f} GiB (a pool's host_ram_gib; unset: 2 x its nodes' GPU memory)")
 
 
 def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
@@ -548,11 +548,12 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
                   safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB,
                   gpus: dict[str, GPU] | None = None,
                   host_ram_gib: dict[str, float] | None = None,
-                  plan_filter: dict | None = None) -> dict[str, list[Plan]]:
+                  plan_filter: dict | str | None = None) -> dict[str, list[Plan]]:
     """Feasible plans per GPU type of the inventory (gpu_type -> GPUs in the cluster), each list
     fastest first; ``gpus`` as in ``enumerate_plans``; ``host_ram_gib``: GPU type -> host memory
     per node (``Cluster.host_ram_gib()``), for the offload plans; ``plan_filter``: only plans
-    with these knobs (``estimator.plan_filter.parse_plan_filter``), picked among all that fit.
+    with these knobs (a ``--plan`` string such as ``"tp=2,zero=1"``, or its
+    ``estimator.plan_filter.parse_plan_filter`` dict), picked among all that fit.
     GPU types the job does not allow or that hold no plan map to []. Raises DoesNotFitError
     (closest plan, shortfall in GiB) when nothing fits anywhere, FrenzyInputError naming the
     filter when plans fit but none matches it."""
@@ -562,6 +563,9 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
         safety_margin_gib = DEFAULT_SAFETY_MARGIN_GIB
     if safety_margin_gib < 0:
         raise FrenzyInputError("safety_margin_gib", f"must be >= 0, got {safety_margin_gib}")
+    if isinstance(plan_filter, str):            # the --plan text; "" filters nothing, as {} and None
+        from .plan_filter import parse_plan_filter
+        plan_filter = parse_plan_filter(plan_filter) if plan_filter.strip() else None
     if plan_filter:
         from .plan_filter import check_heads
         check_heads(plan_filter, spec)      # tp=3 on 4 heads: that, not "no plan matches"

@@ -1,6 +1,8 @@
 """`frenzy estimate`, `frenzy plan`, `frenzy models`: the memory estimator from the shell.
 
-Flags are the keywords of ``estimator.estimate`` with ``-`` for ``_``; ``--json`` prints one
+Flags are the keywords of ``estimator.estimate`` with ``-`` for ``_`` (all but the
+implementation hooks ``zero_bucket_elems``, ``gradient_as_bucket_view`` and ``model_factory``,
+which Python callers pass); ``--json`` prints one
 JSON object instead of tables. Answers in milliseconds (no torch, no Prefect imported)."""
 from __future__ import annotations
 

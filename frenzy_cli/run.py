@@ -20,7 +20,7 @@ def register(sub) -> None:
     p.add_argument("--safety-margin-gib", type=float, default=None,
                    help="GPU memory kept free beyond the prediction (GiB)")
     p.add_argument("--settings", help="a FrenzySettings block name (site defaults: ledger URL, "
-                                      "safety margin, policy, fallback order)")
+                                      "safety margin, policy, fallback order, default precision and optimizer)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--plan", help='only plans with these knobs, e.g. "tp=2", "offload=optimizer,zero=3", '
                                   '"nodes=2" (knobs: dp tp pp vpp cp gpus nodes zero offload act_ckpt '

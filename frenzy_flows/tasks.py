@@ -1,5 +1,6 @@
 """The stages of a submission, each a Prefect task:
-estimate_memory -> select_resources -> enqueue -> wait_for_gpus -> train.
+estimate_memory -> select_resources -> enqueue -> wait_for_gpus here, then ``train``
+(``frenzy_flows.flow``).
 
 The logic lives in the pure core (estimator, scheduler) and the edges (ledger, trainer); these
 tasks only wire it to Prefect: logging, artifacts, events, retries."""
@@ -58,6 +59,10 @@ def select_resources(job: TrainingJob, plans_by_type: dict[str, list[Plan]], clu
             dropped[gpu_type] = "no Prefect work pool registered for it"
         elif job.allowed_gpu_types and gpu_type not in job.allowed_gpu_types:
             dropped[gpu_type] = "not in the job's allowed_gpu_types"
+        elif not plans:
+            have = cluster.inventory().get(gpu_type, 0)
+            dropped[gpu_type] = (f"no plan fits in memory on the {have} GPU{'s' if have != 1 else ''} "
+                                 "of this type the cluster has")
         elif not (fit := [p for p in plans if job.max_gpus is None or p.gpus <= job.max_gpus]):
             dropped[gpu_type] = f"every feasible plan needs more than max_gpus={job.max_gpus}"
         elif not (runnable := [p for p in fit if realisable(p)]):

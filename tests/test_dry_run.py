@@ -55,6 +55,19 @@ def test_dry_run_text_names_the_nearest_gpu_counts_when_nothing_fits(tmp_path):
     assert not (tmp_path / ".frenzy").exists()
 
 
+def test_a_type_where_nothing_fits_says_so_not_that_plans_exceed_max_gpus(tmp_path):
+    """A job without ``max_gpus`` on a type too small for it: the refusal says no plan fits on
+    the GPUs the cluster has (it said "every feasible plan needs more than max_gpus=None")."""
+    (tmp_path / "big.yaml").write_text("name: big\nmodel: llama-2-7b\nseq_len: 2048\nglobal_batch: 8\n"
+                                       "train_steps: 10\n")
+    (tmp_path / "cluster.yaml").write_text("pools:\n  - {name: a10, gpu: A10-24GB, nodes: 1, gpus_per_node: 1}\n"
+                                           "  - {name: l4, gpu: L4-24GB, nodes: 1, gpus_per_node: 2}\n")
+    proc = frenzy("run", "big.yaml", "--cluster", "cluster.yaml", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "A10-24GB: no plan fits in memory on the 1 GPU of this type the cluster has" in proc.stdout
+    assert "max_gpus" not in proc.stdout
+
+
 def test_dry_run_places_on_the_cluster_and_names_the_node(tmp_path):
     from estimator.job import TrainingJob
     from frenzy_flows.dryrun import dry_run, dry_run_lines

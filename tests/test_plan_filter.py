@@ -136,6 +136,11 @@ def test_the_planner_picks_matching_plans_among_all_that_fit():
         plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter={"gpus": 64})
     with pytest.raises(FrenzyInputError, match="tp=3 must divide the model's 32 attention heads"):
         plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter={"tp": 3})
+    # the --plan text, as `frenzy run --plan` and the submit flow take it, is the same filter
+    assert plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter="tp=2")["A100-80GB"] == got
+    assert plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter="")["A100-80GB"] == free
+    with pytest.raises(FrenzyInputError, match="unknown knob 'tq'"):
+        plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter="tq=2")
 
 
 TINY_LLAMA = {"model": {"name": "tiny-llama", "arch": "llama", "layers": 2, "hidden": 64, "heads": 4,
