@@ -537,8 +537,8 @@ def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
         max_gpus = min(max_gpus, j.max_gpus)
     if safety_margin_gib is None:
         safety_margin_gib = DEFAULT_SAFETY_MARGIN_GIB
-    if safety_margin_gib < 0:
-        raise FrenzyInputError("safety_margin_gib", f"must be >= 0, got {safety_margin_gib}")
+    if not safety_margin_gib >= 0 or not math.isfinite(safety_margin_gib):
+        raise FrenzyInputError("safety_margin_gib", f"must be a finite number >= 0, got {safety_margin_gib}")
     gpn = max(1, int(gpus_per_node))
     return _plans_for_gpu(j, spec, gpu, max_gpus, gpn, safety_margin_gib, host_ram_gib=host_ram_gib)
 
@@ -561,8 +561,8 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
     spec = with_positions(resolve_model(j.model), j.seq_len)
     if safety_margin_gib is None:
         safety_margin_gib = DEFAULT_SAFETY_MARGIN_GIB
-    if safety_margin_gib < 0:
-        raise FrenzyInputError("safety_margin_gib", f"must be >= 0, got {safety_margin_gib}")
+    if not safety_margin_gib >= 0 or not math.isfinite(safety_margin_gib):
+        raise FrenzyInputError("safety_margin_gib", f"must be a finite number >= 0, got {safety_margin_gib}")
     if isinstance(plan_filter, str):            # the --plan text; "" filters nothing, as {} and None
         from .plan_filter import parse_plan_filter
         plan_filter = parse_plan_filter(plan_filter) if plan_filter.strip() else None
@@ -592,8 +592,28 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
         if closest:
             short, plan = min(closest, key=lambda x: x[0])
             raise DoesNotFitError(plan, short, f"(safety margin {safety_margin_gib} GiB)")
-        raise DoesNotFitError(None, float("inf"), "(no GPU type of the inventory is allowed)")
+        _refuse_without_plans(j, spec, inventory)
     return out
+
+
+def _refuse_without_plans(j: TrainingJob, spec: ModelSpec, inventory: dict[str, int]) -> None:
+    """No plan, not even a closest miss: say why in the job's own terms. The job's allowed GPU
+    types are not in the inventory (named), or the model refuses the job at any layout (e.g. a
+    sequence longer than its learned position table: the model's own rule, as ``estimate``
+    says it), else no layout of it is valid on these types."""
+    have = [g for g, n in inventory.items() if n > 0]
+    if j.allowed_gpu_types and have and not set(have) & set(j.allowed_gpu_types):
+        raise FrenzyInputError("allowed_gpu_types", f"none of {', '.join(j.allowed_gpu_types)} is in the "
+                                                    f"inventory ({', '.join(have)})")
+    if not have:
+        raise DoesNotFitError(None, float("inf"), "(no GPU type of the inventory is allowed)")
+    t = _technique(j)
+    validate_knobs(spec, seq_len=j.seq_len, precision=j.precision, optimizer=j.optimizer,
+                   attention=j.attention, framework=t.framework, master_weights=t.master_weights,
+                   finetune=t.finetune, lora_rank=t.lora_rank, lora_targets=t.lora_targets,
+                   lora_dropout=t.lora_dropout)
+    raise DoesNotFitError(None, float("inf"), f"(no parallel layout of {spec.name} is valid on "
+                                              f"{', '.join(have)})")
 
 
 def _plan_knobs(j: TrainingJob, plan: Plan) -> dict[str, Any]:

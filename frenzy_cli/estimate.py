@@ -189,8 +189,10 @@ def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int, dict | None,
     if args.gpu:
         args.gpu = [resolve_gpu_name(g, field="--gpu") for g in args.gpu]
     types = args.gpu or list(GPU_NAMES)
-    if args.max_gpus < 1:
-        raise FrenzyInputError("max_gpus", f"must be a positive integer, got {args.max_gpus}")
+    from scheduler.cluster import MAX_CLUSTER_GPUS
+    if not 1 <= args.max_gpus <= MAX_CLUSTER_GPUS:
+        raise FrenzyInputError("max_gpus", f"must be an integer from 1 to {MAX_CLUSTER_GPUS:,} (the largest "
+                                           f"cluster a file may describe), got {args.max_gpus:,}")
     # nodes of 8 GPUs with the cluster file's default host memory
     from scheduler.cluster import Cluster, Pool
     hosts = Cluster(pools=[Pool(name=f"p{i}", gpu=g, gpus_per_node=8) for i, g in enumerate(types)]).host_ram_gib()
@@ -213,6 +215,10 @@ def handle_plan(args) -> int:
            "master_weights": args.master_weights, "finetune": finetune}
     inv, gpn, gpus, hosts = _inventory(args)
     if args.gpu and args.cluster:
+        missing = [g for g in args.gpu if g not in inv]
+        if missing:
+            raise FrenzyInputError("--gpu", f"{', '.join(missing)} not in the cluster {args.cluster} "
+                                            f"(its types: {', '.join(inv)})")
         inv = {g: n for g, n in inv.items() if g in args.gpu}
     plans = plans_for_job(job, inv, gpus_per_node=gpn, safety_margin_gib=args.safety_margin_gib,
                           gpus=gpus, host_ram_gib=hosts)

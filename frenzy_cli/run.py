@@ -91,7 +91,7 @@ def _handle(args) -> int:
     plan_filter = parse_plan_filter(args.plan) if getattr(args, "plan", None) else None
     # Bad input fails here, in a line, before the slow Prefect start-up: the cluster file, and
     # a job that no GPU of the cluster can hold (the flow's first task asks the same question).
-    from estimator.errors import FrenzyInputError
+    from estimator.errors import DoesNotFitError, FrenzyInputError
     from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, plans_for_job
     from scheduler.discover import cluster_or_local
     from trainer.pretrained import check_job
@@ -99,25 +99,32 @@ def _handle(args) -> int:
     check_job(job)          # starting point, config/weights, LoRA targets, QLoRA support
 
     topology = cluster_or_local(args.cluster)
+    # With a settings block its margin is only known once Prefect is up: check against none.
+    margin = (args.safety_margin_gib if args.safety_margin_gib is not None
+              else 0.0 if args.settings else DEFAULT_SAFETY_MARGIN_GIB)
+    try:
+        plans = plans_for_job(job, topology.inventory(), gpus_per_node=topology.gpus_per_node(),
+                              host_ram_gib=topology.host_ram_gib(), plan_filter=plan_filter,
+                              safety_margin_gib=margin, gpus=topology.gpu_catalog())
+    except DoesNotFitError:
+        if not args.dry_run:
+            raise
+        plans = {}          # the dry run says what would not launch, and the counts it needs
+    filter_plans(plans, plan_filter, topology.gpus_per_node())
+    # data, tokenizer, entry point, optimizer, allow-lists (the job file's folder is a data root):
+    # a dry run refuses what the run would
+    from trainer import allowlist
+    from trainer.runner import preflight_job
+
+    allowlist.configure(data_roots=[Path(args.job).resolve().parent])
+    if any(plans.values()):
+        preflight_job(job, min((p for ps in plans.values() for p in ps), key=lambda p: p.step_time_s))
     if args.dry_run:    # writes nothing: Prefect is imported (never contacted) with a throwaway home
         import tempfile
         with tempfile.TemporaryDirectory(prefix="frenzy-dry-run-") as tmp:
             os.environ.setdefault("PREFECT_HOME", tmp)
             from frenzy_flows.dryrun import print_dry_run
             return print_dry_run(job, topology, args)
-    # With a settings block its margin is only known once Prefect is up: check against none.
-    margin = (args.safety_margin_gib if args.safety_margin_gib is not None
-              else 0.0 if args.settings else DEFAULT_SAFETY_MARGIN_GIB)
-    plans = plans_for_job(job, topology.inventory(), gpus_per_node=topology.gpus_per_node(),
-                          host_ram_gib=topology.host_ram_gib(), plan_filter=plan_filter,
-                          safety_margin_gib=margin, gpus=topology.gpu_catalog())
-    filter_plans(plans, plan_filter, topology.gpus_per_node())
-    # data, tokenizer, entry point, optimizer, allow-lists (the job file's folder is a data root)
-    from trainer import allowlist
-    from trainer.runner import preflight_job
-
-    allowlist.configure(data_roots=[Path(args.job).resolve().parent])
-    preflight_job(job, min((p for ps in plans.values() for p in ps), key=lambda p: p.step_time_s))
 
     embedded_prefect_env(args.json)     # before prefect is first imported
     from . import stopping

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from pathlib import Path
 
 WORKLOAD_HELP = """\
 Map the jobs of a Microsoft ITP trace (arrival time, duration, GPU count) to LLM training jobs
@@ -68,6 +70,18 @@ def register(sub) -> None:
     w.set_defaults(handler=handle_workload)
 
 
+DAY_S = 86400.0      # start-up, tick and round lengths: a day is already beyond any real cluster's
+MAX_NOISE = 2.0      # a lognormal sigma of 2: real within e^2 = 7.4x of predicted at one sigma
+
+
+def _within(field: str, value: float, low: float, high: float, what: str, low_open: bool = False) -> None:
+    from estimator.errors import FrenzyInputError
+    ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        op = ">" if low_open else ">="
+        raise FrenzyInputError(field, f"must be finite, {op} {low:g} and <= {high:g} ({what}), got {value}")
+
+
 def _policies(args) -> list[str]:
     from estimator.errors import FrenzyInputError
     from scheduler.policies import policy_factory
@@ -86,14 +100,22 @@ def handle_simulate(args) -> int:
     from scheduler.sim.engine import SimCluster
     from scheduler.workload import read_workload
 
-    if args.noise < 0:
-        raise FrenzyInputError("noise", f"must be >= 0, got {args.noise}")
-    if args.startup_s < 0 or args.tick_s <= 0:
-        raise FrenzyInputError("startup-s/tick-s", "startup must be >= 0 and tick > 0")
-    if args.world_round_s is not None and args.world_round_s <= 0:
-        raise FrenzyInputError("world-round-s", f"must be > 0, got {args.world_round_s}")
+    # finite and physical, before anything runs: a NaN or a day-long tick made the event loop
+    # spin for ever, a sigma of 1e6 overflowed the truth's lognormal draw
+    _within("noise", args.noise, 0.0, MAX_NOISE, "a lognormal sigma")
+    _within("startup-s", args.startup_s, 0.0, DAY_S, "seconds")
+    _within("tick-s", args.tick_s, 0.0, DAY_S, "seconds", low_open=True)
+    if args.world_round_s is not None:
+        _within("world-round-s", args.world_round_s, 0.0, DAY_S, "seconds", low_open=True)
     if args.plot and not args.compare:
         raise FrenzyInputError("plot", "needs --compare (one figure compares policies)")
+    if args.plot:
+        plot = Path(args.plot)
+        if plot.is_dir():
+            raise FrenzyInputError("plot", f"{args.plot} is a folder; give a file name ending in .png")
+        if plot.suffix.lower() not in ("", ".png"):
+            raise FrenzyInputError("plot", f"writes a PNG: the name must end in .png (got {plot.suffix!r})")
+        args.plot = str(plot.with_suffix(".png"))     # what matplotlib writes for a bare name
     names = _policies(args)
     # validate everything before simulating anything
     cluster = load_cluster(args.cluster)

@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from estimator.errors import FrenzyInputError
-from estimator.job import steps_for_tokens
+from estimator.job import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_STEPS, MAX_TOKENS, steps_for_tokens
 from estimator.yamlfile import WORKLOAD_MIX, load_yaml
+from scheduler.cluster import MAX_CLUSTER_GPUS
 
 WORKLOAD_COLUMNS = ("job_id", "submit_s", "model", "seq_len", "global_batch", "train_tokens",
                     "requested_gpu_type", "requested_gpus")
@@ -75,13 +76,15 @@ def _known_gpus() -> set[str]:
     return set(CATALOG)
 
 
-def _int_field(raw: str, where: str, col: str, *, positive: bool = True) -> int:
+def _int_field(raw: str, where: str, col: str, *, positive: bool = True, most: int | None = None) -> int:
     try:
         value = int(raw)
     except (TypeError, ValueError):
         raise FrenzyInputError(f"{where}: {col}", f"must be an integer, got {raw!r}") from None
     if positive and value <= 0:
         raise FrenzyInputError(f"{where}: {col}", f"must be > 0, got {value}")
+    if most is not None and value > most:
+        raise FrenzyInputError(f"{where}: {col}", f"must be <= {most:,} (a training job's bound), got {value:,}")
     return value
 
 
@@ -131,13 +134,19 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
             if gtype not in known_gpus:
                 raise FrenzyInputError(f"{where}: requested_gpu_type",
                                        f"unknown GPU type {gtype!r} (known: {', '.join(sorted(known_gpus))})")
-            jobs.append(WorkloadJob(
+            # the bounds a submitted TrainingJob has (a job of 10^18 tokens kept the simulator
+            # ticking for ever)
+            job = WorkloadJob(
                 job_id=job_id, submit_s=submit_s, model=model,
-                seq_len=_int_field(seq, where, "seq_len"),
-                global_batch=_int_field(gb, where, "global_batch"),
-                train_tokens=_int_field(tokens, where, "train_tokens"),
+                seq_len=_int_field(seq, where, "seq_len", most=MAX_SEQ_LEN),
+                global_batch=_int_field(gb, where, "global_batch", most=MAX_GLOBAL_BATCH),
+                train_tokens=_int_field(tokens, where, "train_tokens", most=MAX_TOKENS),
                 requested_gpu_type=gtype,
-                requested_gpus=_int_field(ngpu, where, "requested_gpus")))
+                requested_gpus=_int_field(ngpu, where, "requested_gpus", most=MAX_CLUSTER_GPUS))
+            if job.steps > MAX_STEPS:
+                raise FrenzyInputError(f"{where}: train_tokens",
+                                       f"makes {job.steps:,} optimizer steps; at most {MAX_STEPS:,}")
+            jobs.append(job)
     if not jobs:
         raise FrenzyInputError(str(path), "workload has no jobs")
     jobs.sort(key=lambda j: j.submit_s)

@@ -68,6 +68,23 @@ def test_a_type_where_nothing_fits_says_so_not_that_plans_exceed_max_gpus(tmp_pa
     assert "max_gpus" not in proc.stdout
 
 
+def test_dry_run_refuses_what_the_run_would_refuse(tmp_path):
+    """Data, tokenizer and allow-list checks run in a dry run too (it said "would launch", exit
+    0, for a job whose data file is missing); and a sequence longer than the model's positions
+    is the model's rule, not "fits no GPU"."""
+    job = "name: t\nmodel: gpt2-tiny\nseq_len: 64\nglobal_batch: 8\ntrain_steps: 4\nprecision: fp32\n"
+    (tmp_path / "missing.yaml").write_text(job + "data: {kind: text, path: nowhere.txt}\n")
+    proc = frenzy("run", "missing.yaml", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 2 and "would launch" not in proc.stdout, proc.stdout
+    [line] = proc.stderr.strip().splitlines()
+    assert "data.path" in line and "nowhere.txt" in line
+    (tmp_path / "long.yaml").write_text(job.replace("seq_len: 64", "seq_len: 1000"))
+    proc = frenzy("run", "long.yaml", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "seq_len: exceeds the learned position table of gpt2-tiny (1000 > 256)" in proc.stderr
+    assert not (tmp_path / ".frenzy").exists()
+
+
 def test_dry_run_places_on_the_cluster_and_names_the_node(tmp_path):
     from estimator.job import TrainingJob
     from frenzy_flows.dryrun import dry_run, dry_run_lines

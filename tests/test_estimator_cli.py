@@ -1,6 +1,8 @@
 """`frenzy estimate`, `frenzy plan`, `frenzy models` (in-process, real argument parsing)."""
 import json
 
+import pytest
+
 from frenzy_cli.main import main
 
 
@@ -59,6 +61,29 @@ def test_plan_json_and_does_not_fit(capsys):
     rc, _, err = run(capsys, "plan", "--model", "llama-2-70b", "--seq-len", "4096",
                      "--global-batch", "8", "--gpu", "T4-16GB", "--max-gpus", "1")
     assert rc == 2 and "misses by" in err
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--max-gpus", "1000000000000"], "max_gpus: must be an integer from 1 to 32,768"),
+    (["--safety-margin-gib", "nan"], "safety_margin_gib: must be a finite number >= 0"),
+    (["--cluster", "examples/cluster.yaml", "--gpu", "V100-16GB"], "--gpu: V100-16GB not in the cluster"),
+    (["--seq-len", "4096"], "seq_len: exceeds the learned position table of gpt2 (4096 > 1024)"),
+])
+def test_plan_names_the_real_reason_in_one_line(capsys, extra, says):
+    """A huge --max-gpus ran for minutes; NaN margins, a --gpu outside the cluster and a
+    sequence beyond the model's positions all said "fits no GPU in the inventory"."""
+    rc, _, err = run(capsys, "plan", "--model", "gpt2", "--seq-len", "1024", "--global-batch", "8", *extra)
+    assert rc == 2
+    [line] = err.strip().splitlines()
+    assert says in line
+
+
+def test_a_job_whose_allowed_types_are_not_in_the_inventory_names_them():
+    from estimator.errors import FrenzyInputError
+    from estimator.plans import plans_for_job
+    job = {"model": "gpt2", "seq_len": 512, "global_batch": 8, "allowed_gpu_types": ["H100-80GB"]}
+    with pytest.raises(FrenzyInputError, match=r"allowed_gpu_types: none of H100-80GB is in the inventory \(A10-24GB\)"):
+        plans_for_job(job, {"A10-24GB": 4})
 
 
 def test_plan_on_a_cluster_with_its_own_gpu_type(capsys, tmp_path):

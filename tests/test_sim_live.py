@@ -115,4 +115,31 @@ def test_unknown_policy_and_bad_noise_exit_2(workload, capsys):
 
 def test_bad_world_round_exits_2_before_anything_runs(workload, capsys):
     assert main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--world-round-s", "0"]) == 2
-    assert "world-round-s: must be > 0" in capsys.readouterr().err
+    assert "world-round-s: must be finite, > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--noise", "inf"), ("--noise", "1e6"), ("--noise", "nan"),
+                                        ("--startup-s", "nan"), ("--startup-s", "1e12"), ("--tick-s", "nan"),
+                                        ("--world-round-s", "inf")])
+def test_numbers_that_are_not_finite_or_physical_exit_2_before_anything_runs(workload, capsys, flag, value):
+    """NaN, inf and absurd sizes: one line naming the flag (they made the event loop spin for
+    ever or overflowed the truth's lognormal draw)."""
+    assert main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, flag, value, "--no-progress"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert f"{flag.lstrip('-')}: must be finite" in line
+
+
+def test_plot_name_is_checked_before_simulating(workload, tmp_path, capsys):
+    args = ["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--compare", "frenzy,fifo-user"]
+    assert main([*args, "--plot", str(tmp_path / "p.txt")]) == 2
+    assert "must end in .png" in capsys.readouterr().err
+    assert main([*args, "--plot", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_a_workload_row_beyond_a_jobs_bounds_is_refused(tmp_path, capsys):
+    bad = tmp_path / "huge.csv"
+    bad.write_text("job_id,submit_s,model,seq_len,global_batch,train_tokens,requested_gpu_type,requested_gpus\n"
+                   "j1,0,gpt2,1024,8,1000000000000000000,A100-40GB,1\n")
+    assert main(["simulate", "--workload", str(bad), "--cluster", CLUSTER, "--no-progress"]) == 2
+    assert "train_tokens: must be <= 1,000,000,000,000,000" in capsys.readouterr().err
