@@ -197,16 +197,21 @@ def common_jct(results) -> tuple[int, dict[str, float]] | None:
 
 
 def handle_workload(args) -> int:
-    from scheduler.workload import load_mix, map_trace, read_trace, write_workload
+    from estimator.errors import FrenzyInputError
+    from scheduler.workload import load_mix, map_trace, mix_number, read_trace, write_workload
 
+    out = Path(args.out)
+    if out.is_dir():
+        raise FrenzyInputError("out", f"{args.out} is a folder; give the workload CSV's file name")
+    for name, path in (("trace", args.trace), ("mix", args.mix)):
+        if out.exists() and Path(path).exists() and out.resolve() == Path(path).resolve():
+            raise FrenzyInputError("out", f"{args.out} is the --{name} file; writing it would destroy the input")
     mix = load_mix(args.mix)
-    for attr, val in (("max_jobs", args.max_jobs), ("start_s", args.start_s), ("end_s", args.end_s),
-                      ("time_scale", args.time_scale)):
+    for attr, flag, val, kw in (("max_jobs", "max-jobs", args.max_jobs, {"integer": True}),
+                                ("start_s", "start-s", args.start_s, {"low_open": False}),
+                                ("end_s", "end-s", args.end_s, {}), ("time_scale", "time-scale", args.time_scale, {})):
         if val is not None:
-            setattr(mix, attr, val)
-    if mix.time_scale <= 0:
-        from estimator.errors import FrenzyInputError
-        raise FrenzyInputError("time-scale", "must be > 0")
+            setattr(mix, attr, mix_number(val, flag, **kw))
     trace = read_trace(args.trace)
     show = sys.stderr.isatty()
     if show:

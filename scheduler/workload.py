@@ -31,9 +31,10 @@ from __future__ import annotations
 import csv
 import math
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from estimator.errors import FrenzyInputError
 from estimator.job import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_STEPS, MAX_TOKENS, steps_for_tokens
@@ -103,7 +104,7 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
         raise FrenzyInputError("workload", f"no such file: {path}")
     jobs: list[WorkloadJob] = []
     seen: set[str] = set()
-    with path.open(newline="") as fh:
+    with _text(path) as fh:
         reader = csv.reader(fh)
         header = next(reader, None)
         if header is None or tuple(h.strip() for h in header) != WORKLOAD_COLUMNS:
@@ -214,9 +215,29 @@ def _weights(raw, where: str, keytype) -> dict:
     return out
 
 
+def mix_number(raw: Any, where: str, *, integer: bool = False, low: float = 0.0,
+               low_open: bool = True) -> float | int:
+    """A mix file's (or its flag's) number: finite, above ``low`` (or at it, with ``low_open``
+    False), an integer where ``integer``; else one line naming ``where``."""
+    what = "an integer" if integer else "a number"
+    bound = f"{'>' if low_open else '>='} {low:g}"
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or (integer and not float(raw).is_integer()):
+        raise FrenzyInputError(where, f"must be {what} {bound}, got {raw!r}")
+    if not math.isfinite(raw) or (raw <= low if low_open else raw < low):
+        raise FrenzyInputError(where, f"must be {what} {bound}, got {raw!r}")
+    return int(raw) if integer else float(raw)
+
+
+def _optional(raw: dict, key: str, path: Path, **kw) -> float | int | None:
+    value = raw.get(key)
+    return None if value is None else mix_number(value, f"{path}: {key}", **kw)
+
+
 def load_mix(path: str | Path, *, models: Iterable[str] | None = None,
              gpu_types: Iterable[str] | None = None) -> Mix:
     path = Path(path)
+    if path.is_dir():
+        raise FrenzyInputError("mix", f"{path} is a folder, not a mix YAML file")
     if not path.is_file():
         raise FrenzyInputError("mix", f"no such file: {path}")
     raw = load_yaml(path, kind=WORKLOAD_MIX)
@@ -235,25 +256,21 @@ def load_mix(path: str | Path, *, models: Iterable[str] | None = None,
         for m in ms:
             if m not in known_models:
                 raise FrenzyInputError(f"{path}: classes[{i}].models", f"unknown model {m!r}")
-        classes.append(MixClass(max_gpus=int(c["max_gpus"]), models=ms))
+        classes.append(MixClass(max_gpus=mix_number(c["max_gpus"], f"{path}: classes[{i}].max_gpus", integer=True),
+                                models=ms))
     if not classes:
         raise FrenzyInputError(f"{path}: classes", "at least one class is required")
     classes.sort(key=lambda c: c.max_gpus)
-    scale = float(raw.get("time_scale", 1.0))
-    if scale <= 0:
-        raise FrenzyInputError(f"{path}: time_scale", "must be > 0")
-    dscale = float(raw.get("duration_scale", 1.0))
-    if dscale <= 0:
-        raise FrenzyInputError(f"{path}: duration_scale", "must be > 0")
-    max_gpus = raw.get("max_gpus")
-    if max_gpus is not None and (not isinstance(max_gpus, int) or max_gpus <= 0):
-        raise FrenzyInputError(f"{path}: max_gpus", f"must be an integer > 0, got {max_gpus!r}")
+    scale = mix_number(raw.get("time_scale", 1.0), f"{path}: time_scale")
+    dscale = mix_number(raw.get("duration_scale", 1.0), f"{path}: duration_scale")
     return Mix(reference_gpu=ref, classes=classes,
                seq_len=_weights(raw.get("seq_len"), f"{path}: seq_len", int),
                global_batch=_weights(raw.get("global_batch"), f"{path}: global_batch", int),
-               gpus_per_node=int(raw.get("gpus_per_node", 8)),
-               start_s=raw.get("start_s"), end_s=raw.get("end_s"),
-               max_jobs=raw.get("max_jobs"), time_scale=scale, duration_scale=dscale, max_gpus=max_gpus)
+               gpus_per_node=mix_number(raw.get("gpus_per_node", 8), f"{path}: gpus_per_node", integer=True),
+               start_s=_optional(raw, "start_s", path, low_open=False),
+               end_s=_optional(raw, "end_s", path),
+               max_jobs=_optional(raw, "max_jobs", path, integer=True), time_scale=scale, duration_scale=dscale,
+               max_gpus=_optional(raw, "max_gpus", path, integer=True))
 
 
 # ----------------------------------------------------------------------------- the trace
@@ -266,23 +283,40 @@ class TraceJob:
     num_gpu: int
 
 
+@contextmanager
+def _text(path: Path):
+    """A CSV opened as UTF-8 text; a binary or otherwise undecodable file is one line."""
+    try:
+        with path.open(newline="", encoding="utf-8") as fh:
+            yield fh
+    except UnicodeDecodeError as err:
+        raise FrenzyInputError(str(path), f"not a UTF-8 text CSV (byte {err.start}: {err.reason})") from None
+
+
 def read_trace(path: str | Path) -> list[TraceJob]:
     path = Path(path)
     if not path.is_file():
         raise FrenzyInputError("trace", f"no such file: {path}")
     out = []
-    with path.open(newline="") as fh:
+    with _text(path) as fh:
         reader = csv.DictReader(fh)
         if tuple(reader.fieldnames or ()) != TRACE_COLUMNS:
             raise FrenzyInputError(f"{path}:1: header", f"columns must be {','.join(TRACE_COLUMNS)}")
         for row in reader:
             where = f"{path}:{reader.line_num}"
+            if None in row or None in row.values():
+                raise FrenzyInputError(where, f"expected {len(TRACE_COLUMNS)} columns ({','.join(TRACE_COLUMNS)})")
             try:
-                t, d, n = float(row["submission_time"]), float(row["duration"]), int(row["num_gpu"])
-            except (TypeError, ValueError):
-                raise FrenzyInputError(where, "submission_time, duration and num_gpu must be numbers") from None
-            if t < 0 or d <= 0 or n <= 0:
-                raise FrenzyInputError(where, "submission_time must be >= 0, duration and num_gpu > 0")
+                t, d = float(row["submission_time"]), float(row["duration"])
+            except ValueError:
+                raise FrenzyInputError(where, "submission_time and duration must be numbers") from None
+            try:
+                n = int(row["num_gpu"])
+            except ValueError:
+                raise FrenzyInputError(f"{where}: num_gpu", f"must be a whole number of GPUs, got {row['num_gpu']!r}") from None
+            if not (math.isfinite(t) and math.isfinite(d)) or t < 0 or d <= 0 or n <= 0:
+                raise FrenzyInputError(where, "submission_time must be a finite time >= 0, duration finite and > 0, "
+                                              "num_gpu > 0")
             out.append(TraceJob(row["job_id"], t, d, n))
     out.sort(key=lambda j: j.submission_time)
     return out

@@ -32,6 +32,22 @@ def workload(tmp_path):
     return out
 
 
+def test_workload_cli_refuses_to_overwrite_its_inputs_and_bad_flags(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(TRACE_ROWS)
+    base = ["workload", "--trace", str(trace), "--mix", "examples/workload-mix.yaml"]
+    assert main([*base, "--out", str(trace)]) == 2
+    assert "is the --trace file" in capsys.readouterr().err and trace.read_text() == TRACE_ROWS
+    assert main([*base, "--out", "examples/workload-mix.yaml"]) == 2
+    assert "is the --mix file" in capsys.readouterr().err
+    for flag, value, says in (("--max-jobs", "0", "max-jobs: must be an integer > 0"),
+                              ("--max-jobs", "-1", "max-jobs: must be an integer > 0"),
+                              ("--time-scale", "nan", "time-scale: must be a number > 0")):
+        assert main([*base, flag, value, "--out", str(tmp_path / "o.csv")]) == 2
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "o.csv").exists()
+
+
 def test_workload_cli_writes_the_contract_reproducibly(workload, tmp_path):
     text = workload.read_text()
     assert text.splitlines()[0] == ",".join(WORKLOAD_COLUMNS)

@@ -130,6 +130,42 @@ def test_mix_file_errors(tmp_path):
         load_mix(p)
 
 
+@pytest.mark.parametrize("line,says", [
+    ("classes:\n  - {max_gpus: abc, models: {gpt2: 1}}", r"classes\[0\]\.max_gpus: must be an integer > 0, got 'abc'"),
+    ("classes:\n  - {max_gpus: 0, models: {gpt2: 1}}", r"classes\[0\]\.max_gpus: must be an integer > 0, got 0"),
+    ("time_scale: .nan", "time_scale: must be a number > 0, got nan"),
+    ("time_scale: abc", "time_scale: must be a number > 0, got 'abc'"),
+    ("max_jobs: abc", "max_jobs: must be an integer > 0"),
+    ("start_s: abc", "start_s: must be a number >= 0"),
+    ("gpus_per_node: 0", "gpus_per_node: must be an integer > 0"),
+])
+def test_mix_numbers_are_one_line_naming_the_key(tmp_path, line, says):
+    """Types and ranges of a mix file's numbers (they were Python errors, or accepted: a
+    0-GPU node, a NaN time scale)."""
+    p = tmp_path / "m.yaml"
+    base = {"reference_gpu": "reference_gpu: A100-40GB", "classes": "classes:\n  - {max_gpus: 8, models: {gpt2: 1}}",
+            "rest": "seq_len: {1024: 1}\nglobal_batch: {32: 1}"}
+    key = "classes" if line.startswith("classes") else "rest"
+    base[key] = line if key == "classes" else base["rest"] + "\n" + line
+    p.write_text("\n".join(base.values()) + "\n")
+    with pytest.raises(FrenzyInputError, match=says):
+        load_mix(p)
+
+
+@pytest.mark.parametrize("row,says", [
+    ("a,nan,100,1", "submission_time must be a finite time"), ("a,0,inf,1", "duration finite and > 0"),
+    ("a,0,100,1.5", "num_gpu: must be a whole number of GPUs, got '1.5'"), ("a,0,100,1,9", "expected 4 columns"),
+])
+def test_trace_rows_that_are_not_finite_or_whole_are_one_line(tmp_path, row, says):
+    p = tmp_path / "t.csv"
+    p.write_text("job_id,submission_time,duration,num_gpu\n" + row + "\n")
+    with pytest.raises(FrenzyInputError, match=says):
+        read_trace(p)
+    p.write_bytes(b"\xce\xfa\x00\x01binary")
+    with pytest.raises(FrenzyInputError, match="not a UTF-8 text CSV"):
+        read_trace(p)
+
+
 def test_example_mix_loads():
     mix = load_mix("examples/workload-mix.yaml")
     assert mix.reference_gpu == "A100-40GB" and mix.class_for(64).max_gpus == 64
