@@ -83,10 +83,10 @@ def fit_throughput(measured) -> dict[str, dict]:
 def handle(args) -> int:
     from estimator.overheads import DEFAULT, calibration_path, fit_calibration, write_calibration
     from estimator.throughput import calibration_file, write_calibration as write_throughput
-    from ledger.core import Ledger, check_url_arg
+    from ledger.core import check_url_arg, ledger_field, open_existing
 
     check_url_arg("--ledger", args.ledger)      # a password on the command line shows in `ps`
-    led = Ledger(args.ledger)
+    led = open_existing(ledger_field(args.ledger), args.ledger)
     rows = led.measurements()
     specs = _job_specs(led) if rows else {}
     fits = fit_calibration(rows, specs)

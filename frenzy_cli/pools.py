@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 
 
 def register(sub) -> None:
@@ -82,7 +83,8 @@ def handle_sync(args) -> int:
     pool_specs(cluster)                       # bad pool names: one line before anything is written
     ledger_pruned = Ledger(_ledger_url(args.settings)).sync_cluster(cluster, prune=args.prune)
     lines: list[str] = []
-    report = sync_pools(cluster, pool_type=args.pool_type, log=lines.append, prune=args.prune)
+    with _server_answers(url):
+        report = sync_pools(cluster, pool_type=args.pool_type, log=lines.append, prune=args.prune)
     lines.append(f"ledger: {len(cluster.pools)} pool(s) synced"
                  + (f"; deactivated {', '.join(ledger_pruned)}" if ledger_pruned else ""))
     if args.json:
@@ -99,6 +101,20 @@ def handle_sync(args) -> int:
     return 0
 
 
+@contextmanager
+def _server_answers(url: str | None):
+    """A Prefect server that does not answer (down, a wrong PREFECT_API_URL) is one line naming
+    the URL, not an HTTP client's traceback."""
+    import httpx
+
+    try:
+        yield
+    except (httpx.ConnectError, httpx.ConnectTimeout) as err:
+        from estimator.errors import FrenzyInputError
+        raise FrenzyInputError("PREFECT_API_URL", f"no Prefect server answers at {url or 'the embedded server'} "
+                                                  f"({err}); start one (`prefect server start`) or fix the URL") from None
+
+
 def _ledger_url(settings: str | None) -> str | None:
     """The ledger URL from a FrenzySettings block (a secret: never taken on the command line)."""
     if not settings:
@@ -109,10 +125,11 @@ def _ledger_url(settings: str | None) -> str | None:
 
 
 def handle_status(args) -> int:
-    _prefect_env()
+    url = _prefect_env()
     from deployments.pools import pools_status
 
-    rows = pools_status(args.pool or None)
+    with _server_answers(url):
+        rows = pools_status(args.pool or None)
     if args.json:
         print(json.dumps([r.__dict__ for r in rows]))
         return 0

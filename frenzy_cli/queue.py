@@ -19,10 +19,11 @@ def register(sub) -> None:
 
 def handle(args) -> int:
     from frenzy_scheduler.source import queue_table
-    from ledger import Ledger
+    from ledger.core import check_url_arg, ledger_field, open_existing
     from ledger.queue import ACTIVE, JobQueue, Leadership
 
-    queue = JobQueue(Ledger(args.ledger))
+    check_url_arg("--ledger", args.ledger)
+    queue = JobQueue(open_existing(ledger_field(args.ledger), args.ledger))
     states = ACTIVE + (("done", "failed") if args.all else ())
     now = queue.now()
     rows = queue_table(queue.jobs(states), now)

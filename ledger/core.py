@@ -161,6 +161,42 @@ def check_url_arg(field: str, url: str | None) -> None:
                                       "(--settings) instead")
 
 
+def open_existing(field: str, url: str | None) -> "Ledger":
+    """The ledger a command that only reads it opens (``frenzy queue``, ``frenzy calibrate``):
+    one that exists, or one line naming ``field`` (the flag or FRENZY_LEDGER_URL) and why, never
+    a driver's traceback. A SQLite file that is not there is not made: a mistyped path would
+    read as an empty ledger (and a dry run would have written one)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+    raw = url or default_url()
+    try:
+        parsed = make_url(_normalise(raw))
+    except ArgumentError:
+        raise FrenzyInputError(field, "is not an SQLAlchemy URL (e.g. postgresql+psycopg://host/db or "
+                                      "sqlite:///path/ledger.db)") from None
+    shown = parsed.render_as_string(hide_password=True)
+    if parsed.get_backend_name() == "sqlite":
+        db = parsed.database or ""
+        if not db or db == ":memory:":
+            raise FrenzyInputError(field, f"{shown}: names no ledger file")
+        if Path(db).is_dir():
+            raise FrenzyInputError(field, f"{db} is a folder, not a ledger file")
+        if not Path(db).is_file():
+            raise FrenzyInputError(field, f"no ledger at {db} (nothing has run with it: `frenzy run`, "
+                                          "`frenzy scheduler` and `frenzy pools sync` make it)")
+    try:
+        return Ledger(raw)
+    except (SQLAlchemyError, LedgerSchemaError, ModuleNotFoundError, OSError) as err:
+        first = (str(getattr(err, "orig", None) or err).strip().splitlines() or [type(err).__name__])[0]
+        raise FrenzyInputError(field, f"cannot open the ledger at {shown}: {first}") from None
+
+
+def ledger_field(arg: str | None, flag: str = "--ledger") -> str:
+    """The name a ledger URL error gives: the flag, the environment variable, or the default."""
+    return flag if arg else "FRENZY_LEDGER_URL" if os.environ.get("FRENZY_LEDGER_URL") else "ledger"
+
+
 def db_now(s: Session) -> float:
     """The database server's clock, Unix seconds: every lease time is written and compared in
     this one clock, so submitters' skewed clocks cannot expire or extend anyone's lease.

@@ -75,10 +75,29 @@ def test_calibrate_cli_writes_file_used_by_estimates(frenzy_home, capsys):
 
 
 def test_calibrate_with_no_measurements(frenzy_home, capsys):
+    from ledger import Ledger
     frenzy_home.mkdir(parents=True, exist_ok=True)
+    Ledger(f"sqlite:///{frenzy_home}/empty.db")          # a ledger nothing has measured in
     assert main(["calibrate", "--ledger", f"sqlite:///{frenzy_home}/empty.db"]) == 0
     assert "nothing to fit" in capsys.readouterr().out
     assert not calibration_path().exists()
+
+
+@pytest.mark.parametrize("command", [["calibrate", "--dry-run"], ["queue"]])
+def test_a_ledger_that_is_not_there_or_not_a_database_is_one_line(frenzy_home, tmp_path, capsys, command):
+    """A mistyped path is not made into an empty ledger (it read as "0 measurements", and a dry
+    run wrote it); a file that is not a database, a folder, an unknown driver: one line each."""
+    missing = tmp_path / "nowhere" / "ledger.db"
+    assert main([*command, "--ledger", f"sqlite:///{missing}"]) == 2
+    assert f"--ledger: no ledger at {missing}" in capsys.readouterr().err
+    assert not missing.parent.exists()
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not a database at all, just bytes" * 8)
+    for url, says in ((f"sqlite:///{junk}", "file is not a database"), (f"sqlite:///{tmp_path}", "is a folder"),
+                      ("mysql://127.0.0.1:1/x", "cannot open the ledger at mysql://127.0.0.1:1/x")):
+        assert main([*command, "--ledger", url]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert says in line
 
 
 def test_fit_splits_expandable_recomputation_and_lora_runs():

@@ -290,3 +290,22 @@ def test_one_clusters_sync_leaves_other_clusters_pools_until_prune(tmp_path, cap
         assert client.read_work_pool(foreign).name == foreign
         assert client.read_work_pool(CONTROL_POOL).name == CONTROL_POOL
     assert {n.pool for n in Ledger().cluster_state().nodes} == {b}
+
+
+def test_status_against_a_server_that_does_not_answer_is_one_line(tmp_path):
+    """A wrong PREFECT_API_URL or a server that is down: one line naming the URL (it was an
+    80-line httpx traceback)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "FRENZY_"))}
+    env.update(PREFECT_API_URL="http://127.0.0.1:9/api", PREFECT_HOME=str(tmp_path / "prefect"),
+               PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-m", "frenzy_cli.main", "pools", "status"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert "PREFECT_API_URL: no Prefect server answers at http://127.0.0.1:9/api" in line
