@@ -406,10 +406,20 @@ def _input_error(err: ValidationError, prefix: str = "") -> FrenzyInputError:
     return FrenzyInputError(prefix + loc if loc else (prefix.rstrip(".") or "model"), e["msg"])
 
 
+# the dimensions each supported config.json must give (the others have defaults)
+_HF_REQUIRED = {"gpt2": ("n_layer", "n_embd", "n_head", "vocab_size"),
+                "opt": ("num_hidden_layers", "hidden_size", "num_attention_heads", "ffn_dim", "vocab_size"),
+                **{t: ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+                   for t in ("bert", "llama", "mistral", "qwen2")}}
+
+
 def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     """Map a Hugging Face config.json to a ModelSpec."""
     t = cfg.get("model_type")
     g = cfg.get
+    missing = [k for k in _HF_REQUIRED.get(t, ()) if cfg.get(k) is None]
+    if missing:
+        raise FrenzyInputError("model", f"config.json (model_type {t!r}) is missing {', '.join(missing)}")
     try:
         if t == "gpt2":
             return ModelSpec(name=name, arch="gpt", layers=g("n_layer"), hidden=g("n_embd"),
@@ -517,7 +527,7 @@ def resolve_model(model: "str | dict[str, Any] | ModelSpec | os.PathLike") -> Mo
             try:
                 with open(path, encoding="utf-8") as fh:
                     cfg = json.load(fh)
-            except (OSError, json.JSONDecodeError) as err:
+            except (OSError, ValueError) as err:         # ValueError: bad JSON, or not UTF-8 text
                 raise FrenzyInputError("model", f"cannot read {path}: {err}") from None
             if not isinstance(cfg, dict):
                 raise FrenzyInputError("model", f"{path} is not a JSON object")

@@ -71,6 +71,18 @@ def test_resolve_config_json(tmp_path):
     assert spec.name == "qwen"
 
 
+def test_a_config_json_without_its_dimensions_or_not_text_is_one_line(tmp_path):
+    """The keys a supported config must give are named (it leaked "unsupported operand type(s)
+    for //"); a binary file is "cannot read", not a UnicodeDecodeError."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}))
+    with pytest.raises(FrenzyInputError, match="missing num_hidden_layers, intermediate_size, vocab_size"):
+        resolve_model(str(path))
+    path.write_bytes(b"\x97\xff\x00 not json")
+    with pytest.raises(FrenzyInputError, match="cannot read"):
+        resolve_model(str(path))
+
+
 def test_dimensions_dict_and_keywords():
     d = dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000,
              tied_embeddings=False)
