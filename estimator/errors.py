@@ -44,3 +44,25 @@ def from_validation_error(err, prefix: str = "") -> FrenzyInputError:
             field, _, rule = msg.partition(": ")
             return FrenzyInputError(prefix + field, rule)
     return FrenzyInputError(prefix + (loc or "input"), msg)
+
+
+def check_number(field: str, value, *, low: float = 0.0, high: float = float("inf"), low_open: bool = True,
+                 integer: bool = False, what: str = ""):
+    """``value`` as a finite number (an int where ``integer``) above ``low`` (at it too unless
+    ``low_open``) and at most ``high``; else one FrenzyInputError naming ``field`` and the range.
+    The one range check of the numbers users type (flags, mix files, plan margins): NaN, inf
+    and absurd sizes are refused before anything runs."""
+    import math
+
+    kind = "an integer" if integer else "a finite number"
+    rule = f"must be {kind} {'>' if low_open else '>='} {low:g}"
+    if math.isfinite(high):
+        rule += f" and <= {high:,g}" if not integer else f" and <= {int(high):,}"
+    if what:
+        rule += f" ({what})"
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and (value > low if low_open else value >= low) and value <= high
+          and (not integer or float(value).is_integer()))
+    if not ok:
+        raise FrenzyInputError(field, f"{rule}, got {value!r}")
+    return int(value) if integer else float(value)

@@ -20,7 +20,7 @@ from functools import lru_cache
 from typing import Any
 
 from .catalog import GPU, get_gpu
-from .errors import DoesNotFitError, FrenzyInputError
+from .errors import DoesNotFitError, FrenzyInputError, check_number
 from .job import TrainingJob
 from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, batch_key, estimate, finish_key,
                      host_offload_bytes, lora_adapters, peak_allocated, peak_terms,
@@ -537,8 +537,7 @@ def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
         max_gpus = min(max_gpus, j.max_gpus)
     if safety_margin_gib is None:
         safety_margin_gib = DEFAULT_SAFETY_MARGIN_GIB
-    if not safety_margin_gib >= 0 or not math.isfinite(safety_margin_gib):
-        raise FrenzyInputError("safety_margin_gib", f"must be a finite number >= 0, got {safety_margin_gib}")
+    check_number("safety_margin_gib", safety_margin_gib, low_open=False)
     gpn = max(1, int(gpus_per_node))
     return _plans_for_gpu(j, spec, gpu, max_gpus, gpn, safety_margin_gib, host_ram_gib=host_ram_gib)
 
@@ -561,8 +560,7 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
     spec = with_positions(resolve_model(j.model), j.seq_len)
     if safety_margin_gib is None:
         safety_margin_gib = DEFAULT_SAFETY_MARGIN_GIB
-    if not safety_margin_gib >= 0 or not math.isfinite(safety_margin_gib):
-        raise FrenzyInputError("safety_margin_gib", f"must be a finite number >= 0, got {safety_margin_gib}")
+    check_number("safety_margin_gib", safety_margin_gib, low_open=False)
     if isinstance(plan_filter, str):            # the --plan text; "" filters nothing, as {} and None
         from .plan_filter import parse_plan_filter
         plan_filter = parse_plan_filter(plan_filter) if plan_filter.strip() else None

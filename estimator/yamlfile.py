@@ -162,8 +162,9 @@ def parse_yaml(text: str, source: str = "input", kind: FileKind | None = None) -
     return data
 
 
-def read_text(path: str | Path, what: str = "YAML") -> str:
-    """The text of a user's file, with size and encoding checked; errors name ``what``."""
+def read_text(path: str | Path, what: str = "YAML", max_bytes: int = MAX_BYTES) -> str:
+    """The text of a user's file, with size (``max_bytes``) and encoding checked; errors name
+    ``what``."""
     p = Path(path)
     if not p.exists():
         raise FrenzyInputError(what, f"file {str(p)!r} does not exist")
@@ -171,11 +172,11 @@ def read_text(path: str | Path, what: str = "YAML") -> str:
         raise FrenzyInputError(what, f"{str(p)!r} is not a regular file")
     try:
         with p.open("rb") as fh:
-            raw = fh.read(MAX_BYTES + 1)
+            raw = fh.read(max_bytes + 1)
     except OSError as e:
         raise FrenzyInputError(what, f"cannot read {str(p)!r}: {e.strerror}") from None
-    if len(raw) > MAX_BYTES:
-        raise FrenzyInputError(str(p), f"is larger than {MAX_BYTES // 2**20} MiB, the limit for a {what} file")
+    if len(raw) > max_bytes:
+        raise FrenzyInputError(str(p), f"is larger than {max_bytes // 2**20} MiB, the limit for a {what} file")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -189,10 +189,10 @@ def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int, dict | None,
     if args.gpu:
         args.gpu = [resolve_gpu_name(g, field="--gpu") for g in args.gpu]
     types = args.gpu or list(GPU_NAMES)
+    from estimator.errors import check_number
     from scheduler.cluster import MAX_CLUSTER_GPUS
-    if not 1 <= args.max_gpus <= MAX_CLUSTER_GPUS:
-        raise FrenzyInputError("max_gpus", f"must be an integer from 1 to {MAX_CLUSTER_GPUS:,} (the largest "
-                                           f"cluster a file may describe), got {args.max_gpus:,}")
+    check_number("max_gpus", args.max_gpus, low=1, low_open=False, high=MAX_CLUSTER_GPUS, integer=True,
+                 what="the largest cluster a file may describe")
     # nodes of 8 GPUs with the cluster file's default host memory
     from scheduler.cluster import Cluster, Pool
     hosts = Cluster(pools=[Pool(name=f"p{i}", gpu=g, gpus_per_node=8) for i, g in enumerate(types)]).host_ram_gib()

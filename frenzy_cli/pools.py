@@ -75,15 +75,17 @@ def handle_sync(args) -> int:
     # A file is read before Prefect starts (a bad one touches nothing); a block needs the server.
     cluster = None if args.cluster.startswith("block:") else load_cluster_arg(args.cluster)
     url = _prefect_env()
-    if cluster is None:
-        cluster = load_cluster_arg(args.cluster)
     from deployments.pools import pool_specs, sync_pools
     from ledger import Ledger
 
-    pool_specs(cluster)                       # bad pool names: one line before anything is written
-    ledger_pruned = Ledger(_ledger_url(args.settings)).sync_cluster(cluster, prune=args.prune)
     lines: list[str] = []
     with _server_answers(url):
+        _ping(url)                            # a server that is down: nothing is written, the ledger neither
+        if cluster is None:
+            cluster = load_cluster_arg(args.cluster)
+        pool_specs(cluster)                   # bad pool names: one line before anything is written
+        ledger_url = _ledger_url(args.settings)
+        ledger_pruned = Ledger(ledger_url).sync_cluster(cluster, prune=args.prune)
         report = sync_pools(cluster, pool_type=args.pool_type, log=lines.append, prune=args.prune)
     lines.append(f"ledger: {len(cluster.pools)} pool(s) synced"
                  + (f"; deactivated {', '.join(ledger_pruned)}" if ledger_pruned else ""))
@@ -99,6 +101,14 @@ def handle_sync(args) -> int:
               "which `frenzy run` uses; workers need a running server: `prefect server start`)",
               file=sys.stderr)
     return 0
+
+
+def _ping(url: str | None) -> None:
+    """One request to the server's health endpoint (the embedded server, ``url`` None, is
+    started on demand and needs none)."""
+    if url:
+        import httpx
+        httpx.get(url.rstrip("/") + "/health", timeout=15.0)
 
 
 @contextmanager

@@ -109,15 +109,15 @@ def _handle(args) -> int:
     except DoesNotFitError:
         if not args.dry_run:
             raise
-        plans = {}          # the dry run says what would not launch, and the counts it needs
-    filter_plans(plans, plan_filter, topology.gpus_per_node())
-    # data, tokenizer, entry point, optimizer, allow-lists (the job file's folder is a data root):
-    # a dry run refuses what the run would
-    from trainer import allowlist
-    from trainer.runner import preflight_job
+        plans = None        # the dry run says what would not launch, and the counts it needs
+    if plans is not None:
+        filter_plans(plans, plan_filter, topology.gpus_per_node())
+        # data, tokenizer, entry point, optimizer, allow-lists (the job file's folder is a data
+        # root): a dry run refuses what the run would
+        from trainer import allowlist
+        from trainer.runner import preflight_job
 
-    allowlist.configure(data_roots=[Path(args.job).resolve().parent])
-    if any(plans.values()):
+        allowlist.configure(data_roots=[Path(args.job).resolve().parent])
         preflight_job(job, min((p for ps in plans.values() for p in ps), key=lambda p: p.step_time_s))
     if args.dry_run:    # writes nothing: Prefect is imported (never contacted) with a throwaway home
         import tempfile

@@ -31,21 +31,13 @@ def register(sub) -> None:
     p.set_defaults(handler=handle)
 
 
-def _positive(name: str, value: float | None) -> None:
-    import math
-
-    from estimator.errors import FrenzyInputError
-
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise FrenzyInputError(name, f"must be a finite number > 0 (got {value})")
-
-
 def handle(args) -> int:
-    from estimator.errors import FrenzyInputError
+    from estimator.errors import FrenzyInputError, check_number
     from scheduler.policies import policy_factory
 
     for name in ("tick_s", "ttl_s", "poll_s", "max_s"):
-        _positive(name.replace("_", "-"), getattr(args, name))
+        if getattr(args, name) is not None:
+            check_number(name.replace("_", "-"), getattr(args, name))
     policy_factory(args.policy)
     topology = None
     if args.cluster:

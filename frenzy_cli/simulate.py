@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import os
 import sys
 from pathlib import Path
 
@@ -70,16 +70,8 @@ def register(sub) -> None:
     w.set_defaults(handler=handle_workload)
 
 
-DAY_S = 86400.0      # start-up, tick and round lengths: a day is already beyond any real cluster's
+DAY_S = 86400.0      # start-up, tick and round lengths: no real launch, tick or round lasts a day
 MAX_NOISE = 2.0      # a lognormal sigma of 2: real within e^2 = 7.4x of predicted at one sigma
-
-
-def _within(field: str, value: float, low: float, high: float, what: str, low_open: bool = False) -> None:
-    from estimator.errors import FrenzyInputError
-    ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        op = ">" if low_open else ">="
-        raise FrenzyInputError(field, f"must be finite, {op} {low:g} and <= {high:g} ({what}), got {value}")
 
 
 def _policies(args) -> list[str]:
@@ -94,19 +86,19 @@ def _policies(args) -> list[str]:
 
 
 def handle_simulate(args) -> int:
-    from estimator.errors import FrenzyInputError
+    from estimator.errors import FrenzyInputError, check_number
     from scheduler.cluster import load_cluster
     from scheduler.sim import SimConfig, simulate
     from scheduler.sim.engine import SimCluster
     from scheduler.workload import read_workload
 
-    # finite and physical, before anything runs: a NaN or a day-long tick made the event loop
-    # spin for ever, a sigma of 1e6 overflowed the truth's lognormal draw
-    _within("noise", args.noise, 0.0, MAX_NOISE, "a lognormal sigma")
-    _within("startup-s", args.startup_s, 0.0, DAY_S, "seconds")
-    _within("tick-s", args.tick_s, 0.0, DAY_S, "seconds", low_open=True)
+    # finite and physical, before anything runs: NaN, inf or 10^12 s made the event loop spin
+    # for ever, a sigma of 10^6 overflowed the truth's lognormal draw
+    check_number("noise", args.noise, low_open=False, high=MAX_NOISE, what="a lognormal sigma")
+    check_number("startup-s", args.startup_s, low_open=False, high=DAY_S, what="seconds")
+    check_number("tick-s", args.tick_s, high=DAY_S, what="seconds")
     if args.world_round_s is not None:
-        _within("world-round-s", args.world_round_s, 0.0, DAY_S, "seconds", low_open=True)
+        check_number("world-round-s", args.world_round_s, high=DAY_S, what="seconds")
     if args.plot and not args.compare:
         raise FrenzyInputError("plot", "needs --compare (one figure compares policies)")
     if args.plot:
@@ -197,21 +189,25 @@ def common_jct(results) -> tuple[int, dict[str, float]] | None:
 
 
 def handle_workload(args) -> int:
-    from estimator.errors import FrenzyInputError
-    from scheduler.workload import load_mix, map_trace, mix_number, read_trace, write_workload
+    from estimator.errors import FrenzyInputError, check_number
+    from scheduler.workload import MAX_SCALE, load_mix, map_trace, read_trace, write_workload
 
     out = Path(args.out)
     if out.is_dir():
         raise FrenzyInputError("out", f"{args.out} is a folder; give the workload CSV's file name")
+    folder = next((p for p in out.resolve().parents if p.exists()), None)
+    if folder is None or not os.access(folder, os.W_OK):
+        raise FrenzyInputError("out", f"cannot write under {folder} (no permission)")
     for name, path in (("trace", args.trace), ("mix", args.mix)):
         if out.exists() and Path(path).exists() and out.resolve() == Path(path).resolve():
             raise FrenzyInputError("out", f"{args.out} is the --{name} file; writing it would destroy the input")
     mix = load_mix(args.mix)
     for attr, flag, val, kw in (("max_jobs", "max-jobs", args.max_jobs, {"integer": True}),
                                 ("start_s", "start-s", args.start_s, {"low_open": False}),
-                                ("end_s", "end-s", args.end_s, {}), ("time_scale", "time-scale", args.time_scale, {})):
+                                ("end_s", "end-s", args.end_s, {}),
+                                ("time_scale", "time-scale", args.time_scale, {"high": MAX_SCALE})):
         if val is not None:
-            setattr(mix, attr, mix_number(val, flag, **kw))
+            setattr(mix, attr, check_number(flag, val, **kw))
     trace = read_trace(args.trace)
     show = sys.stderr.isatty()
     if show:

@@ -61,8 +61,10 @@ def select_resources(job: TrainingJob, plans_by_type: dict[str, list[Plan]], clu
             dropped[gpu_type] = "not in the job's allowed_gpu_types"
         elif not plans:
             have = cluster.inventory().get(gpu_type, 0)
+            if job.max_gpus:
+                have = min(have, job.max_gpus)           # the planner looked no further
             dropped[gpu_type] = (f"no plan fits in memory on the {have} GPU{'s' if have != 1 else ''} "
-                                 "of this type the cluster has")
+                                 "of this type the cluster has" + (" (up to the job's max_gpus)" if job.max_gpus else ""))
         elif not (fit := [p for p in plans if job.max_gpus is None or p.gpus <= job.max_gpus]):
             dropped[gpu_type] = f"every feasible plan needs more than max_gpus={job.max_gpus}"
         elif not (runnable := [p for p in fit if realisable(p)]):

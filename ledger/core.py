@@ -136,11 +136,16 @@ class Measurement(BaseModel):
     created_at: float = 0.0
 
 
+def default_ledger_file() -> Path:
+    """The SQLite ledger used when FRENZY_LEDGER_URL is not set."""
+    return (frenzy_home() / "ledger.db").resolve()
+
+
 def default_url() -> str:
     url = os.environ.get("FRENZY_LEDGER_URL")
     if url:
         return url
-    return f"sqlite:///{(frenzy_home() / 'ledger.db').resolve()}"
+    return f"sqlite:///{default_ledger_file()}"
 
 
 def check_url_arg(field: str, url: str | None) -> None:

@@ -29,17 +29,22 @@ The mapping (``frenzy workload``), reproducible from (trace, mix file, seed):
 from __future__ import annotations
 
 import csv
+import io
 import math
 import random
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from estimator.errors import FrenzyInputError
+from estimator.errors import FrenzyInputError, check_number
 from estimator.job import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_STEPS, MAX_TOKENS, steps_for_tokens
-from estimator.yamlfile import WORKLOAD_MIX, load_yaml
-from scheduler.cluster import MAX_CLUSTER_GPUS
+from estimator.yamlfile import WORKLOAD_MIX, load_yaml, read_text
+from scheduler.cluster import MAX_CLUSTER_GPUS, MAX_GPUS_PER_NODE
+
+# time_scale and duration_scale: a factor of 10^6 already turns a month of trace into seconds
+MAX_SCALE = 1e6
+# trace and workload CSVs: a million-job trace is ~50 MB
+MAX_CSV_BYTES = 256 * 1024 * 1024
 
 WORKLOAD_COLUMNS = ("job_id", "submit_s", "model", "seq_len", "global_batch", "train_tokens",
                     "requested_gpu_type", "requested_gpus")
@@ -89,6 +94,15 @@ def _int_field(raw: str, where: str, col: str, *, positive: bool = True, most: i
     return value
 
 
+def _check_work(where: str, job: WorkloadJob) -> None:
+    """A job's work within a training job's bounds (a job of 10^18 tokens kept the simulator
+    ticking for ever): what read and mapped rows share."""
+    if job.train_tokens > MAX_TOKENS:
+        raise FrenzyInputError(where, f"{job.train_tokens:,} tokens; at most {MAX_TOKENS:,} (a training job's bound)")
+    if job.steps > MAX_STEPS:
+        raise FrenzyInputError(where, f"makes {job.steps:,} optimizer steps; at most {MAX_STEPS:,}")
+
+
 def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
                   extra_gpu_types: Iterable[str] = ()) -> list[WorkloadJob]:
     """Read and validate a workload CSV; the first bad row raises ``FrenzyInputError`` naming
@@ -104,7 +118,7 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
         raise FrenzyInputError("workload", f"no such file: {path}")
     jobs: list[WorkloadJob] = []
     seen: set[str] = set()
-    with _text(path) as fh:
+    with _text(path, "workload") as fh:
         reader = csv.reader(fh)
         header = next(reader, None)
         if header is None or tuple(h.strip() for h in header) != WORKLOAD_COLUMNS:
@@ -144,9 +158,7 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
                 train_tokens=_int_field(tokens, where, "train_tokens", most=MAX_TOKENS),
                 requested_gpu_type=gtype,
                 requested_gpus=_int_field(ngpu, where, "requested_gpus", most=MAX_CLUSTER_GPUS))
-            if job.steps > MAX_STEPS:
-                raise FrenzyInputError(f"{where}: train_tokens",
-                                       f"makes {job.steps:,} optimizer steps; at most {MAX_STEPS:,}")
+            _check_work(f"{where}: train_tokens", job)
             jobs.append(job)
     if not jobs:
         raise FrenzyInputError(str(path), "workload has no jobs")
@@ -197,40 +209,36 @@ class Mix:
         return self.classes[-1]
 
 
-def _weights(raw, where: str, keytype) -> dict:
+def _weights(raw, where: str, keytype, bound: float = float("inf")) -> dict:
     if not isinstance(raw, dict) or not raw:
         raise FrenzyInputError(where, "must be a non-empty mapping of value -> weight")
     out = {}
     for k, w in raw.items():
         try:
             key = keytype(k)
-            weight = float(w)
         except (TypeError, ValueError):
-            raise FrenzyInputError(f"{where}.{k}", "weights must be numbers") from None
-        if weight < 0 or (keytype is int and key <= 0):
-            raise FrenzyInputError(f"{where}.{k}", "values must be > 0 and weights >= 0")
-        out[key] = weight
+            raise FrenzyInputError(f"{where}.{k}", f"{k!r} is not a whole number") from None
+        if keytype is int:
+            check_number(f"{where}.{k}", key, integer=True, high=bound)
+        out[key] = check_number(f"{where}.{k} (its weight)", w, low_open=False)
     if sum(out.values()) <= 0:
         raise FrenzyInputError(where, "weights must not all be zero")
     return out
 
 
-def mix_number(raw: Any, where: str, *, integer: bool = False, low: float = 0.0,
-               low_open: bool = True) -> float | int:
-    """A mix file's (or its flag's) number: finite, above ``low`` (or at it, with ``low_open``
-    False), an integer where ``integer``; else one line naming ``where``."""
-    what = "an integer" if integer else "a number"
-    bound = f"{'>' if low_open else '>='} {low:g}"
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or (integer and not float(raw).is_integer()):
-        raise FrenzyInputError(where, f"must be {what} {bound}, got {raw!r}")
-    if not math.isfinite(raw) or (raw <= low if low_open else raw < low):
-        raise FrenzyInputError(where, f"must be {what} {bound}, got {raw!r}")
-    return int(raw) if integer else float(raw)
+def _number(value: Any) -> Any:
+    """YAML 1.1 reads ``1e3`` (no dot) as text: a number written so is taken as one."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def _optional(raw: dict, key: str, path: Path, **kw) -> float | int | None:
     value = raw.get(key)
-    return None if value is None else mix_number(value, f"{path}: {key}", **kw)
+    return None if value is None else check_number(f"{path}: {key}", _number(value), **kw)
 
 
 def load_mix(path: str | Path, *, models: Iterable[str] | None = None,
@@ -256,21 +264,23 @@ def load_mix(path: str | Path, *, models: Iterable[str] | None = None,
         for m in ms:
             if m not in known_models:
                 raise FrenzyInputError(f"{path}: classes[{i}].models", f"unknown model {m!r}")
-        classes.append(MixClass(max_gpus=mix_number(c["max_gpus"], f"{path}: classes[{i}].max_gpus", integer=True),
+        classes.append(MixClass(max_gpus=check_number(f"{path}: classes[{i}].max_gpus", c["max_gpus"], integer=True,
+                                                      high=MAX_CLUSTER_GPUS),
                                 models=ms))
     if not classes:
         raise FrenzyInputError(f"{path}: classes", "at least one class is required")
     classes.sort(key=lambda c: c.max_gpus)
-    scale = mix_number(raw.get("time_scale", 1.0), f"{path}: time_scale")
-    dscale = mix_number(raw.get("duration_scale", 1.0), f"{path}: duration_scale")
+    scale = check_number(f"{path}: time_scale", _number(raw.get("time_scale", 1.0)), high=MAX_SCALE)
+    dscale = check_number(f"{path}: duration_scale", _number(raw.get("duration_scale", 1.0)), high=MAX_SCALE)
     return Mix(reference_gpu=ref, classes=classes,
-               seq_len=_weights(raw.get("seq_len"), f"{path}: seq_len", int),
-               global_batch=_weights(raw.get("global_batch"), f"{path}: global_batch", int),
-               gpus_per_node=mix_number(raw.get("gpus_per_node", 8), f"{path}: gpus_per_node", integer=True),
+               seq_len=_weights(raw.get("seq_len"), f"{path}: seq_len", int, MAX_SEQ_LEN),
+               global_batch=_weights(raw.get("global_batch"), f"{path}: global_batch", int, MAX_GLOBAL_BATCH),
+               gpus_per_node=check_number(f"{path}: gpus_per_node", raw.get("gpus_per_node", 8), integer=True,
+                                          high=MAX_GPUS_PER_NODE),
                start_s=_optional(raw, "start_s", path, low_open=False),
                end_s=_optional(raw, "end_s", path),
                max_jobs=_optional(raw, "max_jobs", path, integer=True), time_scale=scale, duration_scale=dscale,
-               max_gpus=_optional(raw, "max_gpus", path, integer=True))
+               max_gpus=_optional(raw, "max_gpus", path, integer=True, high=MAX_CLUSTER_GPUS))
 
 
 # ----------------------------------------------------------------------------- the trace
@@ -283,14 +293,10 @@ class TraceJob:
     num_gpu: int
 
 
-@contextmanager
-def _text(path: Path):
-    """A CSV opened as UTF-8 text; a binary or otherwise undecodable file is one line."""
-    try:
-        with path.open(newline="", encoding="utf-8") as fh:
-            yield fh
-    except UnicodeDecodeError as err:
-        raise FrenzyInputError(str(path), f"not a UTF-8 text CSV (byte {err.start}: {err.reason})") from None
+def _text(path: Path, what: str):
+    """A CSV's text as a file object: size and UTF-8 checked as every user file is
+    (``estimator.yamlfile.read_text``: a bad byte is named with its line and offset)."""
+    return io.StringIO(read_text(path, what, max_bytes=MAX_CSV_BYTES), newline="")
 
 
 def read_trace(path: str | Path) -> list[TraceJob]:
@@ -298,7 +304,7 @@ def read_trace(path: str | Path) -> list[TraceJob]:
     if not path.is_file():
         raise FrenzyInputError("trace", f"no such file: {path}")
     out = []
-    with _text(path) as fh:
+    with _text(path, "trace") as fh:
         reader = csv.DictReader(fh)
         if tuple(reader.fieldnames or ()) != TRACE_COLUMNS:
             raise FrenzyInputError(f"{path}:1: header", f"columns must be {','.join(TRACE_COLUMNS)}")
@@ -314,9 +320,9 @@ def read_trace(path: str | Path) -> list[TraceJob]:
                 n = int(row["num_gpu"])
             except ValueError:
                 raise FrenzyInputError(f"{where}: num_gpu", f"must be a whole number of GPUs, got {row['num_gpu']!r}") from None
-            if not (math.isfinite(t) and math.isfinite(d)) or t < 0 or d <= 0 or n <= 0:
-                raise FrenzyInputError(where, "submission_time must be a finite time >= 0, duration finite and > 0, "
-                                              "num_gpu > 0")
+            check_number(f"{where}: submission_time", t, low_open=False)
+            check_number(f"{where}: duration", d)
+            check_number(f"{where}: num_gpu", n, integer=True, high=MAX_CLUSTER_GPUS)
             out.append(TraceJob(row["job_id"], t, d, n))
     out.sort(key=lambda j: j.submission_time)
     return out
@@ -369,10 +375,12 @@ def map_trace(trace: list[TraceJob], mix: Mix, seed: int, *, ref_step: RefStepFn
                        f"{mix.reference_gpu} after {MAX_DRAWS} draws (trace job {tj.job_id}); "
                        "widen the class or the batch/sequence choices")
         steps = max(1, round(tj.duration * mix.duration_scale / step))
-        out.append(WorkloadJob(
+        job = WorkloadJob(
             job_id=f"j{i:05d}", submit_s=round((tj.submission_time - t0) / mix.time_scale, 3),
             model=model, seq_len=seq, global_batch=gb, train_tokens=steps * gb * seq,
-            requested_gpu_type=mix.reference_gpu, requested_gpus=num_gpu))
+            requested_gpu_type=mix.reference_gpu, requested_gpus=num_gpu)
+        _check_work(f"trace job {tj.job_id} (duration {tj.duration:g} s x duration_scale {mix.duration_scale:g})", job)
+        out.append(job)
         if progress:
             progress(i + 1)
     return out

@@ -53,6 +53,9 @@ def test_dry_run_text_names_the_nearest_gpu_counts_when_nothing_fits(tmp_path):
     assert "needs at least 4 x L4-24GB (the cluster has 2" in out
     assert "x A100-40GB (not in the cluster)" in out      # the nearest catalog type with more memory
     assert not (tmp_path / ".frenzy").exists()
+    # with a plan filter too: the same report, not "no feasible plan matches" over no GPU type
+    proc = frenzy("run", "big.yaml", "--cluster", "cluster.yaml", "--dry-run", "--plan", "zero=3", cwd=tmp_path)
+    assert proc.returncode == 2 and "would not launch" in proc.stdout and "needs at least" in proc.stdout
 
 
 def test_a_type_where_nothing_fits_says_so_not_that_plans_exceed_max_gpus(tmp_path):
@@ -81,7 +84,8 @@ def test_dry_run_refuses_what_the_run_would_refuse(tmp_path):
     (tmp_path / "long.yaml").write_text(job.replace("seq_len: 64", "seq_len: 1000"))
     proc = frenzy("run", "long.yaml", "--dry-run", cwd=tmp_path)
     assert proc.returncode == 2
-    assert "seq_len: exceeds the learned position table of gpt2-tiny (1000 > 256)" in proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert "seq_len: exceeds the learned position table of gpt2-tiny (1000 > 256)" in line
     assert not (tmp_path / ".frenzy").exists()
 
 

@@ -64,7 +64,7 @@ def test_plan_json_and_does_not_fit(capsys):
 
 
 @pytest.mark.parametrize("extra,says", [
-    (["--max-gpus", "1000000000000"], "max_gpus: must be an integer from 1 to 32,768"),
+    (["--max-gpus", "1000000000000"], "max_gpus: must be an integer >= 1 and <= 32,768"),
     (["--safety-margin-gib", "nan"], "safety_margin_gib: must be a finite number >= 0"),
     (["--cluster", "examples/cluster.yaml", "--gpu", "V100-16GB"], "--gpu: V100-16GB not in the cluster"),
     (["--seq-len", "4096"], "seq_len: exceeds the learned position table of gpt2 (4096 > 1024)"),

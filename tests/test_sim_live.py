@@ -3,6 +3,7 @@ cluster loader and policies (small inputs: each test runs in about a second)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -42,7 +43,7 @@ def test_workload_cli_refuses_to_overwrite_its_inputs_and_bad_flags(tmp_path, ca
     assert "is the --mix file" in capsys.readouterr().err
     for flag, value, says in (("--max-jobs", "0", "max-jobs: must be an integer > 0"),
                               ("--max-jobs", "-1", "max-jobs: must be an integer > 0"),
-                              ("--time-scale", "nan", "time-scale: must be a number > 0")):
+                              ("--time-scale", "nan", "time-scale: must be a finite number > 0")):
         assert main([*base, flag, value, "--out", str(tmp_path / "o.csv")]) == 2
         assert says in capsys.readouterr().err
     assert not (tmp_path / "o.csv").exists()
@@ -131,7 +132,7 @@ def test_unknown_policy_and_bad_noise_exit_2(workload, capsys):
 
 def test_bad_world_round_exits_2_before_anything_runs(workload, capsys):
     assert main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--world-round-s", "0"]) == 2
-    assert "world-round-s: must be finite, > 0" in capsys.readouterr().err
+    assert "world-round-s: must be a finite number > 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag,value", [("--noise", "inf"), ("--noise", "1e6"), ("--noise", "nan"),
@@ -142,7 +143,7 @@ def test_numbers_that_are_not_finite_or_physical_exit_2_before_anything_runs(wor
     ever or overflowed the truth's lognormal draw)."""
     assert main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, flag, value, "--no-progress"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert f"{flag.lstrip('-')}: must be finite" in line
+    assert f"{flag.lstrip('-')}: must be a finite number" in line
 
 
 def test_plot_name_is_checked_before_simulating(workload, tmp_path, capsys):
@@ -159,3 +160,12 @@ def test_a_workload_row_beyond_a_jobs_bounds_is_refused(tmp_path, capsys):
                    "j1,0,gpt2,1024,8,1000000000000000000,A100-40GB,1\n")
     assert main(["simulate", "--workload", str(bad), "--cluster", CLUSTER, "--no-progress"]) == 2
     assert "train_tokens: must be <= 1,000,000,000,000,000" in capsys.readouterr().err
+
+
+def test_a_mix_whose_scale_makes_jobs_beyond_bounds_names_the_trace_job(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(TRACE_ROWS)
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(Path("examples/workload-mix.yaml").read_text() + "\nduration_scale: 1.0e+5\n")
+    assert main(["workload", "--trace", str(trace), "--mix", str(mix), "--out", str(tmp_path / "o.csv")]) == 2
+    assert "trace job" in capsys.readouterr().err and not (tmp_path / "o.csv").exists()

@@ -131,13 +131,14 @@ def test_mix_file_errors(tmp_path):
 
 
 @pytest.mark.parametrize("line,says", [
-    ("classes:\n  - {max_gpus: abc, models: {gpt2: 1}}", r"classes\[0\]\.max_gpus: must be an integer > 0, got 'abc'"),
-    ("classes:\n  - {max_gpus: 0, models: {gpt2: 1}}", r"classes\[0\]\.max_gpus: must be an integer > 0, got 0"),
-    ("time_scale: .nan", "time_scale: must be a number > 0, got nan"),
-    ("time_scale: abc", "time_scale: must be a number > 0, got 'abc'"),
+    ("classes:\n  - {max_gpus: abc, models: {gpt2: 1}}", r"classes\[0\]\.max_gpus: must be an integer > 0 .*, got 'abc'"),
+    ("classes:\n  - {max_gpus: 0, models: {gpt2: 1}}", r"classes\[0\]\.max_gpus: must be an integer > 0 .*, got 0"),
+    ("time_scale: .nan", "time_scale: must be a finite number > 0 .*, got nan"),
+    ("time_scale: abc", "time_scale: must be a finite number > 0 .*, got 'abc'"),
     ("max_jobs: abc", "max_jobs: must be an integer > 0"),
-    ("start_s: abc", "start_s: must be a number >= 0"),
+    ("start_s: abc", "start_s: must be a finite number >= 0"),
     ("gpus_per_node: 0", "gpus_per_node: must be an integer > 0"),
+    ("global_batch: {16: .nan}", r"global_batch\.16 \(its weight\): must be a finite number >= 0"),
 ])
 def test_mix_numbers_are_one_line_naming_the_key(tmp_path, line, says):
     """Types and ranges of a mix file's numbers (they were Python errors, or accepted: a
@@ -146,14 +147,23 @@ def test_mix_numbers_are_one_line_naming_the_key(tmp_path, line, says):
     base = {"reference_gpu": "reference_gpu: A100-40GB", "classes": "classes:\n  - {max_gpus: 8, models: {gpt2: 1}}",
             "rest": "seq_len: {1024: 1}\nglobal_batch: {32: 1}"}
     key = "classes" if line.startswith("classes") else "rest"
+    if line.startswith("global_batch"):
+        base["rest"] = "seq_len: {1024: 1}"
     base[key] = line if key == "classes" else base["rest"] + "\n" + line
     p.write_text("\n".join(base.values()) + "\n")
     with pytest.raises(FrenzyInputError, match=says):
         load_mix(p)
 
 
+def test_a_mix_number_yaml_reads_as_text_is_taken_as_a_number(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("reference_gpu: A100-40GB\nclasses:\n  - {max_gpus: 8, models: {gpt2: 1}}\n"
+                 "seq_len: {1024: 1}\nglobal_batch: {32: 1}\ntime_scale: 1e3\n")
+    assert load_mix(p).time_scale == 1000.0
+
+
 @pytest.mark.parametrize("row,says", [
-    ("a,nan,100,1", "submission_time must be a finite time"), ("a,0,inf,1", "duration finite and > 0"),
+    ("a,nan,100,1", "submission_time: must be a finite number >= 0"), ("a,0,inf,1", "duration: must be a finite number > 0"),
     ("a,0,100,1.5", "num_gpu: must be a whole number of GPUs, got '1.5'"), ("a,0,100,1,9", "expected 4 columns"),
 ])
 def test_trace_rows_that_are_not_finite_or_whole_are_one_line(tmp_path, row, says):
@@ -162,7 +172,7 @@ def test_trace_rows_that_are_not_finite_or_whole_are_one_line(tmp_path, row, say
     with pytest.raises(FrenzyInputError, match=says):
         read_trace(p)
     p.write_bytes(b"\xce\xfa\x00\x01binary")
-    with pytest.raises(FrenzyInputError, match="not a UTF-8 text CSV"):
+    with pytest.raises(FrenzyInputError, match="is not UTF-8 text"):
         read_trace(p)
 
 
