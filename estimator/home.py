@@ -47,7 +47,8 @@ _json_cache: dict[str, tuple[int, object]] = {}
 def read_json_cached(path: str, parse):
     """``parse(json.load(path))``, re-read only when the file's mtime changes; None when the file
     is absent or does not parse (``parse`` may raise ValueError/TypeError/KeyError/AttributeError
-    for a malformed document)."""
+    for a malformed document): then a warning, once per version of the file, says that the
+    defaults are used (a corrupt calibration file was ignored without a word)."""
     import json
 
     try:
@@ -60,8 +61,11 @@ def read_json_cached(path: str, parse):
     try:
         with open(path, encoding="utf-8") as fh:
             value = parse(json.load(fh))
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        import warnings
+        warnings.warn(f"{path} does not parse ({type(err).__name__}: {err}); the defaults are used "
+                      "instead (`frenzy calibrate` rewrites it)", stacklevel=2)
+        value = None
     _json_cache[path] = (mtime, value)
     return value
 

@@ -229,6 +229,9 @@ class TrainingJob(BaseModel):
             raise ValueError("model: give a model (preset, config, dimensions) or init_from (weights)")
         if self.train_steps is None and self.train_tokens is None:
             raise ValueError("train_steps: give train_steps or train_tokens")
+        if self.train_steps is not None and self.train_tokens is not None:
+            # one would be ignored: say which the user meant, rather than train the steps
+            raise ValueError("train_steps: give train_steps or train_tokens, not both")
         return self
 
     @property

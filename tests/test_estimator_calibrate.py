@@ -121,3 +121,21 @@ def test_fit_splits_expandable_recomputation_and_lora_runs():
     assert f["fragmentation"] == pytest.approx(0.08)
     # without the specs a LoRA run cannot be told apart
     assert "fragmentation_adapters" not in fit_calibration(rows)["H100-80GB"]
+
+
+def test_a_calibration_file_that_does_not_parse_warns_and_the_defaults_hold(frenzy_home):
+    """A corrupt calibration file was ignored without a word: now a warning says the defaults
+    are used, once per version of the file."""
+    import warnings
+
+    from estimator.home import forget_json_cache
+    from estimator.overheads import DEFAULT, overheads_for
+
+    frenzy_home.mkdir(parents=True, exist_ok=True)
+    calibration_path().write_text("garbage{")
+    forget_json_cache()
+    with pytest.warns(UserWarning, match="does not parse .*the defaults are used"):
+        assert overheads_for("A100-80GB") == DEFAULT
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # the same file again: no second warning
+        assert overheads_for("A100-80GB") == DEFAULT

@@ -22,6 +22,7 @@ TINY = "name: tiny\nmodel: gpt2-tiny\nseq_len: 64\nglobal_batch: 8\nprecision: f
     ("train_steps: 3\ncheckpoint_every: true\n", "checkpoint_every", "not a boolean"),
     ("train_steps: 3\noptim: {eps: .inf}\n", "optim.eps", "finite number"),
     ("train_tokens: 10000000000000000000\n", "train_tokens", "less than or equal to"),
+    ("train_steps: 12\ntrain_tokens: 100\n", "train_steps", "not both"),     # one was silently ignored
     ("train_steps: 3\nfinetune: {method: full, rank: 8}\n", "finetune", "rank: adapter settings need method lora"),
     ("train_steps: 3\nfinetune: {target_modules: [q_proj]}\n", "finetune", "target_modules: adapter settings"),
 ])
