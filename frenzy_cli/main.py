@@ -22,8 +22,16 @@ SUBCOMMAND_MODULES = [
 ]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line, as every other bad input (argparse printed the whole usage block
+    first, up to 19 lines for `frenzy estimate`); ``--help`` still shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="frenzy",
         description="Submit LLM training without choosing GPUs: estimate memory, select GPU "
                     "types, assign across a heterogeneous cluster, train.")

@@ -121,3 +121,11 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_a_bad_flag_value_is_one_line_not_the_usage_block(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--model", "gpt2", "--seq-len", "abc"])
+    assert e.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("frenzy estimate: error: argument --seq-len: invalid int value: 'abc'")
