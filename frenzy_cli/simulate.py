@@ -70,10 +70,6 @@ def register(sub) -> None:
     w.set_defaults(handler=handle_workload)
 
 
-DAY_S = 86400.0      # start-up, tick and round lengths: no real launch, tick or round lasts a day
-MAX_NOISE = 2.0      # a lognormal sigma of 2: real within e^2 = 7.4x of predicted at one sigma
-
-
 def _policies(args) -> list[str]:
     from estimator.errors import FrenzyInputError
     from scheduler.policies import policy_factory
@@ -86,19 +82,18 @@ def _policies(args) -> list[str]:
 
 
 def handle_simulate(args) -> int:
-    from estimator.errors import FrenzyInputError, check_number
+    from estimator.errors import FrenzyInputError
     from scheduler.cluster import load_cluster
     from scheduler.sim import SimConfig, simulate
     from scheduler.sim.engine import SimCluster
     from scheduler.workload import read_workload
 
-    # finite and physical, before anything runs: NaN, inf or 10^12 s made the event loop spin
-    # for ever, a sigma of 10^6 overflowed the truth's lognormal draw
-    check_number("noise", args.noise, low_open=False, high=MAX_NOISE, what="a lognormal sigma")
-    check_number("startup-s", args.startup_s, low_open=False, high=DAY_S, what="seconds")
-    check_number("tick-s", args.tick_s, high=DAY_S, what="seconds")
-    if args.world_round_s is not None:
-        check_number("world-round-s", args.world_round_s, high=DAY_S, what="seconds")
+    show = not args.no_progress and sys.stderr.isatty()
+    try:        # the simulator's own checks (finite, physical), named as the flags, before anything runs
+        cfg = SimConfig(seed=args.seed, noise=args.noise, startup_s=args.startup_s, tick_s=args.tick_s,
+                        progress=show, world_round_s=args.world_round_s)
+    except FrenzyInputError as err:
+        raise FrenzyInputError(err.field.replace("_", "-"), err.rule) from None
     if args.plot and not args.compare:
         raise FrenzyInputError("plot", "needs --compare (one figure compares policies)")
     if args.plot:
@@ -114,12 +109,7 @@ def handle_simulate(args) -> int:
     jobs = read_workload(args.workload, extra_gpu_types=cluster.gpu_types)
     sim_cluster = SimCluster.from_cluster(cluster)
     book = sim_cluster.plan_book()
-    show = not args.no_progress and sys.stderr.isatty()
-    results = []
-    for name in names:
-        cfg = SimConfig(seed=args.seed, noise=args.noise, startup_s=args.startup_s, tick_s=args.tick_s,
-                        progress=show, world_round_s=args.world_round_s)
-        results.append(simulate(jobs, sim_cluster, name, config=cfg, plan_book=book))
+    results = [simulate(jobs, sim_cluster, name, config=cfg, plan_book=book) for name in names]
     if args.json:
         payload = [r.summary() for r in results]
         print(json.dumps(payload[0] if not args.compare else payload, indent=None))

@@ -261,3 +261,14 @@ def test_measured_step_ratio_and_restart_cost_replace_the_models():
     assert ran_new == pytest.approx(10.0 + 100 * 0.5)
     # 10,000 steps at half the table's step time, one start-up and one measured restart
     assert by["long"]["end_s"] == pytest.approx(10_000 * 0.5 + 10.0 + 3.0 + ran_new, abs=0.01)
+
+
+@pytest.mark.parametrize("kw,field", [({"noise": float("nan")}, "noise"), ({"tick_s": 0.0}, "tick_s"),
+                                      ({"startup_s": 1e12}, "startup_s"), ({"world_round_s": float("inf")}, "world_round_s"),
+                                      ({"idle_rounds_limit": 0}, "idle_rounds_limit")])
+def test_sim_config_refuses_numbers_that_would_never_end(kw, field):
+    """Python callers get the checks `frenzy simulate` has (NaN or 10^12 s spun the event loop)."""
+    from estimator.errors import FrenzyInputError
+    with pytest.raises(FrenzyInputError) as e:
+        SimConfig(**kw)
+    assert e.value.field == field

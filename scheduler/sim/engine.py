@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from estimator.errors import check_number
 from scheduler.placement import nodes_spanned
 from scheduler.restart import checkpoint_gb, checkpoint_move_s
 from scheduler.round import next_round_s, run_round, wants_tick
@@ -70,6 +71,26 @@ class SimConfig:
     # checkpoint's save and restore (``scheduler.restart``)
     step_ratio: dict[tuple[str, int], float] = field(default_factory=dict)
     restart_s: float | None = None
+
+    def __post_init__(self) -> None:
+        """Finite, physical numbers, for Python callers as for `frenzy simulate`: NaN, inf or
+        10^12 s made the event loop spin for ever, a sigma of 10^6 overflowed the truth's draw."""
+        check_number("seed", self.seed, low_open=False, integer=True)
+        check_number("noise", self.noise, low_open=False, high=MAX_NOISE, what="a lognormal sigma")
+        check_number("startup_s", self.startup_s, low_open=False, high=DAY_S, what="seconds")
+        check_number("ckpt_gbs_per_node", self.ckpt_gbs_per_node, what="GB/s")
+        check_number("tick_s", self.tick_s, high=DAY_S, what="seconds")
+        check_number("max_restarts", self.max_restarts, low_open=False, integer=True)
+        check_number("idle_rounds_limit", self.idle_rounds_limit, low=1, low_open=False, integer=True)
+        check_number("idle_s", self.idle_s, low_open=False, high=DAY_S, what="seconds")
+        if self.world_round_s is not None:
+            check_number("world_round_s", self.world_round_s, high=DAY_S, what="seconds")
+        if self.restart_s is not None:
+            check_number("restart_s", self.restart_s, low_open=False, high=DAY_S, what="seconds")
+
+
+DAY_S = 86400.0      # start-up, tick, round and restart lengths: no real one lasts a day
+MAX_NOISE = 2.0      # a lognormal sigma of 2: real within e^2 = 7.4x of predicted at one sigma
 
 
 @dataclass(slots=True)
