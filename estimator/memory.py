@@ -173,7 +173,7 @@ def _pos_int(name: str, v: Any) -> int:
         raise FrenzyInputError(name, f"must be a positive integer, got {v!r}")
     try:
         iv = int(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):       # OverflowError: inf
         raise FrenzyInputError(name, f"must be a positive integer, got {v!r}") from None
     if iv != v and not (isinstance(v, str) and str(iv) == v.strip()):
         raise FrenzyInputError(name, f"must be a positive integer, got {v!r}")
@@ -1338,8 +1338,8 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
         spec = model_from_kwargs(model, arch=arch, layers=layers, hidden=hidden, heads=heads,
                                  kv_heads=kv_heads, ffn=ffn, vocab=vocab,
                                  tied_embeddings=tied_embeddings)
-    if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0:
-        spec = with_positions(spec, seq_len)
+    # 4096, 4096.0 and "4096" are one length (``_pos_int``): the position table follows it alike
+    spec = with_positions(spec, _pos_int("seq_len", seq_len))
     k = _knobs(framework, spec, seq_len, micro_batch, grad_accum, dp, tp, pp, cp, sp, vpp, zero,
                offload, precision, optimizer, act_ckpt, attention, mp_style, master_weights,
                finetune, lora_rank, lora_targets, loss, act_offload, optimizer_in_backward,

@@ -33,6 +33,9 @@ _DEFAULT_HF_TYPE = {"gpt": "gpt2", "llama": "llama", "bert": "bert", "opt": "opt
 _HASH_FIELDS = operator.itemgetter("name", "layers", "hidden", "heads", "vocab")
 
 
+MAX_DIM = 2 ** 24    # the longest trained contexts are ~10M tokens; widths and vocabularies far less
+
+
 class ModelSpec(BaseModel):
     """Dimensions of one transformer. Defaults per ``arch`` fill what is not given."""
 
@@ -80,21 +83,27 @@ class ModelSpec(BaseModel):
         # Name the field and the rule before pydantic's generic messages.
         if isinstance(data, dict):
             for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_dim",
-                        "max_positions", "embed_dim"):
+                        "max_positions", "embed_dim", "type_vocab"):
                 v = data.get(key)
                 if v is None:
                     continue
-                if isinstance(v, bool) or not isinstance(v, int):
+                if isinstance(v, bool):              # True is 1 to int(): never a dimension
+                    raise FrenzyInputError(key, f"must be a positive integer, got {v!r}")
+                if not isinstance(v, int):
                     try:
                         iv = int(v)
-                    except (TypeError, ValueError):
+                    except (TypeError, ValueError, OverflowError):
                         raise FrenzyInputError(key, f"must be a positive integer, got {v!r}") from None
                     if iv != v:
                         raise FrenzyInputError(key, f"must be a positive integer, got {v!r}")
                     data = {**data, key: iv}
                     v = iv
-                if v < 0 or (v == 0 and key != "vocab"):
+                # vocabulary-free encoders (ViT) and models without token types have 0 rows
+                if v < 0 or (v == 0 and key not in ("vocab", "type_vocab")):
                     raise FrenzyInputError(key, f"must be a positive integer, got {v}")
+                if v > MAX_DIM:
+                    raise FrenzyInputError(key, f"must be at most {MAX_DIM:,} (no transformer's dimension, "
+                                                f"vocabulary or position table is larger), got {v:,}")
         return data
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ from functools import lru_cache
 from typing import Any
 
 from .catalog import GPU, get_gpu
-from .errors import DoesNotFitError, FrenzyInputError, check_number
+from .errors import DoesNotFitError, FrenzyInputError, check_number, from_validation_error
 from .job import TrainingJob
 from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, batch_key, estimate, finish_key,
                      host_offload_bytes, lora_adapters, peak_allocated, peak_terms,
@@ -32,6 +32,8 @@ from .plan import Plan
 from .throughput import Adapters, Factors, calibrated_factors, shared_parts, step_time_with
 
 DEFAULT_SAFETY_MARGIN_GIB = 1.0     # GPU memory kept free beyond the prediction
+MAX_GPUS = 2 ** 20                  # GPUs of a type, per node, or a job's max_gpus (TrainingJob's
+                                    # bound): beyond it enumeration only spins (10^7 took 13 s)
 KEEP_PER_COUNT = 3                  # fastest launchable plans kept per GPU count (and as many
 #                                     marked not-launchable ones, for the simulator and display)
 MAX_PP = 16                         # deeper pipelines only add bubble for the models we plan
@@ -49,8 +51,7 @@ def _as_job(job: TrainingJob | dict[str, Any]) -> TrainingJob:
     try:
         return TrainingJob.model_validate(d)
     except ValidationError as err:
-        e = err.errors()[0]
-        raise FrenzyInputError(".".join(map(str, e["loc"])) or "job", e["msg"]) from None
+        raise from_validation_error(err) from None
 
 
 @dataclass(slots=True)
@@ -533,6 +534,8 @@ def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
     gpu = get_gpu(gpu_type, gpus)
     if isinstance(max_gpus, bool) or not isinstance(max_gpus, int) or max_gpus < 1:
         raise FrenzyInputError("max_gpus", f"must be a positive integer, got {max_gpus!r}")
+    check_number("max_gpus", max_gpus, low=1, low_open=False, high=MAX_GPUS, integer=True)
+    _check_sizes({gpu_type: max_gpus}, gpus_per_node, None if host_ram_gib is None else {gpu_type: host_ram_gib})
     if j.max_gpus:
         max_gpus = min(max_gpus, j.max_gpus)
     if safety_margin_gib is None:
@@ -540,6 +543,27 @@ def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
     check_number("safety_margin_gib", safety_margin_gib, low_open=False)
     gpn = max(1, int(gpus_per_node))
     return _plans_for_gpu(j, spec, gpu, max_gpus, gpn, safety_margin_gib, host_ram_gib=host_ram_gib)
+
+
+def _check_sizes(inventory: Any, gpus_per_node: Any, host_ram_gib: Any) -> None:
+    """The planner's cluster sizes, one line each when wrong: GPU counts whole and within
+    ``MAX_GPUS`` (0: the type is not there), GPUs per node whole and positive, host memory a
+    positive finite number (a bool, 2.5 GPUs, a count of 10^30 or a NaN were taken as they came,
+    truncated, spun for ever or crashed deep inside)."""
+    if not isinstance(inventory, dict):
+        raise FrenzyInputError("inventory", f"must map GPU type -> GPU count, got {type(inventory).__name__}")
+    for g, n in inventory.items():
+        check_number(f"inventory[{g!r}]", n, low_open=False, high=MAX_GPUS, integer=True)
+    per_node = gpus_per_node if isinstance(gpus_per_node, dict) else {"": gpus_per_node}
+    for g, n in per_node.items():
+        check_number(f"gpus_per_node[{g!r}]" if g else "gpus_per_node", n, low=1, low_open=False, high=MAX_GPUS,
+                     integer=True)
+    if host_ram_gib is not None:
+        if not isinstance(host_ram_gib, dict):
+            raise FrenzyInputError("host_ram_gib", f"must map GPU type -> GiB per node, got {host_ram_gib!r}")
+        for g, ram in host_ram_gib.items():
+            if ram is not None:
+                check_number(f"host_ram_gib[{g!r}]", ram, what="GiB per node")
 
 
 def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
@@ -561,6 +585,7 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
     if safety_margin_gib is None:
         safety_margin_gib = DEFAULT_SAFETY_MARGIN_GIB
     check_number("safety_margin_gib", safety_margin_gib, low_open=False)
+    _check_sizes(inventory, gpus_per_node, host_ram_gib)
     if isinstance(plan_filter, str):            # the --plan text; "" filters nothing, as {} and None
         from .plan_filter import parse_plan_filter
         plan_filter = parse_plan_filter(plan_filter) if plan_filter.strip() else None

@@ -43,6 +43,8 @@ from scheduler.cluster import MAX_CLUSTER_GPUS, MAX_GPUS_PER_NODE
 
 # time_scale and duration_scale: a factor of 10^6 already turns a month of trace into seconds
 MAX_SCALE = 1e6
+# submit times: ten years of trace (1e308 + a start-up is 1e308: such a job ran in no time)
+MAX_SUBMIT_S = 10 * 366 * 86400.0
 # trace and workload CSVs: a million-job trace is ~50 MB
 MAX_CSV_BYTES = 256 * 1024 * 1024
 
@@ -141,8 +143,9 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
                 submit_s = float(submit)
             except ValueError:
                 raise FrenzyInputError(f"{where}: submit_s", f"must be a number, got {submit!r}") from None
-            if not math.isfinite(submit_s) or submit_s < 0:
-                raise FrenzyInputError(f"{where}: submit_s", f"must be a time >= 0, got {submit}")
+            if not math.isfinite(submit_s) or submit_s < 0 or submit_s > MAX_SUBMIT_S:
+                raise FrenzyInputError(f"{where}: submit_s", f"must be a time from 0 to {MAX_SUBMIT_S:g} s "
+                                                             f"(ten years), got {submit}")
             if model not in known_models:
                 raise FrenzyInputError(f"{where}: model",
                                        f"unknown model {model!r} (must be a preset: see `frenzy models`)")
@@ -320,8 +323,8 @@ def read_trace(path: str | Path) -> list[TraceJob]:
                 n = int(row["num_gpu"])
             except ValueError:
                 raise FrenzyInputError(f"{where}: num_gpu", f"must be a whole number of GPUs, got {row['num_gpu']!r}") from None
-            check_number(f"{where}: submission_time", t, low_open=False)
-            check_number(f"{where}: duration", d)
+            check_number(f"{where}: submission_time", t, low_open=False, high=MAX_SUBMIT_S)
+            check_number(f"{where}: duration", d, high=MAX_SUBMIT_S)
             check_number(f"{where}: num_gpu", n, integer=True, high=MAX_CLUSTER_GPUS)
             out.append(TraceJob(row["job_id"], t, d, n))
     out.sort(key=lambda j: j.submission_time)

@@ -310,3 +310,26 @@ def test_a_replaced_framework_profile_is_planned_afresh(monkeypatch):
     plans_mod.clear_caches()
     assert warm == (dump(32), dump(64))
     assert warm[0] != before          # the bucket term moved the ZeRO plans' memory
+
+
+@pytest.mark.parametrize("inventory,kw,field", [
+    ({"H100-80GB": 10 ** 30}, {}, "inventory['H100-80GB']"), ({"H100-80GB": 2.5}, {}, "inventory['H100-80GB']"),
+    ({"H100-80GB": True}, {}, "inventory['H100-80GB']"), ({"H100-80GB": 8}, {"gpus_per_node": 0}, "gpus_per_node"),
+    ({"L4-24GB": 2}, {"host_ram_gib": {"L4-24GB": float("nan")}}, "host_ram_gib['L4-24GB']"),
+    (["H100-80GB"], {}, "inventory"),
+])
+def test_cluster_sizes_the_planner_cannot_use_are_one_line(inventory, kw, field):
+    """A count of 10^30 spun for ever, 2.5 GPUs were truncated, True was 1, a node of 0 GPUs was
+    clamped to 1, a NaN host memory shrank the plan list."""
+    from estimator.errors import FrenzyInputError
+    job = {"model": "gpt2", "seq_len": 128, "global_batch": 8, "train_steps": 1}
+    with pytest.raises(FrenzyInputError) as e:
+        plans_for_job(job, inventory, **kw)
+    assert e.value.field == field
+
+
+def test_a_sequence_length_given_as_a_float_or_text_is_the_same_length():
+    from estimator import estimate
+    dims = dict(arch="gpt", layers=4, hidden=256, heads=4, vocab=1000)
+    assert estimate(model=dims, seq_len=4096).params == estimate(model=dims, seq_len=4096.0).params \
+        == estimate(model=dims, seq_len="4096").params

@@ -645,3 +645,19 @@ def test_every_waiter_of_a_round_may_preempt_not_only_the_first_four():
     assert len(held) == len(set(held)) == 48                          # no device given twice
     four = FrenzyPolicy(preempt_heads=4).schedule(shorts, st, NOW)
     assert sum(x.action == "start" for x in four) == 4
+
+
+@pytest.mark.parametrize("name,kw,says", [
+    ("frenzy", {"aging_s": -1}, "frenzy option aging_s: must be a finite number > 0"),
+    ("frenzy", {"aging_s": "x"}, "frenzy option aging_s: must be a finite number > 0"),
+    ("frenzy", {"max_reservations": 1.5}, "frenzy option max_reservations: must be an integer >= 0"),
+    ("frenzy", {"preemption": "no"}, "frenzy option preemption: must be true or false"),
+    ("gavel", {"bogus": 1}, "policy option: gavel takes no option 'bogus'"),
+])
+def test_policy_options_of_the_wrong_kind_are_one_line(name, kw, says):
+    """They were taken as they came (a negative aging, 1.5 reservations, the string "no" as a
+    switch) or failed deep in a round; other policies raised a bare TypeError."""
+    from estimator.errors import FrenzyInputError
+    with pytest.raises(FrenzyInputError) as e:
+        get_policy(name, **kw)
+    assert str(e.value).startswith(says)

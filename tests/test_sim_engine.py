@@ -272,3 +272,11 @@ def test_sim_config_refuses_numbers_that_would_never_end(kw, field):
     with pytest.raises(FrenzyInputError) as e:
         SimConfig(**kw)
     assert e.value.field == field
+
+
+def test_a_measured_step_ratio_that_is_not_a_positive_number_is_refused():
+    """A NaN ratio stalled the event loop; a negative one trained in negative time."""
+    from estimator.errors import FrenzyInputError
+    for bad in (float("nan"), -1.0, 0.0):
+        with pytest.raises(FrenzyInputError, match="step_ratio"):
+            SimConfig(step_ratio={("H100-80GB", 1): bad})

@@ -27,7 +27,7 @@ def test_reads_a_valid_workload(tmp_path):
 
 @pytest.mark.parametrize("row, line_col, rule", [
     ("j2,0,gpt-5,1024,32,100,A100-40GB,1", ":3: model", "unknown model 'gpt-5'"),
-    ("j2,-1,gpt2,1024,32,100,A100-40GB,1", ":3: submit_s", "must be a time >= 0"),
+    ("j2,-1,gpt2,1024,32,100,A100-40GB,1", ":3: submit_s", "must be a time from 0 to"),
     ("j2,0,gpt2,1024,32,0,A100-40GB,1", ":3: train_tokens", "must be > 0"),
     ("j2,0,gpt2,1024,32,100,B300-288GB,1", ":3: requested_gpu_type", "unknown GPU type 'B300-288GB'"),
     ("j2,0,gpt2,1024,x,100,A100-40GB,1", ":3: global_batch", "must be an integer"),

@@ -32,10 +32,17 @@ def policy_factory(name: str) -> Callable[..., Policy]:
     """The class registered as ``name``; ``FrenzyInputError`` naming the known ones otherwise."""
     try:
         return POLICIES[name]
-    except KeyError:
+    except (KeyError, TypeError):               # TypeError: not a name at all (a list, a dict)
         raise FrenzyInputError("policy", f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
 
 
 def get_policy(name: str, **kwargs: Any) -> Policy:
-    """A new instance of the policy registered as ``name`` (keyword arguments go to it)."""
-    return policy_factory(name)(**kwargs)
+    """A new instance of the policy registered as ``name`` (keyword arguments go to it); an
+    option the policy does not take is one line naming it and the policy."""
+    factory = policy_factory(name)
+    try:
+        return factory(**kwargs)
+    except TypeError as err:
+        if "unexpected keyword argument" not in str(err):
+            raise
+        raise FrenzyInputError("policy option", f"{name} takes no option {str(err).rsplit(' ', 1)[-1]}") from None

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from estimator.errors import check_number
+from estimator.errors import FrenzyInputError, check_number
 from scheduler.placement import nodes_spanned
 from scheduler.restart import checkpoint_gb, checkpoint_move_s
 from scheduler.round import next_round_s, run_round, wants_tick
@@ -87,10 +87,16 @@ class SimConfig:
             check_number("world_round_s", self.world_round_s, high=DAY_S, what="seconds")
         if self.restart_s is not None:
             check_number("restart_s", self.restart_s, low_open=False, high=DAY_S, what="seconds")
+        if not isinstance(self.step_ratio, dict):
+            raise FrenzyInputError("step_ratio", f"must map (GPU type, GPU count) to a ratio, got {self.step_ratio!r}")
+        for key, ratio in self.step_ratio.items():
+            # measured / predicted step time: a NaN stalled the event loop, 0 or less trained in no time
+            check_number(f"step_ratio[{key!r}]", ratio, high=MAX_STEP_RATIO, what="measured / predicted step time")
 
 
 DAY_S = 86400.0      # start-up, tick, round and restart lengths: no real one lasts a day
 MAX_NOISE = 2.0      # a lognormal sigma of 2: real within e^2 = 7.4x of predicted at one sigma
+MAX_STEP_RATIO = 1e3  # a run 1,000x slower than predicted is a broken measurement, not a GPU
 
 
 @dataclass(slots=True)

@@ -212,8 +212,29 @@ class FrenzyConfig:
             where = FLAT.get(name)
             if where is None:
                 raise FrenzyInputError("frenzy option", f"unknown option {name!r}; known: {', '.join(sorted(FLAT))}")
-            groups.setdefault(where[0], {})[where[1]] = value
+            groups.setdefault(where[0], {})[where[1]] = _checked(name, value, getattr(getattr(self, where[0]), where[1]))
         return replace(self, **{g: replace(getattr(self, g), **kw) for g, kw in groups.items()})
+
+
+# options that divide by their value: zero is not a setting
+_POSITIVE = {"aging_s", "ckpt_gbs", "lookahead"}
+
+
+def _checked(name: str, value, default):
+    """An option's value of its default's kind: a bool for a switch, a whole number >= 0 for a
+    count, a finite number >= 0 for a time, factor or fraction (``aging_s="x"`` constructed and
+    failed deep in a round; -1, NaN or 1.5 reservations were taken as they came)."""
+    from estimator.errors import check_number
+
+    field = f"frenzy option {name}"
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise FrenzyInputError(field, f"must be true or false, got {value!r}")
+        return value
+    if value is None and name == "preempt_heads":    # None: every job the round tracks
+        return None
+    integer = isinstance(default, int) or name == "preempt_heads"
+    return check_number(field, value, low_open=name in _POSITIVE, integer=integer)
 
 
 def _flat_names() -> dict[str, tuple[str, str]]:
