@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr, field_serializer, model_validator
+from pydantic import Field, SecretStr, field_serializer, field_validator, model_validator
 
 from blocks.schema import tidy_block_schema
 from estimator.catalog import GPU
@@ -42,6 +42,16 @@ class GPUCluster(Block):
     def model_json_schema(cls, *args, **kwargs):
         # the block editor's form: optional fields without the "None" type tab (blocks/schema.py)
         return tidy_block_schema(super().model_json_schema(*args, **kwargs))
+
+    @field_validator("gpu_types", mode="before")
+    @classmethod
+    def _gpu_types_as_in_a_file(cls, value):
+        # an entry typed as in a cluster file ({memory_gib, bf16_tflops}) gets the file's defaults
+        # (``catalog.make_gpu``): the block and the file accept the same inventories
+        if not isinstance(value, dict):
+            return value
+        from estimator.catalog import make_gpu
+        return {name: make_gpu(name, g) if isinstance(g, dict) else g for name, g in value.items()}
 
     @field_serializer("pools", "gpu_types")
     def _without_unset(self, value):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Iterable, Literal
 
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
 from blocks.schema import tidy_block_schema
 from estimator.plan import Optimizer, Plan, Precision
@@ -48,7 +48,7 @@ class FrenzySettings(Block):
         None, title="Ledger URL", description="SQLAlchemy URL of the GPU ledger, e.g. postgresql+psycopg://user:pw@host/db "
                           "(empty: SQLite under FRENZY_HOME)")
     safety_margin_gib: float | None = Field(
-        None, ge=0, title="Safety margin (GiB)", description="GPU memory kept free beyond the prediction, GiB (empty: Frenzy's default)")
+        None, ge=0, le=1024, allow_inf_nan=False, title="Safety margin (GiB)", description="GPU memory kept free beyond the prediction, GiB (empty: Frenzy's default)")
     default_precision: Precision = Field("bf16", description="precision for jobs that do not set one")
     default_optimizer: Optimizer = Field("adamw", description="optimizer for jobs that do not set one")
     policy: str = Field("frenzy", description="scheduling policy (see `frenzy simulate --help`)")
@@ -68,6 +68,13 @@ class FrenzySettings(Block):
     mlflow_tracking_uri: str | None = Field(
         None, title="MLflow tracking URI", description="MLflow tracking server URL (e.g. http://mlflow:5000) for jobs that name none "
                           "(empty: SQLite under FRENZY_HOME)")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        from scheduler.policies import policy_factory
+        policy_factory(name)        # a mistyped policy fails when the block is made, not at a submission
+        return name
 
     @classmethod
     def model_json_schema(cls, *args, **kwargs):

@@ -159,3 +159,23 @@ def test_pools_sync_from_a_gpu_cluster_block(capsys):
     assert json.loads(capsys.readouterr().out)["limits"] == {f"gpu:{pool}": 2}
     assert main(["pools", "sync", "--cluster", "block:missing-inventory"]) == 2
     assert "no GPUCluster block named 'missing-inventory'" in capsys.readouterr().err
+
+
+def test_settings_refuse_an_unknown_policy_and_an_infinite_margin():
+    """A mistyped policy was stored and failed only at a submission; an infinite margin fitted
+    nothing anywhere."""
+    from pydantic import ValidationError
+
+    from blocks import FrenzySettings
+    with pytest.raises(ValidationError, match="unknown policy 'fenzy'"):
+        FrenzySettings(policy="fenzy")
+    with pytest.raises(ValidationError, match="finite number"):
+        FrenzySettings(safety_margin_gib=float("inf"))
+    assert FrenzySettings(policy="sia").policy == "sia"
+
+
+def test_a_custom_gpu_type_typed_as_in_a_cluster_file_is_accepted_by_the_block():
+    """The block asked for name and fp16_tflops that a cluster file fills in (a 13-line error)."""
+    b = GPUCluster(pools=[{"name": "x", "gpu": "X1", "nodes": 1, "gpus_per_node": 8}],
+                   gpu_types={"X1": {"memory_gib": 40, "bf16_tflops": 100}})
+    assert b.to_cluster().gpu_types["X1"].memory_gib == 40 and b.gpu_types["X1"].fp16_tflops == 100
