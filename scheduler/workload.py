@@ -254,6 +254,9 @@ def load_mix(path: str | Path, *, models: Iterable[str] | None = None,
     raw = load_yaml(path, kind=WORKLOAD_MIX)
     if not isinstance(raw, dict):
         raise FrenzyInputError(str(path), "must be a mapping")
+    unknown = sorted(set(raw) - set(MIX_KEYS), key=str)
+    if unknown:     # a mistyped key (time_scal) was ignored without a word
+        raise FrenzyInputError(f"{path}: {unknown[0]}", f"unknown key; a mix has {', '.join(MIX_KEYS)}")
     known_models = set(models) if models is not None else _known_models()
     known_gpus = set(gpu_types) if gpu_types is not None else _known_gpus()
     ref = raw.get("reference_gpu")
@@ -275,7 +278,7 @@ def load_mix(path: str | Path, *, models: Iterable[str] | None = None,
     classes.sort(key=lambda c: c.max_gpus)
     scale = check_number(f"{path}: time_scale", _number(raw.get("time_scale", 1.0)), high=MAX_SCALE)
     dscale = check_number(f"{path}: duration_scale", _number(raw.get("duration_scale", 1.0)), high=MAX_SCALE)
-    return Mix(reference_gpu=ref, classes=classes,
+    mix = Mix(reference_gpu=ref, classes=classes,
                seq_len=_weights(raw.get("seq_len"), f"{path}: seq_len", int, MAX_SEQ_LEN),
                global_batch=_weights(raw.get("global_batch"), f"{path}: global_batch", int, MAX_GLOBAL_BATCH),
                gpus_per_node=check_number(f"{path}: gpus_per_node", raw.get("gpus_per_node", 8), integer=True,
@@ -284,9 +287,16 @@ def load_mix(path: str | Path, *, models: Iterable[str] | None = None,
                end_s=_optional(raw, "end_s", path),
                max_jobs=_optional(raw, "max_jobs", path, integer=True), time_scale=scale, duration_scale=dscale,
                max_gpus=_optional(raw, "max_gpus", path, integer=True, high=MAX_CLUSTER_GPUS))
+    if mix.start_s is not None and mix.end_s is not None and mix.end_s <= mix.start_s:
+        raise FrenzyInputError(f"{path}: end_s", f"must be after start_s ({mix.end_s:g} <= {mix.start_s:g})")
+    return mix
 
 
 # ----------------------------------------------------------------------------- the trace
+
+MIX_KEYS = ("reference_gpu", "classes", "seq_len", "global_batch", "gpus_per_node", "start_s", "end_s",
+            "max_jobs", "time_scale", "duration_scale", "max_gpus")
+
 
 @dataclass(slots=True, frozen=True)
 class TraceJob:
@@ -307,6 +317,7 @@ def read_trace(path: str | Path) -> list[TraceJob]:
     if not path.is_file():
         raise FrenzyInputError("trace", f"no such file: {path}")
     out = []
+    seen: set[str] = set()
     with _text(path, "trace") as fh:
         reader = csv.DictReader(fh)
         if tuple(reader.fieldnames or ()) != TRACE_COLUMNS:
@@ -326,6 +337,9 @@ def read_trace(path: str | Path) -> list[TraceJob]:
             check_number(f"{where}: submission_time", t, low_open=False, high=MAX_SUBMIT_S)
             check_number(f"{where}: duration", d, high=MAX_SUBMIT_S)
             check_number(f"{where}: num_gpu", n, integer=True, high=MAX_CLUSTER_GPUS)
+            if row["job_id"] in seen:
+                raise FrenzyInputError(f"{where}: job_id", f"duplicate job_id {row['job_id']!r}")
+            seen.add(row["job_id"])
             out.append(TraceJob(row["job_id"], t, d, n))
     out.sort(key=lambda j: j.submission_time)
     return out

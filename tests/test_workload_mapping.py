@@ -197,3 +197,20 @@ def test_sia_like_mapping_caps_gpu_counts_and_shortens_durations(tmp_path):
     with pytest.raises(FrenzyInputError, match="duration_scale"):
         load_mix(p)
     assert load_mix("bench/mix-sia-like.yaml").max_gpus == 16
+
+
+def test_a_mistyped_mix_key_an_empty_window_and_a_repeated_trace_job_are_refused(tmp_path):
+    """A misspelt key was ignored without a word; end_s before start_s selected nothing; a trace
+    job listed twice became two jobs."""
+    p = tmp_path / "m.yaml"
+    base = "reference_gpu: A100-40GB\nclasses:\n  - {max_gpus: 8, models: {gpt2: 1}}\nseq_len: {1024: 1}\nglobal_batch: {32: 1}\n"
+    p.write_text(base + "time_scal: 4\n")
+    with pytest.raises(FrenzyInputError, match="time_scal: unknown key"):
+        load_mix(p)
+    p.write_text(base + "start_s: 100\nend_s: 50\n")
+    with pytest.raises(FrenzyInputError, match="end_s: must be after start_s"):
+        load_mix(p)
+    t = tmp_path / "t.csv"
+    t.write_text("job_id,submission_time,duration,num_gpu\na,0,100,1\na,5,100,1\n")
+    with pytest.raises(FrenzyInputError, match="duplicate job_id 'a'"):
+        read_trace(t)
