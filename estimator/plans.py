@@ -589,6 +589,11 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
     if isinstance(plan_filter, str):            # the --plan text; "" filters nothing, as {} and None
         from .plan_filter import parse_plan_filter
         plan_filter = parse_plan_filter(plan_filter) if plan_filter.strip() else None
+    elif plan_filter:                            # a dict: the same knobs and values as the text
+        from .plan_filter import describe, parse_plan_filter
+        if not isinstance(plan_filter, dict):
+            raise FrenzyInputError("plan", f"must be knob=value text or a dict of knobs, got {plan_filter!r}")
+        plan_filter = parse_plan_filter(describe(plan_filter))
     if plan_filter:
         from .plan_filter import check_heads
         check_heads(plan_filter, spec)      # tp=3 on 4 heads: that, not "no plan matches"

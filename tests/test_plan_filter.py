@@ -141,6 +141,9 @@ def test_the_planner_picks_matching_plans_among_all_that_fit():
     assert plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter="")["A100-80GB"] == free
     with pytest.raises(FrenzyInputError, match="unknown knob 'tq'"):
         plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter="tq=2")
+    # a dict is checked as the text is (a bad value raised a bare ValueError deep inside)
+    with pytest.raises(FrenzyInputError, match="tp must be an integer"):
+        plans_for_job(job, {"A100-80GB": 8}, gpus_per_node=8, plan_filter={"tp": "x"})
 
 
 TINY_LLAMA = {"model": {"name": "tiny-llama", "arch": "llama", "layers": 2, "hidden": 64, "heads": 4,
