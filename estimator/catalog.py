@@ -48,11 +48,14 @@ class GPU(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(..., min_length=1)
-    memory_gib: float = Field(..., gt=0)
-    bf16_tflops: float = Field(..., ge=0)
-    fp16_tflops: float = Field(..., gt=0)
-    fp32_tflops: float = Field(..., gt=0)
-    mem_bw_gbs: float = Field(..., gt=0)
+    # upper bounds far beyond any device (so a typo in units fails; 1e300 GiB was taken): the
+    # largest accelerator memory is ~0.3 TB (CPU "GPU" types hold a host's, at most a few TB),
+    # the fastest dense tensor rates ~2-5 PFLOP/s, HBM ~8 TB/s
+    memory_gib: float = Field(..., gt=0, le=65536)
+    bf16_tflops: float = Field(..., ge=0, le=100_000)
+    fp16_tflops: float = Field(..., gt=0, le=100_000)
+    fp32_tflops: float = Field(..., gt=0, le=100_000)
+    mem_bw_gbs: float = Field(..., gt=0, le=1_000_000)
     intra_link: str = "pcie4"
     intra_link_gbps: float = Field(128.0, gt=0)
     inter_node_gbps: float = Field(100.0, gt=0)

@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field
 
 from .catalog import CATALOG, get_gpu
 from .errors import FrenzyInputError
+from .job import MAX_GLOBAL_BATCH, MAX_SEQ_LEN
 from .models import ModelSpec, model_from_kwargs, with_positions
 from .overheads import Overheads, overheads_for
 from .profiles import FRAMEWORKS, PROFILES, Profile, check_knobs, get_profile
@@ -166,6 +167,9 @@ class Knobs:
     expandable: bool = False
 
 
+MAX_RANKS = 2 ** 20      # ranks of one parallel dimension: a job's max_gpus bound (TrainingJob)
+
+
 def _pos_int(name: str, v: Any) -> int:
     if type(v) is int and v > 0:                 # the common case, first (bool is not int here)
         return v
@@ -238,6 +242,14 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
     ga = _pos_int("grad_accum", grad_accum)
     dp, tp, pp = _pos_int("dp", dp), _pos_int("tp", tp), _pos_int("pp", pp)
     cp, vpp = _pos_int("cp", cp), _pos_int("vpp", vpp)
+    # a training job's own bounds (estimator.job): beyond them an estimate is only a big number
+    # (micro_batch 10^30 answered ~1e29 GiB)
+    if s > MAX_SEQ_LEN or max(mb, ga) > MAX_GLOBAL_BATCH or max(dp, tp, pp, cp, vpp) > MAX_RANKS:
+        for name, v, most in (("seq_len", s, MAX_SEQ_LEN), ("micro_batch", mb, MAX_GLOBAL_BATCH),
+                              ("grad_accum", ga, MAX_GLOBAL_BATCH), ("dp", dp, MAX_RANKS), ("tp", tp, MAX_RANKS),
+                              ("pp", pp, MAX_RANKS), ("cp", cp, MAX_RANKS), ("vpp", vpp, MAX_RANKS)):
+            if v > most:
+                raise FrenzyInputError(name, f"must be at most {most:,}, got {v:,}")
     sp = _bool("sp", sp)
     if isinstance(zero, bool) or zero not in (0, 1, 2, 3, "0", "1", "2", "3"):
         raise FrenzyInputError("zero", f"must be 0, 1, 2 or 3 (got {zero!r})")

@@ -143,3 +143,12 @@ def test_spec_is_hashable_and_frozen():
     with pytest.raises(Exception):
         spec.layers = 3
     assert isinstance(spec, ModelSpec)
+
+
+def test_knobs_beyond_a_training_jobs_bounds_are_refused_not_estimated():
+    """micro_batch 10^30 answered ~1e29 GiB; a job's own bounds apply to an estimate too."""
+    from estimator import estimate
+    with pytest.raises(FrenzyInputError, match="micro_batch: must be at most 1,048,576"):
+        estimate(model="gpt2", seq_len=512, micro_batch=10 ** 30)
+    with pytest.raises(FrenzyInputError, match="tp: must be at most"):
+        estimate(model="gpt2", seq_len=512, tp=2 ** 21)

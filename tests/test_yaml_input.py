@@ -163,6 +163,8 @@ def _pool(**kw) -> str:
      "line 2: gpu_types.X1.bf16_tflops", "0 means no native bf16 and needs fp16_tflops"),
     ("gpu_types:\n  X1: {memory_gib: 80, bf16_tflops: .inf}\n" + _pool(gpu="X1"),
      "gpu_types.X1.bf16_tflops", "must be finite"),
+    ("gpu_types:\n  X1: {memory_gib: 1.0e+300, bf16_tflops: 100}\n" + _pool(gpu="X1"),   # a unit typo was taken
+     "line 2: gpu_types.X1.memory_gib", "less than or equal to 65536"),
     ("gpu_types:\n  X1: {memory_gib: .nan, bf16_tflops: 100}\n" + _pool(gpu="X1"),
      "gpu_types.X1.memory_gib", "must be finite"),
     ("gpu_types:\n  X1: {memory_gib: 80, bf16_tflops: 100, mem_bw_gbs: 0}\n" + _pool(gpu="X1"),
