@@ -91,7 +91,7 @@ def _handle(args) -> int:
     plan_filter = parse_plan_filter(args.plan) if getattr(args, "plan", None) else None
     # Bad input fails here, in a line, before the slow Prefect start-up: the cluster file, and
     # a job that no GPU of the cluster can hold (the flow's first task asks the same question).
-    from estimator.errors import DoesNotFitError, FrenzyInputError
+    from estimator.errors import DoesNotFitError
     from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, plans_for_job
     from scheduler.discover import cluster_or_local
     from trainer.pretrained import check_job
