@@ -2,6 +2,7 @@
 
 The CLI prints ``str(err)`` on one line and exits with status 2; flows fail the run with it.
 """
+import math
 
 
 class FrenzyInputError(ValueError):
@@ -52,8 +53,6 @@ def check_number(field: str, value, *, low: float = 0.0, high: float = float("in
     ``low_open``) and at most ``high``; else one FrenzyInputError naming ``field`` and the range.
     The one range check of the numbers users type (flags, mix files, plan margins): NaN, inf
     and absurd sizes are refused before anything runs."""
-    import math
-
     kind = "an integer" if integer else "a finite number"
     rule = f"must be {kind} {'>' if low_open else '>='} {low:g}"
     if math.isfinite(high):

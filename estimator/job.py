@@ -26,6 +26,8 @@ MAX_SEQ_LEN = 2 ** 24          # 16.8M tokens per sequence (the longest trained 
 MAX_GLOBAL_BATCH = 2 ** 20     # sequences per step (LLM pre-training uses at most ~16k)
 MAX_STEPS = 10 ** 9            # optimizer steps (large pre-training runs take ~10^6)
 MAX_TOKENS = 10 ** 15          # training tokens (the largest public runs use ~4 x 10^13)
+MAX_GPUS = 2 ** 20             # GPUs of a job, a type or one parallel dimension: beyond any cluster
+                               # (the largest hold ~10^5); past it plan enumeration only spins
 MAX_SEED = 2 ** 63 - 1         # torch.manual_seed takes a 64-bit integer; numpy wants < 2^63
 MAX_DEADLINE_S = 366 * 86400.0  # a year of wall clock
 
@@ -211,7 +213,7 @@ class TrainingJob(BaseModel):
     tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking")
     # constraints (all optional)
     allowed_gpu_types: list[str] | None = Field(None, description="only these GPU types (catalog names)")
-    max_gpus: Int | None = Field(None, gt=0, le=2 ** 20, description="use at most this many GPUs")
+    max_gpus: Int | None = Field(None, gt=0, le=MAX_GPUS, description="use at most this many GPUs")
     deadline_s: float | None = Field(None, gt=0, le=MAX_DEADLINE_S, allow_inf_nan=False,
                                      description="wall-clock limit for the training run")
 

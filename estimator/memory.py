@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field
 
 from .catalog import CATALOG, get_gpu
 from .errors import FrenzyInputError
-from .job import MAX_GLOBAL_BATCH, MAX_SEQ_LEN
+from .job import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
 from .models import ModelSpec, model_from_kwargs, with_positions
 from .overheads import Overheads, overheads_for
 from .profiles import FRAMEWORKS, PROFILES, Profile, check_knobs, get_profile
@@ -167,9 +167,6 @@ class Knobs:
     expandable: bool = False
 
 
-MAX_RANKS = 2 ** 20      # ranks of one parallel dimension: a job's max_gpus bound (TrainingJob)
-
-
 def _pos_int(name: str, v: Any) -> int:
     if type(v) is int and v > 0:                 # the common case, first (bool is not int here)
         return v
@@ -244,10 +241,10 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
     cp, vpp = _pos_int("cp", cp), _pos_int("vpp", vpp)
     # a training job's own bounds (estimator.job): beyond them an estimate is only a big number
     # (micro_batch 10^30 answered ~1e29 GiB)
-    if s > MAX_SEQ_LEN or max(mb, ga) > MAX_GLOBAL_BATCH or max(dp, tp, pp, cp, vpp) > MAX_RANKS:
+    if s > MAX_SEQ_LEN or max(mb, ga) > MAX_GLOBAL_BATCH or max(dp, tp, pp, cp, vpp) > MAX_GPUS:
         for name, v, most in (("seq_len", s, MAX_SEQ_LEN), ("micro_batch", mb, MAX_GLOBAL_BATCH),
-                              ("grad_accum", ga, MAX_GLOBAL_BATCH), ("dp", dp, MAX_RANKS), ("tp", tp, MAX_RANKS),
-                              ("pp", pp, MAX_RANKS), ("cp", cp, MAX_RANKS), ("vpp", vpp, MAX_RANKS)):
+                              ("grad_accum", ga, MAX_GLOBAL_BATCH), ("dp", dp, MAX_GPUS), ("tp", tp, MAX_GPUS),
+                              ("pp", pp, MAX_GPUS), ("cp", cp, MAX_GPUS), ("vpp", vpp, MAX_GPUS)):
             if v > most:
                 raise FrenzyInputError(name, f"must be at most {most:,}, got {v:,}")
     sp = _bool("sp", sp)

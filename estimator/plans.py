@@ -21,7 +21,7 @@ from typing import Any
 
 from .catalog import GPU, get_gpu
 from .errors import DoesNotFitError, FrenzyInputError, check_number, from_validation_error
-from .job import TrainingJob
+from .job import MAX_GPUS, TrainingJob
 from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, batch_key, estimate, finish_key,
                      host_offload_bytes, lora_adapters, peak_allocated, peak_terms,
                      validate_knobs)
@@ -32,8 +32,6 @@ from .plan import Plan
 from .throughput import Adapters, Factors, calibrated_factors, shared_parts, step_time_with
 
 DEFAULT_SAFETY_MARGIN_GIB = 1.0     # GPU memory kept free beyond the prediction
-MAX_GPUS = 2 ** 20                  # GPUs of a type, per node, or a job's max_gpus (TrainingJob's
-                                    # bound): beyond it enumeration only spins (10^7 took 13 s)
 KEEP_PER_COUNT = 3                  # fastest launchable plans kept per GPU count (and as many
 #                                     marked not-launchable ones, for the simulator and display)
 MAX_PP = 16                         # deeper pipelines only add bubble for the models we plan
@@ -532,17 +530,16 @@ def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
     j = _as_job(job)
     spec = with_positions(resolve_model(j.model), j.seq_len)
     gpu = get_gpu(gpu_type, gpus)
-    if isinstance(max_gpus, bool) or not isinstance(max_gpus, int) or max_gpus < 1:
+    if not isinstance(max_gpus, int):             # 8.0 is not a GPU count here (check_number takes it)
         raise FrenzyInputError("max_gpus", f"must be a positive integer, got {max_gpus!r}")
-    check_number("max_gpus", max_gpus, low=1, low_open=False, high=MAX_GPUS, integer=True)
-    _check_sizes({gpu_type: max_gpus}, gpus_per_node, None if host_ram_gib is None else {gpu_type: host_ram_gib})
+    _check_sizes({gpu_type: check_number("max_gpus", max_gpus, low=1, low_open=False, high=MAX_GPUS, integer=True)},
+                 gpus_per_node, None if host_ram_gib is None else {gpu_type: host_ram_gib})
     if j.max_gpus:
         max_gpus = min(max_gpus, j.max_gpus)
     if safety_margin_gib is None:
         safety_margin_gib = DEFAULT_SAFETY_MARGIN_GIB
     check_number("safety_margin_gib", safety_margin_gib, low_open=False)
-    gpn = max(1, int(gpus_per_node))
-    return _plans_for_gpu(j, spec, gpu, max_gpus, gpn, safety_margin_gib, host_ram_gib=host_ram_gib)
+    return _plans_for_gpu(j, spec, gpu, max_gpus, int(gpus_per_node), safety_margin_gib, host_ram_gib=host_ram_gib)
 
 
 def _check_sizes(inventory: Any, gpus_per_node: Any, host_ram_gib: Any) -> None:
@@ -610,7 +607,7 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
         gpu = get_gpu(gtype, gpus)
         gpn = gpus_per_node.get(gtype, 8) if isinstance(gpus_per_node, dict) else gpus_per_node
         n = min(int(count), j.max_gpus or int(count))
-        out[gtype] = _plans_for_gpu(j, spec, gpu, n, max(1, int(gpn)), safety_margin_gib, closest,
+        out[gtype] = _plans_for_gpu(j, spec, gpu, n, int(gpn), safety_margin_gib, closest,
                                     host_ram_gib=(host_ram_gib or {}).get(gtype), plan_filter=plan_filter,
                                     fitting=fitting)
     if not any(out.values()) and plan_filter and sum(fitting):

@@ -212,6 +212,11 @@ class Mix:
         return self.classes[-1]
 
 
+# the keys of a mix file (examples/workload-mix.yaml)
+MIX_KEYS = ("reference_gpu", "classes", "seq_len", "global_batch", "gpus_per_node", "start_s", "end_s",
+            "max_jobs", "time_scale", "duration_scale", "max_gpus")
+
+
 def _weights(raw, where: str, keytype, bound: float = float("inf")) -> dict:
     if not isinstance(raw, dict) or not raw:
         raise FrenzyInputError(where, "must be a non-empty mapping of value -> weight")
@@ -293,10 +298,6 @@ def load_mix(path: str | Path, *, models: Iterable[str] | None = None,
 
 
 # ----------------------------------------------------------------------------- the trace
-
-MIX_KEYS = ("reference_gpu", "classes", "seq_len", "global_batch", "gpus_per_node", "start_s", "end_s",
-            "max_jobs", "time_scale", "duration_scale", "max_gpus")
-
 
 @dataclass(slots=True, frozen=True)
 class TraceJob:

@@ -5,6 +5,7 @@ A plain dict so every policy module adds one line; all policies implement
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 from estimator.errors import FrenzyInputError
@@ -40,9 +41,9 @@ def get_policy(name: str, **kwargs: Any) -> Policy:
     """A new instance of the policy registered as ``name`` (keyword arguments go to it); an
     option the policy does not take is one line naming it and the policy."""
     factory = policy_factory(name)
-    try:
-        return factory(**kwargs)
-    except TypeError as err:
-        if "unexpected keyword argument" not in str(err):
-            raise
-        raise FrenzyInputError("policy option", f"{name} takes no option {str(err).rsplit(' ', 1)[-1]}") from None
+    params = inspect.signature(factory).parameters       # the constructor's keywords are its options
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = [k for k in kwargs if k not in params]
+        if unknown:
+            raise FrenzyInputError("policy option", f"{name} takes no option {unknown[0]!r}")
+    return factory(**kwargs)
