@@ -18,7 +18,7 @@ Model states follow the mixed-precision regime the trainer runs:
     (1), gradients (2) and weights (3) by the sharding degree ``dp * cp``.
   * fp32: everything fp32, no copies.
 Activations are an inventory of the tensors Hugging Face's implementations save for backward
-(gpt2, llama/mistral/qwen2, opt, bert), per layer and token, split into the part tensor
+(gpt2, llama/mistral/qwen2/qwen3, opt, bert), per layer and token, split into the part tensor
 parallelism shards and the part it replicates (sharded too with ``sp``).
 
 Then the allocator and the runtime (estimator.overheads): reserved = allocated x (1 + frag)
@@ -515,7 +515,7 @@ def _layer_vector_params(spec: ModelSpec) -> int:
     h, f = spec.hidden, spec.f
     q, kv = spec.heads * spec.d_head, spec.n_kv * spec.d_head
     if spec.arch == "llama":
-        return 2 * h + ((q + 2 * kv) if spec.has_qkv_bias else 0)
+        return 2 * h + ((q + 2 * kv) if spec.has_qkv_bias else 0) + (2 * spec.d_head if spec.has_qk_norm else 0)
     return 4 * h + q + 2 * kv + h + f + h
 
 
@@ -608,6 +608,14 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             rep = 2 * (4 * h + 2 * c * h + 4)
         # gate, up, silu(gate), product; compiled: silu(gate) is recomputed from gate
         shard = attn + (3 if compiled and not amp else 4) * c * f
+        if spec.has_qk_norm:
+            # Qwen3's q_norm / k_norm (the RMSNorm above, over each head's slice of the q and k
+            # projections' outputs): the fp32 upcast (the input itself in fp32) and the
+            # normalised copy in the input dtype that the weight multiplies, per element, and
+            # one fp32 rstd per head row; the rotary embedding after it saves no copy of q or k
+            # (its cos / sin need no gradient). Compiled: the input and rstd (recomputed rest)
+            rows = a + spec.n_kv
+            shard += (c if compiled and not amp else 4.0 + c) * (q + kvd) + 4.0 * rows
     elif spec.arch == "opt":
         rep = 2 * r * h + 2 * st + ((4 * c * h) if amp else (2 * c * h))
         shard = attn + c * f                                  # relu output (= fc2 input)

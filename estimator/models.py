@@ -26,6 +26,10 @@ Arch = Literal["gpt", "llama", "bert", "opt"]
 
 # arch -> the Hugging Face model_type it builds by default
 _DEFAULT_HF_TYPE = {"gpt": "gpt2", "llama": "llama", "bert": "bert", "opt": "opt"}
+# the Hugging Face model types each arch builds (``hf_config``), and those of them whose
+# attention normalises queries and keys per head (``ModelSpec.has_qk_norm``)
+HF_TYPES = {"gpt": ("gpt2",), "llama": ("llama", "mistral", "qwen2", "qwen3"), "bert": ("bert",), "opt": ("opt",)}
+QK_NORM_TYPES = ("qwen3",)
 # The fields a spec's hash covers: the ones that tell models apart. Equal specs agree on them,
 # so the hash stays consistent with ==; specs that differ elsewhere only (dropout, ...) meet
 # in one bucket and == tells them apart. (Specs key the estimator's caches on every estimate:
@@ -63,7 +67,7 @@ class ModelSpec(BaseModel):
     qkv_bias: bool | None = Field(None, description="bias on q/k/v projections (qwen2: yes)")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="residual/MLP/embedding dropout")
     attn_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on attention probs")
-    hf_model_type: str | None = Field(None, description="gpt2 | llama | mistral | qwen2 | opt | bert")
+    hf_model_type: str | None = Field(None, description="gpt2 | llama | mistral | qwen2 | qwen3 | opt | bert")
     # OPT-350m projects a 512-wide embedding to the 1024-wide model and back.
     embed_dim: int | None = Field(None, description="word embedding width when it differs (opt-350m)")
     pre_norm: bool = Field(True, description="LayerNorm before each sublayer (opt-350m: after)")
@@ -115,6 +119,10 @@ class ModelSpec(BaseModel):
             raise FrenzyInputError("kv_heads", f"must divide heads ({self.heads} % {kv} != 0)")
         if self.arch == "bert" and self.kv_heads not in (None, self.heads):
             raise FrenzyInputError("kv_heads", "bert has no grouped-query attention (kv_heads == heads)")
+        if self.hf_model_type is not None and self.hf_model_type not in HF_TYPES[self.arch]:
+            # hf_config builds only these; another type would be sized as one of them
+            raise FrenzyInputError("hf_model_type", f"must be one of {', '.join(HF_TYPES[self.arch])} for arch "
+                                                    f"{self.arch} (got {self.hf_model_type!r})")
         return self
 
     # ---- resolved dimensions (defaults per arch) ----
@@ -160,6 +168,12 @@ class ModelSpec(BaseModel):
         return self.hf_model_type or _DEFAULT_HF_TYPE[self.arch]
 
     @property
+    def has_qk_norm(self) -> bool:
+        """An RMSNorm over each head's queries and keys before the rotary embedding (Qwen3's
+        ``q_norm`` / ``k_norm``: ``head_dim`` weights each, applied to every head's slice)."""
+        return self.model_type in QK_NORM_TYPES
+
+    @property
     def vocab_padded(self) -> int:
         m = self.vocab_multiple
         return -(-self.vocab // m) * m
@@ -180,7 +194,7 @@ class ModelSpec(BaseModel):
             if self.has_qkv_bias:
                 attn += q + 2 * kv
             mlp = 3 * h * f
-            norms = 2 * h
+            norms = 2 * h + (2 * dh if self.has_qk_norm else 0)
         else:  # gpt2 / opt / bert: biases everywhere, LayerNorm weight + bias
             attn = h * q + 2 * h * kv + q * h + q + 2 * kv + h
             mlp = (3 * h * f + 2 * f + h) if self.gated else (2 * h * f + f + h)
@@ -254,6 +268,8 @@ class ModelSpec(BaseModel):
             per_layer += [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f), (h,), (h,)]
             if self.has_qkv_bias:
                 per_layer += [(q,), (kv,), (kv,)]
+            if self.has_qk_norm:
+                per_layer += [(dh,), (dh,)]
         else:
             per_layer += [(q, h), (kv, h), (kv, h), (h, q), (q,), (kv,), (kv,), (h,),
                           (f, h), (f,), (h, f), (h,), (h,), (h,), (h,), (h,)]
@@ -310,7 +326,7 @@ class ModelSpec(BaseModel):
                         type_vocab_size=self.type_vocab, hidden_dropout_prob=self.dropout,
                         attention_probs_dropout_prob=self.attn_dropout,
                         tie_word_embeddings=self.tied)
-        # llama family (llama, mistral, qwen2)
+        # llama family (llama, mistral, qwen2, qwen3)
         d: dict[str, Any] = dict(model_type=t, hidden_size=h, num_hidden_layers=self.layers,
                                  num_attention_heads=self.heads, num_key_value_heads=self.n_kv,
                                  intermediate_size=self.f, vocab_size=V,
@@ -329,6 +345,10 @@ class ModelSpec(BaseModel):
             if self.head_dim is not None:
                 d["head_dim"] = self.head_dim
         elif t == "qwen2":
+            d["use_sliding_window"] = False
+        elif t == "qwen3":
+            d["head_dim"] = self.d_head                # Qwen3Config's default is 128, not hidden / heads
+            d["attention_bias"] = self.has_qkv_bias
             d["use_sliding_window"] = False
         return d
 
@@ -399,6 +419,14 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
            max_pos=32768, theta=1000000.0, eps=1e-6),
     _llama("qwen2.5-14b", 48, 5120, 40, 8, 13824, 152064, tied=False, qkv_bias=True, hf="qwen2",
            max_pos=32768, theta=1000000.0, eps=1e-5),
+    # Qwen3 dense (Qwen/Qwen3-*'s config.json): 128-wide heads whatever hidden / heads is,
+    # per-head q/k RMSNorm, no q/k/v bias; the small three tie their embeddings
+    *(_llama(f"qwen3-{size}", layers, hidden, heads, 8, ffn, 151936, tied=tied, hf="qwen3",
+             head_dim=128, max_pos=40960, theta=1000000.0, eps=1e-6)
+      for size, layers, hidden, heads, ffn, tied in (
+          ("0.6b", 28, 1024, 16, 3072, True), ("1.7b", 28, 2048, 16, 6144, True),
+          ("4b", 36, 2560, 32, 9728, True), ("8b", 36, 4096, 32, 12288, False),
+          ("14b", 40, 5120, 40, 17408, False), ("32b", 64, 5120, 64, 25600, False))),
 ]}
 
 _DIM_KEYS = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied_embeddings")
@@ -419,7 +447,7 @@ def _input_error(err: ValidationError, prefix: str = "") -> FrenzyInputError:
 _HF_REQUIRED = {"gpt2": ("n_layer", "n_embd", "n_head", "vocab_size"),
                 "opt": ("num_hidden_layers", "hidden_size", "num_attention_heads", "ffn_dim", "vocab_size"),
                 **{t: ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-                   for t in ("bert", "llama", "mistral", "qwen2")}}
+                   for t in ("bert", "llama", "mistral", "qwen2", "qwen3")}}
 
 
 def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
@@ -454,18 +482,23 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                              type_vocab=g("type_vocab_size", 2),
                              dropout=g("hidden_dropout_prob", 0.1),
                              attn_dropout=g("attention_probs_dropout_prob", 0.1))
-        if t in ("llama", "mistral", "qwen2"):
+        if t in HF_TYPES["llama"]:
             default_bias = t == "qwen2"
+            # Qwen3Config sizes heads at 128 whatever hidden / heads is; the others derive it
+            hd = g("head_dim", 128 if t == "qwen3" else None)
+            rope = g("rope_parameters") if isinstance(g("rope_parameters"), dict) else {}
             return ModelSpec(name=name, arch="llama", layers=g("num_hidden_layers"),
                              hidden=g("hidden_size"), heads=g("num_attention_heads"),
                              kv_heads=g("num_key_value_heads") or g("num_attention_heads"),
                              ffn=g("intermediate_size"), vocab=g("vocab_size"),
                              tied_embeddings=g("tie_word_embeddings", False),
                              qkv_bias=g("attention_bias", default_bias),
-                             head_dim=(g("head_dim") if g("head_dim") not in
+                             head_dim=(hd if hd not in
                                        (None, g("hidden_size") // g("num_attention_heads")) else None),
-                             max_positions=g("max_position_embeddings", 4096), hf_model_type=t,
-                             rope_theta=g("rope_theta"), norm_eps=g("rms_norm_eps"),
+                             max_positions=g("max_position_embeddings", 32768 if t == "qwen3" else 4096),
+                             hf_model_type=t,
+                             # transformers 5 writes rope_parameters: {rope_theta, rope_type}
+                             rope_theta=g("rope_theta") or rope.get("rope_theta"), norm_eps=g("rms_norm_eps"),
                              attn_dropout=g("attention_dropout", 0.0) or 0.0,
                              sliding_window=g("sliding_window") if t == "mistral" else None)
     except ValidationError as err:
@@ -473,7 +506,7 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     except TypeError as err:
         raise FrenzyInputError("model", f"config.json is missing a dimension ({err})") from None
     raise FrenzyInputError("model", f"config.json model_type {t!r} is not supported "
-                                    "(gpt2, opt, bert, llama, mistral, qwen2)")
+                                    "(gpt2, opt, bert, llama, mistral, qwen2, qwen3)")
 
 
 # A Hugging Face Hub model id: "name" or "org/name" (letters, digits, "-", "_", ".").

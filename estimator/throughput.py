@@ -239,13 +239,16 @@ def _spec_dims(spec: Any) -> tuple[float, int, int, int, float, bool]:
     return params, layers, hidden, vocab if head else 0, matmul_params, tied and head
 
 
-def _shape_dims(spec: Any, hidden: int) -> tuple[int, int, int, bool, bool]:
-    """heads, kv heads, ffn width, gated MLP, causal: from a ModelSpec or any object with them."""
+def _shape_dims(spec: Any, hidden: int) -> tuple[int, int, int, bool, bool, int]:
+    """heads, kv heads, ffn width, gated MLP, causal, head width: from a ModelSpec or any
+    object with them (the head width is hidden / heads unless the model says otherwise:
+    Qwen3's 128-wide heads make its small models' attention 2x hidden wide)."""
     heads = int(getattr(spec, "heads", 0) or 0) or max(1, hidden // 64)
     kv = int(getattr(spec, "n_kv", 0) or getattr(spec, "kv_heads", 0) or heads)
     ffn = int(getattr(spec, "f", 0) or getattr(spec, "ffn", 0) or 4 * hidden)
     arch = getattr(spec, "arch", "gpt")
-    return heads, kv, ffn, arch == "llama", arch != "bert"
+    d_head = int(getattr(spec, "d_head", 0) or getattr(spec, "head_dim", 0) or hidden // heads)
+    return heads, kv, ffn, arch == "llama", arch != "bert", d_head
 
 
 _dims_cache: dict[int, tuple[Any, tuple]] = {}
@@ -265,16 +268,18 @@ def _dims(spec: Any) -> tuple:
     return dims
 
 
-def _attn_flops(layers: int, hidden: int, seq_len: int, f: Factors) -> float:
-    """Training FLOPs per token of the attention core (scores and values), no recompute."""
-    return f.attn_flops_per_lhs * layers * hidden * seq_len
+def _attn_flops(layers: int, width: int, seq_len: int, f: Factors) -> float:
+    """Training FLOPs per token of the attention core (scores and values), no recompute;
+    ``width``: the query heads' total width, heads x head width (the hidden size, for most)."""
+    return f.attn_flops_per_lhs * layers * width * seq_len
 
 
 def flops_per_token(spec: Any, seq_len: int, act_ckpt: str = "none",
                     factors: Factors = DEFAULT_FACTORS) -> float:
     """Training FLOPs per token (forward + backward, plus recomputation)."""
     _, layers, hidden, _, matmul_params, _ = _spec_dims(spec)
-    attn = _attn_flops(layers, hidden, seq_len, factors)
+    heads, *_, d_head = _shape_dims(spec, hidden)
+    attn = _attn_flops(layers, heads * d_head, seq_len, factors)
     base = 6.0 * matmul_params + attn
     if act_ckpt == "full":
         return base * (1.0 + factors.recompute_full_extra)
@@ -321,7 +326,7 @@ def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision
     hit = _ctx_cache.get(key)
     if hit is not None and hit[0] is spec and hit[1] is gpu and hit[2] is f:
         return hit[3]
-    params, layers, hidden, vocab, mm_params, tied, heads, kv, ffn, gated, causal = _dims(spec)
+    params, layers, hidden, vocab, mm_params, tied, heads, kv, ffn, gated, causal, d_head = _dims(spec)
     nbytes = _BYTES.get(precision, 2)
     util = f.util.get(gpu.name, gpu.util)
     if precision == "fp32" and matmul_precision != "tf32" and not gpu.is_cpu:
@@ -333,13 +338,14 @@ def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision
     # a rank does the attention FLOPs (and eager score traffic) of the full length s, not of s / cp
     s = seq_len
     h = float(hidden)
-    q_kv = h + 2 * kv * (hidden // heads)
+    qd = float(heads * d_head)                 # the query heads' width (h for most models)
+    q_kv = qd + 2 * kv * d_head
     up = ffn * (2 if gated else 1)
     # Operand elements one token moves through an (m x k) @ (k x n) GEMM in one pass: its input
     # row k, its output row n and its share k n / m of the weights (read once per micro-batch).
-    # A block's four GEMMs per TP rank: qkv (h, q_kv/tp), out (h/tp, h), up (h, up/tp),
+    # A block's four GEMMs per TP rank: qkv (h, q_kv/tp), out (qd/tp, h), up (h, up/tp),
     # down (ffn/tp, h); summed: g0 + g1 / tp + g2 / (tp m). The LM head (h, V/tp) likewise.
-    g0, g1, g2 = 4 * h, q_kv + h + up + ffn, h * q_kv + h * h + h * up + ffn * h
+    g0, g1, g2 = 4 * h, q_kv + qd + up + ffn, h * q_kv + qd * h + h * up + ffn * h
     gv = (h, vocab, h * vocab) if vocab else (0.0, 0.0, 0.0)
     half = nbytes / 2.0
     if eager:   # full s x s scores (a causal mask is applied, not skipped)
@@ -347,12 +353,12 @@ def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision
         attn_io = heads * s * f.eager_bytes_per_score * half
     else:
         attn_rate = rate * gpu.flash_attn_eff / (f.causal_attn_share if causal else 1.0)
-        attn_io = f.flash_io_bytes_per_h * h * half
+        attn_io = f.flash_io_bytes_per_h * qd * half
     act = f.gated_act_bytes_per_ffn if gated else f.mlp_act_bytes_per_ffn
     c = _Ctx(params=params, layers=layers, hidden=hidden, nbytes=nbytes, rate=rate, attn_rate=attn_rate, bw=bw,
              mm_flops=6.0 * mm_params,
-             attn_flops=_attn_flops(layers, hidden, s, f), g0=g0, g1=g1, g2=g2, gv0=gv[0], gv1=gv[1], gv2=gv[2],
-             attn_io=attn_io, a2a=q_kv + h, elem_h=f.norm_residual_bytes_per_h * h * half, elem_ffn=act * ffn * half,
+             attn_flops=_attn_flops(layers, int(qd), s, f), g0=g0, g1=g1, g2=g2, gv0=gv[0], gv1=gv[1], gv2=gv[2],
+             attn_io=attn_io, a2a=q_kv + qd, elem_h=f.norm_residual_bytes_per_h * h * half, elem_ffn=act * ffn * half,
              loss=vocab * f.loss_bytes_per_vocab, tied_elems=float(vocab * hidden) if tied else 0.0)
     if len(_ctx_cache) > 8192:
         _ctx_cache.clear()

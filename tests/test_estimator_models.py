@@ -39,7 +39,7 @@ def test_gpt2_tiny_shape():
 
 
 @pytest.mark.parametrize("name", ["gpt2", "opt-350m", "llama-2-7b", "llama-3.1-8b", "mistral-7b",
-                                  "qwen2.5-0.5b", "qwen2.5-7b", "bert-base-uncased"])
+                                  "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b", "bert-base-uncased"])
 def test_hf_config_builds_exactly_this_model(name):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -53,7 +53,7 @@ def test_hf_config_builds_exactly_this_model(name):
 
 def test_weight_shapes_cover_the_training_model():
     import math
-    for name in ("gpt2", "llama-2-7b", "qwen2.5-0.5b", "opt-350m", "bert-base-uncased"):
+    for name in ("gpt2", "llama-2-7b", "qwen2.5-0.5b", "qwen3-0.6b", "opt-350m", "bert-base-uncased"):
         spec = PRESETS[name]
         assert sum(math.prod(s) for s in spec.weight_shapes()) == spec.train_params
 
@@ -128,6 +128,47 @@ def test_a_folder_or_a_hub_id_is_not_called_a_missing_config_file(tmp_path, monk
     with pytest.raises(FrenzyInputError, match="Hub id in the local Hugging Face cache") as e:
         resolve_model("someorg/not-cached")
     assert "config file not found" not in str(e.value) and "models--someorg--not-cached" in str(e.value)
+
+
+# Qwen3 model cards: total and non-embedding parameters, in billions as published (rounded)
+QWEN3_CARDS = {"qwen3-0.6b": (0.6, 0.44), "qwen3-1.7b": (1.7, 1.4), "qwen3-4b": (4.0, 3.6),
+               "qwen3-8b": (8.2, 6.95), "qwen3-14b": (14.8, 13.2), "qwen3-32b": (32.8, 31.2)}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_CARDS))
+def test_qwen3_presets_have_the_model_cards_parameter_counts(name):
+    spec = PRESETS[name]
+    total, body = QWEN3_CARDS[name]
+    digits = len(str(total).split(".")[1])
+    embeddings = spec.vocab * spec.hidden * (1 if spec.tied else 2)
+    assert round(spec.params / 1e9, digits) == total
+    assert round((spec.params - embeddings) / 1e9, len(str(body).split(".")[1])) == body
+    assert spec.has_qk_norm and spec.d_head == 128 and not spec.has_qkv_bias
+
+
+def test_a_qwen3_config_json_is_the_model_transformers_builds(tmp_path):
+    """A Qwen3 config.json as the Hub ships it (no head_dim: Qwen3Config's 128, not hidden /
+    heads; transformers 5's rope_parameters) sizes the model transformers builds from it."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = {"model_type": "qwen3", "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000,
+           "tie_word_embeddings": True, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = resolve_model(str(tmp_path))
+    assert (spec.d_head, spec.has_qk_norm, spec.rope_theta, spec.max_positions) == (128, True, 1e6, 32768)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    assert sum(p.numel() for p in model.parameters()) == spec.params
+    assert transformers.AutoConfig.for_model(**spec.hf_config()).head_dim == 128
+
+
+def test_a_hugging_face_type_its_arch_does_not_build_is_refused():
+    with pytest.raises(FrenzyInputError) as e:
+        resolve_model(dict(arch="llama", layers=2, hidden=64, heads=4, vocab=100, hf_model_type="gemma"))
+    assert e.value.field == "hf_model_type" and "qwen3" in e.value.rule
+    with pytest.raises(FrenzyInputError, match="hf_model_type"):
+        resolve_model(dict(arch="gpt", layers=2, hidden=64, heads=4, vocab=100, hf_model_type="qwen3"))
 
 
 def test_unsupported_model_type(tmp_path):

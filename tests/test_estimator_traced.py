@@ -33,6 +33,8 @@ ARCHS = {
     "bert": dict(arch="bert"),
     "qwen2-tied-bias": dict(arch="llama", kv_heads=2, hf_model_type="qwen2", qkv_bias=True,
                             tied_embeddings=True),
+    # per-head q/k norms; heads wider than hidden / heads (q and k 2-2.7x the hidden size)
+    "qwen3": dict(arch="llama", kv_heads=2, hf_model_type="qwen3", head_dim=128),
 }
 # Fake tensors cost the same at any size, so the grid uses realistic ratios of hidden size,
 # vocabulary and tokens (tiny hidden sizes would exaggerate per-token bookkeeping).

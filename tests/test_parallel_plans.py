@@ -326,6 +326,31 @@ def test_pp2_x_tp2_matches_one_process_and_replans_to_one(weights, reference_run
     assert_matches(moved.losses, one_process_replanned.losses)
 
 
+@pytest.mark.slow
+def test_qwen3_per_head_norms_learn_alike_under_pp2_x_tp2(tmp_path):
+    """Qwen3 normalises each head's queries and keys with one whole ``head_dim`` weight
+    (``replicated_with_grad_allreduce`` in its tensor-parallel plan): under pp=2 x tp=2 each tp
+    rank sees only its heads, so its gradient is a partial sum the step adds over the tp ranks.
+    The losses, and those norm weights after 3 steps, are the single process's (without the sum
+    the losses still agree to 1e-6 here, Adam's first steps reading mostly the gradient's sign:
+    the weights tell)."""
+    from safetensors.torch import load_file
+
+    w = save_tiny_llama(tmp_path / "tiny-qwen3", {**TINY, "model_type": "qwen3", "head_dim": 32,
+                                                   "attention_bias": False, "use_sliding_window": False})
+    ref, _ = train(job(w), plan(1), tmp_path / "ref")
+    res, _ = train(job(w), plan(4, pp=2, tp=2, micro_batch=2), tmp_path / "run")
+    assert_matches(res.losses, ref.losses)
+    step3 = "checkpoints/step-00000003"
+    one = load_file(str(Path(ref.run_dir) / step3 / "model.safetensors"))
+    four = load_file(str(Path(res.run_dir) / step3 / "consolidated.safetensors"))
+    start = load_file(str(w / "model.safetensors"))
+    norms = [k for k in one if k.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 4 * TINY["num_hidden_layers"] // 2
+    assert min(float((one[k] - start[k]).abs().max()) for k in norms) > 1e-3      # they learned
+    assert max(float((one[k] - four[k]).abs().max()) for k in norms) <= 1e-6
+
+
 def grad_norms(run_dir) -> list[float]:
     """The ``grad_norm`` of every step line in a run's first attempt log."""
     from trainer.loglines import parse_line

@@ -22,6 +22,20 @@ def st(p, spec=G2, seq=1024, **kw):
     return step_time_breakdown(spec, p, get_gpu(p.gpu_type), seq_len=seq, **kw)
 
 
+def test_attention_is_as_wide_as_the_heads_not_the_hidden_size():
+    """Qwen3-0.6B: 16 heads of 128 over a 1,024 hidden size, so its attention core (scores and
+    values over heads x head width) is twice what hidden x seq would give; a step spends more
+    than for the same model with 64-wide heads (whose projections are half as wide too)."""
+    from estimator.models import PRESETS
+
+    q3 = PRESETS["qwen3-0.6b"]
+    attn = flops_per_token(q3, 4096) - flops_per_token(q3, 0)
+    assert attn == pytest.approx(12 * q3.layers * 16 * 128 * 4096)
+    narrow = q3.model_copy(update={"head_dim": None, "name": "narrow heads"})
+    p = plan(g="H100-80GB", mb=1, precision="bf16")
+    assert st(p, q3, seq=4096).compute > st(p, narrow, seq=4096).compute
+
+
 def test_flops_per_token_6p_plus_attention_and_recompute_ordering():
     f0 = flops_per_token(G2, 1024)
     assert f0 == pytest.approx(6 * 124e6 + 12 * 12 * 768 * 1024)

@@ -201,8 +201,9 @@ class Pipeline:
         self.zero = int(plan.get("zero", 0))
         # tp > 1: each chunk's matrices sharded over the stage's tensor-parallel ranks
         # (``tensor_parallel``) before FSDP2 and the optimizer see them
+        self.tp_partial: list = []        # modules of whole weights whose gradients sum over the tp ranks
         if lay.tp > 1:
-            tensor_parallel(model, self.chunks, self.mesh["tp"])
+            self.tp_partial = tensor_parallel(model, self.chunks, self.mesh["tp"])
         # ZeRO-2/3: each chunk sharded over its stage's replicas before the optimizer is built
         # (over the shards), and handed to its stage behind a holder (``fsdp``)
         self.sharded = self.zero >= 2
@@ -277,6 +278,9 @@ class Pipeline:
             else:
                 self.schedule.step()
         params = [p for p in self.module.parameters() if p.grad is not None]
+        for p in (p for m in self.tp_partial for p in m.parameters()):
+            if p.grad is not None:            # each tp rank's share of a whole weight's gradient
+                dist.all_reduce(local(p.grad), group=self.mesh.get_group("tp"))
         # FSDP2 has reduce-scattered them already: each replica holds its shard, averaged
         if self.lay.dp > 1 and not self.sharded:
             for p in params:
@@ -422,7 +426,7 @@ def holder(module, tp_mesh=None, *, gather_input: bool = False, scatter_output: 
     return Holder()
 
 
-def tensor_parallel(model, chunks, tp_mesh) -> None:
+def tensor_parallel(model, chunks, tp_mesh) -> list:
     """Tensor parallel inside each pipeline stage, torch's DTensor ``parallelize_module`` over the
     stage's tp ranks: every decoder layer by the model's own plan (``base_model_tp_plan``; Llama:
     q/k/v/gate/up column-wise, o/down row-wise, so two all-reduces forward and two backward per
@@ -432,15 +436,22 @@ def tensor_parallel(model, chunks, tp_mesh) -> None:
     hold ``V x hidden`` gradients per rank where this holds ``1 / tp`` of them), the head
     column-wise (over the vocabulary) with its logits left sharded for a vocab-parallel loss
     (``vocab_parallel_loss``). Norms stay whole (plain tensors, equal on every tp rank: their
-    inputs and gradients are replicated). Heads and KV heads divide by tp (``check_heads``)."""
+    inputs and gradients are replicated). Heads and KV heads divide by tp (``check_heads``).
+    Weights the plan marks ``replicated_with_grad_allreduce`` (Qwen3's per-head q/k norms, which
+    see only the rank's heads) stay whole too; their gradients are partial sums over the rank's
+    heads: their modules are returned, for the step to sum them over the tp ranks (modules, not
+    parameters: FSDP2 replaces a module's parameters with its shards)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = getattr(model.config, "base_model_tp_plan", None) or {}
-    layer_plan = {}
+    layer_plan, summed = {}, []
     for key, style in plan.items():
         if not key.startswith("layers.*."):
+            continue
+        if style == "replicated_with_grad_allreduce":
+            summed.append(key.removeprefix("layers.*."))
             continue
         if style not in styles:
             raise InputProblem(f"plan.tp: the model's tensor-parallel plan has {key}: {style!r}; "
@@ -448,14 +459,17 @@ def tensor_parallel(model, chunks, tp_mesh) -> None:
         layer_plan[key.removeprefix("layers.*.")] = styles[style]()
     if not layer_plan:
         raise InputProblem(f"plan.tp: {type(model).__name__} has no tensor-parallel plan (config.base_model_tp_plan)")
+    partial = []
     for chunk in chunks:
         for layer in chunk.layers:
             parallelize_module(layer, tp_mesh, layer_plan)
+            partial += [layer.get_submodule(name) for name in summed]
         if chunk.embed_tokens is not None:
             parallelize_module(chunk.embed_tokens, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
         if chunk.lm_head is not None:
             parallelize_module(chunk.lm_head, tp_mesh,
                                ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    return partial
 
 
 def vocab_parallel_loss(active: bool):
