@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, field_serializer, field_validator, model_validator
 
-from blocks.schema import tidy_block_schema
+from blocks.schema import refuse_unknown_fields, tidy_block_schema
 from estimator.catalog import GPU
 from scheduler.cluster import Cluster, Pool, cluster_from_dict, load_cluster
 
@@ -37,6 +37,11 @@ class GPUCluster(Block):
     node_credentials: SecretStr | None = Field(
         None, title="Node credentials",
         description="token or SSH key for the node addresses (stored encrypted, never logged)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data):
+        return refuse_unknown_fields(cls, data)
 
     @classmethod
     def model_json_schema(cls, *args, **kwargs):

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Iterable, Literal
 
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
-from blocks.schema import tidy_block_schema
+from blocks.schema import refuse_unknown_fields, tidy_block_schema
 from estimator.plan import Optimizer, Plan, Precision
 
 FallbackStep = Literal["act_ckpt", "zero", "offload", "more_gpus", "next_gpu_type"]
@@ -75,6 +75,11 @@ class FrenzySettings(Block):
         from scheduler.policies import policy_factory
         policy_factory(name)        # a mistyped policy fails when the block is made, not at a submission
         return name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data):
+        return refuse_unknown_fields(cls, data)
 
     @classmethod
     def model_json_schema(cls, *args, **kwargs):

@@ -174,6 +174,23 @@ def test_settings_refuse_an_unknown_policy_and_an_infinite_margin():
     assert FrenzySettings(policy="sia").policy == "sia"
 
 
+def test_blocks_refuse_a_mistyped_setting_and_keep_what_they_save():
+    """Prefect's Block keeps unknown keys: ``FrenzySettings(polcy="sia")`` made a block with the
+    default policy and no word. A saved document's data (``model_dump``: the fields and
+    Prefect's ``block_type_slug``) still builds the block."""
+    from pydantic import ValidationError
+
+    from blocks import FrenzySettings
+    with pytest.raises(ValidationError, match="polcy: is not a setting of FrenzySettings"):
+        FrenzySettings(polcy="sia")
+    with pytest.raises(ValidationError, match="pool: is not a setting of GPUCluster"):
+        GPUCluster(pool=[{"name": "x", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8}])
+    s = FrenzySettings(policy="sia", safety_margin_gib=2.0)
+    assert FrenzySettings(**s.model_dump()).policy == "sia"
+    c = GPUCluster(pools=[{"name": "x", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8}])
+    assert GPUCluster(**c.model_dump()).to_cluster().inventory() == {"A100-80GB": 8}
+
+
 def test_a_custom_gpu_type_typed_as_in_a_cluster_file_is_accepted_by_the_block():
     """The block asked for name and fp16_tflops that a cluster file fills in (a 13-line error)."""
     b = GPUCluster(pools=[{"name": "x", "gpu": "X1", "nodes": 1, "gpus_per_node": 8}],
