@@ -515,7 +515,8 @@ def _layer_vector_params(spec: ModelSpec) -> int:
     h, f = spec.hidden, spec.f
     q, kv = spec.heads * spec.d_head, spec.n_kv * spec.d_head
     if spec.arch == "llama":
-        return 2 * h + ((q + 2 * kv) if spec.has_qkv_bias else 0) + (2 * spec.d_head if spec.has_qk_norm else 0)
+        return (2 * h + ((q + 2 * kv + (h if spec.has_o_bias else 0)) if spec.has_qkv_bias else 0)
+                + (2 * spec.d_head if spec.has_qk_norm else 0))
     return 4 * h + q + 2 * kv + h + f + h
 
 
@@ -560,7 +561,7 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
         # Measured on H200: fp32 SDPA with grouped-query attention has no fused CUDA kernel
         # (flash needs 16-bit, the memory-efficient kernel has no GQA), so it runs the math
         # kernel with k/v repeated and the fp32 probabilities saved, like eager attention.
-        attn = c * 3 * q + score * a * s * c + c * h
+        attn = c * 3 * q + score * a * s * c + c * q
     elif flash:
         # q, k, v, log-sum-exp, output; implementations that repeat k/v to every head before
         # SDPA (torchtune's attention at the measured versions) save the repeated copies
@@ -580,8 +581,8 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             # mask, so CUDA picks the memory-efficient kernel, which saves the mask expanded to
             # b x heads x s x s in 16 bits per layer (the CPU trace does not show it).
             attn += c * a * s
-    else:   # q, k^T and v (repeated to all heads), probabilities, merged output copy
-        attn = c * 3 * q + probs + c * h
+    else:   # q, k^T and v (repeated to all heads), probabilities, merged output copy (q wide)
+        attn = c * 3 * q + probs + c * q
         if score_clamp:
             # Hugging Face eager attention of 2022-2023 (OPTAttention, the first LlamaAttention:
             # transformers 4.2x) clamps the masked scores, torch.max(scores + mask,
@@ -757,6 +758,8 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float) -
         if not (keeps and t & {"gate_proj", "up_proj"}):
             rep -= c * h                                        # mlp-norm output unsaved
         shard = adapters - (0.0 if keeps and "down_proj" in t else c * f)  # down_proj input
+        if spec.has_qk_norm:                                    # q/k norms' normalised copies
+            shard -= c * (spec.heads + spec.n_kv) * spec.d_head
         return rep, shard
     if spec.arch == "opt":
         return 0.0, adapters        # fc2's input is ReLU's output, which ReLU's backward saves

@@ -119,6 +119,8 @@ class ModelSpec(BaseModel):
             raise FrenzyInputError("kv_heads", f"must divide heads ({self.heads} % {kv} != 0)")
         if self.arch == "bert" and self.kv_heads not in (None, self.heads):
             raise FrenzyInputError("kv_heads", "bert has no grouped-query attention (kv_heads == heads)")
+        if self.model_type == "mistral" and self.qkv_bias:
+            raise FrenzyInputError("qkv_bias", "mistral has no attention biases (MistralConfig builds none)")
         if self.hf_model_type is not None and self.hf_model_type not in HF_TYPES[self.arch]:
             # hf_config builds only these; another type would be sized as one of them
             raise FrenzyInputError("hf_model_type", f"must be one of {', '.join(HF_TYPES[self.arch])} for arch "
@@ -168,6 +170,12 @@ class ModelSpec(BaseModel):
         return self.hf_model_type or _DEFAULT_HF_TYPE[self.arch]
 
     @property
+    def has_o_bias(self) -> bool:
+        """Whether the attention output projection has a bias: llama and qwen3 put one on it
+        with their ``attention_bias``; qwen2's biases are on q, k and v only."""
+        return self.has_qkv_bias and self.arch == "llama" and self.model_type in ("llama", "qwen3")
+
+    @property
     def has_qk_norm(self) -> bool:
         """An RMSNorm over each head's queries and keys before the rotary embedding (Qwen3's
         ``q_norm`` / ``k_norm``: ``head_dim`` weights each, applied to every head's slice)."""
@@ -192,7 +200,7 @@ class ModelSpec(BaseModel):
         if self.arch == "llama":
             attn = h * q + 2 * h * kv + q * h
             if self.has_qkv_bias:
-                attn += q + 2 * kv
+                attn += q + 2 * kv + (h if self.has_o_bias else 0)
             mlp = 3 * h * f
             norms = 2 * h + (2 * dh if self.has_qk_norm else 0)
         else:  # gpt2 / opt / bert: biases everywhere, LayerNorm weight + bias
@@ -267,7 +275,7 @@ class ModelSpec(BaseModel):
         if self.arch == "llama":
             per_layer += [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f), (h,), (h,)]
             if self.has_qkv_bias:
-                per_layer += [(q,), (kv,), (kv,)]
+                per_layer += [(q,), (kv,), (kv,)] + ([(h,)] if self.has_o_bias else [])
             if self.has_qk_norm:
                 per_layer += [(dh,), (dh,)]
         else:
@@ -450,6 +458,10 @@ _HF_REQUIRED = {"gpt2": ("n_layer", "n_embd", "n_head", "vocab_size"),
                    for t in ("bert", "llama", "mistral", "qwen2", "qwen3")}}
 
 
+# transformers' default KV heads when a config.json leaves the key out (LlamaConfig: all heads)
+_HF_KV_DEFAULT = {"qwen2": 32, "qwen3": 32, "mistral": 8}
+
+
 def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     """Map a Hugging Face config.json to a ModelSpec."""
     t = cfg.get("model_type")
@@ -484,17 +496,23 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                              attn_dropout=g("attention_probs_dropout_prob", 0.1))
         if t in HF_TYPES["llama"]:
             default_bias = t == "qwen2"
-            # Qwen3Config sizes heads at 128 whatever hidden / heads is; the others derive it
+            # Qwen3Config sizes heads at 128 whatever hidden / heads is (and refuses null); the
+            # others derive it
+            if t == "qwen3" and "head_dim" in cfg and cfg["head_dim"] is None:
+                raise FrenzyInputError("head_dim", "must be an integer in a qwen3 config.json "
+                                                   "(Qwen3Config refuses null)")
             hd = g("head_dim", 128 if t == "qwen3" else None)
+            h_, a_ = g("hidden_size"), g("num_attention_heads")
+            derived = h_ // a_ if type(h_) is int and type(a_) is int and a_ > 0 else None
             rope = g("rope_parameters") if isinstance(g("rope_parameters"), dict) else {}
             return ModelSpec(name=name, arch="llama", layers=g("num_hidden_layers"),
-                             hidden=g("hidden_size"), heads=g("num_attention_heads"),
-                             kv_heads=g("num_key_value_heads") or g("num_attention_heads"),
+                             hidden=h_, heads=a_,
+                             # each config's own default when the key is absent (null: all heads)
+                             kv_heads=(g("num_key_value_heads", _HF_KV_DEFAULT.get(t)) or a_),
                              ffn=g("intermediate_size"), vocab=g("vocab_size"),
                              tied_embeddings=g("tie_word_embeddings", False),
-                             qkv_bias=g("attention_bias", default_bias),
-                             head_dim=(hd if hd not in
-                                       (None, g("hidden_size") // g("num_attention_heads")) else None),
+                             qkv_bias=False if t == "mistral" else g("attention_bias", default_bias),
+                             head_dim=hd if hd not in (None, derived) else None,
                              max_positions=g("max_position_embeddings", 32768 if t == "qwen3" else 4096),
                              hf_model_type=t,
                              # transformers 5 writes rope_parameters: {rope_theta, rope_type}
@@ -596,8 +614,11 @@ def model_from_kwargs(model: Any = None, **dims: Any) -> ModelSpec:
     if model is not None:
         spec = resolve_model(model)
         if given:   # explicit dimensions override the preset's
+            base = spec.model_dump(exclude_none=True)
+            if given.get("arch", spec.arch) != spec.arch:
+                base.pop("hf_model_type", None)     # another arch builds its own model type
             try:
-                spec = ModelSpec(**{**spec.model_dump(exclude_none=True), **given})
+                spec = ModelSpec(**{**base, **given})
             except ValidationError as err:
                 raise _input_error(err) from None
         return spec

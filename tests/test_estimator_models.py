@@ -1,5 +1,6 @@
 """Model presets, exact parameter counts, config.json reading, hf_config round trip."""
 import json
+import math
 
 import pytest
 
@@ -52,7 +53,6 @@ def test_hf_config_builds_exactly_this_model(name):
 
 
 def test_weight_shapes_cover_the_training_model():
-    import math
     for name in ("gpt2", "llama-2-7b", "qwen2.5-0.5b", "qwen3-0.6b", "opt-350m", "bert-base-uncased"):
         spec = PRESETS[name]
         assert sum(math.prod(s) for s in spec.weight_shapes()) == spec.train_params
@@ -161,6 +161,37 @@ def test_a_qwen3_config_json_is_the_model_transformers_builds(tmp_path):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
     assert sum(p.numel() for p in model.parameters()) == spec.params
     assert transformers.AutoConfig.for_model(**spec.hf_config()).head_dim == 128
+
+
+LLAMA_FAMILY_CFG = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 64, "head_dim": 32,
+                    "intermediate_size": 512, "vocab_size": 1000, "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("qwen3", {"attention_bias": True}),          # o_proj has a bias too
+    ("llama", {"attention_bias": True}),
+    ("qwen2", {}),                                # q, k, v biases by default, none on o_proj
+    ("mistral", {"attention_bias": True}),        # MistralConfig builds no bias at all
+    ("qwen3", {"num_key_value_heads": None}),     # null: every head
+    *((t, {"drop": "num_key_value_heads"}) for t in ("qwen3", "qwen2", "mistral", "llama")),  # each one's default
+])
+def test_llama_family_configs_size_what_transformers_builds(model_type, extra):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = {"model_type": model_type, **LLAMA_FAMILY_CFG, "num_key_value_heads": 16, **extra}
+    cfg.pop(cfg.pop("drop", None) or "", None)
+    spec = resolve_model(cfg)
+    built = {k: v for k, v in cfg.items() if not (model_type == "mistral" and k == "attention_bias")}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**built))
+    assert sum(p.numel() for p in model.parameters()) == spec.params
+    assert spec.params == sum(math.prod(s) for s in spec.weight_shapes())
+
+
+def test_an_arch_given_beside_a_preset_builds_its_own_model_type():
+    """``--model qwen2.5-0.5b --arch gpt`` kept the preset's qwen2 model type for a GPT-2 shape."""
+    spec = model_from_kwargs("qwen2.5-0.5b", arch="gpt")
+    assert spec.arch == "gpt" and spec.model_type == "gpt2"
 
 
 def test_a_hugging_face_type_its_arch_does_not_build_is_refused():

@@ -64,3 +64,37 @@ def test_relu_keeps_its_output_for_a_frozen_fc2():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         m(input_ids=ids, labels=ids)
     assert seen["fc2_input"].untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in saved}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_qwen3_q_norm_saves_an_fp32_upcast_and_a_normalised_copy_only_when_it_trains(lora):
+    """What ``memory.layer_activation_bytes`` (and ``_lora_activation_delta``) count for Qwen3's
+    per-head q/k norms, per element of q or k in bf16: the fp32 upcast (4 B) and, when the norm
+    weight trains, the normalised bf16 copy the weight multiplies (2 B); plus an fp32 rstd per
+    head row. Under LoRA the frozen weight needs no copy."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, vocab_size=128)
+    m = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    if lora:
+        m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        inner = m.base_model.model
+    else:
+        inner = m
+    m.train()
+    norm = inner.model.layers[1].self_attn.q_norm
+    inside, saved = [False], {}
+    norm.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    norm.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+
+    def pack(t):
+        if inside[0] and t.dim() > 1:            # the weight (1-D) is the model's, not saved bytes
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(input_ids=ids, labels=ids)
+    elems, rows = 2 * 16 * 4 * 32, 2 * 16 * 4
+    assert sum(saved.values()) == (4 if lora else 4 + 2) * elems + 4 * rows
