@@ -552,6 +552,7 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
     r = 4.0 if amp else c                      # residual stream dtype
     st = 2 * (4.0 if amp else sem.stat_bytes)  # LayerNorm mean + rstd per token
     flash = attention == "flash"
+    rep_mask = 0.0          # SDPA's explicit mask under a sliding window (fused kernels, below)
     score = 0.0 if act_ckpt == "selective" else 1.0   # selective recomputes the attention core
     # llama/opt upcast softmax explicitly; under autocast gpt2's scores meet its fp32 mask
     # value and softmax runs in fp32; either way a 16-bit copy of the probabilities follows
@@ -576,6 +577,15 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             # exchange's pair (~3 q + 2 kv wide) stay below the MLP's gradient temporaries of the
             # same layer that ``layer_backward_transient`` counts (2 h + 2 ffn wide)
             attn += c * q
+        if spec.window and s >= spec.window and hf_models:
+            # A sliding window as long as the sequence or shorter: Hugging Face passes SDPA an
+            # explicit boolean b x 1 x s x s mask (shorter sequences take the is_causal path),
+            # which SDPA converts to an additive one in the query dtype per call: each layer saves
+            # its own, s elements per token, the same under tp (whole heads' mask). Traced on the
+            # CPU (saved-tensor hooks: one b x 1 x s x s bf16 tensor per layer); CUDA's
+            # memory-efficient kernel is handed the same converted bias (not measured on a GPU
+            # here; ``analytic_estimate`` warns)
+            rep_mask = c * s
         if spec.arch == "gpt" and amp and sem.cuda and act_ckpt != "selective" and hf_models:
             # Measured on H200 (torch 2.11): HF GPT-2 under autocast hands SDPA its fp32 additive
             # mask, so CUDA picks the memory-efficient kernel, which saves the mask expanded to
@@ -630,7 +640,7 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             rep += 2 * m * h
     if drop_attn:
         shard += score * a * s * (m + c)
-    return rep, shard
+    return rep + rep_mask, shard
 
 
 def layer_backward_transient(spec: ModelSpec, s: int, c: float, attention: str, tp: int) -> float:
@@ -1410,6 +1420,11 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
     if k.seq_len > COVERED_SEQ:
         notes.append(f"seq_len {k.seq_len} is beyond any measured source ({COVERED_SEQ} tokens): "
                      "the estimate extrapolates")
+    if (spec.window and k.seq_len >= spec.window and k.attention == "flash"
+            and get_profile(k.framework).hf_models):
+        notes.append(f"{spec.name}'s sliding window ({spec.window} tokens) is not longer than seq_len: each "
+                     f"layer keeps SDPA's {k.seq_len} x {k.seq_len} mask per sequence (counted as traced on the "
+                     "CPU, not measured on a GPU)")
     if k.fused and spec.arch not in ("llama", "gpt"):
         notes.append(f"fused_kernels change only llama/gpt block inventories; {spec.arch} is modelled eager")
     name = getattr(g, "name", None)

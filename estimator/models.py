@@ -170,6 +170,12 @@ class ModelSpec(BaseModel):
         return self.hf_model_type or _DEFAULT_HF_TYPE[self.arch]
 
     @property
+    def window(self) -> int | None:
+        """The sliding attention window the built model applies (mistral's ``sliding_window``;
+        the other types' ``hf_config`` builds none), or None."""
+        return self.sliding_window if self.model_type == "mistral" else None
+
+    @property
     def has_o_bias(self) -> bool:
         """Whether the attention output projection has a bias: llama and qwen3 put one on it
         with their ``attention_bias``; qwen2's biases are on q, k and v only."""

@@ -35,6 +35,8 @@ ARCHS = {
                             tied_embeddings=True),
     # per-head q/k norms; heads wider than hidden / heads (q and k 2-2.7x the hidden size)
     "qwen3": dict(arch="llama", kv_heads=2, hf_model_type="qwen3", head_dim=128),
+    # a window the 512-token shape reaches (SDPA then gets an explicit mask) and the 256 one not
+    "mistral-window": dict(arch="llama", kv_heads=2, hf_model_type="mistral", sliding_window=384),
 }
 # Fake tensors cost the same at any size, so the grid uses realistic ratios of hidden size,
 # vocabulary and tokens (tiny hidden sizes would exaggerate per-token bookkeeping).
@@ -193,3 +195,38 @@ def test_fp32_logits_loss_traced():
         assert got[loss][1] == pytest.approx(got[loss][0], rel=0.02)
     logits = 2 * 512 * spec.vocab_padded
     assert got["fp32-logits"][1] - got["standard"][1] == pytest.approx(2.0 * logits, rel=0.01)
+
+
+@pytest.mark.parametrize("window,masked", [(64, True), (256, True), (512, False)])
+def test_a_sliding_window_the_sequence_reaches_saves_an_sdpa_mask_per_layer(window, masked):
+    """The rule ``layer_activation_bytes`` counts for Mistral's sliding window under SDPA, on the
+    installed transformers and torch (saved-tensor hooks, CPU): a window no longer than the
+    sequence makes each layer save a b x 1 x s x s mask in the query dtype; a longer one takes
+    the is_causal path and saves none. The estimate adds exactly that, and says so."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    b, s, layers = 2, 256, 2
+    torch.manual_seed(0)
+    cfg = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=128, sliding_window=window, attn_implementation="sdpa")
+    m = MistralForCausalLM(cfg).to(torch.bfloat16)
+    m.train()
+    saved = {}
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[-2:] == (s, s):
+            saved[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.dtype)
+        return t
+
+    ids = torch.randint(0, 128, (b, s))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(input_ids=ids, labels=ids)
+    assert list(saved.values()) == ([((b, 1, s, s), torch.bfloat16)] * layers if masked else [])
+
+    kw = dict(arch="llama", layers=layers, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128)
+    windowed = estimate(model=dict(kw, hf_model_type="mistral", sliding_window=window), seq_len=s, micro_batch=b)
+    plain = estimate(model=dict(kw, hf_model_type="mistral"), seq_len=s, micro_batch=b)
+    extra = (windowed.allocated_peak_gib - plain.allocated_peak_gib) * 2 ** 30
+    assert extra == pytest.approx(layers * b * s * s * 2 if masked else 0.0, abs=1.0)
+    assert any("sliding window" in w for w in windowed.warnings) == masked
