@@ -36,6 +36,19 @@ def test_attention_is_as_wide_as_the_heads_not_the_hidden_size():
     assert st(p, q3, seq=4096).compute > st(p, narrow, seq=4096).compute
 
 
+def test_a_sliding_window_the_sequence_reaches_costs_the_causal_skip():
+    """Mistral-7B (window 4,096) under SDPA: at 8,192 tokens the explicit mask leaves the
+    kernel every score tile (twice a causal kernel's); at 4,095 tokens the window changes
+    nothing."""
+    from estimator.models import PRESETS
+
+    mistral = PRESETS["mistral-7b"]
+    plain = mistral.model_copy(update={"sliding_window": None, "name": "no window"})
+    p = plan(g="H100-80GB", mb=1, precision="bf16")
+    assert st(p, mistral, seq=8192).compute > st(p, plain, seq=8192).compute
+    assert st(p, mistral, seq=4095).compute == st(p, plain, seq=4095).compute
+
+
 def test_flops_per_token_6p_plus_attention_and_recompute_ordering():
     f0 = flops_per_token(G2, 1024)
     assert f0 == pytest.approx(6 * 124e6 + 12 * 12 * 768 * 1024)
