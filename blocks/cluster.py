@@ -12,12 +12,13 @@ from pathlib import Path
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, field_serializer, field_validator, model_validator
 
-from blocks.schema import refuse_unknown_fields, tidy_block_schema
+from blocks.known_fields import KnownFields
+from blocks.schema import tidy_block_schema
 from estimator.catalog import GPU
 from scheduler.cluster import Cluster, Pool, cluster_from_dict, load_cluster
 
 
-class GPUCluster(Block):
+class GPUCluster(KnownFields, Block):
     """The GPUs Frenzy may schedule on: one pool per GPU type (a Prefect work pool each)."""
 
     _block_type_name = "GPU Cluster"
@@ -40,8 +41,8 @@ class GPUCluster(Block):
 
     @model_validator(mode="before")
     @classmethod
-    def _known_fields(cls, data):
-        return refuse_unknown_fields(cls, data)
+    def _check_fields(cls, data):
+        return cls._known_fields(data)      # a mistyped setting refused (blocks/known_fields.py)
 
     @classmethod
     def model_json_schema(cls, *args, **kwargs):

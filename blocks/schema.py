@@ -60,23 +60,3 @@ def tidy_block_schema(schema: dict[str, Any]) -> dict[str, Any]:
     for node in [schema, *defs.values()]:
         tidy_model(node, resolve)
     return schema
-
-
-# keys Prefect itself puts in a block's data (a saved document carries the type's slug)
-PREFECT_BLOCK_KEYS = frozenset({"block_type_slug"})
-
-
-def refuse_unknown_fields(cls: Any, data: Any) -> Any:
-    """A block's ``model_validator(mode="before")``: a key that is neither a field of ``cls`` nor
-    Prefect's own is a one-line error naming it and the fields (Prefect's ``Block`` keeps
-    unknown keys, so a mistyped setting was silently ignored)."""
-    if isinstance(data, dict):
-        fields = cls.model_fields
-        unknown = sorted(k for k in data if isinstance(k, str) and k not in fields
-                         and k not in PREFECT_BLOCK_KEYS and not k.startswith("_"))
-        if unknown:
-            from estimator.errors import FrenzyInputError
-            raise FrenzyInputError(unknown[0], f"is not a setting of {cls.__name__} (its fields: "
-                                               f"{', '.join(fields)})")
-    return data
-

@@ -12,7 +12,8 @@ from typing import Iterable, Literal
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from blocks.schema import refuse_unknown_fields, tidy_block_schema
+from blocks.known_fields import KnownFields
+from blocks.schema import tidy_block_schema
 from estimator.plan import Optimizer, Plan, Precision
 
 FallbackStep = Literal["act_ckpt", "zero", "offload", "more_gpus", "next_gpu_type"]
@@ -36,7 +37,7 @@ def fallback_step(base: Plan, candidate: Plan) -> FallbackStep | None:
     return None
 
 
-class FrenzySettings(Block):
+class FrenzySettings(KnownFields, Block):
     """Defaults every Frenzy submission on this Prefect server uses unless the job says otherwise."""
 
     _block_type_name = "Frenzy Settings"
@@ -78,8 +79,8 @@ class FrenzySettings(Block):
 
     @model_validator(mode="before")
     @classmethod
-    def _known_fields(cls, data):
-        return refuse_unknown_fields(cls, data)
+    def _check_fields(cls, data):
+        return cls._known_fields(data)      # a mistyped setting refused (blocks/known_fields.py)
 
     @classmethod
     def model_json_schema(cls, *args, **kwargs):

@@ -286,6 +286,11 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
     if offload == "optimizer+params" and zero != 3:
         raise FrenzyInputError("offload", "optimizer+params needs zero 3 (parameters must be partitioned)")
     prof = get_profile(framework)
+    if cp > 1 and prof.hf_models and spec.window and s >= spec.window:
+        # DeepSpeed's Ulysses wrapper hands SDPA no mask (ulysses_sp.py: attention_mask = None
+        # for sdpa): the model would train without its window
+        raise FrenzyInputError("cp", f"Ulysses (cp > 1) attends without {spec.name}'s sliding window of "
+                                     f"{spec.window} tokens at seq_len {s} (it drops the attention mask): use cp 1")
     if mp_style == "amp" and zero >= 1 and not prof.torch_sharding:
         raise FrenzyInputError("mp_style", f"amp (fp32 weights + autocast) is the zero-0 regime of "
                                            f"{framework}; its ZeRO keeps 16-bit weights with fp32 master copies")
@@ -564,9 +569,21 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
         # kernel with k/v repeated and the fp32 probabilities saved, like eager attention.
         attn = c * 3 * q + score * a * s * c + c * q
     elif flash:
+        # A sliding window as long as the sequence or shorter: Hugging Face passes SDPA an
+        # explicit boolean b x 1 x s x s mask (shorter sequences take the is_causal path), which
+        # SDPA converts to an additive one in the query dtype per call: each layer saves its own,
+        # s elements per token, the same under tp (whole heads' mask). With a mask transformers
+        # does not hand SDPA grouped k / v (``use_gqa_in_sdpa`` wants none): it repeats them to
+        # every head first, and SDPA saves the repeated copies. Selective checkpointing recomputes
+        # the attention core, mask included (one alive at a time: none kept per layer). Traced on
+        # the CPU (saved-tensor hooks); CUDA's memory-efficient kernel is handed the same
+        # converted bias (not measured on a GPU here; ``analytic_estimate`` warns)
+        masked = bool(spec.window and s >= spec.window and hf_models)
+        if masked and act_ckpt != "selective":
+            rep_mask = c * s
         # q, k, v, log-sum-exp, output; implementations that repeat k/v to every head before
         # SDPA (torchtune's attention at the measured versions) save the repeated copies
-        attn = c * (q + 2 * (q if repeat_kv else kvd)) + 4.0 * a + c * q
+        attn = c * (q + 2 * (q if repeat_kv or masked else kvd)) + 4.0 * a + c * q
         if ulysses:
             # Without cp the inventory above has one output tensor for SDPA's saved output and the
             # output projection's saved input (one storage: the traces show one). Under Ulysses the
@@ -577,15 +594,6 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             # exchange's pair (~3 q + 2 kv wide) stay below the MLP's gradient temporaries of the
             # same layer that ``layer_backward_transient`` counts (2 h + 2 ffn wide)
             attn += c * q
-        if spec.window and s >= spec.window and hf_models:
-            # A sliding window as long as the sequence or shorter: Hugging Face passes SDPA an
-            # explicit boolean b x 1 x s x s mask (shorter sequences take the is_causal path),
-            # which SDPA converts to an additive one in the query dtype per call: each layer saves
-            # its own, s elements per token, the same under tp (whole heads' mask). Traced on the
-            # CPU (saved-tensor hooks: one b x 1 x s x s bf16 tensor per layer); CUDA's
-            # memory-efficient kernel is handed the same converted bias (not measured on a GPU
-            # here; ``analytic_estimate`` warns)
-            rep_mask = c * s
         if spec.arch == "gpt" and amp and sem.cuda and act_ckpt != "selective" and hf_models:
             # Measured on H200 (torch 2.11): HF GPT-2 under autocast hands SDPA its fp32 additive
             # mask, so CUDA picks the memory-efficient kernel, which saves the mask expanded to

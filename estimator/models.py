@@ -87,7 +87,7 @@ class ModelSpec(BaseModel):
         # Name the field and the rule before pydantic's generic messages.
         if isinstance(data, dict):
             for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_dim",
-                        "max_positions", "embed_dim", "type_vocab"):
+                        "max_positions", "embed_dim", "type_vocab", "sliding_window"):
                 v = data.get(key)
                 if v is None:
                     continue
@@ -524,7 +524,8 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                              # transformers 5 writes rope_parameters: {rope_theta, rope_type}
                              rope_theta=g("rope_theta") or rope.get("rope_theta"), norm_eps=g("rms_norm_eps"),
                              attn_dropout=g("attention_dropout", 0.0) or 0.0,
-                             sliding_window=g("sliding_window") if t == "mistral" else None)
+                             # MistralConfig's default window when the key is absent (null: none)
+                             sliding_window=g("sliding_window", 4096) if t == "mistral" else None)
     except ValidationError as err:
         raise _input_error(err, "model.") from None
     except TypeError as err:

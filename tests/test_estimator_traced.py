@@ -201,32 +201,49 @@ def test_fp32_logits_loss_traced():
 def test_a_sliding_window_the_sequence_reaches_saves_an_sdpa_mask_per_layer(window, masked):
     """The rule ``layer_activation_bytes`` counts for Mistral's sliding window under SDPA, on the
     installed transformers and torch (saved-tensor hooks, CPU): a window no longer than the
-    sequence makes each layer save a b x 1 x s x s mask in the query dtype; a longer one takes
-    the is_causal path and saves none. The estimate adds exactly that, and says so."""
+    sequence makes each layer save a b x 1 x s x s mask in the query dtype, and with a mask
+    transformers repeats the grouped k / v to every head before SDPA, which saves the repeated
+    copies; a longer window takes the is_causal path and changes nothing. The estimate adds
+    exactly the bytes the hooks see, and says so. Selective checkpointing recomputes the mask:
+    only the repeated k / v stay."""
     import torch
     from transformers import MistralConfig, MistralForCausalLM
 
-    b, s, layers = 2, 256, 2
-    torch.manual_seed(0)
-    cfg = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=128, sliding_window=window, attn_implementation="sdpa")
-    m = MistralForCausalLM(cfg).to(torch.bfloat16)
-    m.train()
-    saved = {}
+    b, s, layers, heads, kv, d = 2, 256, 2, 4, 2, 16
 
-    def pack(t):
-        if t.dim() == 4 and t.shape[-2:] == (s, s):
-            saved[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.dtype)
-        return t
+    def saved_bytes(w):
+        torch.manual_seed(0)
+        cfg = MistralConfig(hidden_size=heads * d, intermediate_size=128, num_hidden_layers=layers,
+                            num_attention_heads=heads, num_key_value_heads=kv, vocab_size=128, sliding_window=w,
+                            attn_implementation="sdpa")
+        m = MistralForCausalLM(cfg).to(torch.bfloat16)
+        m.train()
+        saved, masks = {}, []
 
-    ids = torch.randint(0, 128, (b, s))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        m(input_ids=ids, labels=ids)
-    assert list(saved.values()) == ([((b, 1, s, s), torch.bfloat16)] * layers if masked else [])
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            if t.dim() == 4 and t.shape[-2:] == (s, s):
+                masks.append((tuple(t.shape), t.dtype))
+            return t
 
-    kw = dict(arch="llama", layers=layers, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128)
-    windowed = estimate(model=dict(kw, hf_model_type="mistral", sliding_window=window), seq_len=s, micro_batch=b)
-    plain = estimate(model=dict(kw, hf_model_type="mistral"), seq_len=s, micro_batch=b)
-    extra = (windowed.allocated_peak_gib - plain.allocated_peak_gib) * 2 ** 30
-    assert extra == pytest.approx(layers * b * s * s * 2 if masked else 0.0, abs=1.0)
-    assert any("sliding window" in w for w in windowed.warnings) == masked
+        ids = torch.randint(0, 128, (b, s))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m(input_ids=ids, labels=ids)
+        return sum(saved.values()), masks
+
+    with_window, masks = saved_bytes(window)
+    without, _ = saved_bytes(None)
+    assert masks == ([((b, 1, s, s), torch.bfloat16)] * layers if masked else [])
+    kw = dict(arch="llama", layers=layers, hidden=heads * d, heads=heads, kv_heads=kv, ffn=128, vocab=128)
+
+    def extra(**knobs):
+        windowed = estimate(model=dict(kw, hf_model_type="mistral", sliding_window=window), seq_len=s,
+                            micro_batch=b, **knobs)
+        plain = estimate(model=dict(kw, hf_model_type="mistral"), seq_len=s, micro_batch=b, **knobs)
+        return (windowed.allocated_peak_gib - plain.allocated_peak_gib) * 2 ** 30, windowed.warnings
+
+    added, notes = extra()
+    assert added == pytest.approx(with_window - without, abs=1.0)
+    assert any("sliding window" in w for w in notes) == masked
+    repeated = layers * b * s * 2 * 2 * (heads - kv) * d if masked else 0.0     # bf16 k and v
+    assert extra(act_ckpt="selective")[0] == pytest.approx(repeated, abs=1.0)

@@ -428,14 +428,22 @@ def assert_resumes_fully(res, step2: Path, j: TrainingJob, p: Plan, run_dir: Pat
     assert set(ends[0]) == set(ends[1]) and worst <= 1e-6
 
 
-def test_pipeline_stages_reproduce_the_whole_model_and_its_loss():
+@pytest.mark.parametrize("extra", [
+    {},
+    # a sliding window shorter than the 16 tokens: the stages must attend through it too (they
+    # built plain causal masks: the model trained without its window)
+    {"model_type": "mistral", "sliding_window": 4},
+    # full and sliding layers mixed (layer_types): each stage's layers get their own kind
+    {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+], ids=["llama", "mistral-window", "qwen2-mixed-layers"])
+def test_pipeline_stages_reproduce_the_whole_model_and_its_loss(extra):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainer.parallel.pipeline import build_stage_module, causal_lm_loss, pipe_layout, stage_layers
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY, "num_hidden_layers": 3}))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY, "num_hidden_layers": 3, **extra}))
     x = torch.randint(0, TINY["vocab_size"], (2, 16))
     whole = model(input_ids=x, labels=x)
     stages = [build_stage_module(model, s, 2) for s in range(2)]
