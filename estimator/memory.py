@@ -1430,9 +1430,9 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
                      "the estimate extrapolates")
     if (spec.window and k.seq_len >= spec.window and k.attention == "flash"
             and get_profile(k.framework).hf_models):
-        notes.append(f"{spec.name}'s sliding window ({spec.window} tokens) is not longer than seq_len: each "
-                     f"layer keeps SDPA's {k.seq_len} x {k.seq_len} mask per sequence (counted as traced on the "
-                     "CPU, not measured on a GPU)")
+        notes.append(f"{spec.name}'s sliding window ({spec.window} tokens) is not longer than seq_len: SDPA "
+                     f"attends through an explicit {k.seq_len} x {k.seq_len} mask with k / v repeated to every "
+                     "head (their memory counted as traced on the CPU, not measured on a GPU)")
     if k.fused and spec.arch not in ("llama", "gpt"):
         notes.append(f"fused_kernels change only llama/gpt block inventories; {spec.arch} is modelled eager")
     name = getattr(g, "name", None)
