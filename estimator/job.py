@@ -69,8 +69,15 @@ class FinetuneSpec(BaseModel):
     alpha: float = Field(32.0, gt=0, allow_inf_nan=False, description="LoRA alpha (the update is scaled by alpha / r)")
     dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapters' input")
     target_modules: list[str] | None = Field(
-        None, description="module names that get adapters (e.g. q_proj, v_proj); default: PEFT's "
-                          "default for the architecture")
+        None, description="module names that get adapters (e.g. q_proj, v_proj), or all-linear (PEFT's "
+                          "every linear layer but the output head); default: PEFT's default for the "
+                          "architecture")
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _one_name(cls, value):
+        # PEFT takes target_modules="all-linear" (a string); a job file may write it so too
+        return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _adapters_need_lora(self) -> "FinetuneSpec":

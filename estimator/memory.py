@@ -74,6 +74,7 @@ COVERED_SEQ = 131072
 # Module names PEFT targets by default, and every projection's (in, out) per architecture
 LORA_DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "opt": ("q_proj", "v_proj"),
                         "gpt": ("c_attn",), "bert": ("query", "value")}
+ALL_LINEAR = "all-linear"       # PEFT's name for every linear layer but the output head
 
 
 # ---------------------------------------------------------------------------- result models
@@ -324,11 +325,14 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
         else:
             if isinstance(lora_targets, str):
                 lora_targets = [t.strip() for t in lora_targets.split(",") if t.strip()]
+            if ALL_LINEAR in lora_targets:
+                # PEFT's shorthand: every linear layer of the blocks (the output head excluded)
+                lora_targets = [t for t in lora_targets if t != ALL_LINEAR] + list(names)
             targets = tuple(sorted(set(lora_targets)))
             bad = [t for t in targets if t not in names]
             if bad or not targets:
                 raise FrenzyInputError("lora_targets", f"{spec.arch} has projections "
-                                       f"{', '.join(names)} (got {', '.join(bad) or 'none'})")
+                                       f"{', '.join(names)} (or {ALL_LINEAR}; got {', '.join(bad) or 'none'})")
         if finetune == "qlora" and precision == "fp32":
             raise FrenzyInputError("finetune", "qlora computes in 16 bits (precision bf16 or fp16)")
     if opt_in_bwd and ga > 1:

@@ -98,3 +98,28 @@ def test_qwen3_q_norm_saves_an_fp32_upcast_and_a_normalised_copy_only_when_it_tr
         m(input_ids=ids, labels=ids)
     elems, rows = 2 * 16 * 4 * 32, 2 * 16 * 4
     assert sum(saved.values()) == (4 if lora else 4 + 2) * elems + 4 * rows
+
+
+def test_all_linear_adapts_what_peft_adapts_and_the_estimate_counts_it():
+    """``target_modules: all-linear`` (PEFT's shorthand, common in fine-tuning recipes): a job
+    may write it as a string, the estimate expands it to every projection of the blocks, and the
+    trainer hands PEFT the string (in a list PEFT looks for a module named so). The adapters
+    PEFT makes are the ones the estimate counts."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from estimator.job import FinetuneSpec
+    from estimator.memory import lora_layer_params, validate_knobs
+    from estimator.models import resolve_model
+    from trainer.modeling import peft_targets
+
+    assert FinetuneSpec(method="lora", target_modules="all-linear").target_modules == ["all-linear"]
+    cfg = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, vocab_size=128)
+    spec = resolve_model(cfg)
+    k = validate_knobs(spec, seq_len=16, finetune="lora", lora_rank=4, lora_targets=["all-linear"])
+    assert set(k.lora_targets) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    torch.manual_seed(0)
+    m = peft.get_peft_model(Qwen3ForCausalLM(Qwen3Config(**{k_: v for k_, v in cfg.items() if k_ != "model_type"})),
+                            peft.LoraConfig(r=4, target_modules=peft_targets(["all-linear"])))
+    trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    assert trainable == spec.layers * lora_layer_params(spec, k)

@@ -89,6 +89,12 @@ def build_model(spec: dict[str, Any], device):
     return model
 
 
+def peft_targets(targets: list[str] | None) -> list[str] | str | None:
+    """A job's ``target_modules`` as PEFT takes them: its ``all-linear`` shorthand is a string
+    (in a list PEFT would look for a module of that name)."""
+    return "all-linear" if targets and "all-linear" in targets else targets
+
+
 def add_adapters(model, spec: dict[str, Any], act_ckpt: bool):
     """LoRA / QLoRA adapters (PEFT) on a frozen base; the base model itself for full training."""
     ft = spec.get("finetune", {})
@@ -100,7 +106,7 @@ def add_adapters(model, spec: dict[str, Any], act_ckpt: bool):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=act_ckpt,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = LoraConfig(r=ft["rank"], lora_alpha=ft["alpha"], lora_dropout=ft["dropout"],
-                     target_modules=ft.get("target_modules"), task_type="CAUSAL_LM")
+                     target_modules=peft_targets(ft.get("target_modules")), task_type="CAUSAL_LM")
     try:
         # fp32 adapters on a 16-bit base when the job keeps master weights
         return get_peft_model(model, cfg, autocast_adapter_dtype=spec.get("master_weights", "fp32") == "fp32")

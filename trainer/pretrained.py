@@ -128,9 +128,13 @@ def check_adapters(job: TrainingJob, model) -> None:
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import check_target_module_exists
 
+    from .modeling import peft_targets
+
     ft = job.finetune
     names = [n for n, _ in model.named_modules() if n]
     for target in ft.target_modules or []:
+        if target == "all-linear":
+            continue                    # PEFT's shorthand, checked by get_peft_model below
         one = LoraConfig(r=ft.rank, target_modules=[target])
         if not any(check_target_module_exists(one, n) for n in names):
             leaves = sorted({n.rsplit(".", 1)[-1] for n in names if "." in n})
@@ -138,7 +142,7 @@ def check_adapters(job: TrainingJob, model) -> None:
                                                               f"(module names end in: {', '.join(leaves[:20])})")
     try:
         get_peft_model(model, LoraConfig(r=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout,
-                                         target_modules=ft.target_modules, task_type="CAUSAL_LM"))
+                                         target_modules=peft_targets(ft.target_modules), task_type="CAUSAL_LM"))
     except (ValueError, TypeError) as e:
         raise FrenzyInputError("finetune.target_modules", " ".join(str(e).split())[:300]) from None
 
