@@ -583,8 +583,7 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
         # the CPU (saved-tensor hooks); CUDA's memory-efficient kernel is handed the same
         # converted bias (not measured on a GPU here; ``analytic_estimate`` warns)
         masked = bool(spec.window and s >= spec.window and hf_models)
-        if masked and act_ckpt != "selective":
-            rep_mask = c * s
+        rep_mask = window_mask_bytes(spec, s, c, attention, act_ckpt, hf_models, sem.cuda)
         # q, k, v, log-sum-exp, output; implementations that repeat k/v to every head before
         # SDPA (torchtune's attention at the measured versions) save the repeated copies
         attn = c * (q + 2 * (q if repeat_kv or masked else kvd)) + 4.0 * a + c * q
@@ -653,6 +652,20 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
     if drop_attn:
         shard += score * a * s * (m + c)
     return rep + rep_mask, shard
+
+
+def window_mask_bytes(spec: ModelSpec, s: int, c: float, attention: str, act_ckpt: str, hf_models: bool,
+                      cuda: bool = True) -> float:
+    """Bytes per token one block keeps of SDPA's explicit sliding-window mask (see
+    ``layer_activation_bytes``): ``c x s`` where a Hugging Face model's window is reached under
+    fused attention, none under selective checkpointing (recomputed) or where fp32 grouped-query
+    attention runs CUDA's math kernel. Whole on every tp rank, also under sequence parallelism
+    (attention sees the whole sequence)."""
+    if attention != "flash" or not hf_models or not (spec.window and s >= spec.window) or act_ckpt == "selective":
+        return 0.0
+    if c == 4 and spec.n_kv < spec.heads and cuda:
+        return 0.0
+    return c * s
 
 
 def layer_backward_transient(spec: ModelSpec, s: int, c: float, attention: str, tp: int) -> float:
@@ -952,6 +965,9 @@ def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> _St
         rep, shard = rep + d_rep, shard + d_shard
     sp_div = t if k.sp else 1                          # sequence parallelism shards the rest
     per_layer_tok = (rep / t if k.sp else rep) + shard / t
+    if k.sp:                                           # but not the window's mask (whole sequence)
+        per_layer_tok += window_mask_bytes(spec, k.seq_len, c, k.attention, k.act_ckpt, prof.hf_models,
+                                           not cpu) * (1.0 - 1.0 / t)
     r = 4.0 if act_amp else c
     ckpt_keep_tok = r * h / sp_div                    # full ckpt keeps the block input
     held_b, bwd_loss_b = _loss_terms(spec, k, prof, c, act_amp)

@@ -354,3 +354,18 @@ def test_the_planner_s_shared_terms_read_no_batch_and_finish_key_is_all_the_limi
         for g in groups.values():
             assert len({memory._alloc_limit_b(70.0, ov, k) for k in g}) == 1
             assert len({memory._finish(3e10, ov, k) for k in g}) == 1
+
+
+def test_a_sliding_windows_mask_is_whole_on_every_rank_also_under_sequence_parallelism():
+    """Sequence parallelism shards the block's replicated activations over the tp ranks, but
+    attention sees the whole sequence: SDPA's window mask (b x 1 x s x s per layer) stays whole.
+    The window costs the same with sp as without (it halved before)."""
+    windowed = PRESETS["mistral-7b"]
+    plain = windowed.model_copy(update={"sliding_window": None, "name": "no window"})
+
+    def cost(**kw):
+        return (estimate(model=windowed, seq_len=8192, tp=2, **kw).allocated_peak_gib
+                - estimate(model=plain, seq_len=8192, tp=2, **kw).allocated_peak_gib)
+
+    assert cost(sp=True) == pytest.approx(cost(), rel=1e-9)
+    assert cost() > 4.0                        # 32 layers x 8192^2 x 2 B, and k / v repeated
