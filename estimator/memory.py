@@ -287,7 +287,7 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
     if offload == "optimizer+params" and zero != 3:
         raise FrenzyInputError("offload", "optimizer+params needs zero 3 (parameters must be partitioned)")
     prof = get_profile(framework)
-    if cp > 1 and prof.hf_models and spec.window and s >= spec.window:
+    if cp > 1 and prof.hf_models and spec.window_reached(s):
         # DeepSpeed's Ulysses wrapper hands SDPA no mask (ulysses_sp.py: attention_mask = None
         # for sdpa): the model would train without its window
         raise FrenzyInputError("cp", f"Ulysses (cp > 1) attends without {spec.name}'s sliding window of "
@@ -561,7 +561,6 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
     r = 4.0 if amp else c                      # residual stream dtype
     st = 2 * (4.0 if amp else sem.stat_bytes)  # LayerNorm mean + rstd per token
     flash = attention == "flash"
-    rep_mask = 0.0          # SDPA's explicit mask under a sliding window (fused kernels, below)
     score = 0.0 if act_ckpt == "selective" else 1.0   # selective recomputes the attention core
     # llama/opt upcast softmax explicitly; under autocast gpt2's scores meet its fp32 mask
     # value and softmax runs in fp32; either way a 16-bit copy of the probabilities follows
@@ -573,20 +572,13 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
         # kernel with k/v repeated and the fp32 probabilities saved, like eager attention.
         attn = c * 3 * q + score * a * s * c + c * q
     elif flash:
-        # A sliding window as long as the sequence or shorter: Hugging Face passes SDPA an
-        # explicit boolean b x 1 x s x s mask (shorter sequences take the is_causal path), which
-        # SDPA converts to an additive one in the query dtype per call: each layer saves its own,
-        # s elements per token, the same under tp (whole heads' mask). With a mask transformers
-        # does not hand SDPA grouped k / v (``use_gqa_in_sdpa`` wants none): it repeats them to
-        # every head first, and SDPA saves the repeated copies. Selective checkpointing recomputes
-        # the attention core, mask included (one alive at a time: none kept per layer). Traced on
-        # the CPU (saved-tensor hooks); CUDA's memory-efficient kernel is handed the same
-        # converted bias (not measured on a GPU here; ``analytic_estimate`` warns)
-        masked = bool(spec.window and s >= spec.window and hf_models)
-        rep_mask = window_mask_bytes(spec, s, c, attention, act_ckpt, hf_models, sem.cuda)
         # q, k, v, log-sum-exp, output; implementations that repeat k/v to every head before
-        # SDPA (torchtune's attention at the measured versions) save the repeated copies
-        attn = c * (q + 2 * (q if repeat_kv or masked else kvd)) + 4.0 * a + c * q
+        # SDPA (torchtune's attention at the measured versions) save the repeated copies, and so
+        # does Hugging Face's where a sliding window is reached: with a mask it does not hand
+        # SDPA grouped k / v (``use_gqa_in_sdpa`` wants none). The mask itself:
+        # ``window_mask_bytes``
+        repeated = repeat_kv or (hf_models and spec.window_reached(s))
+        attn = c * (q + 2 * (q if repeated else kvd)) + 4.0 * a + c * q
         if ulysses:
             # Without cp the inventory above has one output tensor for SDPA's saved output and the
             # output projection's saved input (one storage: the traces show one). Under Ulysses the
@@ -651,17 +643,21 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             rep += 2 * m * h
     if drop_attn:
         shard += score * a * s * (m + c)
-    return rep + rep_mask, shard
+    return rep, shard
 
 
 def window_mask_bytes(spec: ModelSpec, s: int, c: float, attention: str, act_ckpt: str, hf_models: bool,
                       cuda: bool = True) -> float:
-    """Bytes per token one block keeps of SDPA's explicit sliding-window mask (see
-    ``layer_activation_bytes``): ``c x s`` where a Hugging Face model's window is reached under
-    fused attention, none under selective checkpointing (recomputed) or where fp32 grouped-query
-    attention runs CUDA's math kernel. Whole on every tp rank, also under sequence parallelism
-    (attention sees the whole sequence)."""
-    if attention != "flash" or not hf_models or not (spec.window and s >= spec.window) or act_ckpt == "selective":
+    """Bytes per token one block keeps of SDPA's explicit sliding-window mask, beside
+    ``layer_activation_bytes``'s inventory: where a Hugging Face model's window is reached,
+    it passes SDPA a boolean ``b x 1 x s x s`` mask, which SDPA converts to an additive one in
+    the query dtype per call, so each layer saves its own: ``c x s`` per token, whole on every
+    tp rank and under sequence parallelism too (attention sees the whole sequence of all its
+    heads). None under selective checkpointing (the attention core, mask included, is
+    recomputed: one alive at a time) or where fp32 grouped-query attention runs CUDA's math
+    kernel. Traced on the CPU (saved-tensor hooks); CUDA's memory-efficient kernel is handed the
+    same converted bias (not measured on a GPU here; ``analytic_estimate`` warns)."""
+    if attention != "flash" or not hf_models or not spec.window_reached(s) or act_ckpt == "selective":
         return 0.0
     if c == 4 and spec.n_kv < spec.heads and cuda:
         return 0.0
@@ -964,10 +960,8 @@ def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> _St
         d_rep, d_shard = _lora_activation_delta(spec, k, c, sem.mask_bytes)
         rep, shard = rep + d_rep, shard + d_shard
     sp_div = t if k.sp else 1                          # sequence parallelism shards the rest
-    per_layer_tok = (rep / t if k.sp else rep) + shard / t
-    if k.sp:                                           # but not the window's mask (whole sequence)
-        per_layer_tok += window_mask_bytes(spec, k.seq_len, c, k.attention, k.act_ckpt, prof.hf_models,
-                                           not cpu) * (1.0 - 1.0 / t)
+    per_layer_tok = ((rep / t if k.sp else rep) + shard / t
+                     + window_mask_bytes(spec, k.seq_len, c, k.attention, k.act_ckpt, prof.hf_models, not cpu))
     r = 4.0 if act_amp else c
     ckpt_keep_tok = r * h / sp_div                    # full ckpt keeps the block input
     held_b, bwd_loss_b = _loss_terms(spec, k, prof, c, act_amp)
@@ -1448,8 +1442,7 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
     if k.seq_len > COVERED_SEQ:
         notes.append(f"seq_len {k.seq_len} is beyond any measured source ({COVERED_SEQ} tokens): "
                      "the estimate extrapolates")
-    if (spec.window and k.seq_len >= spec.window and k.attention == "flash"
-            and get_profile(k.framework).hf_models):
+    if spec.window_reached(k.seq_len) and k.attention == "flash" and get_profile(k.framework).hf_models:
         notes.append(f"{spec.name}'s sliding window ({spec.window} tokens) is not longer than seq_len: SDPA "
                      f"attends through an explicit {k.seq_len} x {k.seq_len} mask with k / v repeated to every "
                      "head (their memory counted as traced on the CPU, not measured on a GPU)")

@@ -24,10 +24,8 @@ from .errors import FrenzyInputError
 
 Arch = Literal["gpt", "llama", "bert", "opt"]
 
-# arch -> the Hugging Face model_type it builds by default
-_DEFAULT_HF_TYPE = {"gpt": "gpt2", "llama": "llama", "bert": "bert", "opt": "opt"}
-# the Hugging Face model types each arch builds (``hf_config``), and those of them whose
-# attention normalises queries and keys per head (``ModelSpec.has_qk_norm``)
+# the Hugging Face model types each arch builds (``hf_config``; the first by default), and those
+# of them whose attention normalises queries and keys per head (``ModelSpec.has_qk_norm``)
 HF_TYPES = {"gpt": ("gpt2",), "llama": ("llama", "mistral", "qwen2", "qwen3"), "bert": ("bert",), "opt": ("opt",)}
 QK_NORM_TYPES = ("qwen3",)
 # The fields a spec's hash covers: the ones that tell models apart. Equal specs agree on them,
@@ -167,7 +165,7 @@ class ModelSpec(BaseModel):
 
     @property
     def model_type(self) -> str:
-        return self.hf_model_type or _DEFAULT_HF_TYPE[self.arch]
+        return self.hf_model_type or HF_TYPES[self.arch][0]
 
     @property
     def window(self) -> int | None:
@@ -175,11 +173,17 @@ class ModelSpec(BaseModel):
         the other types' ``hf_config`` builds none), or None."""
         return self.sliding_window if self.model_type == "mistral" else None
 
+    def window_reached(self, seq_len: int) -> bool:
+        """Whether sequences of ``seq_len`` reach the window: Hugging Face then attends through
+        an explicit mask (shorter ones take SDPA's is_causal path)."""
+        w = self.window
+        return w is not None and seq_len >= w
+
     @property
     def has_o_bias(self) -> bool:
         """Whether the attention output projection has a bias: llama and qwen3 put one on it
         with their ``attention_bias``; qwen2's biases are on q, k and v only."""
-        return self.has_qkv_bias and self.arch == "llama" and self.model_type in ("llama", "qwen3")
+        return self.has_qkv_bias and self.model_type in ("llama", "qwen3")
 
     @property
     def has_qk_norm(self) -> bool:
@@ -461,7 +465,7 @@ def _input_error(err: ValidationError, prefix: str = "") -> FrenzyInputError:
 _HF_REQUIRED = {"gpt2": ("n_layer", "n_embd", "n_head", "vocab_size"),
                 "opt": ("num_hidden_layers", "hidden_size", "num_attention_heads", "ffn_dim", "vocab_size"),
                 **{t: ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-                   for t in ("bert", "llama", "mistral", "qwen2", "qwen3")}}
+                   for t in ("bert", *HF_TYPES["llama"])}}
 
 
 # transformers' default KV heads when a config.json leaves the key out (LlamaConfig: all heads)
@@ -531,7 +535,7 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     except TypeError as err:
         raise FrenzyInputError("model", f"config.json is missing a dimension ({err})") from None
     raise FrenzyInputError("model", f"config.json model_type {t!r} is not supported "
-                                    "(gpt2, opt, bert, llama, mistral, qwen2, qwen3)")
+                                    f"({', '.join(t for types in HF_TYPES.values() for t in types)})")
 
 
 # A Hugging Face Hub model id: "name" or "org/name" (letters, digits, "-", "_", ".").

@@ -532,8 +532,8 @@ def enumerate_plans(job: TrainingJob | dict, gpu_type: str, *, max_gpus: int,
     gpu = get_gpu(gpu_type, gpus)
     if not isinstance(max_gpus, int):             # 8.0 is not a GPU count here (check_number takes it)
         raise FrenzyInputError("max_gpus", f"must be a positive integer, got {max_gpus!r}")
-    _check_sizes({gpu_type: check_number("max_gpus", max_gpus, low=1, low_open=False, high=MAX_GPUS, integer=True)},
-                 gpus_per_node, None if host_ram_gib is None else {gpu_type: host_ram_gib})
+    check_number("max_gpus", max_gpus, low=1, low_open=False, high=MAX_GPUS, integer=True)
+    _check_sizes({}, gpus_per_node, None if host_ram_gib is None else {gpu_type: host_ram_gib})
     if j.max_gpus:
         max_gpus = min(max_gpus, j.max_gpus)
     if safety_margin_gib is None:

@@ -353,9 +353,9 @@ def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision
         attn_io = heads * s * f.eager_bytes_per_score * half
     else:
         # a sliding window the sequence reaches: Hugging Face hands SDPA an explicit mask (see
-        # memory.layer_activation_bytes), and a kernel given a mask computes every score tile
-        window = getattr(spec, "window", None)
-        skips = causal and not (window and s >= window)
+        # memory.window_mask_bytes), and a kernel given a mask computes every score tile
+        reached = getattr(spec, "window_reached", None)
+        skips = causal and not (reached and reached(s))
         attn_rate = rate * gpu.flash_attn_eff / (f.causal_attn_share if skips else 1.0)
         attn_io = f.flash_io_bytes_per_h * qd * half
     act = f.gated_act_bytes_per_ffn if gated else f.mlp_act_bytes_per_ffn

@@ -71,8 +71,13 @@ def test_qwen3_q_norm_saves_an_fp32_upcast_and_a_normalised_copy_only_when_it_tr
     """What ``memory.layer_activation_bytes`` (and ``_lora_activation_delta``) count for Qwen3's
     per-head q/k norms, per element of q or k in bf16: the fp32 upcast (4 B) and, when the norm
     weight trains, the normalised bf16 copy the weight multiplies (2 B); plus an fp32 rstd per
-    head row. Under LoRA the frozen weight needs no copy."""
+    head row. Under LoRA the frozen weight needs no copy. The estimate's own q/k-norm bytes (a
+    Qwen3 against the Llama of the same dimensions) are these, q's and k's."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from estimator.memory import _lora_activation_delta, layer_activation_bytes, validate_knobs
+    from estimator.models import resolve_model
+
     torch.manual_seed(0)
     cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=32, vocab_size=128)
@@ -98,6 +103,18 @@ def test_qwen3_q_norm_saves_an_fp32_upcast_and_a_normalised_copy_only_when_it_tr
         m(input_ids=ids, labels=ids)
     elems, rows = 2 * 16 * 4 * 32, 2 * 16 * 4
     assert sum(saved.values()) == (4 if lora else 4 + 2) * elems + 4 * rows
+
+    def per_token(model_type: str) -> float:        # one block's saved bytes per token, pure bf16
+        spec = resolve_model(dict(model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=128))
+        total = sum(layer_activation_bytes(spec, 16, 2.0, False, "flash", "none"))
+        if lora:
+            k = validate_knobs(spec, seq_len=16, finetune="lora", lora_targets=["q_proj", "v_proj"], lora_dropout=0.0)
+            total += sum(_lora_activation_delta(spec, k, 2.0, 1.0))
+        return total
+
+    q_share = 4 / (4 + 2)                             # q's heads of the q and k rows (4 and 2)
+    assert (per_token("qwen3") - per_token("llama")) * 2 * 16 * q_share == sum(saved.values())
 
 
 def test_all_linear_adapts_what_peft_adapts_and_the_estimate_counts_it():

@@ -25,7 +25,9 @@ def st(p, spec=G2, seq=1024, **kw):
 def test_attention_is_as_wide_as_the_heads_not_the_hidden_size():
     """Qwen3-0.6B: 16 heads of 128 over a 1,024 hidden size, so its attention core (scores and
     values over heads x head width) is twice what hidden x seq would give; a step spends more
-    than for the same model with 64-wide heads (whose projections are half as wide too)."""
+    than for the same model with 64-wide heads (whose projections are half as wide too), and
+    more than for a model of the same parameters whose heads alone are narrower (the step's
+    attention follows the head width, not only the parameter count)."""
     from estimator.models import PRESETS
 
     q3 = PRESETS["qwen3-0.6b"]
@@ -34,6 +36,9 @@ def test_attention_is_as_wide_as_the_heads_not_the_hidden_size():
     narrow = q3.model_copy(update={"head_dim": None, "name": "narrow heads"})
     p = plan(g="H100-80GB", mb=1, precision="bf16")
     assert st(p, q3, seq=4096).compute > st(p, narrow, seq=4096).compute
+    same_params = dict(params=q3.params, layers=28, hidden=1024, vocab=151936, tied_embeddings=True, heads=16,
+                       kv_heads=8, ffn=3072, arch="llama")
+    assert st(p, NS(**same_params, d_head=128), seq=4096).compute > st(p, NS(**same_params, d_head=64), seq=4096).compute
 
 
 def test_a_sliding_window_the_sequence_reaches_costs_the_causal_skip():
