@@ -92,7 +92,8 @@ def build_model(spec: dict[str, Any], device):
 def peft_targets(targets: list[str] | None) -> list[str] | str | None:
     """A job's ``target_modules`` as PEFT takes them: its ``all-linear`` shorthand is a string
     (in a list PEFT would look for a module of that name)."""
-    return "all-linear" if targets and "all-linear" in targets else targets
+    from estimator.memory import ALL_LINEAR
+    return ALL_LINEAR if targets and ALL_LINEAR in targets else targets
 
 
 def add_adapters(model, spec: dict[str, Any], act_ckpt: bool):

@@ -128,12 +128,14 @@ def check_adapters(job: TrainingJob, model) -> None:
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import check_target_module_exists
 
+    from estimator.memory import ALL_LINEAR
+
     from .modeling import peft_targets
 
     ft = job.finetune
     names = [n for n, _ in model.named_modules() if n]
     for target in ft.target_modules or []:
-        if target == "all-linear":
+        if target == ALL_LINEAR:
             continue                    # PEFT's shorthand, checked by get_peft_model below
         one = LoraConfig(r=ft.rank, target_modules=[target])
         if not any(check_target_module_exists(one, n) for n in names):

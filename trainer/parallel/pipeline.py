@@ -115,7 +115,6 @@ def build_stage_module(model, stage: int, pp: int):
     ``pp x vpp``): the model's own submodules (so parameter names map back to the whole
     model's), the rest of the model dropped."""
     import torch
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     inner = model.model
     lo, hi = stage_layers(len(inner.layers), pp, stage)
@@ -138,8 +137,7 @@ def build_stage_module(model, stage: int, pp: int):
         def forward(self, x):
             h = self.embed_tokens(x) if first else x
             pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-            masks = layer_masks(lo, hi, create_causal_mask, create_sliding_window_causal_mask,
-                                config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
+            masks = layer_masks(self.config, lo, hi, inputs_embeds=h, attention_mask=None, cache=None,
                                 position_ids=pos)
             pe = self.rotary_emb(h, position_ids=pos)
             for layer, mask in zip(self.layers, masks):
@@ -155,13 +153,15 @@ def build_stage_module(model, stage: int, pp: int):
     return Stage()
 
 
-def layer_masks(lo: int, hi: int, causal, sliding, **kw) -> list:
+def layer_masks(config, lo: int, hi: int, **kw) -> list:
     """The attention mask of each of the whole model's layers ``lo..hi-1``, as the model's own
     forward makes them: per ``config.layer_types`` (Qwen2/3: full or sliding attention per
     layer), else a sliding window for every layer where the config has one (Mistral), else
-    causal. ``causal`` / ``sliding``: transformers' mask functions, called with ``kw`` (the
-    model's ``config`` among them)."""
-    config = kw["config"]
+    causal; ``kw``: the mask functions' other arguments."""
+    from transformers.masking_utils import create_causal_mask as causal
+    from transformers.masking_utils import create_sliding_window_causal_mask as sliding
+
+    kw["config"] = config
     types = getattr(config, "layer_types", None)
     if types:
         made = {t: (sliding if t == "sliding_attention" else causal)(**kw) for t in set(types[lo:hi])}
