@@ -39,11 +39,6 @@ class GPUCluster(KnownFields, Block):
         None, title="Node credentials",
         description="token or SSH key for the node addresses (stored encrypted, never logged)")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _check_fields(cls, data):
-        return cls._known_fields(data)      # a mistyped setting refused (blocks/known_fields.py)
-
     @classmethod
     def model_json_schema(cls, *args, **kwargs):
         # the block editor's form: optional fields without the "None" type tab (blocks/schema.py)

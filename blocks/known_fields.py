@@ -12,6 +12,8 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Any
 
+from pydantic import model_validator
+
 # keys Prefect itself puts in a block's data (``model_dump`` carries the type's slug) and the
 # private ones it passes a block it loads
 PREFECT_BLOCK_KEYS = frozenset({"block_type_slug", "_block_document_id", "_block_document_name", "_is_anonymous"})
@@ -20,8 +22,8 @@ _LOADING: ContextVar[bool] = ContextVar("frenzy_block_loading", default=False)
 
 
 class KnownFields:
-    """Mixin for a Prefect ``Block`` (before ``Block`` in the bases) whose model validator
-    (``mode="before"``) returns ``cls._known_fields(data)``: see the module docstring."""
+    """Mixin for a Prefect ``Block``, before ``Block`` in the bases (pydantic collects its
+    validator): see the module docstring."""
 
     @classmethod
     def _from_block_document(cls, block_document):
@@ -31,6 +33,7 @@ class KnownFields:
         finally:
             _LOADING.reset(token)
 
+    @model_validator(mode="before")
     @classmethod
     def _known_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):

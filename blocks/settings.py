@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Iterable, Literal
 
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator
 
 from blocks.known_fields import KnownFields
 from blocks.schema import tidy_block_schema
@@ -76,11 +76,6 @@ class FrenzySettings(KnownFields, Block):
         from scheduler.policies import policy_factory
         policy_factory(name)        # a mistyped policy fails when the block is made, not at a submission
         return name
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_fields(cls, data):
-        return cls._known_fields(data)      # a mistyped setting refused (blocks/known_fields.py)
 
     @classmethod
     def model_json_schema(cls, *args, **kwargs):
