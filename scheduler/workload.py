@@ -284,14 +284,14 @@ def load_mix(path: str | Path, *, models: Iterable[str] | None = None,
     scale = check_number(f"{path}: time_scale", _number(raw.get("time_scale", 1.0)), high=MAX_SCALE)
     dscale = check_number(f"{path}: duration_scale", _number(raw.get("duration_scale", 1.0)), high=MAX_SCALE)
     mix = Mix(reference_gpu=ref, classes=classes,
-               seq_len=_weights(raw.get("seq_len"), f"{path}: seq_len", int, MAX_SEQ_LEN),
-               global_batch=_weights(raw.get("global_batch"), f"{path}: global_batch", int, MAX_GLOBAL_BATCH),
-               gpus_per_node=check_number(f"{path}: gpus_per_node", raw.get("gpus_per_node", 8), integer=True,
-                                          high=MAX_GPUS_PER_NODE),
-               start_s=_optional(raw, "start_s", path, low_open=False),
-               end_s=_optional(raw, "end_s", path),
-               max_jobs=_optional(raw, "max_jobs", path, integer=True), time_scale=scale, duration_scale=dscale,
-               max_gpus=_optional(raw, "max_gpus", path, integer=True, high=MAX_CLUSTER_GPUS))
+              seq_len=_weights(raw.get("seq_len"), f"{path}: seq_len", int, MAX_SEQ_LEN),
+              global_batch=_weights(raw.get("global_batch"), f"{path}: global_batch", int, MAX_GLOBAL_BATCH),
+              gpus_per_node=check_number(f"{path}: gpus_per_node", raw.get("gpus_per_node", 8), integer=True,
+                                         high=MAX_GPUS_PER_NODE),
+              start_s=_optional(raw, "start_s", path, low_open=False),
+              end_s=_optional(raw, "end_s", path),
+              max_jobs=_optional(raw, "max_jobs", path, integer=True), time_scale=scale, duration_scale=dscale,
+              max_gpus=_optional(raw, "max_gpus", path, integer=True, high=MAX_CLUSTER_GPUS))
     if mix.start_s is not None and mix.end_s is not None and mix.end_s <= mix.start_s:
         raise FrenzyInputError(f"{path}: end_s", f"must be after start_s ({mix.end_s:g} <= {mix.start_s:g})")
     return mix

@@ -46,6 +46,11 @@ from .truth import memory_factor, step_factor
 _END, _ARRIVE, _ROUND = 0, 1, 2
 
 
+DAY_S = 86400.0      # start-up, tick, round and restart lengths: no real one lasts a day
+MAX_NOISE = 2.0      # a lognormal sigma of 2: real within e^2 = 7.4x of predicted at one sigma
+MAX_STEP_RATIO = 1e3  # a run 1,000x slower than predicted is a broken measurement, not a GPU
+
+
 @dataclass(slots=True)
 class SimConfig:
     seed: int = 0
@@ -92,11 +97,6 @@ class SimConfig:
         for key, ratio in self.step_ratio.items():
             # measured / predicted step time: a NaN stalled the event loop, 0 or less trained in no time
             check_number(f"step_ratio[{key!r}]", ratio, high=MAX_STEP_RATIO, what="measured / predicted step time")
-
-
-DAY_S = 86400.0      # start-up, tick, round and restart lengths: no real one lasts a day
-MAX_NOISE = 2.0      # a lognormal sigma of 2: real within e^2 = 7.4x of predicted at one sigma
-MAX_STEP_RATIO = 1e3  # a run 1,000x slower than predicted is a broken measurement, not a GPU
 
 
 @dataclass(slots=True)
