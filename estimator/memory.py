@@ -524,7 +524,8 @@ def _layer_vector_params(spec: ModelSpec) -> int:
     h, f = spec.hidden, spec.f
     q, kv = spec.heads * spec.d_head, spec.n_kv * spec.d_head
     if spec.arch == "llama":
-        return (2 * h + ((q + 2 * kv + (h if spec.has_o_bias else 0)) if spec.has_qkv_bias else 0)
+        return ((4 if spec.sandwich_norms else 2) * h
+                + ((q + 2 * kv + (h if spec.has_o_bias else 0)) if spec.has_qkv_bias else 0)
                 + (2 * spec.d_head if spec.has_qk_norm else 0))
     return 4 * h + q + 2 * kv + h + f + h
 
@@ -575,10 +576,11 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
         # q, k, v, log-sum-exp, output; implementations that repeat k/v to every head before
         # SDPA (torchtune's attention at the measured versions) save the repeated copies, and so
         # does Hugging Face's where a sliding window is reached: with a mask it does not hand
-        # SDPA grouped k / v (``use_gqa_in_sdpa`` wants none). The mask itself:
+        # SDPA grouped k / v (``use_gqa_in_sdpa`` wants none): in the share of layers that
+        # attend through a window (Gemma 3: not its global ones). The mask itself:
         # ``window_mask_bytes``
-        repeated = repeat_kv or (hf_models and spec.window_reached(s))
-        attn = c * (q + 2 * (q if repeated else kvd)) + 4.0 * a + c * q
+        repeated = 1.0 if repeat_kv else (spec.window_share(s) if hf_models else 0.0)
+        attn = c * (q + 2 * (kvd + repeated * (q - kvd))) + 4.0 * a + c * q
         if ulysses:
             # Without cp the inventory above has one output tensor for SDPA's saved output and the
             # output projection's saved input (one storage: the traces show one). Under Ulysses the
@@ -618,8 +620,19 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             # Inductor fuses RMSNorm: it saves the 16-bit input, rstd and the output the
             # projections read, not the fp32 upcast or the normalised copy (recomputed)
             rep = 2 * (2 * c * h + 4)
+        elif spec.gemma_norms:
+            # Gemma's RMSNorm scales in fp32 before its cast: the fp32 upcast, rstd, the fp32
+            # normalised copy (the (1 + w) product keeps it for the weight's gradient), then
+            # the cast output the projections read; under autocast this is Llama's inventory
+            # (the input is the fp32 residual; one cast per consuming projection)
+            rep = 2 * (8 * h + c * h + 4)
         else:
             rep = 2 * (4 * h + 2 * c * h + 4)
+        if spec.sandwich_norms:
+            # Gemma 3's post-attention and post-feedforward norms: fp32 upcast of the sublayer's
+            # output, rstd and the fp32 normalised copy; their cast output only joins the
+            # residual (an add saves nothing). Compiled: the input and rstd
+            rep += 2 * ((c * h + 4) if compiled and not amp else (8 * h + 4))
         # gate, up, silu(gate), product; compiled: silu(gate) is recomputed from gate
         shard = attn + (3 if compiled and not amp else 4) * c * f
         if spec.has_qk_norm:
@@ -628,8 +641,11 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             # normalised copy in the input dtype that the weight multiplies, per element, and
             # one fp32 rstd per head row; the rotary embedding after it saves no copy of q or k
             # (its cos / sin need no gradient). Compiled: the input and rstd (recomputed rest)
+            # Gemma 3's (the Gemma norm, per head): the fp32 upcast and the fp32 normalised copy;
+            # its cast output goes to the rotary embedding, which keeps none
             rows = a + spec.n_kv
-            shard += (c if compiled and not amp else 4.0 + c) * (q + kvd) + 4.0 * rows
+            per_elem = c if compiled and not amp else (8.0 if spec.gemma_norms else 4.0 + c)
+            shard += per_elem * (q + kvd) + 4.0 * rows
     elif spec.arch == "opt":
         rep = 2 * r * h + 2 * st + ((4 * c * h) if amp else (2 * c * h))
         shard = attn + c * f                                  # relu output (= fc2 input)
@@ -661,7 +677,7 @@ def window_mask_bytes(spec: ModelSpec, s: int, c: float, attention: str, act_ckp
         return 0.0
     if c == 4 and spec.n_kv < spec.heads and cuda:
         return 0.0
-    return c * s
+    return c * s * spec.window_share(s)          # per layer, averaged over the windowed share
 
 
 def layer_backward_transient(spec: ModelSpec, s: int, c: float, attention: str, tp: int) -> float:
@@ -783,14 +799,16 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float) -
     # (+0.3 to +5.0 GiB, the down_proj input the largest; docs/benchmarks.md).
     keeps = not _adapter_copies_input(k)
     if spec.arch == "llama":
-        rep = -2 * c * h                                        # normalised copies (frozen weights)
+        # normalised copies (frozen weights): Gemma's are fp32, and it has four norms a block
+        # with ``sandwich_norms``
+        rep = -(4 if spec.sandwich_norms else 2) * 4.0 * h if spec.gemma_norms else -2 * c * h
         if not (keeps and t & {"q_proj", "k_proj", "v_proj"}):
             rep -= c * h                                        # attention-norm output unsaved
         if not (keeps and t & {"gate_proj", "up_proj"}):
             rep -= c * h                                        # mlp-norm output unsaved
         shard = adapters - (0.0 if keeps and "down_proj" in t else c * f)  # down_proj input
         if spec.has_qk_norm:                                    # q/k norms' normalised copies
-            shard -= c * (spec.heads + spec.n_kv) * spec.d_head
+            shard -= (4.0 if spec.gemma_norms else c) * (spec.heads + spec.n_kv) * spec.d_head
         return rep, shard
     if spec.arch == "opt":
         return 0.0, adapters        # fc2's input is ReLU's output, which ReLU's backward saves
@@ -1119,7 +1137,8 @@ def peak_terms(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool) -> tuple:
         head_grad = 0.0
         if last:
             if arch == "llama":
-                fin = (4 * h + (4 if act_amp else c) * h + c * h + 4)
+                # Gemma's norm keeps its normalised copy in fp32 whatever the regime
+                fin = (4 * h + (4 if act_amp or spec.gemma_norms else c) * h + c * h + 4)
             elif arch == "bert":
                 fin = 3 * c * h + 2 * sem.stat_bytes + r * h
             else:

@@ -26,8 +26,18 @@ Arch = Literal["gpt", "llama", "bert", "opt"]
 
 # the Hugging Face model types each arch builds (``hf_config``; the first by default), and those
 # of them whose attention normalises queries and keys per head (``ModelSpec.has_qk_norm``)
-HF_TYPES = {"gpt": ("gpt2",), "llama": ("llama", "mistral", "qwen2", "qwen3"), "bert": ("bert",), "opt": ("opt",)}
-QK_NORM_TYPES = ("qwen3",)
+HF_TYPES = {"gpt": ("gpt2",), "llama": ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text"),
+            "bert": ("bert",), "opt": ("opt",)}
+QK_NORM_TYPES = ("qwen3", "gemma3_text")
+# Gemma's RMSNorm computes in fp32 and scales by (1 + weight) before casting back (Llama casts
+# first, then scales): other saved tensors (``memory.layer_activation_bytes``); its MLP gates
+# with tanh-approximated GELU (the same saved tensors as SwiGLU) and it ties its embeddings
+GEMMA_TYPES = ("gemma", "gemma3_text")
+# a norm after each sublayer too (post-attention and post-feedforward, beside the usual two)
+SANDWICH_NORM_TYPES = ("gemma3_text",)
+# the types whose config's sliding_window the built model applies: Mistral to every layer,
+# Gemma 3 to all but every ``window_pattern``-th
+WINDOW_TYPES = ("mistral", "gemma3_text")
 # The fields a spec's hash covers: the ones that tell models apart. Equal specs agree on them,
 # so the hash stays consistent with ==; specs that differ elsewhere only (dropout, ...) meet
 # in one bucket and == tells them apart. (Specs key the estimator's caches on every estimate:
@@ -65,7 +75,8 @@ class ModelSpec(BaseModel):
     qkv_bias: bool | None = Field(None, description="bias on q/k/v projections (qwen2: yes)")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="residual/MLP/embedding dropout")
     attn_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on attention probs")
-    hf_model_type: str | None = Field(None, description="gpt2 | llama | mistral | qwen2 | qwen3 | opt | bert")
+    hf_model_type: str | None = Field(None, description="gpt2 | llama | mistral | qwen2 | qwen3 | gemma | "
+                                                        "gemma3_text | opt | bert")
     # OPT-350m projects a 512-wide embedding to the 1024-wide model and back.
     embed_dim: int | None = Field(None, description="word embedding width when it differs (opt-350m)")
     pre_norm: bool = Field(True, description="LayerNorm before each sublayer (opt-350m: after)")
@@ -75,6 +86,9 @@ class ModelSpec(BaseModel):
     rope_theta: float | None = None
     norm_eps: float | None = None
     sliding_window: int | None = None
+    window_pattern: int | None = Field(None, description="Gemma 3: every n-th layer attends globally, the "
+                                                         "others through the sliding window (the config's "
+                                                         "sliding_window_pattern; default 6)")
 
     def __hash__(self) -> int:
         return hash(_HASH_FIELDS(self.__dict__))
@@ -85,7 +99,7 @@ class ModelSpec(BaseModel):
         # Name the field and the rule before pydantic's generic messages.
         if isinstance(data, dict):
             for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_dim",
-                        "max_positions", "embed_dim", "type_vocab", "sliding_window"):
+                        "max_positions", "embed_dim", "type_vocab", "sliding_window", "window_pattern"):
                 v = data.get(key)
                 if v is None:
                     continue
@@ -119,6 +133,13 @@ class ModelSpec(BaseModel):
             raise FrenzyInputError("kv_heads", "bert has no grouped-query attention (kv_heads == heads)")
         if self.model_type == "mistral" and self.qkv_bias:
             raise FrenzyInputError("qkv_bias", "mistral has no attention biases (MistralConfig builds none)")
+        if self.window_pattern is not None and self.model_type != "gemma3_text":
+            raise FrenzyInputError("window_pattern", "only gemma3_text alternates sliding and global layers")
+        if self.model_type == "gemma3_text" and self.hidden % self.heads:
+            # Gemma3TextConfig refuses it whatever head_dim says
+            raise FrenzyInputError("heads", f"must divide hidden for gemma3_text ({self.hidden} % {self.heads} != 0)")
+        if self.model_type == "gemma3_text" and self.sliding_window is None:
+            raise FrenzyInputError("sliding_window", "required for gemma3_text (its local layers' window)")
         if self.hf_model_type is not None and self.hf_model_type not in HF_TYPES[self.arch]:
             # hf_config builds only these; another type would be sized as one of them
             raise FrenzyInputError("hf_model_type", f"must be one of {', '.join(HF_TYPES[self.arch])} for arch "
@@ -146,7 +167,8 @@ class ModelSpec(BaseModel):
     def tied(self) -> bool:
         if self.tied_embeddings is not None:
             return self.tied_embeddings
-        return self.arch != "llama"       # gpt2/opt/bert tie; llama-family default untied
+        # gpt2/opt/bert and Gemma tie; the rest of the llama family is untied by default
+        return self.arch != "llama" or self.model_type in GEMMA_TYPES
 
     @property
     def gated(self) -> bool:
@@ -169,21 +191,55 @@ class ModelSpec(BaseModel):
 
     @property
     def window(self) -> int | None:
-        """The sliding attention window the built model applies (mistral's ``sliding_window``;
-        the other types' ``hf_config`` builds none), or None."""
-        return self.sliding_window if self.model_type == "mistral" else None
+        """The sliding attention window the built model applies (``sliding_window`` of
+        ``WINDOW_TYPES``; the other types' ``hf_config`` builds none), or None."""
+        return self.sliding_window if self.model_type in WINDOW_TYPES else None
 
     def window_reached(self, seq_len: int) -> bool:
-        """Whether sequences of ``seq_len`` reach the window: Hugging Face then attends through
-        an explicit mask (shorter ones take SDPA's is_causal path)."""
+        """Whether sequences of ``seq_len`` reach the window (of any layer): Hugging Face then
+        attends through an explicit mask (shorter ones take SDPA's is_causal path)."""
         w = self.window
         return w is not None and seq_len >= w
 
     @property
+    def pattern(self) -> int | None:
+        """Every ``pattern``-th layer attends globally (Gemma 3; default 6), or None: every
+        layer through the window (Mistral)."""
+        if self.model_type != "gemma3_text":
+            return None
+        return self.window_pattern or 6
+
+    def windowed_layers(self, lo: int = 0, hi: int | None = None) -> int:
+        """How many of the layers ``lo..hi-1`` attend through the window (the config's
+        ``layer_types``: layer i is global when (i + 1) % pattern == 0)."""
+        hi = self.layers if hi is None else hi
+        if self.window is None:
+            return 0
+        p = self.pattern
+        return hi - lo if p is None else (hi - lo) - (hi // p - lo // p)
+
+    def window_share(self, seq_len: int) -> float:
+        """The share of layers that attend through an explicit mask at ``seq_len`` (0 where
+        the window is longer than the sequence)."""
+        if not self.window_reached(seq_len):
+            return 0.0
+        return self.windowed_layers() / self.layers
+
+    @property
+    def gemma_norms(self) -> bool:
+        """RMSNorms that scale in fp32 by (1 + weight), then cast (``GEMMA_TYPES``)."""
+        return self.model_type in GEMMA_TYPES
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Four norms a block: the output of attention and of the MLP normalised too."""
+        return self.model_type in SANDWICH_NORM_TYPES
+
+    @property
     def has_o_bias(self) -> bool:
-        """Whether the attention output projection has a bias: llama and qwen3 put one on it
-        with their ``attention_bias``; qwen2's biases are on q, k and v only."""
-        return self.has_qkv_bias and self.model_type in ("llama", "qwen3")
+        """Whether the attention output projection has a bias: llama, qwen3 and Gemma put one
+        on it with their ``attention_bias``; qwen2's biases are on q, k and v only."""
+        return self.has_qkv_bias and self.model_type in ("llama", "qwen3", *GEMMA_TYPES)
 
     @property
     def has_qk_norm(self) -> bool:
@@ -212,7 +268,7 @@ class ModelSpec(BaseModel):
             if self.has_qkv_bias:
                 attn += q + 2 * kv + (h if self.has_o_bias else 0)
             mlp = 3 * h * f
-            norms = 2 * h + (2 * dh if self.has_qk_norm else 0)
+            norms = (4 if self.sandwich_norms else 2) * h + (2 * dh if self.has_qk_norm else 0)
         else:  # gpt2 / opt / bert: biases everywhere, LayerNorm weight + bias
             attn = h * q + 2 * h * kv + q * h + q + 2 * kv + h
             mlp = (3 * h * f + 2 * f + h) if self.gated else (2 * h * f + f + h)
@@ -284,6 +340,8 @@ class ModelSpec(BaseModel):
         per_layer: list[tuple[int, ...]] = []
         if self.arch == "llama":
             per_layer += [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f), (h,), (h,)]
+            if self.sandwich_norms:
+                per_layer += [(h,), (h,)]
             if self.has_qkv_bias:
                 per_layer += [(q,), (kv,), (kv,)] + ([(h,)] if self.has_o_bias else [])
             if self.has_qk_norm:
@@ -344,13 +402,28 @@ class ModelSpec(BaseModel):
                         type_vocab_size=self.type_vocab, hidden_dropout_prob=self.dropout,
                         attention_probs_dropout_prob=self.attn_dropout,
                         tie_word_embeddings=self.tied)
-        # llama family (llama, mistral, qwen2, qwen3)
+        # llama family (llama, mistral, qwen2, qwen3, gemma, gemma3_text)
         d: dict[str, Any] = dict(model_type=t, hidden_size=h, num_hidden_layers=self.layers,
                                  num_attention_heads=self.heads, num_key_value_heads=self.n_kv,
                                  intermediate_size=self.f, vocab_size=V,
                                  max_position_embeddings=self.positions,
                                  tie_word_embeddings=self.tied, attention_dropout=self.attn_dropout,
                                  rms_norm_eps=self.norm_eps or 1e-5, hidden_act="silu")
+        if t in GEMMA_TYPES:
+            # tanh GELU (Gemma 3 names it hidden_activation); heads 256 wide unless given;
+            # biases on all four attention projections or none; the published 1e-6 norm epsilon
+            d.pop("hidden_act")
+            d["hidden_activation" if t == "gemma3_text" else "hidden_act"] = "gelu_pytorch_tanh"
+            d["head_dim"] = self.d_head
+            d["attention_bias"] = self.has_qkv_bias
+            d["rms_norm_eps"] = self.norm_eps or 1e-6
+            d["pad_token_id"], d["bos_token_id"], d["eos_token_id"] = 0, min(2, V - 1), min(1, V - 1)
+        if t == "gemma3_text":
+            d["sliding_window"] = self.sliding_window
+            d["layer_types"] = ["full_attention" if (i + 1) % self.pattern == 0 else "sliding_attention"
+                                for i in range(self.layers)]
+            d["query_pre_attn_scalar"] = self.d_head
+            d["final_logit_softcapping"] = d["attn_logit_softcapping"] = None
         if self.rope_theta is not None:
             d["rope_theta"] = self.rope_theta
         if t == "llama":
@@ -445,6 +518,17 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
           ("0.6b", 28, 1024, 16, 3072, True), ("1.7b", 28, 2048, 16, 6144, True),
           ("4b", 36, 2560, 32, 9728, True), ("8b", 36, 4096, 32, 12288, False),
           ("14b", 40, 5120, 40, 17408, False), ("32b", 64, 5120, 64, 25600, False))),
+    # Gemma (google/gemma-*'s config.json): 256-wide heads, tied 256K vocabulary, tanh-GELU
+    # gated MLP; 2B has one KV head
+    _llama("gemma-2b", 18, 2048, 8, 1, 16384, 256000, tied=True, hf="gemma", head_dim=256,
+           max_pos=8192, theta=10000.0, eps=1e-6),
+    _llama("gemma-7b", 28, 3072, 16, 16, 24576, 256000, tied=True, hf="gemma", head_dim=256,
+           max_pos=8192, theta=10000.0, eps=1e-6),
+    # Gemma 3 text (google/gemma-3-270m, -1b): four norms a block, per-head q/k norms, five
+    # 512-token sliding-window layers to one global
+    *(_llama(f"gemma-3-{size}", layers, hidden, 4, 1, ffn, 262144, tied=True, hf="gemma3_text",
+             head_dim=256, max_pos=32768, theta=1000000.0, eps=1e-6, sliding_window=512, window_pattern=6)
+      for size, layers, hidden, ffn in (("270m", 18, 640, 2048), ("1b", 26, 1152, 6912))),
 ]}
 
 _DIM_KEYS = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied_embeddings")
@@ -468,8 +552,27 @@ _HF_REQUIRED = {"gpt2": ("n_layer", "n_embd", "n_head", "vocab_size"),
                    for t in ("bert", *HF_TYPES["llama"])}}
 
 
-# transformers' default KV heads when a config.json leaves the key out (LlamaConfig: all heads)
-_HF_KV_DEFAULT = {"qwen2": 32, "qwen3": 32, "mistral": 8}
+# transformers' default KV heads when a config.json leaves the key out (LlamaConfig: all heads),
+# and head width (the others derive it from hidden / heads)
+_HF_KV_DEFAULT = {"qwen2": 32, "qwen3": 32, "mistral": 8, "gemma": 16, "gemma3_text": 4}
+_HF_HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma": 256, "gemma3_text": 256}
+_HF_MAX_POS_DEFAULT = {"qwen3": 32768, "gemma": 8192, "gemma3_text": 131072}
+
+
+def _gemma3_pattern(cfg: dict[str, Any]) -> int | None:
+    """A Gemma 3 config's global-layer period: from ``layer_types`` (transformers 5 writes
+    them; refused unless every p-th layer is the global one, the layout its
+    ``sliding_window_pattern`` builds), else ``sliding_window_pattern`` (default 6)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        return cfg.get("sliding_window_pattern", 6)
+    if not isinstance(types, list) or any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise FrenzyInputError("layer_types", "must be a list of full_attention / sliding_attention")
+    for p in range(1, len(types) + 2):
+        if types == ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(len(types))]:
+            return p
+    raise FrenzyInputError("layer_types", "must make every n-th layer global and the others sliding "
+                                          "(the layouts Gemma 3 publishes)")
 
 
 def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
@@ -508,10 +611,15 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             default_bias = t == "qwen2"
             # Qwen3Config sizes heads at 128 whatever hidden / heads is (and refuses null); the
             # others derive it
-            if t == "qwen3" and "head_dim" in cfg and cfg["head_dim"] is None:
-                raise FrenzyInputError("head_dim", "must be an integer in a qwen3 config.json "
-                                                   "(Qwen3Config refuses null)")
-            hd = g("head_dim", 128 if t == "qwen3" else None)
+            if t in _HF_HEAD_DIM_DEFAULT and "head_dim" in cfg and cfg["head_dim"] is None:
+                raise FrenzyInputError("head_dim", f"must be an integer in a {t} config.json "
+                                                   f"(its config class refuses null)")
+            for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+                if t in GEMMA_TYPES and cfg.get(key) is not None:
+                    raise FrenzyInputError(key, f"must be null: soft-capped {t} logits are not modelled")
+            if t in GEMMA_TYPES and cfg.get("use_bidirectional_attention"):
+                raise FrenzyInputError("use_bidirectional_attention", "must be false: Frenzy trains causal LMs")
+            hd = g("head_dim", _HF_HEAD_DIM_DEFAULT.get(t))
             h_, a_ = g("hidden_size"), g("num_attention_heads")
             derived = h_ // a_ if type(h_) is int and type(a_) is int and a_ > 0 else None
             rope = g("rope_parameters") if isinstance(g("rope_parameters"), dict) else {}
@@ -520,16 +628,18 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                              # each config's own default when the key is absent (null: all heads)
                              kv_heads=(g("num_key_value_heads", _HF_KV_DEFAULT.get(t)) or a_),
                              ffn=g("intermediate_size"), vocab=g("vocab_size"),
-                             tied_embeddings=g("tie_word_embeddings", False),
+                             tied_embeddings=g("tie_word_embeddings", t in GEMMA_TYPES),
                              qkv_bias=False if t == "mistral" else g("attention_bias", default_bias),
                              head_dim=hd if hd not in (None, derived) else None,
-                             max_positions=g("max_position_embeddings", 32768 if t == "qwen3" else 4096),
+                             max_positions=g("max_position_embeddings", _HF_MAX_POS_DEFAULT.get(t, 4096)),
                              hf_model_type=t,
                              # transformers 5 writes rope_parameters: {rope_theta, rope_type}
                              rope_theta=g("rope_theta") or rope.get("rope_theta"), norm_eps=g("rms_norm_eps"),
                              attn_dropout=g("attention_dropout", 0.0) or 0.0,
-                             # MistralConfig's default window when the key is absent (null: none)
-                             sliding_window=g("sliding_window", 4096) if t == "mistral" else None)
+                             # Mistral's and Gemma 3's default window when the key is absent
+                             # (null: none, for Mistral)
+                             sliding_window=g("sliding_window", 4096) if t in WINDOW_TYPES else None,
+                             window_pattern=_gemma3_pattern(cfg) if t == "gemma3_text" else None)
     except ValidationError as err:
         raise _input_error(err, "model.") from None
     except TypeError as err:

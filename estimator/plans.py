@@ -357,12 +357,14 @@ _PROBE = Plan.model_construct(gpu_type="probe")
 @lru_cache(maxsize=4096)
 def _launch_rule(tp: int, pp: int, cp: int, gpus: int, dp: int, zero: int, offload: str,
                  heads: int | None = None, kv_heads: int | None = None, arch: str | None = None, *,
-                 vpp: int = 1, grad_accum: int = 1, layers: int | None = None) -> str | None:
+                 vpp: int = 1, grad_accum: int = 1, layers: int | None = None,
+                 model_type: str | None = None) -> str | None:
     """The trainer's own rules (no torch): the plan's layout, with ``heads`` how tp and cp
     split the model's attention heads, with ``arch`` (and ``layers``) whether pp (and vpp) can
-    cut the model into stages; ``grad_accum``: the micro-batches an interleaved schedule runs."""
+    cut the model into stages, with ``model_type`` whether tp can shard its embedding;
+    ``grad_accum``: the micro-batches an interleaved schedule runs."""
     try:
-        from trainer.launch_config import check_pipeline_model, check_realisable
+        from trainer.launch_config import check_pipeline_model, check_realisable, check_tp_model
     except ImportError:          # an estimator installed without the trainer: nothing to check
         return None
     probe = _PROBE.model_copy(update={"gpus": gpus, "dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": zero,
@@ -371,6 +373,7 @@ def _launch_rule(tp: int, pp: int, cp: int, gpus: int, dp: int, zero: int, offlo
         check_realisable(probe)
         if arch is not None:
             check_pipeline_model(probe, arch, layers)
+        check_tp_model(probe, model_type)
     except FrenzyInputError as err:
         return f"{err.field}: {err.rule}"
     return heads_rule(tp, cp, heads, kv_heads, pp) if heads is not None else None
@@ -393,7 +396,8 @@ def heads_rule(tp: int, cp: int, heads: int, kv_heads: int | None = None, pp: in
 def _structure_rule(spec: ModelSpec, base: Knobs, n: int, ga: int) -> str | None:
     """``_launch_rule`` of a structure's knobs on ``n`` GPUs with gradient accumulation ``ga``."""
     return _launch_rule(base.tp, base.pp, base.cp, n, base.dp, base.zero, base.offload, spec.heads,
-                        spec.n_kv, spec.arch, vpp=base.vpp, grad_accum=ga, layers=spec.layers)
+                        spec.n_kv, spec.arch, vpp=base.vpp, grad_accum=ga, layers=spec.layers,
+                        model_type=spec.model_type)
 
 
 def _table_rule(spec: ModelSpec, s: _Structure, ga: int) -> str | None:
@@ -408,7 +412,8 @@ def not_launchable_reason(plan: Plan, spec: ModelSpec | None = None) -> str | No
     return _launch_rule(plan.tp, plan.pp, plan.cp, plan.gpus, plan.dp, plan.zero, plan.offload,
                         *((spec.heads, spec.n_kv, spec.arch) if spec is not None else ()),
                         vpp=plan.vpp, grad_accum=plan.grad_accum,
-                        layers=spec.layers if spec is not None else None)
+                        layers=spec.layers if spec is not None else None,
+                        model_type=spec.model_type if spec is not None else None)
 
 
 def _host_rule(spec: ModelSpec, base: Knobs, n: int, gpus_per_node: int,

@@ -353,10 +353,11 @@ def _context(spec: Any, gpu: GPU, seq_len: int, precision: str, matmul_precision
         attn_io = heads * s * f.eager_bytes_per_score * half
     else:
         # a sliding window the sequence reaches: Hugging Face hands SDPA an explicit mask (see
-        # memory.window_mask_bytes), and a kernel given a mask computes every score tile
-        reached = getattr(spec, "window_reached", None)
-        skips = causal and not (reached and reached(s))
-        attn_rate = rate * gpu.flash_attn_eff / (f.causal_attn_share if skips else 1.0)
+        # memory.window_mask_bytes), and a kernel given a mask computes every score tile; in the
+        # share of layers that attend through one (Gemma 3: not its global layers)
+        share = getattr(spec, "window_share", None)
+        masked = share(s) if share else 0.0
+        attn_rate = rate * gpu.flash_attn_eff / ((f.causal_attn_share * (1.0 - masked) + masked) if causal else 1.0)
         attn_io = f.flash_io_bytes_per_h * qd * half
     act = f.gated_act_bytes_per_ffn if gated else f.mlp_act_bytes_per_ffn
     c = _Ctx(params=params, layers=layers, hidden=hidden, nbytes=nbytes, rate=rate, attn_rate=attn_rate, bw=bw,

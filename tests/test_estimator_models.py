@@ -173,7 +173,10 @@ LLAMA_FAMILY_CFG = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_h
     ("qwen2", {}),                                # q, k, v biases by default, none on o_proj
     ("mistral", {"attention_bias": True}),        # MistralConfig builds no bias at all
     ("qwen3", {"num_key_value_heads": None}),     # null: every head
-    *((t, {"drop": "num_key_value_heads"}) for t in ("qwen3", "qwen2", "mistral", "llama")),  # each one's default
+    *((t, {"drop": "num_key_value_heads"}) for t in ("qwen3", "qwen2", "mistral", "llama", "gemma",
+                                                     "gemma3_text")),  # each one's default
+    ("gemma", {"attention_bias": True}),          # on all four projections
+    ("gemma3_text", {"attention_bias": True, "drop": "head_dim"}),    # Gemma's 256-wide default
 ])
 def test_llama_family_configs_size_what_transformers_builds(model_type, extra):
     torch = pytest.importorskip("torch")
@@ -196,7 +199,7 @@ def test_an_arch_given_beside_a_preset_builds_its_own_model_type():
 
 def test_a_hugging_face_type_its_arch_does_not_build_is_refused():
     with pytest.raises(FrenzyInputError) as e:
-        resolve_model(dict(arch="llama", layers=2, hidden=64, heads=4, vocab=100, hf_model_type="gemma"))
+        resolve_model(dict(arch="llama", layers=2, hidden=64, heads=4, vocab=100, hf_model_type="phi3"))
     assert e.value.field == "hf_model_type" and "qwen3" in e.value.rule
     with pytest.raises(FrenzyInputError, match="hf_model_type"):
         resolve_model(dict(arch="gpt", layers=2, hidden=64, heads=4, vocab=100, hf_model_type="qwen3"))

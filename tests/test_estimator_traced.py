@@ -37,6 +37,11 @@ ARCHS = {
     "qwen3": dict(arch="llama", kv_heads=2, hf_model_type="qwen3", head_dim=128),
     # a window the 512-token shape reaches (SDPA then gets an explicit mask) and the 256 one not
     "mistral-window": dict(arch="llama", kv_heads=2, hf_model_type="mistral", sliding_window=384),
+    # Gemma's fp32-scaling norms, one KV head, 128-wide heads; Gemma 3 adds post-sublayer and
+    # q/k norms and windows every other layer (the 2-layer size has one local, one global)
+    "gemma": dict(arch="llama", kv_heads=1, hf_model_type="gemma", head_dim=128),
+    "gemma3": dict(arch="llama", kv_heads=2, hf_model_type="gemma3_text", head_dim=128, sliding_window=384,
+                   window_pattern=2),
 }
 # Fake tensors cost the same at any size, so the grid uses realistic ratios of hidden size,
 # vocabulary and tokens (tiny hidden sizes would exaggerate per-token bookkeeping).

@@ -351,6 +351,60 @@ def test_qwen3_per_head_norms_learn_alike_under_pp2_x_tp2(tmp_path):
     assert max(float((one[k] - four[k]).abs().max()) for k in norms) <= 1e-6
 
 
+GEMMA3 = {**TINY, "model_type": "gemma3_text", "head_dim": 32, "sliding_window": 16, "tie_word_embeddings": True,
+          # the 32-token rows reach the local layer's window; the global layer rotates at another base
+          "layer_types": ["sliding_attention", "full_attention"]}
+
+
+@pytest.mark.slow
+def test_gemma3_trains_alike_under_autotp_and_pp2_x_tp2(tmp_path):
+    """Gemma 3: scaled tied embedding, four norms a block, per-head q/k norms, a local layer with a
+    sliding window and a global one, each with its own rotary base. Under AutoTP (tp=2) and the
+    pipeline's tensor parallel (pp=2 x tp=2, each stage rotating its layers by their own type)
+    the losses are one process's."""
+    w = save_tiny_llama(tmp_path / "tiny-gemma3", GEMMA3)
+    ref, _ = train(job(w), plan(1), tmp_path / "ref")
+    for name, p in (("tp2", plan(2, tp=2)), ("pp2tp2", plan(4, pp=2, tp=2, micro_batch=2))):
+        res, _ = train(job(w), p, tmp_path / name)
+        assert_matches(res.losses, ref.losses)
+
+
+@pytest.mark.slow
+def test_gemma_autotp_is_refused_and_its_pipeline_runs(tmp_path):
+    """AutoTP leaves Gemma's scaled embedding (and the head tied to it) whole on every rank, which
+    no tp estimate counts: tp without pipeline stages is refused in one line, by the planner and
+    by the trainer; pp=2 runs it as one process does."""
+    from estimator.models import resolve_model
+    from estimator.plans import not_launchable_reason
+    from trainer.launch_config import training_spec
+
+    cfg = {**TINY, "model_type": "gemma", "head_dim": 32, "tie_word_embeddings": True}
+    w = save_tiny_llama(tmp_path / "tiny-gemma", cfg)
+    spec = resolve_model(cfg)
+    why = not_launchable_reason(plan(2, tp=2), spec)
+    assert why is not None and why.startswith("plan.tp:") and "gemma" in why
+    assert not_launchable_reason(plan(4, pp=2, tp=2, micro_batch=2), spec) is None
+    assert not_launchable_reason(plan(2, tp=2), resolve_model({**GEMMA3})) is None
+    with pytest.raises(FrenzyInputError) as e:
+        training_spec(job(w), plan(2, tp=2), tmp_path)
+    assert e.value.field == "plan.tp"
+    ref, _ = train(job(w), plan(1), tmp_path / "ref")
+    res, _ = train(job(w), plan(2, pp=2, micro_batch=2), tmp_path / "pp2")
+    assert_matches(res.losses, ref.losses)
+
+
+def test_tied_weights_one_storage_is_written_as_two():
+    """Consolidated weights of a tensor-parallel run whose head and embedding are one tensor."""
+    import torch
+
+    from trainer.train import unshared
+
+    t = torch.arange(6.0).reshape(2, 3)
+    out = unshared({"embed": t, "head": t, "other": torch.ones(2)})
+    assert out["embed"] is t and out["head"] is not t and torch.equal(out["head"], t)
+    assert out["head"].untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
 def grad_norms(run_dir) -> list[float]:
     """The ``grad_norm`` of every step line in a run's first attempt log."""
     from trainer.loglines import parse_line

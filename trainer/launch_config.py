@@ -115,6 +115,22 @@ def check_pipeline_model(plan: Plan, arch: str, layers: int | None = None) -> No
         raise FrenzyInputError(*rule)
 
 
+# Model types whose embedding DeepSpeed's AutoTP cannot shard: it keeps Gemma's scaled word
+# embedding (a custom forward it has no rule for; Gemma 3's it has) and the head tied to it
+# whole on every tp rank, which no estimate of a tp plan counts (checked on the CPU: the
+# per-rank checkpoints of a tp=2 run hold the whole vocabulary)
+AUTOTP_WHOLE_EMBEDDING_TYPES = ("gemma",)
+
+
+def check_tp_model(plan: Plan, model_type: str | None) -> None:
+    """A ``tp > 1`` plan without pipeline stages runs DeepSpeed's AutoTP, which must shard the
+    model's embedding like every other matrix."""
+    if plan.tp > 1 and plan.pp == 1 and model_type in AUTOTP_WHOLE_EMBEDDING_TYPES:
+        raise FrenzyInputError("plan.tp", f"DeepSpeed AutoTP keeps a {model_type} model's tied embedding and head "
+                                          f"whole on every rank: use tp with pp >= 2 (the pipeline's tensor "
+                                          f"parallel shards it) or ZeRO")
+
+
 def accelerate_config(plan: Plan, *, num_machines: int = 1, machine_rank: int = 0,
                       main_address: str | None = None, main_port: int = 29500, cpu: bool = False,
                       deepspeed_config_file: str = DEEPSPEED_FILE, master_weights: str = "fp32") -> dict[str, Any]:
@@ -273,6 +289,7 @@ def training_spec(job: TrainingJob, plan: Plan, run_dir: str | Path = ".",
     from .pretrained import start_folder
 
     spec = resolve_model(job.model)
+    check_tp_model(plan, spec.model_type)
     hf = spec.hf_config()
     entry = getattr(job, "entry_point", None)
     if entry is None and hf.get("model_type") == "bert":

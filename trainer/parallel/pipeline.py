@@ -139,8 +139,8 @@ def build_stage_module(model, stage: int, pp: int):
             pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
             masks = layer_masks(self.config, lo, hi, inputs_embeds=h, attention_mask=None, cache=None,
                                 position_ids=pos)
-            pe = self.rotary_emb(h, position_ids=pos)
-            for layer, mask in zip(self.layers, masks):
+            pes = layer_rotary(self.rotary_emb, self.config, lo, hi, h, pos)
+            for layer, mask, pe in zip(self.layers, masks, pes):
                 h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos)
             if last:
                 h = self.lm_head(self.norm(h))
@@ -168,6 +168,19 @@ def layer_masks(config, lo: int, hi: int, **kw) -> list:
         return [made[types[i]] for i in range(lo, hi)]
     one = (sliding if getattr(config, "sliding_window", None) is not None else causal)(**kw)
     return [one] * (hi - lo)
+
+
+def layer_rotary(rotary_emb, config, lo: int, hi: int, h, pos) -> list:
+    """The rotary (cos, sin) of each of the whole model's layers ``lo..hi-1``, as the model's own
+    forward makes them: one per layer type where the rotary embedding takes the type (Gemma 3:
+    its local layers rotate at another base than its global ones), else one for all."""
+    import inspect
+
+    if "layer_type" in inspect.signature(rotary_emb.forward).parameters:
+        types = config.layer_types
+        made = {t: rotary_emb(h, pos, t) for t in set(types[lo:hi])}
+        return [made[types[i]] for i in range(lo, hi)]
+    return [rotary_emb(h, position_ids=pos)] * (hi - lo)
 
 
 def causal_lm_loss(logits, x):

@@ -1,0 +1,160 @@
+"""Gemma and Gemma 3 (text) in the estimator: parameters as transformers builds them, config.json
+reading, and the activations their norms and sliding windows save, checked against what autograd
+saves (saved-tensor hooks on the installed transformers, CPU, pure bf16)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from estimator import estimate
+from estimator.errors import FrenzyInputError
+from estimator.models import PRESETS, resolve_model
+
+# google/gemma-* model cards and configs: parameters as transformers counts them
+GEMMA_PARAMS = {"gemma-2b": 2_506_172_416, "gemma-7b": 8_537_680_896,
+                "gemma-3-270m": 268_098_176, "gemma-3-1b": 999_885_952}
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 128}
+B, S = 2, 16
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA_PARAMS))
+def test_gemma_presets_have_the_published_parameter_counts(name):
+    spec = PRESETS[name]
+    assert spec.params == GEMMA_PARAMS[name]
+    assert spec.tied and spec.d_head == 256 and spec.gemma_norms
+    assert spec.params == sum(math.prod(s) for s in spec.weight_shapes())
+
+
+def test_gemma3_presets_alternate_five_windowed_layers_with_one_global():
+    spec = PRESETS["gemma-3-1b"]
+    assert (spec.window, spec.pattern, spec.windowed_layers()) == (512, 6, 22)   # 26 layers, 4 global
+    assert spec.windowed_layers(0, 6) == 5 and spec.windowed_layers(6, 13) == 6
+    assert spec.window_share(511) == 0.0 and spec.window_share(4096) == pytest.approx(22 / 26)
+
+
+@pytest.mark.parametrize("cfg", [
+    {"model_type": "gemma", **TINY},
+    {"model_type": "gemma3_text", **TINY, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    {"model_type": "gemma3_text", **TINY, "num_hidden_layers": 7, "sliding_window_pattern": 3},
+    {"model_type": "gemma3_text", **TINY, "num_hidden_layers": 7},          # the default pattern, 6
+])
+def test_a_gemma_config_json_is_the_model_transformers_builds(tmp_path, cfg):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = resolve_model(str(tmp_path))
+    built = transformers.AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(built)
+    assert sum(p.numel() for p in model.parameters()) == spec.params
+    assert sorted(tuple(p.shape) for p in model.parameters()) == sorted(spec.weight_shapes())
+    ours = transformers.AutoConfig.for_model(**spec.hf_config())
+    assert getattr(ours, "layer_types", None) == getattr(built, "layer_types", None)
+    if cfg["model_type"] == "gemma3_text":
+        assert spec.windowed_layers() == built.layer_types.count("sliding_attention")
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),     # no Gemma 3 layout
+    ({"sliding_window": None}, "sliding_window"),
+    ({"num_attention_heads": 6}, "heads"),        # Gemma3TextConfig wants hidden % heads == 0
+])
+def test_gemma3_configs_it_cannot_model_are_one_line_errors(extra, field):
+    with pytest.raises(FrenzyInputError) as e:
+        resolve_model({"model_type": "gemma3_text", **TINY, **extra})
+    assert e.value.field in (field, f"model.{field}")
+    assert "\n" not in str(e.value)
+
+
+def _saved_in_blocks(cfg: dict, lora: bool, first: int = 0) -> int:
+    """Bytes autograd saves inside the decoder blocks ``first..`` of a pure-bf16 model (storages
+    counted once; not the weights, nor the per-sequence rotary tables, whose batch is 1)."""
+    import peft
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg, attn_implementation="sdpa")).to(torch.bfloat16)
+    if lora:
+        m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    m.train()
+    inner = m.base_model.model if lora else m
+    inside, saved = [False], {}
+    for layer in inner.model.layers[first:]:
+        layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+
+    def pack(t):
+        if inside[0] and t.dim() > 1 and t.shape[0] == B:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, cfg["vocab_size"], (B, S))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(input_ids=ids, labels=ids)
+    return sum(saved.values())
+
+
+def _estimated_in_blocks(cfg: dict, lora: bool, blocks: int) -> float:
+    """The estimate's bytes for ``blocks`` of the model's blocks, the same tensors."""
+    from estimator.memory import _lora_activation_delta, layer_activation_bytes, validate_knobs, window_mask_bytes
+
+    spec = resolve_model(cfg)
+    per_token = (sum(layer_activation_bytes(spec, S, 2.0, False, "flash", "none"))
+                 + window_mask_bytes(spec, S, 2.0, "flash", "none", True))
+    if lora:
+        k = validate_knobs(spec, seq_len=S, finetune="lora", lora_targets=["q_proj", "v_proj"], lora_dropout=0.0)
+        per_token += sum(_lora_activation_delta(spec, k, 2.0, 1.0))
+    return per_token * B * S * blocks
+
+
+@pytest.mark.parametrize("cfg", [
+    {"model_type": "gemma", **TINY},
+    # layer 0 attends through a window the sequence reaches (mask, k / v repeated), layer 1 globally
+    {"model_type": "gemma3_text", **TINY, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    {"model_type": "gemma3_text", **TINY, "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
+])
+def test_gemma_blocks_save_what_the_estimate_counts(cfg):
+    """Gemma's norms scale in fp32 before the cast (an fp32 normalised copy where Llama keeps a
+    16-bit one); Gemma 3 adds post-sublayer norms, per-head q/k norms of the same kind, and a
+    sliding window on its local layers only. Against the Llama of the same dimensions, the
+    blocks save exactly the bytes the estimate adds."""
+    pytest.importorskip("transformers")
+    llama = {**TINY, "model_type": "llama"}
+    hooks = _saved_in_blocks(cfg, False) - _saved_in_blocks(llama, False)
+    assert hooks > 0
+    assert _estimated_in_blocks(cfg, False, 2) - _estimated_in_blocks(llama, False, 2) == hooks
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text"])
+def test_gemma_blocks_under_lora_save_what_the_estimate_counts(model_type):
+    """Under LoRA the frozen norm weights keep no fp32 normalised copy. Block 1 only: in block 0
+    the frozen k projection's output needs no gradient yet, so its k norm saves nothing (the
+    estimate counts every block as a later one, a few bytes over)."""
+    pytest.importorskip("peft")
+    cfg = {"model_type": model_type, **TINY, "sliding_window": 64}
+    cfg.pop("sliding_window") if model_type == "gemma" else None
+    llama = {**TINY, "model_type": "llama"}
+    hooks = _saved_in_blocks(cfg, True, first=1) - _saved_in_blocks(llama, True, first=1)
+    assert _estimated_in_blocks(cfg, True, 1) - _estimated_in_blocks(llama, True, 1) == hooks
+
+
+def test_a_gemma3_estimate_charges_masks_to_its_windowed_layers_only():
+    """At a sequence past the window, the SDPA mask and the repeated k / v are charged to the
+    windowed share of the layers: a model whose every layer is windowed (pattern above the
+    layer count) holds more than the same model with every other layer global."""
+    kw = dict(arch="llama", layers=4, hidden=256, heads=4, kv_heads=1, ffn=512, vocab=1000,
+              hf_model_type="gemma3_text", sliding_window=512)
+    every = estimate(model=dict(kw, window_pattern=5), seq_len=4096)
+    half = estimate(model=dict(kw, window_pattern=2), seq_len=4096)
+    short = estimate(model=dict(kw, window_pattern=2), seq_len=256)
+    assert every.allocated_peak_gib > half.allocated_peak_gib
+    assert any("sliding window" in w for w in half.warnings)
+    assert not any("sliding window" in w for w in short.warnings)
