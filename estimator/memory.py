@@ -524,7 +524,7 @@ def _layer_vector_params(spec: ModelSpec) -> int:
     h, f = spec.hidden, spec.f
     q, kv = spec.heads * spec.d_head, spec.n_kv * spec.d_head
     if spec.arch == "llama":
-        return ((4 if spec.sandwich_norms else 2) * h
+        return (spec.norms_per_layer * h
                 + ((q + 2 * kv + (h if spec.has_o_bias else 0)) if spec.has_qkv_bias else 0)
                 + (2 * spec.d_head if spec.has_qk_norm else 0))
     return 4 * h + q + 2 * kv + h + f + h
@@ -549,13 +549,16 @@ def _cpu_sem(c: float) -> _Sem:
 def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attention: str,
                            act_ckpt: str, sem: _Sem = CUDA_SEM, *, compiled: bool = False,
                            repeat_kv: bool = False, hf_models: bool = True,
-                           score_clamp: bool = False, ulysses: bool = False) -> tuple[float, float]:
+                           score_clamp: bool = False, ulysses: bool = False,
+                           window_share: float | None = None) -> tuple[float, float]:
     """Bytes per token one block saves for backward: (replicated under TP, sharded under TP).
 
     ``c``: compute dtype bytes (2 for 16-bit, 4 for fp32); ``amp``: fp32 weights + autocast
     (residual stream in fp32, one 16-bit cast of a norm output per consuming linear);
     ``ulysses``: sequence parallel through DeepSpeed Ulysses (cp > 1), per token of the rank's
-    slice (``s`` stays the whole sequence: each rank attends over all of it for heads / cp)."""
+    slice (``s`` stays the whole sequence: each rank attends over all of it for heads / cp);
+    ``window_share``: the share of the block's layers attending through a window
+    (``ModelSpec.window_share``; default the whole model's)."""
     h, f, a = spec.hidden, spec.f, spec.heads
     q = a * spec.d_head
     kvd = spec.n_kv * spec.d_head
@@ -579,7 +582,8 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
         # SDPA grouped k / v (``use_gqa_in_sdpa`` wants none): in the share of layers that
         # attend through a window (Gemma 3: not its global ones). The mask itself:
         # ``window_mask_bytes``
-        repeated = 1.0 if repeat_kv else (spec.window_share(s) if hf_models else 0.0)
+        share = spec.window_share(s) if window_share is None else window_share
+        repeated = 1.0 if repeat_kv else (share if hf_models else 0.0)
         attn = c * (q + 2 * (kvd + repeated * (q - kvd))) + 4.0 * a + c * q
         if ulysses:
             # Without cp the inventory above has one output tensor for SDPA's saved output and the
@@ -663,7 +667,7 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
 
 
 def window_mask_bytes(spec: ModelSpec, s: int, c: float, attention: str, act_ckpt: str, hf_models: bool,
-                      cuda: bool = True) -> float:
+                      cuda: bool = True, share: float | None = None) -> float:
     """Bytes per token one block keeps of SDPA's explicit sliding-window mask, beside
     ``layer_activation_bytes``'s inventory: where a Hugging Face model's window is reached,
     it passes SDPA a boolean ``b x 1 x s x s`` mask, which SDPA converts to an additive one in
@@ -671,13 +675,14 @@ def window_mask_bytes(spec: ModelSpec, s: int, c: float, attention: str, act_ckp
     tp rank and under sequence parallelism too (attention sees the whole sequence of all its
     heads). None under selective checkpointing (the attention core, mask included, is
     recomputed: one alive at a time) or where fp32 grouped-query attention runs CUDA's math
-    kernel. Traced on the CPU (saved-tensor hooks); CUDA's memory-efficient kernel is handed the
+    kernel. ``share``: of the block's layers, those with a window (``ModelSpec.window_share``;
+    default the whole model's). Traced on the CPU (saved-tensor hooks); CUDA's memory-efficient kernel is handed the
     same converted bias (not measured on a GPU here; ``analytic_estimate`` warns)."""
     if attention != "flash" or not hf_models or not spec.window_reached(s) or act_ckpt == "selective":
         return 0.0
     if c == 4 and spec.n_kv < spec.heads and cuda:
         return 0.0
-    return c * s * spec.window_share(s)          # per layer, averaged over the windowed share
+    return c * s * (spec.window_share(s) if share is None else share)     # per layer, over the windowed share
 
 
 def layer_backward_transient(spec: ModelSpec, s: int, c: float, attention: str, tp: int) -> float:
@@ -783,11 +788,14 @@ def _loss_terms(spec: ModelSpec, k: Knobs, prof: Profile, c: float, amp: bool) -
     return held, bwd
 
 
-def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float) -> tuple[float, float]:
+def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float,
+                           compiled: bool = False) -> tuple[float, float]:
     """Per token and block: (replicated, sharded) bytes LoRA changes. Frozen projections keep
     no input for a weight gradient, frozen norm weights no normalised copy; each adapter saves
     its A output, and the input its A matrix saw: the tensor the norm produced when nothing
-    copies it (16-bit adapters, no dropout), else a copy of its own (``_adapter_input_bytes``)."""
+    copies it (16-bit adapters, no dropout), else a copy of its own (``_adapter_input_bytes``).
+    ``compiled``: the norms are fused (``layer_activation_bytes``' compiled inventory keeps no
+    normalised copy to take off)."""
     h, f, r = spec.hidden, spec.f, k.lora_rank
     t = set(k.lora_targets)
     names = lora_projections(spec)
@@ -801,13 +809,16 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float) -
     if spec.arch == "llama":
         # normalised copies (frozen weights): Gemma's are fp32, and it has four norms a block
         # with ``sandwich_norms``
-        rep = -(4 if spec.sandwich_norms else 2) * 4.0 * h if spec.gemma_norms else -2 * c * h
+        if compiled:
+            rep = 0.0
+        else:
+            rep = -spec.norms_per_layer * 4.0 * h if spec.gemma_norms else -2 * c * h
         if not (keeps and t & {"q_proj", "k_proj", "v_proj"}):
             rep -= c * h                                        # attention-norm output unsaved
         if not (keeps and t & {"gate_proj", "up_proj"}):
             rep -= c * h                                        # mlp-norm output unsaved
         shard = adapters - (0.0 if keeps and "down_proj" in t else c * f)  # down_proj input
-        if spec.has_qk_norm:                                    # q/k norms' normalised copies
+        if spec.has_qk_norm and not compiled:                   # q/k norms' normalised copies
             shard -= (4.0 if spec.gemma_norms else c) * (spec.heads + spec.n_kv) * spec.d_head
         return rep, shard
     if spec.arch == "opt":
@@ -840,7 +851,7 @@ def _adapter_input_bytes(k: Knobs, c: float, mask_b: float) -> float:
 def _shape_terms(spec: ModelSpec, t: int, optimizer: str, s: int, c: float, act_amp: bool,
                  attention: str, act_ckpt: str, cpu: bool, fused: bool, repeat_kv: bool,
                  hf_models: bool, score_clamp: bool, ulysses: bool = False, lora_rank: int = 0,
-                 lora_targets: tuple[str, ...] = ()) -> tuple:
+                 lora_targets: tuple[str, ...] = (), *, window_share: float = 0.0) -> tuple:
     """The per-shape facts stage_peaks needs, one cache lookup (the model is hashed once, not
     per fact): parameter split, optimizer-state bytes per trainable parameter, the block's
     activation inventory and backward temporaries; then the model's dimensions it reads
@@ -849,7 +860,7 @@ def _shape_terms(spec: ModelSpec, t: int, optimizer: str, s: int, c: float, act_
     sem = _cpu_sem(c) if cpu else CUDA_SEM
     rep, shard = layer_activation_bytes(spec, s, c, act_amp, attention, act_ckpt, sem,
                                         compiled=fused, repeat_kv=repeat_kv, hf_models=hf_models,
-                                        score_clamp=score_clamp, ulysses=ulysses)
+                                        score_clamp=score_clamp, ulysses=ulysses, window_share=window_share)
     st_b = _state_bytes_per_param(spec, optimizer, lora_rank, lora_targets)
     cross_block = spec.cross_attn_params() / spec.layers if spec.cross_attn_layers else 0.0
     return (*_param_split(spec, t), st_b, rep, shard,
@@ -933,6 +944,9 @@ def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> _St
     master = c < 4 and not amp and not pure
     lora = k.finetune != "full"
     act_amp = amp and not lora                 # a LoRA base is loaded in 16 bits
+    # the share of a stage's blocks attending through a sliding window (pipeline chunks: the
+    # largest; full checkpointing's one live block: a windowed one where there is any)
+    share = spec.window_share(k.seq_len, k.pp * k.vpp, k.act_ckpt == "full")
     sem = _cpu_sem(c) if cpu else CUDA_SEM
     N = k.dp * k.cp                                   # ZeRO sharding degree
     t = k.tp
@@ -950,7 +964,7 @@ def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> _St
     (layer_p, emb_p, head_p, largest, st_b, rep, shard, transient_tok,
      h, V, e, f, tied, arch, positions, dropout, cross_block) = _shape_terms(
         spec, t, optimizer, k.seq_len, c, act_amp, k.attention, k.act_ckpt, cpu, k.fused,
-        prof.repeat_kv, prof.hf_models, k.score_clamp, k.cp > 1, *_lora_key(k))
+        prof.repeat_kv, prof.hf_models, k.score_clamp, k.cp > 1, *_lora_key(k), window_share=share)
     if pure and optimizer in ("adam", "adamw", "sgd"):
         st_b *= c / 4.0                                # states in the parameters' dtype
     # torch's foreach Adam/AdamW materialises sqrt(v): one state-sized copy; fused kernels none.
@@ -975,11 +989,12 @@ def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> _St
     largest_tensor = max(head_w, h * f / t)
 
     if lora:
-        d_rep, d_shard = _lora_activation_delta(spec, k, c, sem.mask_bytes)
+        d_rep, d_shard = _lora_activation_delta(spec, k, c, sem.mask_bytes, compiled=k.fused and not act_amp)
         rep, shard = rep + d_rep, shard + d_shard
     sp_div = t if k.sp else 1                          # sequence parallelism shards the rest
     per_layer_tok = ((rep / t if k.sp else rep) + shard / t
-                     + window_mask_bytes(spec, k.seq_len, c, k.attention, k.act_ckpt, prof.hf_models, not cpu))
+                     + window_mask_bytes(spec, k.seq_len, c, k.attention, k.act_ckpt, prof.hf_models, not cpu,
+                                         share))
     r = 4.0 if act_amp else c
     ckpt_keep_tok = r * h / sp_div                    # full ckpt keeps the block input
     held_b, bwd_loss_b = _loss_terms(spec, k, prof, c, act_amp)
@@ -1464,7 +1479,8 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
     if spec.window_reached(k.seq_len) and k.attention == "flash" and get_profile(k.framework).hf_models:
         notes.append(f"{spec.name}'s sliding window ({spec.window} tokens) is not longer than seq_len: SDPA "
                      f"attends through an explicit {k.seq_len} x {k.seq_len} mask with k / v repeated to every "
-                     "head (their memory counted as traced on the CPU, not measured on a GPU)")
+                     f"head in {spec.windowed_layers()} of its {spec.layers} layers (their memory counted as traced "
+                     f"on the CPU, not measured on a GPU)")
     if k.fused and spec.arch not in ("llama", "gpt"):
         notes.append(f"fused_kernels change only llama/gpt block inventories; {spec.arch} is modelled eager")
     name = getattr(g, "name", None)

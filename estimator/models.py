@@ -38,6 +38,12 @@ SANDWICH_NORM_TYPES = ("gemma3_text",)
 # the types whose config's sliding_window the built model applies: Mistral to every layer,
 # Gemma 3 to all but every ``window_pattern``-th
 WINDOW_TYPES = ("mistral", "gemma3_text")
+
+
+def gemma3_layer_types(layers: int, pattern: int) -> tuple[str, ...]:
+    """Gemma 3's layer layout: every ``pattern``-th layer attends globally, the others through
+    the sliding window (Gemma3TextConfig's ``sliding_window_pattern`` rule)."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers))
 # The fields a spec's hash covers: the ones that tell models apart. Equal specs agree on them,
 # so the hash stays consistent with ==; specs that differ elsewhere only (dropout, ...) meet
 # in one bucket and == tells them apart. (Specs key the estimator's caches on every estimate:
@@ -89,6 +95,10 @@ class ModelSpec(BaseModel):
     window_pattern: int | None = Field(None, description="Gemma 3: every n-th layer attends globally, the "
                                                          "others through the sliding window (the config's "
                                                          "sliding_window_pattern; default 6)")
+    query_pre_attn_scalar: int | None = Field(None, description="Gemma 3: attention scores scale by its "
+                                                                "inverse square root (default 256)")
+    rope_local_theta: float | None = Field(None, description="Gemma 3: the rotary base of the sliding-window "
+                                                             "layers (default 10,000)")
 
     def __hash__(self) -> int:
         return hash(_HASH_FIELDS(self.__dict__))
@@ -99,7 +109,8 @@ class ModelSpec(BaseModel):
         # Name the field and the rule before pydantic's generic messages.
         if isinstance(data, dict):
             for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_dim",
-                        "max_positions", "embed_dim", "type_vocab", "sliding_window", "window_pattern"):
+                        "max_positions", "embed_dim", "type_vocab", "sliding_window", "window_pattern",
+                    "query_pre_attn_scalar"):
                 v = data.get(key)
                 if v is None:
                     continue
@@ -133,8 +144,9 @@ class ModelSpec(BaseModel):
             raise FrenzyInputError("kv_heads", "bert has no grouped-query attention (kv_heads == heads)")
         if self.model_type == "mistral" and self.qkv_bias:
             raise FrenzyInputError("qkv_bias", "mistral has no attention biases (MistralConfig builds none)")
-        if self.window_pattern is not None and self.model_type != "gemma3_text":
-            raise FrenzyInputError("window_pattern", "only gemma3_text alternates sliding and global layers")
+        for key in ("window_pattern", "query_pre_attn_scalar", "rope_local_theta"):
+            if getattr(self, key) is not None and self.model_type != "gemma3_text":
+                raise FrenzyInputError(key, "only gemma3_text has it")
         if self.model_type == "gemma3_text" and self.hidden % self.heads:
             # Gemma3TextConfig refuses it whatever head_dim says
             raise FrenzyInputError("heads", f"must divide hidden for gemma3_text ({self.hidden} % {self.heads} != 0)")
@@ -196,34 +208,52 @@ class ModelSpec(BaseModel):
         return self.sliding_window if self.model_type in WINDOW_TYPES else None
 
     def window_reached(self, seq_len: int) -> bool:
-        """Whether sequences of ``seq_len`` reach the window (of any layer): Hugging Face then
-        attends through an explicit mask (shorter ones take SDPA's is_causal path)."""
+        """Whether sequences of ``seq_len`` reach the window of some layer: Hugging Face then
+        attends through an explicit mask there (shorter ones take SDPA's is_causal path)."""
         w = self.window
-        return w is not None and seq_len >= w
+        return w is not None and seq_len >= w and self.windowed_layers() > 0
 
     @property
-    def pattern(self) -> int | None:
-        """Every ``pattern``-th layer attends globally (Gemma 3; default 6), or None: every
-        layer through the window (Mistral)."""
+    def layer_types(self) -> tuple[str, ...] | None:
+        """Gemma 3's per-layer attention (``gemma3_layer_types``; default pattern 6), or None:
+        every layer alike."""
         if self.model_type != "gemma3_text":
             return None
-        return self.window_pattern or 6
+        return gemma3_layer_types(self.layers, self.window_pattern or 6)
 
     def windowed_layers(self, lo: int = 0, hi: int | None = None) -> int:
-        """How many of the layers ``lo..hi-1`` attend through the window (the config's
-        ``layer_types``: layer i is global when (i + 1) % pattern == 0)."""
+        """How many of the layers ``lo..hi-1`` attend through the window."""
         hi = self.layers if hi is None else hi
         if self.window is None:
             return 0
-        p = self.pattern
-        return hi - lo if p is None else (hi - lo) - (hi // p - lo // p)
+        types = self.layer_types
+        return hi - lo if types is None else types[lo:hi].count("sliding_attention")
 
-    def window_share(self, seq_len: int) -> float:
-        """The share of layers that attend through an explicit mask at ``seq_len`` (0 where
-        the window is longer than the sequence)."""
+    def window_share(self, seq_len: int, chunks: int = 1, whole_layer: bool = False) -> float:
+        """The share of a stage's layers that attend through an explicit mask at ``seq_len``
+        (0 where the window is longer than the sequence). One stage (``chunks`` 1): the model's
+        share; cut into ``chunks`` pipeline chunks (pp x vpp): the largest chunk's, so no stage
+        is charged less than it holds; ``whole_layer``: the bytes of one block alive at a time
+        (full checkpointing's recomputed block), a windowed one where there is any."""
         if not self.window_reached(seq_len):
             return 0.0
-        return self.windowed_layers() / self.layers
+        if whole_layer:
+            return 1.0
+        if chunks <= 1:
+            return self.windowed_layers() / self.layers
+        base, extra = divmod(self.layers, chunks)
+        shares, lo = [], 0
+        for i in range(chunks):
+            hi = lo + base + (1 if i < extra else 0)
+            if hi > lo:
+                shares.append(self.windowed_layers(lo, hi) / (hi - lo))
+            lo = hi
+        return max(shares)
+
+    @property
+    def norms_per_layer(self) -> int:
+        """A block's hidden-wide norms: two, four with ``sandwich_norms``."""
+        return 4 if self.sandwich_norms else 2
 
     @property
     def gemma_norms(self) -> bool:
@@ -268,7 +298,7 @@ class ModelSpec(BaseModel):
             if self.has_qkv_bias:
                 attn += q + 2 * kv + (h if self.has_o_bias else 0)
             mlp = 3 * h * f
-            norms = (4 if self.sandwich_norms else 2) * h + (2 * dh if self.has_qk_norm else 0)
+            norms = self.norms_per_layer * h + (2 * dh if self.has_qk_norm else 0)
         else:  # gpt2 / opt / bert: biases everywhere, LayerNorm weight + bias
             attn = h * q + 2 * h * kv + q * h + q + 2 * kv + h
             mlp = (3 * h * f + 2 * f + h) if self.gated else (2 * h * f + f + h)
@@ -420,9 +450,11 @@ class ModelSpec(BaseModel):
             d["pad_token_id"], d["bos_token_id"], d["eos_token_id"] = 0, min(2, V - 1), min(1, V - 1)
         if t == "gemma3_text":
             d["sliding_window"] = self.sliding_window
-            d["layer_types"] = ["full_attention" if (i + 1) % self.pattern == 0 else "sliding_attention"
-                                for i in range(self.layers)]
-            d["query_pre_attn_scalar"] = self.d_head
+            d["layer_types"] = list(self.layer_types)
+            if self.query_pre_attn_scalar is not None:
+                d["query_pre_attn_scalar"] = self.query_pre_attn_scalar
+            if self.rope_local_theta is not None:
+                d["rope_local_base_freq"] = self.rope_local_theta
             d["final_logit_softcapping"] = d["attn_logit_softcapping"] = None
         if self.rope_theta is not None:
             d["rope_theta"] = self.rope_theta
@@ -565,11 +597,17 @@ def _gemma3_pattern(cfg: dict[str, Any]) -> int | None:
     ``sliding_window_pattern`` builds), else ``sliding_window_pattern`` (default 6)."""
     types = cfg.get("layer_types")
     if types is None:
-        return cfg.get("sliding_window_pattern", 6)
+        p = cfg.get("sliding_window_pattern", 6)
+        if type(p) is not int or p < 1:
+            raise FrenzyInputError("sliding_window_pattern", f"must be a positive integer, got {p!r}")
+        return p
     if not isinstance(types, list) or any(t not in ("full_attention", "sliding_attention") for t in types):
         raise FrenzyInputError("layer_types", "must be a list of full_attention / sliding_attention")
+    if len(types) != cfg.get("num_hidden_layers"):
+        raise FrenzyInputError("layer_types", f"must name num_hidden_layers ({cfg.get('num_hidden_layers')}) "
+                                              f"layers, got {len(types)}")
     for p in range(1, len(types) + 2):
-        if types == ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(len(types))]:
+        if tuple(types) == gemma3_layer_types(len(types), p):
             return p
     raise FrenzyInputError("layer_types", "must make every n-th layer global and the others sliding "
                                           "(the layouts Gemma 3 publishes)")
@@ -615,7 +653,7 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                 raise FrenzyInputError("head_dim", f"must be an integer in a {t} config.json "
                                                    f"(its config class refuses null)")
             for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-                if t in GEMMA_TYPES and cfg.get(key) is not None:
+                if t == "gemma3_text" and cfg.get(key) is not None:
                     raise FrenzyInputError(key, f"must be null: soft-capped {t} logits are not modelled")
             if t in GEMMA_TYPES and cfg.get("use_bidirectional_attention"):
                 raise FrenzyInputError("use_bidirectional_attention", "must be false: Frenzy trains causal LMs")
@@ -623,6 +661,10 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             h_, a_ = g("hidden_size"), g("num_attention_heads")
             derived = h_ // a_ if type(h_) is int and type(a_) is int and a_ > 0 else None
             rope = g("rope_parameters") if isinstance(g("rope_parameters"), dict) else {}
+            # Gemma 3 in transformers 5: a rotary base per layer type
+            local_rope = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), dict) else {}
+            if isinstance(rope.get("full_attention"), dict):
+                rope = rope["full_attention"]
             return ModelSpec(name=name, arch="llama", layers=g("num_hidden_layers"),
                              hidden=h_, heads=a_,
                              # each config's own default when the key is absent (null: all heads)
@@ -639,7 +681,10 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                              # Mistral's and Gemma 3's default window when the key is absent
                              # (null: none, for Mistral)
                              sliding_window=g("sliding_window", 4096) if t in WINDOW_TYPES else None,
-                             window_pattern=_gemma3_pattern(cfg) if t == "gemma3_text" else None)
+                             window_pattern=_gemma3_pattern(cfg) if t == "gemma3_text" else None,
+                             query_pre_attn_scalar=g("query_pre_attn_scalar") if t == "gemma3_text" else None,
+                             rope_local_theta=((g("rope_local_base_freq") or local_rope.get("rope_theta"))
+                                               if t == "gemma3_text" else None))
     except ValidationError as err:
         raise _input_error(err, "model.") from None
     except TypeError as err:
@@ -737,7 +782,9 @@ def model_from_kwargs(model: Any = None, **dims: Any) -> ModelSpec:
         if given:   # explicit dimensions override the preset's
             base = spec.model_dump(exclude_none=True)
             if given.get("arch", spec.arch) != spec.arch:
-                base.pop("hf_model_type", None)     # another arch builds its own model type
+                # another arch builds its own model type, without the type's own switches
+                for key in ("hf_model_type", "window_pattern", "query_pre_attn_scalar", "rope_local_theta"):
+                    base.pop(key, None)
             try:
                 spec = ModelSpec(**{**base, **given})
             except ValidationError as err:

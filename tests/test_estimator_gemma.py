@@ -31,9 +31,52 @@ def test_gemma_presets_have_the_published_parameter_counts(name):
 
 def test_gemma3_presets_alternate_five_windowed_layers_with_one_global():
     spec = PRESETS["gemma-3-1b"]
-    assert (spec.window, spec.pattern, spec.windowed_layers()) == (512, 6, 22)   # 26 layers, 4 global
+    assert (spec.window, spec.window_pattern, spec.windowed_layers()) == (512, 6, 22)   # 26 layers, 4 global
     assert spec.windowed_layers(0, 6) == 5 and spec.windowed_layers(6, 13) == 6
     assert spec.window_share(511) == 0.0 and spec.window_share(4096) == pytest.approx(22 / 26)
+    # pipeline chunks (7, 7, 6, 6 layers, one global each): the largest chunk's share, so no
+    # stage is charged less than it holds;
+    # full checkpointing's one live block: a windowed one
+    assert spec.window_share(4096, chunks=4) == 6 / 7 and spec.window_share(4096, whole_layer=True) == 1.0
+
+
+def test_a_pipeline_stage_is_charged_the_windowed_layers_it_holds():
+    """Four layers on four stages: stage 0 holds the same windowed layer 0 whether the model's
+    other layers are windowed or global, so its peak is the same."""
+    kw = dict(arch="llama", layers=4, hidden=1024, heads=8, kv_heads=1, ffn=2048, vocab=1000,
+              hf_model_type="gemma3_text", sliding_window=512)
+    peaks = [estimate(model=dict(kw, window_pattern=p), seq_len=8192, pp=4, grad_accum=4).stages[0].allocated_peak_gib
+             for p in (2, 5)]
+    assert peaks[0] == peaks[1]
+
+
+def test_a_gemma3_whose_layers_are_all_global_has_no_window_to_reach():
+    cfg = {"model_type": "gemma3_text", **TINY, "sliding_window": 8, "layer_types": ["full_attention"] * 2}
+    spec = resolve_model(cfg)
+    assert spec.windowed_layers() == 0 and not spec.window_reached(64)
+    e = estimate(model=cfg, seq_len=64, cp=2)           # Ulysses drops no mask: not refused
+    assert not any("sliding window" in w for w in e.warnings)
+
+
+def test_an_arch_beside_a_gemma3_preset_builds_its_own_model():
+    from estimator.models import model_from_kwargs
+
+    spec = model_from_kwargs("gemma-3-1b", arch="gpt")
+    assert spec.model_type == "gpt2" and spec.window_pattern is None
+
+
+def test_compiled_norms_under_lora_take_off_no_copy_they_never_had():
+    """The fused (compiled) norm inventory keeps no normalised copy, so LoRA has none to take
+    off: a block's replicated bytes stay those of the norms' inputs, rstd and outputs."""
+    from estimator.memory import _lora_activation_delta, layer_activation_bytes, validate_knobs
+
+    for name in ("gemma-3-1b", "gemma-2b", "llama-3.2-1b"):
+        spec = resolve_model(name)
+        k = validate_knobs(spec, seq_len=2048, finetune="lora", lora_targets=["q_proj", "v_proj"],
+                           fused_kernels=True, framework="deepspeed")
+        rep, _ = layer_activation_bytes(spec, 2048, 2.0, False, "flash", "none", compiled=True)
+        d_rep, _ = _lora_activation_delta(spec, k, 2.0, 1.0, compiled=True)
+        assert rep + d_rep > 0
 
 
 @pytest.mark.parametrize("cfg", [
@@ -41,6 +84,10 @@ def test_gemma3_presets_alternate_five_windowed_layers_with_one_global():
     {"model_type": "gemma3_text", **TINY, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
     {"model_type": "gemma3_text", **TINY, "num_hidden_layers": 7, "sliding_window_pattern": 3},
     {"model_type": "gemma3_text", **TINY, "num_hidden_layers": 7},          # the default pattern, 6
+    # the attention scale and both rotary bases, in either spelling
+    {"model_type": "gemma3_text", **TINY, "query_pre_attn_scalar": 24, "rope_theta": 5e5, "rope_local_base_freq": 2e4},
+    {"model_type": "gemma3_text", **TINY, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e5},
+                                                             "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}},
 ])
 def test_a_gemma_config_json_is_the_model_transformers_builds(tmp_path, cfg):
     torch = pytest.importorskip("torch")
@@ -53,7 +100,9 @@ def test_a_gemma_config_json_is_the_model_transformers_builds(tmp_path, cfg):
     assert sum(p.numel() for p in model.parameters()) == spec.params
     assert sorted(tuple(p.shape) for p in model.parameters()) == sorted(spec.weight_shapes())
     ours = transformers.AutoConfig.for_model(**spec.hf_config())
-    assert getattr(ours, "layer_types", None) == getattr(built, "layer_types", None)
+    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters", "head_dim",
+                "tie_word_embeddings"):
+        assert getattr(ours, key, None) == getattr(built, key, None), key
     if cfg["model_type"] == "gemma3_text":
         assert spec.windowed_layers() == built.layer_types.count("sliding_attention")
 
@@ -65,6 +114,8 @@ def test_a_gemma_config_json_is_the_model_transformers_builds(tmp_path, cfg):
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),     # no Gemma 3 layout
     ({"sliding_window": None}, "sliding_window"),
     ({"num_attention_heads": 6}, "heads"),        # Gemma3TextConfig wants hidden % heads == 0
+    ({"layer_types": ["sliding_attention"] * 3}, "layer_types"),                # not one per layer
+    ({"sliding_window_pattern": None}, "sliding_window_pattern"),
 ])
 def test_gemma3_configs_it_cannot_model_are_one_line_errors(extra, field):
     with pytest.raises(FrenzyInputError) as e:

@@ -393,18 +393,6 @@ def test_gemma_autotp_is_refused_and_its_pipeline_runs(tmp_path):
     assert_matches(res.losses, ref.losses)
 
 
-def test_tied_weights_one_storage_is_written_as_two():
-    """Consolidated weights of a tensor-parallel run whose head and embedding are one tensor."""
-    import torch
-
-    from trainer.train import unshared
-
-    t = torch.arange(6.0).reshape(2, 3)
-    out = unshared({"embed": t, "head": t, "other": torch.ones(2)})
-    assert out["embed"] is t and out["head"] is not t and torch.equal(out["head"], t)
-    assert out["head"].untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-
-
 def grad_norms(run_dir) -> list[float]:
     """The ``grad_norm`` of every step line in a run's first attempt log."""
     from trainer.loglines import parse_line

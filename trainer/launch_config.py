@@ -126,9 +126,9 @@ def check_tp_model(plan: Plan, model_type: str | None) -> None:
     """A ``tp > 1`` plan without pipeline stages runs DeepSpeed's AutoTP, which must shard the
     model's embedding like every other matrix."""
     if plan.tp > 1 and plan.pp == 1 and model_type in AUTOTP_WHOLE_EMBEDDING_TYPES:
-        raise FrenzyInputError("plan.tp", f"DeepSpeed AutoTP keeps a {model_type} model's tied embedding and head "
-                                          f"whole on every rank: use tp with pp >= 2 (the pipeline's tensor "
-                                          f"parallel shards it) or ZeRO")
+        raise FrenzyInputError("plan.tp", f"DeepSpeed AutoTP keeps a {model_type} model's embedding (and a head "
+                                          f"tied to it) whole on every rank: use tp with pp >= 2 (the pipeline's "
+                                          f"tensor parallel shards it) or ZeRO")
 
 
 def accelerate_config(plan: Plan, *, num_machines: int = 1, machine_rank: int = 0,

@@ -611,28 +611,13 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, fmt: dict[str, Any], 
         if main:
             from safetensors.torch import save_file
 
-            save_file(unshared({k: v.detach().contiguous().cpu() for k, v in state.items()}),
-                      str(path / ck.CONSOLIDATED))
+            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / ck.CONSOLIDATED))
     accelerator.wait_for_everyone()                   # every rank has written its shard
     if main:
         (path / ck.MARKER).write_text(json.dumps({"step": step, "format": fmt, "time": time.time()}))
         ck.prune(run_dir, keep=2)
         emit("FRENZY_CHECKPOINT", {"step": step, "dir": str(path), "save_s": round(time.perf_counter() - t0, 4)})
     accelerator.wait_for_everyone()
-
-
-def unshared(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with every tensor its own storage: tied weights that tensor parallelism left
-    whole (AutoTP keeps Gemma's tied head and embedding one tensor; it shards Llama's head apart)
-    are one storage under two names, which safetensors refuses to write. Each name keeps its
-    values, so the file loads into either layout."""
-    seen: set[int] = set()
-    out = {}
-    for k, v in state.items():
-        ptr = v.untyped_storage().data_ptr()
-        out[k] = v.clone() if ptr in seen else v
-        seen.add(ptr)
-    return out
 
 
 ADAPTER_STATE = "adapter_state.safetensors"

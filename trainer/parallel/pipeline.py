@@ -126,6 +126,7 @@ def build_stage_module(model, stage: int, pp: int):
             self.embed_tokens = inner.embed_tokens if first else None
             self.layers = torch.nn.ModuleList(inner.layers[lo:hi])
             self.rotary_emb = inner.rotary_emb
+            self.rotary_per_type = rotary_per_type(inner.rotary_emb)
             self.norm = inner.norm if last else None
             self.lm_head = model.lm_head if last else None
             self.config = model.config
@@ -139,7 +140,7 @@ def build_stage_module(model, stage: int, pp: int):
             pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
             masks = layer_masks(self.config, lo, hi, inputs_embeds=h, attention_mask=None, cache=None,
                                 position_ids=pos)
-            pes = layer_rotary(self.rotary_emb, self.config, lo, hi, h, pos)
+            pes = layer_rotary(self.rotary_emb, self.rotary_per_type, self.config, lo, hi, h, pos)
             for layer, mask, pe in zip(self.layers, masks, pes):
                 h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos)
             if last:
@@ -170,13 +171,19 @@ def layer_masks(config, lo: int, hi: int, **kw) -> list:
     return [one] * (hi - lo)
 
 
-def layer_rotary(rotary_emb, config, lo: int, hi: int, h, pos) -> list:
-    """The rotary (cos, sin) of each of the whole model's layers ``lo..hi-1``, as the model's own
-    forward makes them: one per layer type where the rotary embedding takes the type (Gemma 3:
-    its local layers rotate at another base than its global ones), else one for all."""
+def rotary_per_type(rotary_emb) -> bool:
+    """Whether the model's rotary embedding makes one (cos, sin) per layer type (Gemma 3: its
+    local layers rotate at another base than its global ones)."""
     import inspect
 
-    if "layer_type" in inspect.signature(rotary_emb.forward).parameters:
+    return "layer_type" in inspect.signature(rotary_emb.forward).parameters
+
+
+def layer_rotary(rotary_emb, per_type: bool, config, lo: int, hi: int, h, pos) -> list:
+    """The rotary (cos, sin) of each of the whole model's layers ``lo..hi-1``, as the model's own
+    forward makes them: one per layer type where the embedding takes the type
+    (``rotary_per_type``), else one for all."""
+    if per_type:
         types = config.layer_types
         made = {t: rotary_emb(h, pos, t) for t in set(types[lo:hi])}
         return [made[types[i]] for i in range(lo, hi)]
