@@ -287,6 +287,13 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
     if offload == "optimizer+params" and zero != 3:
         raise FrenzyInputError("offload", "optimizer+params needs zero 3 (parameters must be partitioned)")
     prof = get_profile(framework)
+    if spec.eager_only and prof.hf_models:
+        if attention == "flash":
+            raise FrenzyInputError("attention", f"{spec.model_type} soft-caps its attention scores, which SDPA "
+                                                f"cannot: Hugging Face runs it eager (attention: eager)")
+        if cp > 1:
+            raise FrenzyInputError("cp", f"Ulysses (cp > 1) attends through SDPA, which {spec.model_type} has "
+                                         f"not (soft-capped scores): use cp 1")
     if cp > 1 and prof.hf_models and spec.window_reached(s):
         # DeepSpeed's Ulysses wrapper hands SDPA no mask (ulysses_sp.py: attention_mask = None
         # for sdpa): the model would train without its window
@@ -413,6 +420,15 @@ def _amp_regime(prof: Profile, precision: str, master: str, zero: int, pp: int, 
 # shared by every call with the same arguments (the 30 object.__setattr__ of a frozen
 # dataclass were half of a validation's cost).
 @lru_cache(maxsize=4096, typed=True)
+def attention_for(spec: ModelSpec, attention: str, framework: str = "frenzy") -> str:
+    """The attention a job asking for ``attention`` runs: a model Hugging Face builds without
+    SDPA (``ModelSpec.eager_only``: Gemma 2) attends eager, whatever is asked (the one place
+    that says so: the estimate's and the planner's)."""
+    if attention == "flash" and spec.eager_only and get_profile(framework).hf_models:
+        return "eager"
+    return attention
+
+
 def _validated(prof: Profile | None, *args: Any) -> Knobs:
     return _validate(*args)
 
@@ -602,6 +618,9 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             attn += c * a * s
     else:   # q, k^T and v (repeated to all heads), probabilities, merged output copy (q wide)
         attn = c * 3 * q + probs + c * q
+        if spec.attn_softcap:
+            # Gemma 2 soft-caps the scores, tanh(scores / cap) x cap: tanh keeps its output
+            attn += score * a * s * c
         if score_clamp:
             # Hugging Face eager attention of 2022-2023 (OPTAttention, the first LlamaAttention:
             # transformers 4.2x) clamps the masked scores, torch.max(scores + mask,
@@ -765,11 +784,15 @@ def _loss_terms(spec: ModelSpec, k: Knobs, prof: Profile, c: float, amp: bool) -
         return 0.0, 0.0
     if k.loss == "fused-linear":               # Liger-style: logits only per chunk (fixed terms)
         return 0.0, 0.0
+    # Gemma 2 soft-caps the logits in the model's forward, tanh(logits / cap) x cap: tanh keeps
+    # its output (16-bit, one per logit) beside the capped logits, through the backward
+    # (measured on the CPU, storage by storage: +2 B per logit at the loss backward's peak)
+    cap = c if spec.logit_softcap else 0.0
     if k.loss == "fp32-logits":
         # the output keeps the fp32 logits through the backward (the 16-bit head output is
         # freed by the upcast); the loss backward adds to them the fp32 log-softmax, the nll
         # gradient and the log-softmax gradient: 4 x 4 B at its peak (2 B more than "standard")
-        return 4.0, 4 * 4.0
+        return 4.0 + cap, 4 * 4.0 + cap
     if k.loss == "chunked":
         # 16-bit logits of all chunks stay until their chunk's backward; one chunk at a time is
         # upcast (fp32 copy, log-softmax, two fp32 gradients) and its 16-bit gradient made.
@@ -785,7 +808,7 @@ def _loss_terms(spec: ModelSpec, k: Knobs, prof: Profile, c: float, amp: bool) -
         # Megatron: 16-bit logits held, fused fp32 softmax, gradient computed in place, cast
         return c, c + 4.0 + c
     held, _fwd, bwd = _loss_bytes_per_logit(spec, c, amp)
-    return held, bwd
+    return held + cap, bwd + cap
 
 
 def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float,
@@ -1426,6 +1449,8 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
                                  tied_embeddings=tied_embeddings)
     # 4096, 4096.0 and "4096" are one length (``_pos_int``): the position table follows it alike
     spec = with_positions(spec, _pos_int("seq_len", seq_len))
+    if type(framework) is str and framework in PROFILES:
+        attention = attention_for(spec, attention, framework)
     k = _knobs(framework, spec, seq_len, micro_batch, grad_accum, dp, tp, pp, cp, sp, vpp, zero,
                offload, precision, optimizer, act_ckpt, attention, mp_style, master_weights,
                finetune, lora_rank, lora_targets, loss, act_offload, optimizer_in_backward,
@@ -1481,6 +1506,9 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
                      f"attends through an explicit {k.seq_len} x {k.seq_len} mask with k / v repeated to every "
                      f"head in {spec.windowed_layers()} of its {spec.layers} layers (their memory counted as traced "
                      f"on the CPU, not measured on a GPU)")
+    if spec.eager_only and get_profile(k.framework).hf_models:
+        notes.append(f"{spec.name} attends with eager kernels (Hugging Face has no SDPA path for its "
+                     f"soft-capped scores): its attention keeps every head's s x s scores")
     if k.fused and spec.arch not in ("llama", "gpt"):
         notes.append(f"fused_kernels change only llama/gpt block inventories; {spec.arch} is modelled eager")
     name = getattr(g, "name", None)

@@ -26,23 +26,29 @@ Arch = Literal["gpt", "llama", "bert", "opt"]
 
 # the Hugging Face model types each arch builds (``hf_config``; the first by default), and those
 # of them whose attention normalises queries and keys per head (``ModelSpec.has_qk_norm``)
-HF_TYPES = {"gpt": ("gpt2",), "llama": ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text"),
+HF_TYPES = {"gpt": ("gpt2",), "llama": ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"),
             "bert": ("bert",), "opt": ("opt",)}
 QK_NORM_TYPES = ("qwen3", "gemma3_text")
 # Gemma's RMSNorm computes in fp32 and scales by (1 + weight) before casting back (Llama casts
 # first, then scales): other saved tensors (``memory.layer_activation_bytes``); its MLP gates
 # with tanh-approximated GELU (the same saved tensors as SwiGLU) and it ties its embeddings
-GEMMA_TYPES = ("gemma", "gemma3_text")
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 # a norm after each sublayer too (post-attention and post-feedforward, beside the usual two)
-SANDWICH_NORM_TYPES = ("gemma3_text",)
+SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text")
 # the types whose config's sliding_window the built model applies: Mistral to every layer,
-# Gemma 3 to all but every ``window_pattern``-th
-WINDOW_TYPES = ("mistral", "gemma3_text")
+# Gemma 2 to every other one, Gemma 3 to all but every ``window_pattern``-th
+WINDOW_TYPES = ("mistral", "gemma2", "gemma3_text")
+# the types with Gemma's alternating layer layout (``gemma_layer_types``), and their period
+LAYOUT_TYPES = {"gemma2": 2, "gemma3_text": 6}
+# the types whose Hugging Face attention has no SDPA path (Gemma 2 soft-caps its scores, which
+# SDPA cannot): they attend with eager kernels (``memory.attention_for``)
+EAGER_ONLY_TYPES = ("gemma2",)
 
 
-def gemma3_layer_types(layers: int, pattern: int) -> tuple[str, ...]:
-    """Gemma 3's layer layout: every ``pattern``-th layer attends globally, the others through
-    the sliding window (Gemma3TextConfig's ``sliding_window_pattern`` rule)."""
+def gemma_layer_types(layers: int, pattern: int) -> tuple[str, ...]:
+    """Gemma 2 and 3's layer layout: every ``pattern``-th layer attends globally, the others
+    through the sliding window (Gemma 2: every other layer; Gemma3TextConfig's
+    ``sliding_window_pattern`` rule)."""
     return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers))
 # The fields a spec's hash covers: the ones that tell models apart. Equal specs agree on them,
 # so the hash stays consistent with ==; specs that differ elsewhere only (dropout, ...) meet
@@ -99,6 +105,10 @@ class ModelSpec(BaseModel):
                                                                 "inverse square root (default 256)")
     rope_local_theta: float | None = Field(None, description="Gemma 3: the rotary base of the sliding-window "
                                                              "layers (default 10,000)")
+    attn_softcap: float | None = Field(None, gt=0, description="Gemma 2: attention scores soft-capped at this "
+                                                              "(tanh; its config's attn_logit_softcapping)")
+    logit_softcap: float | None = Field(None, gt=0, description="Gemma 2: output logits soft-capped at this "
+                                                               "(its config's final_logit_softcapping)")
 
     def __hash__(self) -> int:
         return hash(_HASH_FIELDS(self.__dict__))
@@ -144,14 +154,16 @@ class ModelSpec(BaseModel):
             raise FrenzyInputError("kv_heads", "bert has no grouped-query attention (kv_heads == heads)")
         if self.model_type == "mistral" and self.qkv_bias:
             raise FrenzyInputError("qkv_bias", "mistral has no attention biases (MistralConfig builds none)")
-        for key in ("window_pattern", "query_pre_attn_scalar", "rope_local_theta"):
-            if getattr(self, key) is not None and self.model_type != "gemma3_text":
-                raise FrenzyInputError(key, "only gemma3_text has it")
-        if self.model_type == "gemma3_text" and self.hidden % self.heads:
+        for key, types in (("window_pattern", ("gemma3_text",)), ("rope_local_theta", ("gemma3_text",)),
+                           ("query_pre_attn_scalar", ("gemma2", "gemma3_text")),
+                           ("attn_softcap", ("gemma2",)), ("logit_softcap", ("gemma2",))):
+            if getattr(self, key) is not None and self.model_type not in types:
+                raise FrenzyInputError(key, f"only {' and '.join(types)} {'has' if len(types) == 1 else 'have'} it")
+        if self.model_type in LAYOUT_TYPES and self.hidden % self.heads:
             # Gemma3TextConfig refuses it whatever head_dim says
-            raise FrenzyInputError("heads", f"must divide hidden for gemma3_text ({self.hidden} % {self.heads} != 0)")
-        if self.model_type == "gemma3_text" and self.sliding_window is None:
-            raise FrenzyInputError("sliding_window", "required for gemma3_text (its local layers' window)")
+            raise FrenzyInputError("heads", f"must divide hidden for {self.model_type} ({self.hidden} % {self.heads} != 0)")
+        if self.model_type in LAYOUT_TYPES and self.sliding_window is None:
+            raise FrenzyInputError("sliding_window", f"required for {self.model_type} (its local layers' window)")
         if self.hf_model_type is not None and self.hf_model_type not in HF_TYPES[self.arch]:
             # hf_config builds only these; another type would be sized as one of them
             raise FrenzyInputError("hf_model_type", f"must be one of {', '.join(HF_TYPES[self.arch])} for arch "
@@ -215,11 +227,18 @@ class ModelSpec(BaseModel):
 
     @property
     def layer_types(self) -> tuple[str, ...] | None:
-        """Gemma 3's per-layer attention (``gemma3_layer_types``; default pattern 6), or None:
-        every layer alike."""
-        if self.model_type != "gemma3_text":
+        """Gemma 2 and 3's per-layer attention (``gemma_layer_types``: Gemma 2 every other
+        layer global, Gemma 3 every ``window_pattern``-th, default 6), or None: every layer
+        alike."""
+        p = LAYOUT_TYPES.get(self.model_type)
+        if p is None:
             return None
-        return gemma3_layer_types(self.layers, self.window_pattern or 6)
+        return gemma_layer_types(self.layers, self.window_pattern or p)
+
+    @property
+    def eager_only(self) -> bool:
+        """Hugging Face builds no fused (SDPA) attention for it (``EAGER_ONLY_TYPES``)."""
+        return self.model_type in EAGER_ONLY_TYPES
 
     def windowed_layers(self, lo: int = 0, hi: int | None = None) -> int:
         """How many of the layers ``lo..hi-1`` attend through the window."""
@@ -443,19 +462,19 @@ class ModelSpec(BaseModel):
             # tanh GELU (Gemma 3 names it hidden_activation); heads 256 wide unless given;
             # biases on all four attention projections or none; the published 1e-6 norm epsilon
             d.pop("hidden_act")
-            d["hidden_activation" if t == "gemma3_text" else "hidden_act"] = "gelu_pytorch_tanh"
+            d["hidden_act" if t == "gemma" else "hidden_activation"] = "gelu_pytorch_tanh"
             d["head_dim"] = self.d_head
             d["attention_bias"] = self.has_qkv_bias
             d["rms_norm_eps"] = self.norm_eps or 1e-6
             d["pad_token_id"], d["bos_token_id"], d["eos_token_id"] = 0, min(2, V - 1), min(1, V - 1)
-        if t == "gemma3_text":
+        if t in LAYOUT_TYPES:
             d["sliding_window"] = self.sliding_window
             d["layer_types"] = list(self.layer_types)
             if self.query_pre_attn_scalar is not None:
                 d["query_pre_attn_scalar"] = self.query_pre_attn_scalar
             if self.rope_local_theta is not None:
                 d["rope_local_base_freq"] = self.rope_local_theta
-            d["final_logit_softcapping"] = d["attn_logit_softcapping"] = None
+            d["attn_logit_softcapping"], d["final_logit_softcapping"] = self.attn_softcap, self.logit_softcap
         if self.rope_theta is not None:
             d["rope_theta"] = self.rope_theta
         if t == "llama":
@@ -558,6 +577,14 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
            max_pos=8192, theta=10000.0, eps=1e-6),
     # Gemma 3 text (google/gemma-3-270m, -1b): four norms a block, per-head q/k norms, five
     # 512-token sliding-window layers to one global
+    # Gemma 2 (google/gemma-2-*): Gemma 3's four norms a block, every other layer a 4,096-token
+    # window, attention scores soft-capped at 50 and logits at 30; 27B scales its scores by 144
+    *(_llama(f"gemma-2-{size}", layers, hidden, heads, kv, ffn, 256000, tied=True, hf="gemma2",
+             head_dim=hd, max_pos=8192, theta=10000.0, eps=1e-6, sliding_window=4096,
+             query_pre_attn_scalar=qs, attn_softcap=50.0, logit_softcap=30.0)
+      for size, layers, hidden, heads, kv, ffn, hd, qs in (
+          ("2b", 26, 2304, 8, 4, 9216, 256, 256), ("9b", 42, 3584, 16, 8, 14336, 256, 256),
+          ("27b", 46, 4608, 32, 16, 36864, 128, 144))),
     *(_llama(f"gemma-3-{size}", layers, hidden, 4, 1, ffn, 262144, tied=True, hf="gemma3_text",
              head_dim=256, max_pos=32768, theta=1000000.0, eps=1e-6, sliding_window=512, window_pattern=6)
       for size, layers, hidden, ffn in (("270m", 18, 640, 2048), ("1b", 26, 1152, 6912))),
@@ -586,18 +613,20 @@ _HF_REQUIRED = {"gpt2": ("n_layer", "n_embd", "n_head", "vocab_size"),
 
 # transformers' default KV heads when a config.json leaves the key out (LlamaConfig: all heads),
 # and head width (the others derive it from hidden / heads)
-_HF_KV_DEFAULT = {"qwen2": 32, "qwen3": 32, "mistral": 8, "gemma": 16, "gemma3_text": 4}
-_HF_HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma": 256, "gemma3_text": 256}
-_HF_MAX_POS_DEFAULT = {"qwen3": 32768, "gemma": 8192, "gemma3_text": 131072}
+_HF_KV_DEFAULT = {"qwen2": 32, "qwen3": 32, "mistral": 8, "gemma": 16, "gemma2": 4, "gemma3_text": 4}
+_HF_HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
+_HF_MAX_POS_DEFAULT = {"qwen3": 32768, "gemma": 8192, "gemma2": 8192, "gemma3_text": 131072}
 
 
-def _gemma3_pattern(cfg: dict[str, Any]) -> int | None:
-    """A Gemma 3 config's global-layer period: from ``layer_types`` (transformers 5 writes
-    them; refused unless every p-th layer is the global one, the layout its
-    ``sliding_window_pattern`` builds), else ``sliding_window_pattern`` (default 6)."""
+
+def _gemma_pattern(cfg: dict[str, Any]) -> int | None:
+    """A Gemma 2 / 3 config's global-layer period: from ``layer_types`` (transformers 5 writes
+    them; refused unless every p-th layer is the global one, the layout the type builds: Gemma
+    2 every other one), else Gemma 3's ``sliding_window_pattern`` (default 6), Gemma 2's 2."""
+    t = cfg.get("model_type")
     types = cfg.get("layer_types")
     if types is None:
-        p = cfg.get("sliding_window_pattern", 6)
+        p = cfg.get("sliding_window_pattern", 6) if t == "gemma3_text" else LAYOUT_TYPES[t]
         if type(p) is not int or p < 1:
             raise FrenzyInputError("sliding_window_pattern", f"must be a positive integer, got {p!r}")
         return p
@@ -606,11 +635,11 @@ def _gemma3_pattern(cfg: dict[str, Any]) -> int | None:
     if len(types) != cfg.get("num_hidden_layers"):
         raise FrenzyInputError("layer_types", f"must name num_hidden_layers ({cfg.get('num_hidden_layers')}) "
                                               f"layers, got {len(types)}")
-    for p in range(1, len(types) + 2):
-        if tuple(types) == gemma3_layer_types(len(types), p):
+    for p in range(1, len(types) + 2) if t == "gemma3_text" else (LAYOUT_TYPES[t],):
+        if tuple(types) == gemma_layer_types(len(types), p):
             return p
     raise FrenzyInputError("layer_types", "must make every n-th layer global and the others sliding "
-                                          "(the layouts Gemma 3 publishes)")
+                                          f"(the layouts {t} builds)")
 
 
 def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
@@ -658,6 +687,7 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             if t in GEMMA_TYPES and cfg.get("use_bidirectional_attention"):
                 raise FrenzyInputError("use_bidirectional_attention", "must be false: Frenzy trains causal LMs")
             hd = g("head_dim", _HF_HEAD_DIM_DEFAULT.get(t))
+            pattern = _gemma_pattern(cfg) if t in LAYOUT_TYPES else None
             h_, a_ = g("hidden_size"), g("num_attention_heads")
             derived = h_ // a_ if type(h_) is int and type(a_) is int and a_ > 0 else None
             rope = g("rope_parameters") if isinstance(g("rope_parameters"), dict) else {}
@@ -678,11 +708,14 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                              # transformers 5 writes rope_parameters: {rope_theta, rope_type}
                              rope_theta=g("rope_theta") or rope.get("rope_theta"), norm_eps=g("rms_norm_eps"),
                              attn_dropout=g("attention_dropout", 0.0) or 0.0,
-                             # Mistral's and Gemma 3's default window when the key is absent
+                             # Mistral's and Gemma's default window when the key is absent
                              # (null: none, for Mistral)
                              sliding_window=g("sliding_window", 4096) if t in WINDOW_TYPES else None,
-                             window_pattern=_gemma3_pattern(cfg) if t == "gemma3_text" else None,
-                             query_pre_attn_scalar=g("query_pre_attn_scalar") if t == "gemma3_text" else None,
+                             # Gemma 2's layout is fixed (checked, not kept)
+                             window_pattern=pattern if t == "gemma3_text" else None,
+                             query_pre_attn_scalar=g("query_pre_attn_scalar") if t in LAYOUT_TYPES else None,
+                             attn_softcap=g("attn_logit_softcapping", 50.0) if t == "gemma2" else None,
+                             logit_softcap=g("final_logit_softcapping", 30.0) if t == "gemma2" else None,
                              rope_local_theta=((g("rope_local_base_freq") or local_rope.get("rope_theta"))
                                                if t == "gemma3_text" else None))
     except ValidationError as err:

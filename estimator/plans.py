@@ -22,8 +22,8 @@ from typing import Any
 from .catalog import GPU, get_gpu
 from .errors import DoesNotFitError, FrenzyInputError, check_number, from_validation_error
 from .job import MAX_GPUS, TrainingJob
-from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, batch_key, estimate, finish_key,
-                     host_offload_bytes, lora_adapters, peak_allocated, peak_terms,
+from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, attention_for, batch_key, estimate,
+                     finish_key, host_offload_bytes, lora_adapters, peak_allocated, peak_terms,
                      validate_knobs)
 from .models import ModelSpec, resolve_model, with_positions
 from .overheads import Overheads, overheads_for
@@ -440,7 +440,8 @@ def _plans_for_gpu(job: TrainingJob, spec: ModelSpec, gpu: GPU, max_gpus: int,
     tech = _technique(job)
     # the profile object is part of the caches' keys: PROFILES may be replaced at run time
     plans, closest, n_fit = _plans_cached(spec, job.seq_len, job.global_batch, job.precision,
-                                          job.optimizer, job.attention, gpu, max_gpus, gpus_per_node,
+                                          job.optimizer, attention_for(spec, job.attention, tech.framework),
+                                          gpu, max_gpus, gpus_per_node,
                                           float(margin), ov, tech,
                                           None if host_ram_gib is None else float(host_ram_gib),
                                           tuple(plan_filter.items()) if plan_filter else None,
@@ -639,9 +640,9 @@ def _refuse_without_plans(j: TrainingJob, spec: ModelSpec, inventory: dict[str, 
         raise DoesNotFitError(None, float("inf"), "(no GPU type of the inventory is allowed)")
     t = _technique(j)
     validate_knobs(spec, seq_len=j.seq_len, precision=j.precision, optimizer=j.optimizer,
-                   attention=j.attention, framework=t.framework, master_weights=t.master_weights,
-                   finetune=t.finetune, lora_rank=t.lora_rank, lora_targets=t.lora_targets,
-                   lora_dropout=t.lora_dropout)
+                   attention=attention_for(spec, j.attention, t.framework), framework=t.framework,
+                   master_weights=t.master_weights, finetune=t.finetune, lora_rank=t.lora_rank,
+                   lora_targets=t.lora_targets, lora_dropout=t.lora_dropout)
     raise DoesNotFitError(None, float("inf"), f"(no parallel layout of {spec.name} is valid on "
                                               f"{', '.join(have)})")
 

@@ -13,7 +13,8 @@ from estimator.errors import FrenzyInputError
 from estimator.models import PRESETS, resolve_model
 
 # google/gemma-* model cards and configs: parameters as transformers counts them
-GEMMA_PARAMS = {"gemma-2b": 2_506_172_416, "gemma-7b": 8_537_680_896,
+GEMMA_PARAMS = {"gemma-2b": 2_506_172_416, "gemma-7b": 8_537_680_896, "gemma-2-2b": 2_614_341_888,
+                "gemma-2-9b": 9_241_705_984, "gemma-2-27b": 27_227_128_320,
                 "gemma-3-270m": 268_098_176, "gemma-3-1b": 999_885_952}
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -25,7 +26,7 @@ B, S = 2, 16
 def test_gemma_presets_have_the_published_parameter_counts(name):
     spec = PRESETS[name]
     assert spec.params == GEMMA_PARAMS[name]
-    assert spec.tied and spec.d_head == 256 and spec.gemma_norms
+    assert spec.tied and spec.d_head == (128 if name == "gemma-2-27b" else 256) and spec.gemma_norms
     assert spec.params == sum(math.prod(s) for s in spec.weight_shapes())
 
 
@@ -81,6 +82,9 @@ def test_compiled_norms_under_lora_take_off_no_copy_they_never_had():
 
 @pytest.mark.parametrize("cfg", [
     {"model_type": "gemma", **TINY},
+    {"model_type": "gemma2", **TINY, "num_hidden_layers": 3},
+    {"model_type": "gemma2", **TINY, "query_pre_attn_scalar": 24, "final_logit_softcapping": None,
+     "attn_logit_softcapping": 20.0},
     {"model_type": "gemma3_text", **TINY, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
     {"model_type": "gemma3_text", **TINY, "num_hidden_layers": 7, "sliding_window_pattern": 3},
     {"model_type": "gemma3_text", **TINY, "num_hidden_layers": 7},          # the default pattern, 6
@@ -101,9 +105,9 @@ def test_a_gemma_config_json_is_the_model_transformers_builds(tmp_path, cfg):
     assert sorted(tuple(p.shape) for p in model.parameters()) == sorted(spec.weight_shapes())
     ours = transformers.AutoConfig.for_model(**spec.hf_config())
     for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters", "head_dim",
-                "tie_word_embeddings"):
+                "tie_word_embeddings", "attn_logit_softcapping", "final_logit_softcapping"):
         assert getattr(ours, key, None) == getattr(built, key, None), key
-    if cfg["model_type"] == "gemma3_text":
+    if cfg["model_type"] != "gemma":
         assert spec.windowed_layers() == built.layer_types.count("sliding_attention")
 
 
@@ -124,7 +128,7 @@ def test_gemma3_configs_it_cannot_model_are_one_line_errors(extra, field):
     assert "\n" not in str(e.value)
 
 
-def _saved_in_blocks(cfg: dict, lora: bool, first: int = 0) -> int:
+def _saved_in_blocks(cfg: dict, lora: bool, first: int = 0, attn: str = "sdpa") -> int:
     """Bytes autograd saves inside the decoder blocks ``first..`` of a pure-bf16 model (storages
     counted once; not the weights, nor the per-sequence rotary tables, whose batch is 1)."""
     import peft
@@ -132,7 +136,7 @@ def _saved_in_blocks(cfg: dict, lora: bool, first: int = 0) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg, attn_implementation="sdpa")).to(torch.bfloat16)
+    m = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg, attn_implementation=attn)).to(torch.bfloat16)
     if lora:
         m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     m.train()
@@ -153,13 +157,13 @@ def _saved_in_blocks(cfg: dict, lora: bool, first: int = 0) -> int:
     return sum(saved.values())
 
 
-def _estimated_in_blocks(cfg: dict, lora: bool, blocks: int) -> float:
+def _estimated_in_blocks(cfg: dict, lora: bool, blocks: int, attention: str = "flash") -> float:
     """The estimate's bytes for ``blocks`` of the model's blocks, the same tensors."""
     from estimator.memory import _lora_activation_delta, layer_activation_bytes, validate_knobs, window_mask_bytes
 
     spec = resolve_model(cfg)
-    per_token = (sum(layer_activation_bytes(spec, S, 2.0, False, "flash", "none"))
-                 + window_mask_bytes(spec, S, 2.0, "flash", "none", True))
+    per_token = (sum(layer_activation_bytes(spec, S, 2.0, False, attention, "none"))
+                 + window_mask_bytes(spec, S, 2.0, attention, "none", True))
     if lora:
         k = validate_knobs(spec, seq_len=S, finetune="lora", lora_targets=["q_proj", "v_proj"], lora_dropout=0.0)
         per_token += sum(_lora_activation_delta(spec, k, 2.0, 1.0))
@@ -182,6 +186,21 @@ def test_gemma_blocks_save_what_the_estimate_counts(cfg):
     hooks = _saved_in_blocks(cfg, False) - _saved_in_blocks(llama, False)
     assert hooks > 0
     assert _estimated_in_blocks(cfg, False, 2) - _estimated_in_blocks(llama, False, 2) == hooks
+
+
+@pytest.mark.parametrize("cfg", [
+    # Gemma 2 attends eager: its soft-capped scores keep tanh's output too; every other layer
+    # windowed (eager masks are added, not saved)
+    {"model_type": "gemma2", **TINY, "sliding_window": 8},
+    {"model_type": "gemma2", **TINY, "sliding_window": 8, "attn_logit_softcapping": None},
+    {"model_type": "gemma3_text", **TINY, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+])
+def test_gemma_blocks_under_eager_attention_save_what_the_estimate_counts(cfg):
+    pytest.importorskip("transformers")
+    llama = {**TINY, "model_type": "llama"}
+    hooks = _saved_in_blocks(cfg, False, attn="eager") - _saved_in_blocks(llama, False, attn="eager")
+    assert (_estimated_in_blocks(cfg, False, 2, "eager") - _estimated_in_blocks(llama, False, 2, "eager")
+            == hooks)
 
 
 @pytest.mark.parametrize("model_type", ["gemma", "gemma3_text"])
@@ -209,3 +228,86 @@ def test_a_gemma3_estimate_charges_masks_to_its_windowed_layers_only():
     assert every.allocated_peak_gib > half.allocated_peak_gib
     assert any("sliding window" in w for w in half.warnings)
     assert not any("sliding window" in w for w in short.warnings)
+
+
+def _real_peak_bytes(cfg: dict, seq: int) -> int:
+    """The most bytes a real CPU training step (autocast bf16, the Hugging Face loss) holds at
+    once in tensors it creates, storage by storage (a dispatch mode sees every new storage; a
+    finaliser sees it freed)."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg, attn_implementation="eager"))
+    m.train()
+    live, now, peak = set(), [0], [0]
+
+    def track(t):
+        st = t.untyped_storage()
+        key, n = st.data_ptr(), st.nbytes()
+        if key in live or n == 0:
+            return
+        live.add(key)
+        now[0] += n
+        peak[0] = max(peak[0], now[0])
+
+        def freed(k=key, n=n):
+            live.discard(k)
+            now[0] -= n
+        weakref.finalize(st, freed)
+
+    class Storages(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor):
+                    track(o)
+            return out
+
+    ids = torch.randint(0, cfg["vocab_size"], (1, seq))
+    with Storages():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+    return peak[0]
+
+
+def test_gemma2_logit_softcap_keeps_one_more_16bit_copy_per_logit():
+    """Gemma 2's tanh(logits / 30) x 30 before the loss: tanh keeps its output through the
+    backward. A real step's peak (the loss backward's, a vocabulary-heavy model) rises by 2 B
+    per logit with the cap, and so does the estimate's."""
+    pytest.importorskip("transformers")
+    seq, vocab = 512, 8192
+    cfg = dict(model_type="gemma2", hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=vocab, sliding_window=384,
+               attn_logit_softcapping=None)
+    real = _real_peak_bytes(dict(cfg, final_logit_softcapping=30.0), seq) - _real_peak_bytes(
+        dict(cfg, final_logit_softcapping=None), seq)
+    assert real == 2 * seq * vocab
+
+    def est(capped):
+        return estimate(model=dict(cfg, final_logit_softcapping=30.0 if capped else None), seq_len=seq,
+                        attention="eager", framework="hf").allocated_peak_gib * 2 ** 30
+    assert est(True) - est(False) == pytest.approx(real, rel=1e-9)
+
+
+def test_gemma2_attends_eager_and_says_so():
+    """Hugging Face builds Gemma 2 without SDPA (it soft-caps its scores): the planner and the
+    estimate run it eager whatever the job asks; asked directly, flash is a one-line error,
+    and Ulysses (SDPA) is refused."""
+    from estimator.memory import validate_knobs
+    from estimator.plans import plans_for_job
+
+    e = estimate(model="gemma-2-2b", seq_len=2048)
+    assert any("eager kernels" in w for w in e.warnings)
+    assert estimate(model="gemma-2-2b", seq_len=2048).allocated_peak_gib == \
+        estimate(model="gemma-2-2b", seq_len=2048, attention="eager").allocated_peak_gib
+    plans = plans_for_job(dict(model="gemma-2-2b", seq_len=2048, global_batch=16), {"H100-80GB": 8})
+    assert plans and all(p.attention == "eager" for v in plans.values() for p in v)
+    for kw, field in ((dict(attention="flash"), "attention"), (dict(attention="eager", cp=2), "cp")):
+        with pytest.raises(FrenzyInputError) as err:
+            validate_knobs(PRESETS["gemma-2-2b"], seq_len=2048, **kw)
+        assert err.value.field == field

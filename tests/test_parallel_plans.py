@@ -393,6 +393,24 @@ def test_gemma_autotp_is_refused_and_its_pipeline_runs(tmp_path):
     assert_matches(res.losses, ref.losses)
 
 
+@pytest.mark.slow
+def test_gemma2_soft_caps_alike_under_pp2_x_tp2(tmp_path):
+    """Gemma 2 soft-caps its attention scores and its logits (in the model's forward, after the
+    head: the pipeline's last stage applies it too) and attends eager (the plan's flash becomes
+    eager, as the planner plans it). Caps of 0.5 bind on these tiny logits: without the last
+    stage's cap the losses are 4e-3 off. AutoTP would keep its scaled embedding whole: refused."""
+    from estimator.models import resolve_model
+    from estimator.plans import not_launchable_reason
+
+    cfg = {**TINY, "model_type": "gemma2", "head_dim": 32, "sliding_window": 16, "tie_word_embeddings": True,
+           "final_logit_softcapping": 0.5, "attn_logit_softcapping": 0.5}
+    assert "gemma2" in (not_launchable_reason(plan(2, tp=2), resolve_model(cfg)) or "")
+    w = save_tiny_llama(tmp_path / "tiny-gemma2", cfg)
+    ref, _ = train(job(w), plan(1), tmp_path / "ref")
+    res, _ = train(job(w), plan(4, pp=2, tp=2, micro_batch=2), tmp_path / "pp2tp2")
+    assert_matches(res.losses, ref.losses)
+
+
 def grad_norms(run_dir) -> list[float]:
     """The ``grad_norm`` of every step line in a run's first attempt log."""
     from trainer.loglines import parse_line

@@ -115,11 +115,11 @@ def check_pipeline_model(plan: Plan, arch: str, layers: int | None = None) -> No
         raise FrenzyInputError(*rule)
 
 
-# Model types whose embedding DeepSpeed's AutoTP cannot shard: it keeps Gemma's scaled word
-# embedding (a custom forward it has no rule for; Gemma 3's it has) and the head tied to it
+# Model types whose embedding DeepSpeed's AutoTP cannot shard: it keeps Gemma's and Gemma 2's
+# scaled word embeddings (a custom forward it has no rule for; Gemma 3's it has) and the head tied to it
 # whole on every tp rank, which no estimate of a tp plan counts (checked on the CPU: the
 # per-rank checkpoints of a tp=2 run hold the whole vocabulary)
-AUTOTP_WHOLE_EMBEDDING_TYPES = ("gemma",)
+AUTOTP_WHOLE_EMBEDDING_TYPES = ("gemma", "gemma2")
 
 
 def check_tp_model(plan: Plan, model_type: str | None) -> None:
@@ -284,6 +284,7 @@ def training_spec(job: TrainingJob, plan: Plan, run_dir: str | Path = ".",
     weights are the local folder ``init_from`` resolves to (a Hub id: its cached snapshot).
     ``resume_from``: a checkpoint folder of another run to continue from.
     """
+    from estimator.memory import attention_for
     from estimator.models import resolve_model  # the estimator's (H1) single source of models
 
     from .pretrained import start_folder
@@ -314,7 +315,8 @@ def training_spec(job: TrainingJob, plan: Plan, run_dir: str | Path = ".",
         "data": job.data.model_dump(),
         "eval": job.eval.model_dump() if job.eval else None,
         "export": {**job.export.model_dump(), "dir": str(export_dir(job, run_dir))},
-        "plan": plan.model_dump(),
+        # a model Hugging Face builds without SDPA attends eager, as the planner planned it
+        "plan": {**plan.model_dump(), "attention": attention_for(spec, plan.attention)},
     }
 
 

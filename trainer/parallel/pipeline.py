@@ -119,6 +119,7 @@ def build_stage_module(model, stage: int, pp: int):
     inner = model.model
     lo, hi = stage_layers(len(inner.layers), pp, stage)
     first, last = stage == 0, stage == pp - 1
+    cap = getattr(model.config, "final_logit_softcapping", None)
 
     class Stage(torch.nn.Module):
         def __init__(self):
@@ -145,6 +146,8 @@ def build_stage_module(model, stage: int, pp: int):
                 h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos)
             if last:
                 h = self.lm_head(self.norm(h))
+                if cap:          # Gemma 2 soft-caps its logits in the model's forward, after the head
+                    h = torch.tanh(h / cap) * cap
             return h
 
         def full_names(self) -> dict[str, Any]:
