@@ -287,7 +287,7 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
     if offload == "optimizer+params" and zero != 3:
         raise FrenzyInputError("offload", "optimizer+params needs zero 3 (parameters must be partitioned)")
     prof = get_profile(framework)
-    if spec.eager_only and prof.hf_models:
+    if _eager_only(spec, prof):
         if attention == "flash":
             raise FrenzyInputError("attention", f"{spec.model_type} soft-caps its attention scores, which SDPA "
                                                 f"cannot: Hugging Face runs it eager (attention: eager)")
@@ -414,21 +414,28 @@ def _amp_regime(prof: Profile, precision: str, master: str, zero: int, pp: int, 
             and prof.zero0_regime == "amp")
 
 
+def _eager_only(spec: ModelSpec, prof: Profile | None) -> bool:
+    """Whether the profile runs ``spec`` on Hugging Face's modelling code, which builds no SDPA
+    attention for it (``ModelSpec.eager_only``: Gemma 2 soft-caps its scores)."""
+    return spec.eager_only and prof is not None and prof.hf_models
+
+
+def attention_for(spec: ModelSpec, attention: Any, framework: Any = "frenzy") -> Any:
+    """The attention a job asking for ``attention`` runs: eager where the framework's modelling
+    code has no fused kernel for the model (``_eager_only``), whatever is asked; the estimate,
+    the planner, plan re-estimates and the trainer's launch spec ask here. Anything else is
+    returned as given (validation names what is wrong with it)."""
+    if attention == "flash" and type(framework) is str and _eager_only(spec, PROFILES.get(framework)):
+        return "eager"
+    return attention
+
+
 # Validation is a pure function of its arguments and the framework's profile (PROFILES may be
 # replaced at run time: the profile object is part of the key). Typed: 1, 1.0 and True stay
 # apart, as the checks tell them apart. Errors are not cached; Knobs are immutable, so one is
 # shared by every call with the same arguments (the 30 object.__setattr__ of a frozen
 # dataclass were half of a validation's cost).
 @lru_cache(maxsize=4096, typed=True)
-def attention_for(spec: ModelSpec, attention: str, framework: str = "frenzy") -> str:
-    """The attention a job asking for ``attention`` runs: a model Hugging Face builds without
-    SDPA (``ModelSpec.eager_only``: Gemma 2) attends eager, whatever is asked (the one place
-    that says so: the estimate's and the planner's)."""
-    if attention == "flash" and spec.eager_only and get_profile(framework).hf_models:
-        return "eager"
-    return attention
-
-
 def _validated(prof: Profile | None, *args: Any) -> Knobs:
     return _validate(*args)
 
@@ -798,8 +805,10 @@ def _loss_terms(spec: ModelSpec, k: Knobs, prof: Profile, c: float, amp: bool) -
         # upcast (fp32 copy, log-softmax, two fp32 gradients) and its 16-bit gradient made.
         # Held through the blocks' backward only where the model output keeps them (HF); a
         # recipe that deletes the output frees each chunk after its backward
-        held = c if prof.loss == "hf" else 0.0
-        return held, c + (3 * 4.0 + c) / LOSS_CHUNKS
+        # (the model's forward caps the whole logits first: tanh's output held beside them)
+        kept = cap if prof.loss == "hf" else 0.0
+        held = c + kept if prof.loss == "hf" else 0.0
+        return held, c + kept + (3 * 4.0 + c) / LOSS_CHUNKS
     if prof.loss == "deleted":
         # the recipe upcasts in the model and deletes the output before backward: only the
         # fp32 log-softmax survives; backward adds its gradient and the logits' fp32 gradient
@@ -1449,8 +1458,7 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
                                  tied_embeddings=tied_embeddings)
     # 4096, 4096.0 and "4096" are one length (``_pos_int``): the position table follows it alike
     spec = with_positions(spec, _pos_int("seq_len", seq_len))
-    if type(framework) is str and framework in PROFILES:
-        attention = attention_for(spec, attention, framework)
+    attention = attention_for(spec, attention, framework)
     k = _knobs(framework, spec, seq_len, micro_batch, grad_accum, dp, tp, pp, cp, sp, vpp, zero,
                offload, precision, optimizer, act_ckpt, attention, mp_style, master_weights,
                finetune, lora_rank, lora_targets, loss, act_offload, optimizer_in_backward,
@@ -1506,7 +1514,7 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
                      f"attends through an explicit {k.seq_len} x {k.seq_len} mask with k / v repeated to every "
                      f"head in {spec.windowed_layers()} of its {spec.layers} layers (their memory counted as traced "
                      f"on the CPU, not measured on a GPU)")
-    if spec.eager_only and get_profile(k.framework).hf_models:
+    if _eager_only(spec, get_profile(k.framework)):
         notes.append(f"{spec.name} attends with eager kernels (Hugging Face has no SDPA path for its "
                      f"soft-capped scores): its attention keeps every head's s x s scores")
     if k.fused and spec.arch not in ("llama", "gpt"):

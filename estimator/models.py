@@ -40,6 +40,10 @@ SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text")
 WINDOW_TYPES = ("mistral", "gemma2", "gemma3_text")
 # the types with Gemma's alternating layer layout (``gemma_layer_types``), and their period
 LAYOUT_TYPES = {"gemma2": 2, "gemma3_text": 6}
+# the fields only some model types have, and those types
+TYPE_FIELDS = {"window_pattern": ("gemma3_text",), "rope_local_theta": ("gemma3_text",),
+               "query_pre_attn_scalar": ("gemma2", "gemma3_text"), "attn_softcap": ("gemma2",),
+               "logit_softcap": ("gemma2",)}
 # the types whose Hugging Face attention has no SDPA path (Gemma 2 soft-caps its scores, which
 # SDPA cannot): they attend with eager kernels (``memory.attention_for``)
 EAGER_ONLY_TYPES = ("gemma2",)
@@ -88,7 +92,7 @@ class ModelSpec(BaseModel):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="residual/MLP/embedding dropout")
     attn_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on attention probs")
     hf_model_type: str | None = Field(None, description="gpt2 | llama | mistral | qwen2 | qwen3 | gemma | "
-                                                        "gemma3_text | opt | bert")
+                                                        "gemma2 | gemma3_text | opt | bert")
     # OPT-350m projects a 512-wide embedding to the 1024-wide model and back.
     embed_dim: int | None = Field(None, description="word embedding width when it differs (opt-350m)")
     pre_norm: bool = Field(True, description="LayerNorm before each sublayer (opt-350m: after)")
@@ -101,7 +105,7 @@ class ModelSpec(BaseModel):
     window_pattern: int | None = Field(None, description="Gemma 3: every n-th layer attends globally, the "
                                                          "others through the sliding window (the config's "
                                                          "sliding_window_pattern; default 6)")
-    query_pre_attn_scalar: int | None = Field(None, description="Gemma 3: attention scores scale by its "
+    query_pre_attn_scalar: int | None = Field(None, description="Gemma 2 / 3: attention scores scale by its "
                                                                 "inverse square root (default 256)")
     rope_local_theta: float | None = Field(None, description="Gemma 3: the rotary base of the sliding-window "
                                                              "layers (default 10,000)")
@@ -141,6 +145,10 @@ class ModelSpec(BaseModel):
                 if v > MAX_DIM:
                     raise FrenzyInputError(key, f"must be at most {MAX_DIM:,} (no transformer's dimension, "
                                                 f"vocabulary or position table is larger), got {v:,}")
+            for key in ("attn_softcap", "logit_softcap"):
+                v = data.get(key)
+                if v is not None and (type(v) not in (int, float) or not 0 < v < float("inf")):
+                    raise FrenzyInputError(key, f"must be a positive finite number or null, got {v!r}")
         return data
 
     @model_validator(mode="after")
@@ -154,9 +162,7 @@ class ModelSpec(BaseModel):
             raise FrenzyInputError("kv_heads", "bert has no grouped-query attention (kv_heads == heads)")
         if self.model_type == "mistral" and self.qkv_bias:
             raise FrenzyInputError("qkv_bias", "mistral has no attention biases (MistralConfig builds none)")
-        for key, types in (("window_pattern", ("gemma3_text",)), ("rope_local_theta", ("gemma3_text",)),
-                           ("query_pre_attn_scalar", ("gemma2", "gemma3_text")),
-                           ("attn_softcap", ("gemma2",)), ("logit_softcap", ("gemma2",))):
+        for key, types in TYPE_FIELDS.items():
             if getattr(self, key) is not None and self.model_type not in types:
                 raise FrenzyInputError(key, f"only {' and '.join(types)} {'has' if len(types) == 1 else 'have'} it")
         if self.model_type in LAYOUT_TYPES and self.hidden % self.heads:
@@ -575,8 +581,6 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
            max_pos=8192, theta=10000.0, eps=1e-6),
     _llama("gemma-7b", 28, 3072, 16, 16, 24576, 256000, tied=True, hf="gemma", head_dim=256,
            max_pos=8192, theta=10000.0, eps=1e-6),
-    # Gemma 3 text (google/gemma-3-270m, -1b): four norms a block, per-head q/k norms, five
-    # 512-token sliding-window layers to one global
     # Gemma 2 (google/gemma-2-*): Gemma 3's four norms a block, every other layer a 4,096-token
     # window, attention scores soft-capped at 50 and logits at 30; 27B scales its scores by 144
     *(_llama(f"gemma-2-{size}", layers, hidden, heads, kv, ffn, 256000, tied=True, hf="gemma2",
@@ -585,6 +589,8 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
       for size, layers, hidden, heads, kv, ffn, hd, qs in (
           ("2b", 26, 2304, 8, 4, 9216, 256, 256), ("9b", 42, 3584, 16, 8, 14336, 256, 256),
           ("27b", 46, 4608, 32, 16, 36864, 128, 144))),
+    # Gemma 3 text (google/gemma-3-270m, -1b): four norms a block, per-head q/k norms, five
+    # 512-token sliding-window layers to one global
     *(_llama(f"gemma-3-{size}", layers, hidden, 4, 1, ffn, 262144, tied=True, hf="gemma3_text",
              head_dim=256, max_pos=32768, theta=1000000.0, eps=1e-6, sliding_window=512, window_pattern=6)
       for size, layers, hidden, ffn in (("270m", 18, 640, 2048), ("1b", 26, 1152, 6912))),
@@ -616,7 +622,6 @@ _HF_REQUIRED = {"gpt2": ("n_layer", "n_embd", "n_head", "vocab_size"),
 _HF_KV_DEFAULT = {"qwen2": 32, "qwen3": 32, "mistral": 8, "gemma": 16, "gemma2": 4, "gemma3_text": 4}
 _HF_HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 _HF_MAX_POS_DEFAULT = {"qwen3": 32768, "gemma": 8192, "gemma2": 8192, "gemma3_text": 131072}
-
 
 
 def _gemma_pattern(cfg: dict[str, Any]) -> int | None:
@@ -683,7 +688,8 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                                                    f"(its config class refuses null)")
             for key in ("final_logit_softcapping", "attn_logit_softcapping"):
                 if t == "gemma3_text" and cfg.get(key) is not None:
-                    raise FrenzyInputError(key, f"must be null: soft-capped {t} logits are not modelled")
+                    raise FrenzyInputError(key, f"must be null: soft caps are modelled for gemma2, not {t} "
+                                                f"(its SDPA path would skip the score cap)")
             if t in GEMMA_TYPES and cfg.get("use_bidirectional_attention"):
                 raise FrenzyInputError("use_bidirectional_attention", "must be false: Frenzy trains causal LMs")
             hd = g("head_dim", _HF_HEAD_DIM_DEFAULT.get(t))
@@ -816,7 +822,7 @@ def model_from_kwargs(model: Any = None, **dims: Any) -> ModelSpec:
             base = spec.model_dump(exclude_none=True)
             if given.get("arch", spec.arch) != spec.arch:
                 # another arch builds its own model type, without the type's own switches
-                for key in ("hf_model_type", "window_pattern", "query_pre_attn_scalar", "rope_local_theta"):
+                for key in ("hf_model_type", *TYPE_FIELDS):
                     base.pop(key, None)
             try:
                 spec = ModelSpec(**{**base, **given})

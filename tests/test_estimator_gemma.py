@@ -311,3 +311,46 @@ def test_gemma2_attends_eager_and_says_so():
         with pytest.raises(FrenzyInputError) as err:
             validate_knobs(PRESETS["gemma-2-2b"], seq_len=2048, **kw)
         assert err.value.field == field
+
+
+def test_a_gemma2_plan_asking_for_flash_is_re_estimated_as_it_runs():
+    """A stored or hand-made plan saying flash: memory, adapters and step time are eager's, and
+    the plan says so."""
+    from estimator.job import TrainingJob
+    from estimator.plans import plans_for_job
+    from trainer.fallback import reestimate
+
+    j = TrainingJob(model="gemma-2-2b", seq_len=2048, global_batch=16, train_steps=1, finetune={"method": "lora"})
+    p = plans_for_job(j, {"H100-80GB": 8})["H100-80GB"][0]
+    q = reestimate(j, p.model_copy(update={"attention": "flash"}))
+    assert q.attention == "eager" and q.step_time_s == p.step_time_s
+    assert q.allocated_peak_gib == pytest.approx(p.allocated_peak_gib, abs=1e-4)
+
+
+def test_gemma2_logit_cap_is_held_under_a_chunked_loss_too():
+    """The model's forward caps the whole logits before a chunked loss sees them (Hugging Face
+    profile): tanh's output is held as the logits are."""
+    kw = dict(arch="llama", layers=1, hidden=256, heads=4, kv_heads=2, head_dim=128, ffn=512, vocab=8192,
+              hf_model_type="gemma2", sliding_window=384, attn_softcap=None)
+
+    def per_logit(loss, framework):
+        a, b = (estimate(model=dict(kw, logit_softcap=cap), seq_len=512, attention="eager", loss=loss,
+                         framework=framework).allocated_peak_gib for cap in (30.0, None))
+        return (a - b) * 2 ** 30 / (512 * 8192)
+    assert per_logit("chunked", "hf") == pytest.approx(2.0)
+    assert per_logit("standard", "hf") == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("value", ["50", True, float("inf"), 0, -1.0])
+def test_a_soft_cap_must_be_a_positive_finite_number(value):
+    with pytest.raises(FrenzyInputError) as e:
+        resolve_model(dict(arch="llama", layers=2, hidden=64, heads=4, vocab=100, hf_model_type="gemma2",
+                           sliding_window=64, attn_softcap=value))
+    assert e.value.field.endswith("attn_softcap")
+
+
+def test_an_arch_beside_a_gemma2_preset_drops_its_caps():
+    from estimator.models import model_from_kwargs
+
+    spec = model_from_kwargs("gemma-2-2b", arch="gpt")
+    assert spec.model_type == "gpt2" and spec.attn_softcap is None and spec.logit_softcap is None

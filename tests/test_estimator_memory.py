@@ -369,3 +369,18 @@ def test_a_sliding_windows_mask_is_whole_on_every_rank_also_under_sequence_paral
 
     assert cost(sp=True) == pytest.approx(cost(), rel=1e-9)
     assert cost() > 4.0                        # 32 layers x 8192^2 x 2 B, and k / v repeated
+
+
+def test_validation_is_cached_and_bad_knobs_are_named_before_any_cache():
+    """Equal arguments share one validated Knobs (validation is a pure function, cached); an
+    unhashable knob is still a one-line error naming it, not a TypeError from a cache."""
+    from estimator import estimate
+    from estimator.errors import FrenzyInputError
+    from estimator.memory import validate_knobs
+    from estimator.models import PRESETS
+
+    spec = PRESETS["qwen3-0.6b"]
+    assert validate_knobs(spec, seq_len=512, zero=1, dp=2) is validate_knobs(spec, seq_len=512, zero=1, dp=2)
+    with pytest.raises(FrenzyInputError) as e:
+        estimate(model="qwen3-0.6b", seq_len=512, attention=["flash"])
+    assert e.value.field == "attention"

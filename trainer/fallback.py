@@ -56,6 +56,7 @@ def reestimate(job: TrainingJob, p: Plan, *, safety_margin_gib: float | None = N
     """``p`` with the estimator's predictions (memory, step time), or None when the estimator
     does not believe it fits its GPU type (``device_used_gib`` over capacity minus the margin)."""
     from estimator.catalog import get_gpu
+    from estimator.memory import attention_for
     from estimator.models import resolve_model
     from estimator.plans import DEFAULT_SAFETY_MARGIN_GIB, estimate_plan, plan_adapters
     from estimator.throughput import step_time
@@ -68,7 +69,9 @@ def reestimate(job: TrainingJob, p: Plan, *, safety_margin_gib: float | None = N
         return None
     if est.device_used_gib > gpu.memory_gib - margin:
         return None
-    q = p.model_copy(update={"allocated_peak_gib": round(est.allocated_peak_gib, 4),
+    # a model that attends eager whatever the plan says is timed as it runs (``attention_for``)
+    q = p.model_copy(update={"attention": attention_for(resolve_model(job.model), p.attention),
+                             "allocated_peak_gib": round(est.allocated_peak_gib, 4),
                              "reserved_peak_gib": round(est.reserved_peak_gib, 4),
                              "device_used_gib": round(est.device_used_gib, 4)})
     st = step_time(resolve_model(job.model), q, gpu, seq_len=job.seq_len, adapters=plan_adapters(job, q))
