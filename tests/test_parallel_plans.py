@@ -359,19 +359,28 @@ GEMMA2 = {**TINY, "model_type": "gemma2", "head_dim": 32, "sliding_window": 16, 
           "final_logit_softcapping": 0.5, "attn_logit_softcapping": 0.5}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [GEMMA3, GEMMA2], ids=["gemma3", "gemma2"])
-def test_gemma_pipeline_stages_train_as_one_process(tmp_path, cfg):
+def test_gemma_pipeline_stages_compute_the_models_logits(cfg):
     """Gemma 3: scaled tied embedding, four norms a block, per-head q/k norms, a local layer with a
-    sliding window and a global one, each with its own rotary base (the stages rotate each layer
+    sliding window and a global one, each with its own rotary base (a stage rotates each layer
     by its own type). Gemma 2: soft-capped scores and logits (the model caps the logits after
-    the head, so the last stage must too), eager attention (the plan's flash becomes eager, as
-    the planner plans it). Under pp=2 the losses are one process's. (tp=2, pp=2 x tp=2 and ZeRO-3
-    agree as well, to 1e-6: run by hand, docs/parallel-plans.md.)"""
-    w = save_tiny_llama(tmp_path / cfg["model_type"], cfg)
-    ref, _ = train(job(w), plan(1), tmp_path / "ref")
-    res, _ = train(job(w), plan(2, pp=2, micro_batch=2), tmp_path / "pp2")
-    assert_matches(res.losses, ref.losses)
+    the head, so the last stage must too), eager attention. Two stages chained compute the
+    whole model's logits. (Launched for real under pp=2, pp=2 x tp=2, tp=2 for Gemma 3 and
+    dp=2 ZeRO-3, their losses agreed with one process's to 1e-6: run by hand,
+    docs/parallel-plans.md; the Llama and Qwen3 runs here launch the same path.)"""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.parallel.pipeline import build_stage_module
+
+    torch.manual_seed(0)
+    attn = "eager" if cfg["model_type"] == "gemma2" else "sdpa"
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg, attn_implementation=attn))
+    ids = torch.randint(0, cfg["vocab_size"], (2, 32))
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        staged = build_stage_module(model, 1, 2)(build_stage_module(model, 0, 2)(ids))
+    assert torch.allclose(staged, whole, atol=1e-5), float((staged - whole).abs().max())
 
 
 def test_autotp_is_refused_where_it_keeps_gemmas_embedding_whole(tmp_path):
