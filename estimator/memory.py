@@ -38,7 +38,7 @@ from pydantic import BaseModel, Field
 from .catalog import CATALOG, get_gpu
 from .errors import FrenzyInputError
 from .job import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
-from .models import ModelSpec, model_from_kwargs, with_positions
+from .models import ModelSpec, model_from_kwargs, stage_layers, with_positions
 from .overheads import Overheads, overheads_for
 from .profiles import FRAMEWORKS, PROFILES, Profile, check_knobs, get_profile
 from .throughput import Adapters
@@ -779,11 +779,6 @@ def _interleaved_inflight(pp: int, vpp: int, m: int, rank: int) -> float:
     return min(warmup + 1, m * vpp) / vpp
 
 
-def _stage_layers(layers: int, pp: int) -> list[int]:
-    base, extra = divmod(layers, pp)
-    return [base + (1 if i < extra else 0) for i in range(pp)]
-
-
 def _loss_terms(spec: ModelSpec, k: Knobs, prof: Profile, c: float, amp: bool) -> tuple[float, float]:
     """(bytes per logit held through the whole backward, bytes per logit at the loss backward's
     peak, held included) for the loss kernel and the profile's loss path."""
@@ -1097,7 +1092,7 @@ def peak_terms(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool) -> tuple:
     bucket_elems = k.bucket or prof.zero_bucket_elems or ov.zero_bucket_elems
 
     stages = []
-    for i, L_i in enumerate(_stage_layers(spec.layers, p)):
+    for i, L_i in enumerate(stage_layers(spec.layers, p)):
         first, last = i == 0, i == p - 1
         P = L_i * layer_p + (emb_p if first else 0.0) + (head_p if last else 0.0)
         if last and p > 1 and tied:
@@ -1329,7 +1324,7 @@ def host_offload_bytes(spec: ModelSpec, k: Knobs) -> float:
     lora = k.finetune != "full"
     lora_p = lora_layer_params(spec, k) / k.tp if lora else 0.0
     N = max(1, k.dp * k.cp)                            # offload needs ZeRO: partitions over dp x cp
-    layers = _stage_layers(spec.layers, k.pp)
+    layers = stage_layers(spec.layers, k.pp)
     worst = 0.0
     for i, L_i in enumerate(layers):
         first, last = i == 0, i == len(layers) - 1

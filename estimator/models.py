@@ -49,6 +49,14 @@ TYPE_FIELDS = {"window_pattern": ("gemma3_text",), "rope_local_theta": ("gemma3_
 EAGER_ONLY_TYPES = ("gemma2",)
 
 
+def stage_layers(layers: int, stages: int) -> list[int]:
+    """The layers of each of ``stages`` pipeline stages (or interleaved chunks): as even as the
+    count allows, the first stages one more (the trainer's stages are these:
+    ``trainer.parallel.pipeline.stage_layers``)."""
+    base, extra = divmod(layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
 def gemma_layer_types(layers: int, pattern: int) -> tuple[str, ...]:
     """Gemma 2 and 3's layer layout: every ``pattern``-th layer attends globally, the others
     through the sliding window (Gemma 2: every other layer; Gemma3TextConfig's
@@ -266,13 +274,11 @@ class ModelSpec(BaseModel):
             return 1.0
         if chunks <= 1:
             return self.windowed_layers() / self.layers
-        base, extra = divmod(self.layers, chunks)
         shares, lo = [], 0
-        for i in range(chunks):
-            hi = lo + base + (1 if i < extra else 0)
-            if hi > lo:
-                shares.append(self.windowed_layers(lo, hi) / (hi - lo))
-            lo = hi
+        for n in stage_layers(self.layers, chunks):
+            if n:
+                shares.append(self.windowed_layers(lo, lo + n) / n)
+            lo += n
         return max(shares)
 
     @property

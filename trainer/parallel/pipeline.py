@@ -80,10 +80,12 @@ def pipe_layout(plan: dict[str, Any], rank: int) -> PipeLayout:
 def stage_layers(layers: int, pp: int, stage: int) -> tuple[int, int]:
     """The decoder layers ``[lo, hi)`` of ``stage`` of ``pp`` stages (interleaved: of the
     ``pp x vpp`` chunks): as even as the count allows, the first stages one more (the
-    estimator's ``_stage_layers`` split)."""
-    base, extra = divmod(layers, pp)
-    lo = stage * base + min(stage, extra)
-    return lo, lo + base + (1 if stage < extra else 0)
+    estimator's split, ``estimator.models.stage_layers``, whose counts these bounds are)."""
+    from estimator.models import stage_layers as counts_of
+
+    counts = counts_of(layers, pp)
+    lo = sum(counts[:stage])
+    return lo, lo + counts[stage]
 
 
 def rank_chunks(pp: int, vpp: int, stage: int) -> list[int]:
