@@ -39,7 +39,13 @@ def run(label: str, job: TrainingJob, plan: Plan, *, kill_at: int | None = None,
         if not first:
             first.append(time.monotonic() - t0)
         if kill_at and step == kill_at and not killed:
-            ranks = [p for p in psutil.Process().children(recursive=True) if "trainer.train" in " ".join(p.cmdline())]
+            ranks = []
+            for p in psutil.Process().children(recursive=True):
+                try:
+                    if "trainer.train" in " ".join(p.cmdline()):
+                        ranks.append(p)
+                except psutil.Error:                        # exited (a zombie until reaped)
+                    pass
             os.kill(ranks[-1].pid, signal.SIGKILL)
             killed.append(ranks[-1].pid)
 

@@ -11,7 +11,9 @@ database of their own.
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
+from contextlib import ExitStack
 
 import pytest
 
@@ -41,12 +43,82 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{os.path.join(_HOME, 'mlflow.db'
 os.environ.setdefault("FRENZY_DATA_ROOTS", tempfile.gettempdir())
 
 
-@pytest.fixture(scope="session")
-def prefect_server():
+# What befell the Prefect test server, for the run's summary: xdist workers append lines to one
+# file the controlling process names (its environment reaches the workers it starts).
+_EVENTS_VAR = "FRENZY_TEST_SERVER_EVENTS"
+_harness: dict[str, ExitStack] = {}
+
+
+def pytest_configure(config):
+    if not os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get(_EVENTS_VAR):
+        os.environ[_EVENTS_VAR] = os.path.join(_HOME, "server-events.txt")
+
+
+def _server_event(line: str) -> None:
+    with open(os.environ.get(_EVENTS_VAR) or os.path.join(_HOME, "server-events.txt"), "a") as f:
+        f.write(f"[{_WORKER or 'main'}] {line}\n")
+
+
+def _kernel_kills() -> list[str]:
+    """The kernel's log lines about killed processes (the OOM killer), where it may be read."""
+    try:
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line for line in out.splitlines() if "Killed process" in line or "Out of memory" in line][-5:]
+
+
+def pytest_terminal_summary(terminalreporter):
+    path = os.environ.get(_EVENTS_VAR)
+    if path and os.path.exists(path):
+        terminalreporter.section("Prefect test server")
+        for line in open(path).read().splitlines() + _kernel_kills():
+            terminalreporter.write_line(line)
+
+
+def _start_harness() -> None:
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+    stack = ExitStack()
+    stack.enter_context(prefect_test_harness(server_startup_timeout=120))
+    _harness["stack"] = stack
+
+
+def _harness_process():
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer._instances.get(None)     # the harness registers its server here
+    return server.server_process if server is not None else None
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    _start_harness()
+    yield
+    _harness.pop("stack").close()
+
+
+@pytest.fixture(autouse=True)
+def _prefect_server_alive(request):
+    """The session's server died (it has: every later flow test of that process then failed on a
+    dead or reused port): say so with its exit code, in the run's summary, and start a new one
+    (a new database: what earlier tests registered is gone), so one death costs one test."""
+    if "prefect_server" in request.fixturenames and "stack" in _harness:
+        proc = _harness_process()
+        if proc is not None and proc.poll() is not None:
+            _server_event(f"the server (pid {proc.pid}) exited with code {proc.returncode} "
+                          f"before {request.node.nodeid}; started a new one")
+            try:
+                _harness.pop("stack").close()
+            except Exception as err:                        # its teardown talks to the dead server
+                _server_event(f"closing the dead server's harness: {type(err).__name__}: {err}")
+            _start_harness()
+    yield
+    if "prefect_server" in request.fixturenames and "stack" in _harness:
+        proc = _harness_process()
+        if proc is not None and proc.poll() is not None:
+            _server_event(f"the server (pid {proc.pid}) exited with code {proc.returncode} "
+                          f"during {request.node.nodeid}")
 
 
 @pytest.fixture

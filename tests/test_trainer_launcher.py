@@ -7,6 +7,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import psutil
 import pytest
@@ -92,6 +93,33 @@ def test_exception_in_caller_kills_tree(tmp_path):
     grandchild = int(open(pidfile).read())
     time.sleep(0.2)
     assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
+def test_kill_tree_of_a_reaped_child_stops_its_group_and_nothing_found_by_its_old_pid(tmp_path, monkeypatch):
+    """The child exited and was reaped: its pid may be another process's by now (pid numbers wrap,
+    32768 on many hosts), so no process is looked up by it; its group (its session, which the
+    kernel's pid numbering keeps while a member lives) is still stopped."""
+    import subprocess
+    import sys
+
+    from trainer import launcher
+
+    pidfile = tmp_path / "pid"
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import subprocess, sys
+        g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open({str(pidfile)!r}, "w").write(str(g.pid))
+        """)], start_new_session=True)
+    assert child.wait(timeout=30) == 0                      # exits at once, leaves its grandchild
+    grandchild = psutil.Process(int(pidfile.read_text()))
+    looked_up = []
+    monkeypatch.setattr(launcher, "psutil", types.SimpleNamespace(   # psutil, its Process recorded
+        Process=lambda pid: looked_up.append(pid) or psutil.Process(pid), NoSuchProcess=psutil.NoSuchProcess,
+        AccessDenied=psutil.AccessDenied, wait_procs=psutil.wait_procs))
+    launcher.kill_tree(child, grace_s=0.0)
+    assert looked_up == []
+    grandchild.wait(timeout=10)                             # raises while it still runs
+    assert not grandchild.is_running()
 
 
 def test_launch_env_sets_devices_attempt_and_cpu_mode():

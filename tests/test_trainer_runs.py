@@ -60,9 +60,22 @@ def train(j, plan, tmp_path, devices=None, **kw):
     return res, devices, lines, steps, attempts
 
 
+def training_processes(of: psutil.Process | None = None, ranks_only: bool = False) -> list[psutil.Process]:
+    """The live ``trainer.train`` processes below ``of`` (this process): a child that has exited
+    and is not reaped yet (a zombie, whose command line cannot be read) is not training."""
+    found = []
+    for p in (of or psutil.Process()).children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:                                # gone or a zombie
+            continue
+        if "trainer.train" in cmd and not (ranks_only and "accelerate" in cmd):
+            found.append(p)
+    return found
+
+
 def no_training_processes_left():
-    me = psutil.Process()
-    return [p for p in me.children(recursive=True) if "trainer.train" in " ".join(p.cmdline())] == []
+    return training_processes() == []
 
 
 @pytest.mark.slow
@@ -169,8 +182,7 @@ def test_killed_rank_is_retried_and_resumes_from_checkpoint(tmp_path):
 
     def kill_a_rank(step, total, loss):
         if step == 3 and not killed:
-            ranks = [p for p in psutil.Process().children(recursive=True)
-                     if "trainer.train" in " ".join(p.cmdline()) and "accelerate" not in " ".join(p.cmdline())]
+            ranks = training_processes(ranks_only=True)
             assert ranks, "no training process found"
             os.kill(ranks[-1].pid, signal.SIGKILL)
             killed.append(ranks[-1].pid)
@@ -304,8 +316,7 @@ def test_ranks_stop_when_the_orchestrator_is_killed_hard(tmp_path):
     try:
         for line in orch.stdout:                            # wait until training really runs
             if line.startswith("FRENZY_STEP"):
-                ranks = [p for p in psutil.Process(orch.pid).children(recursive=True)
-                         if "trainer.train" in " ".join(p.cmdline()) and "accelerate" not in " ".join(p.cmdline())]
+                ranks = training_processes(psutil.Process(orch.pid), ranks_only=True)
                 break
         assert len(ranks) == 2
         orch.kill()
@@ -313,7 +324,8 @@ def test_ranks_stop_when_the_orchestrator_is_killed_hard(tmp_path):
         gone, alive = psutil.wait_procs(ranks, timeout=20)
         assert alive == []
     finally:
-        for p in ([psutil.Process(orch.pid)] if psutil.pid_exists(orch.pid) else []) + ranks:
+        # orch's own object while it runs: once reaped, its pid may be another process's
+        for p in ([psutil.Process(orch.pid)] if orch.poll() is None else []) + ranks:
             try:
                 for c in p.children(recursive=True) + [p]:
                     c.kill()

@@ -120,12 +120,16 @@ def extensions_dir() -> Path:
 
 def kill_tree(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM the child's group and every descendant, wait ``grace_s``, then SIGKILL the rest."""
-    try:
-        parent = psutil.Process(proc.pid)
-        tree = [parent] + parent.children(recursive=True)   # collected before any signal
-    except psutil.NoSuchProcess:
-        tree = []
-    pgids = set()
+    tree = []
+    if proc.poll() is None:       # reaped already, its pid may be another process's: its group only
+        try:
+            parent = psutil.Process(proc.pid)
+            tree = [parent] + parent.children(recursive=True)   # collected before any signal
+        except psutil.NoSuchProcess:
+            pass
+    # The child leads a session of its own (start_new_session): its group id is its pid, which the
+    # kernel gives no new process while a member of the group lives.
+    pgids = {proc.pid}
     for p in tree:
         try:
             pgids.add(os.getpgid(p.pid))
