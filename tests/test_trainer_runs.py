@@ -297,7 +297,6 @@ def test_ranks_stop_when_the_orchestrator_is_killed_hard(tmp_path):
     """SIGKILL to the orchestrating process (no finally runs): the ranks notice and exit."""
     import subprocess
     import sys
-    import time
 
     script = tmp_path / "orchestrate.py"
     script.write_text(textwrap.dedent(f"""
