@@ -71,9 +71,12 @@ LOSS_CHUNKS = 8
 NF4_BYTES = 4.127 / 8
 # Sequences beyond the longest public measurement the profiles were checked on (128K tokens)
 COVERED_SEQ = 131072
-# Module names PEFT targets by default, and every projection's (in, out) per architecture
+# Module names LoRA adapts when a job names none: PEFT's defaults per architecture, and per
+# Hugging Face model type where PEFT has none (phi3: PEFT asks for target_modules; the fused
+# attention projection, as PEFT's q_proj/v_proj adapt the attention only)
 LORA_DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "opt": ("q_proj", "v_proj"),
                         "gpt": ("c_attn",), "bert": ("query", "value")}
+LORA_TYPE_TARGETS = {"phi3": ("qkv_proj",)}
 ALL_LINEAR = "all-linear"       # PEFT's name for every linear layer but the output head
 
 
@@ -328,7 +331,7 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
         rank = _pos_int("lora_rank", lora_rank)
         names = lora_projections(spec)
         if lora_targets is None or lora_targets == ():
-            targets = LORA_DEFAULT_TARGETS[spec.arch]
+            targets = default_lora_targets(spec)
         else:
             if isinstance(lora_targets, str):
                 lora_targets = [t.strip() for t in lora_targets.split(",") if t.strip()]
@@ -440,10 +443,18 @@ def _validated(prof: Profile | None, *args: Any) -> Knobs:
     return _validate(*args)
 
 
+def default_lora_targets(spec: ModelSpec) -> tuple[str, ...]:
+    """The projections LoRA adapts when a job names none (``LORA_TYPE_TARGETS``, else
+    ``LORA_DEFAULT_TARGETS``)."""
+    return LORA_TYPE_TARGETS.get(spec.model_type) or LORA_DEFAULT_TARGETS[spec.arch]
+
+
 def lora_projections(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """Each block's projections LoRA can target: name -> (in features, out features)."""
     h, f = spec.hidden, spec.f
     q, kv = spec.heads * spec.d_head, spec.n_kv * spec.d_head
+    if spec.arch == "llama" and spec.fused_proj:
+        return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * f), "down_proj": (f, h)}
     if spec.arch == "llama":
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
@@ -618,6 +629,8 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             # exchange's pair (~3 q + 2 kv wide) stay below the MLP's gradient temporaries of the
             # same layer that ``layer_backward_transient`` counts (2 h + 2 ffn wide)
             attn += c * q
+        elif merged_copy(spec, c, attention, hf_models, ulysses, sem.cuda):
+            attn += c * q
         if spec.arch == "gpt" and amp and sem.cuda and act_ckpt != "selective" and hf_models:
             # Measured on H200 (torch 2.11): HF GPT-2 under autocast hands SDPA its fp32 additive
             # mask, so CUDA picks the memory-efficient kernel, which saves the mask expanded to
@@ -690,6 +703,18 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
     if drop_attn:
         shard += score * a * s * (m + c)
     return rep, shard
+
+
+def merged_copy(spec: ModelSpec, c: float, attention: str, hf_models: bool, ulysses: bool, cuda: bool) -> bool:
+    """Whether a block saves a copy of SDPA's output beside it, q wide: Phi-3's q is a slice of
+    the fused qkv output, so the rotary embedding writes it head-major ([b, heads, s, d]; a
+    Llama's q_proj output stays token-major) and SDPA's output follows q's layout, so the merge
+    of the heads before o_proj copies it, which o_proj saves for its weight's gradient
+    (saved-tensor hooks on the CPU; CUDA's flash kernel allocates its output like q: the same
+    copy). Not where eager or the math kernel merges a copy anyway, nor under Ulysses (its
+    all-to-all output is the copy)."""
+    return (spec.fused_proj and hf_models and attention == "flash" and not ulysses
+            and not (c == 4 and spec.n_kv < spec.heads and cuda))
 
 
 def window_mask_bytes(spec: ModelSpec, s: int, c: float, attention: str, act_ckpt: str, hf_models: bool,
@@ -816,13 +841,14 @@ def _loss_terms(spec: ModelSpec, k: Knobs, prof: Profile, c: float, amp: bool) -
 
 
 def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float,
-                           compiled: bool = False) -> tuple[float, float]:
+                           compiled: bool = False, merged: bool = False) -> tuple[float, float]:
     """Per token and block: (replicated, sharded) bytes LoRA changes. Frozen projections keep
     no input for a weight gradient, frozen norm weights no normalised copy; each adapter saves
     its A output, and the input its A matrix saw: the tensor the norm produced when nothing
     copies it (16-bit adapters, no dropout), else a copy of its own (``_adapter_input_bytes``).
     ``compiled``: the norms are fused (``layer_activation_bytes``' compiled inventory keeps no
-    normalised copy to take off)."""
+    normalised copy to take off); ``merged``: the inventory holds the merged attention output
+    that only o_proj's weight gradient keeps (``merged_copy``)."""
     h, f, r = spec.hidden, spec.f, k.lora_rank
     t = set(k.lora_targets)
     names = lora_projections(spec)
@@ -840,11 +866,13 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float,
             rep = 0.0
         else:
             rep = -spec.norms_per_layer * 4.0 * h if spec.gemma_norms else -2 * c * h
-        if not (keeps and t & {"q_proj", "k_proj", "v_proj"}):
+        if not (keeps and t & {"q_proj", "k_proj", "v_proj", "qkv_proj"}):
             rep -= c * h                                        # attention-norm output unsaved
-        if not (keeps and t & {"gate_proj", "up_proj"}):
+        if not (keeps and t & {"gate_proj", "up_proj", "gate_up_proj"}):
             rep -= c * h                                        # mlp-norm output unsaved
         shard = adapters - (0.0 if keeps and "down_proj" in t else c * f)  # down_proj input
+        if merged and not (keeps and "o_proj" in t):
+            shard -= c * spec.heads * spec.d_head                # o_proj's copy of its input
         if spec.has_qk_norm and not compiled:                   # q/k norms' normalised copies
             shard -= (4.0 if spec.gemma_norms else c) * (spec.heads + spec.n_kv) * spec.d_head
         return rep, shard
@@ -1016,7 +1044,9 @@ def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> _St
     largest_tensor = max(head_w, h * f / t)
 
     if lora:
-        d_rep, d_shard = _lora_activation_delta(spec, k, c, sem.mask_bytes, compiled=k.fused and not act_amp)
+        d_rep, d_shard = _lora_activation_delta(
+            spec, k, c, sem.mask_bytes, compiled=k.fused and not act_amp,
+            merged=merged_copy(spec, c, k.attention, prof.hf_models, k.cp > 1, sem.cuda))
         rep, shard = rep + d_rep, shard + d_shard
     sp_div = t if k.sp else 1                          # sequence parallelism shards the rest
     per_layer_tok = ((rep / t if k.sp else rep) + shard / t

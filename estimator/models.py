@@ -26,7 +26,8 @@ Arch = Literal["gpt", "llama", "bert", "opt"]
 
 # the Hugging Face model types each arch builds (``hf_config``; the first by default), and those
 # of them whose attention normalises queries and keys per head (``ModelSpec.has_qk_norm``)
-HF_TYPES = {"gpt": ("gpt2",), "llama": ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"),
+HF_TYPES = {"gpt": ("gpt2",), "llama": ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                      "phi3"),
             "bert": ("bert",), "opt": ("opt",)}
 QK_NORM_TYPES = ("qwen3", "gemma3_text")
 # Gemma's RMSNorm computes in fp32 and scales by (1 + weight) before casting back (Llama casts
@@ -35,9 +36,15 @@ QK_NORM_TYPES = ("qwen3", "gemma3_text")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 # a norm after each sublayer too (post-attention and post-feedforward, beside the usual two)
 SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text")
-# the types whose config's sliding_window the built model applies: Mistral to every layer,
-# Gemma 2 to every other one, Gemma 3 to all but every ``window_pattern``-th
-WINDOW_TYPES = ("mistral", "gemma2", "gemma3_text")
+# the types whose config's sliding_window the built model applies: Mistral and Phi-3 to every
+# layer, Gemma 2 to every other one, Gemma 3 to all but every ``window_pattern``-th
+WINDOW_TYPES = ("mistral", "gemma2", "gemma3_text", "phi3")
+# Phi-3 computes q, k and v with one projection (qkv_proj) and the gate and up halves of its MLP
+# with another (gate_up_proj), then slices them: the weights, FLOPs and saved tensors of the
+# separate projections (the slices are views of one output, which their saved uses keep alive
+# whole, as the separate outputs are kept), other module names (LoRA adapts a fused projection
+# as one) and tensor shapes (per-tensor optimizer states)
+FUSED_PROJ_TYPES = ("phi3",)
 # the types with Gemma's alternating layer layout (``gemma_layer_types``), and their period
 LAYOUT_TYPES = {"gemma2": 2, "gemma3_text": 6}
 # the fields only some model types have, and those types
@@ -100,7 +107,7 @@ class ModelSpec(BaseModel):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="residual/MLP/embedding dropout")
     attn_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on attention probs")
     hf_model_type: str | None = Field(None, description="gpt2 | llama | mistral | qwen2 | qwen3 | gemma | "
-                                                        "gemma2 | gemma3_text | opt | bert")
+                                                        "gemma2 | gemma3_text | phi3 | opt | bert")
     # OPT-350m projects a 512-wide embedding to the 1024-wide model and back.
     embed_dim: int | None = Field(None, description="word embedding width when it differs (opt-350m)")
     pre_norm: bool = Field(True, description="LayerNorm before each sublayer (opt-350m: after)")
@@ -168,8 +175,11 @@ class ModelSpec(BaseModel):
             raise FrenzyInputError("kv_heads", f"must divide heads ({self.heads} % {kv} != 0)")
         if self.arch == "bert" and self.kv_heads not in (None, self.heads):
             raise FrenzyInputError("kv_heads", "bert has no grouped-query attention (kv_heads == heads)")
-        if self.model_type == "mistral" and self.qkv_bias:
-            raise FrenzyInputError("qkv_bias", "mistral has no attention biases (MistralConfig builds none)")
+        if self.model_type in ("mistral", "phi3") and self.qkv_bias:
+            raise FrenzyInputError("qkv_bias", f"{self.model_type} has no attention biases (its config builds none)")
+        if self.model_type == "phi3" and self.head_dim is not None and self.head_dim * self.heads != self.hidden:
+            raise FrenzyInputError("head_dim", f"phi3 heads are hidden / heads wide (got {self.head_dim} x "
+                                               f"{self.heads} for hidden {self.hidden})")
         for key, types in TYPE_FIELDS.items():
             if getattr(self, key) is not None and self.model_type not in types:
                 raise FrenzyInputError(key, f"only {' and '.join(types)} {'has' if len(types) == 1 else 'have'} it")
@@ -226,6 +236,11 @@ class ModelSpec(BaseModel):
     @property
     def model_type(self) -> str:
         return self.hf_model_type or HF_TYPES[self.arch][0]
+
+    @property
+    def fused_proj(self) -> bool:
+        """q/k/v in one projection and gate/up in another (``FUSED_PROJ_TYPES``)."""
+        return self.model_type in FUSED_PROJ_TYPES
 
     @property
     def window(self) -> int | None:
@@ -399,7 +414,9 @@ class ModelSpec(BaseModel):
         h, f, dh, V = self.hidden, self.f, self.d_head, self.vocab_padded
         q, kv = self.heads * dh, self.n_kv * dh
         per_layer: list[tuple[int, ...]] = []
-        if self.arch == "llama":
+        if self.arch == "llama" and self.fused_proj:
+            per_layer += [(q + 2 * kv, h), (h, q), (2 * f, h), (h, f), (h,), (h,)]
+        elif self.arch == "llama":
             per_layer += [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f), (h,), (h,)]
             if self.sandwich_norms:
                 per_layer += [(h,), (h,)]
@@ -504,6 +521,13 @@ class ModelSpec(BaseModel):
             d["head_dim"] = self.d_head                # Qwen3Config's default is 128, not hidden / heads
             d["attention_bias"] = self.has_qkv_bias
             d["use_sliding_window"] = False
+        elif t == "phi3":
+            # no dropout, whole rotary; Phi3Config's token ids (32000 pads) only where the
+            # vocabulary holds them
+            d.update(sliding_window=self.sliding_window, original_max_position_embeddings=self.positions,
+                     resid_pdrop=0.0, embd_pdrop=0.0, partial_rotary_factor=1.0,
+                     pad_token_id=32000 if V > 32000 else None, bos_token_id=min(1, V - 1),
+                     eos_token_id=32000 if V > 32000 else V - 1)
         return d
 
     def dims(self) -> dict[str, Any]:
@@ -595,6 +619,16 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
       for size, layers, hidden, heads, kv, ffn, hd, qs in (
           ("2b", 26, 2304, 8, 4, 9216, 256, 256), ("9b", 42, 3584, 16, 8, 14336, 256, 256),
           ("27b", 46, 4608, 32, 16, 36864, 128, 144))),
+    # Phi-3 (microsoft/Phi-3-mini-4k-instruct, Phi-3-medium-4k-instruct, Phi-3.5-mini-instruct,
+    # phi-4): fused qkv and gate/up projections, untied 32K (phi-4: 100K) vocabulary; the 4K
+    # models attend within a 2,047-token window, Phi-3.5's 262,144 is never reached
+    _llama("phi-3-mini", 32, 3072, 32, 32, 8192, 32064, hf="phi3", max_pos=4096, theta=10000.0,
+           sliding_window=2047),
+    _llama("phi-3-medium", 40, 5120, 40, 10, 17920, 32064, hf="phi3", max_pos=4096, theta=10000.0,
+           sliding_window=2047),
+    _llama("phi-3.5-mini", 32, 3072, 32, 32, 8192, 32064, hf="phi3", max_pos=131072, theta=10000.0,
+           sliding_window=262144),
+    _llama("phi-4", 40, 5120, 40, 10, 17920, 100352, hf="phi3", max_pos=16384, theta=250000.0),
     # Gemma 3 text (google/gemma-3-270m, -1b): four norms a block, per-head q/k norms, five
     # 512-token sliding-window layers to one global
     *(_llama(f"gemma-3-{size}", layers, hidden, 4, 1, ffn, 262144, tied=True, hf="gemma3_text",
@@ -653,6 +687,20 @@ def _gemma_pattern(cfg: dict[str, Any]) -> int | None:
                                           f"(the layouts {t} builds)")
 
 
+def _check_phi3(cfg: dict[str, Any]) -> None:
+    """What a phi3 config.json may say that the memory model does not describe, refused in one
+    line: rotary on part of each head (Phi-4-mini's 0.75: other saved tensors) and dropout
+    (its masks)."""
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise FrenzyInputError("partial_rotary_factor", f"must be 1.0 for phi3 (rotary on part of each head, "
+                                                        f"as Phi-4-mini's, is not modelled; got {partial!r})")
+    for key in ("resid_pdrop", "embd_pdrop"):
+        if cfg.get(key) not in (None, 0, 0.0):
+            raise FrenzyInputError(key, f"must be 0 for phi3 (dropout is not modelled for it; got {cfg.get(key)!r})")
+
+
 def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     """Map a Hugging Face config.json to a ModelSpec."""
     t = cfg.get("model_type")
@@ -698,6 +746,8 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                                                 f"(its SDPA path would skip the score cap)")
             if t in GEMMA_TYPES and cfg.get("use_bidirectional_attention"):
                 raise FrenzyInputError("use_bidirectional_attention", "must be false: Frenzy trains causal LMs")
+            if t == "phi3":
+                _check_phi3(cfg)
             hd = g("head_dim", _HF_HEAD_DIM_DEFAULT.get(t))
             pattern = _gemma_pattern(cfg) if t in LAYOUT_TYPES else None
             h_, a_ = g("hidden_size"), g("num_attention_heads")
@@ -713,7 +763,8 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                              kv_heads=(g("num_key_value_heads", _HF_KV_DEFAULT.get(t)) or a_),
                              ffn=g("intermediate_size"), vocab=g("vocab_size"),
                              tied_embeddings=g("tie_word_embeddings", t in GEMMA_TYPES),
-                             qkv_bias=False if t == "mistral" else g("attention_bias", default_bias),
+                             # Mistral and Phi-3 build no attention biases, whatever the key says
+                             qkv_bias=False if t in ("mistral", "phi3") else g("attention_bias", default_bias),
                              head_dim=hd if hd not in (None, derived) else None,
                              max_positions=g("max_position_embeddings", _HF_MAX_POS_DEFAULT.get(t, 4096)),
                              hf_model_type=t,
@@ -721,8 +772,9 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                              rope_theta=g("rope_theta") or rope.get("rope_theta"), norm_eps=g("rms_norm_eps"),
                              attn_dropout=g("attention_dropout", 0.0) or 0.0,
                              # Mistral's and Gemma's default window when the key is absent
-                             # (null: none, for Mistral)
-                             sliding_window=g("sliding_window", 4096) if t in WINDOW_TYPES else None,
+                             # (null: none, for Mistral); Phi3Config's is none
+                             sliding_window=(g("sliding_window", None if t == "phi3" else 4096)
+                                             if t in WINDOW_TYPES else None),
                              # Gemma 2's layout is fixed (checked, not kept)
                              window_pattern=pattern if t == "gemma3_text" else None,
                              query_pre_attn_scalar=g("query_pre_attn_scalar") if t in LAYOUT_TYPES else None,

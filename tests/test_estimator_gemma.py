@@ -80,6 +80,25 @@ def test_compiled_norms_under_lora_take_off_no_copy_they_never_had():
         assert rep + d_rep > 0
 
 
+def assert_config_json_builds_the_spec(tmp_path, cfg: dict, keys: tuple[str, ...]):
+    """``cfg`` written as a config.json and read by the estimator: the model transformers builds
+    from ``cfg`` has the spec's parameters and tensor shapes, and the config the spec writes
+    (``hf_config``) agrees with ``cfg``'s on ``keys``. Returns (spec, transformers' config)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = resolve_model(str(tmp_path))
+    built = transformers.AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(built)
+    assert sum(p.numel() for p in model.parameters()) == spec.params
+    assert sorted(tuple(p.shape) for p in model.parameters()) == sorted(spec.weight_shapes())
+    ours = transformers.AutoConfig.for_model(**spec.hf_config())
+    for key in keys:
+        assert getattr(ours, key, None) == getattr(built, key, None), key
+    return spec, built
+
+
 @pytest.mark.parametrize("cfg", [
     {"model_type": "gemma", **TINY},
     {"model_type": "gemma2", **TINY, "num_hidden_layers": 3},
@@ -94,19 +113,9 @@ def test_compiled_norms_under_lora_take_off_no_copy_they_never_had():
                                                              "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}},
 ])
 def test_a_gemma_config_json_is_the_model_transformers_builds(tmp_path, cfg):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    spec = resolve_model(str(tmp_path))
-    built = transformers.AutoConfig.for_model(**cfg)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(built)
-    assert sum(p.numel() for p in model.parameters()) == spec.params
-    assert sorted(tuple(p.shape) for p in model.parameters()) == sorted(spec.weight_shapes())
-    ours = transformers.AutoConfig.for_model(**spec.hf_config())
-    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters", "head_dim",
-                "tie_word_embeddings", "attn_logit_softcapping", "final_logit_softcapping"):
-        assert getattr(ours, key, None) == getattr(built, key, None), key
+    spec, built = assert_config_json_builds_the_spec(tmp_path, cfg, (
+        "layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters", "head_dim",
+        "tie_word_embeddings", "attn_logit_softcapping", "final_logit_softcapping"))
     if cfg["model_type"] != "gemma":
         assert spec.windowed_layers() == built.layer_types.count("sliding_attention")
 
@@ -128,27 +137,36 @@ def test_gemma3_configs_it_cannot_model_are_one_line_errors(extra, field):
     assert "\n" not in str(e.value)
 
 
-def _saved_in_blocks(cfg: dict, lora: bool, first: int = 0, attn: str = "sdpa") -> int:
-    """Bytes autograd saves inside the decoder blocks ``first..`` of a pure-bf16 model (storages
-    counted once; not the weights, nor the per-sequence rotary tables, whose batch is 1)."""
+def saved_in_blocks(cfg: dict, targets: list[str] | None = None, first: int = 0, attn: str = "sdpa",
+                    adapters_16bit: bool = False) -> int:
+    """Bytes autograd saves inside the decoder blocks ``first..`` of a pure-bf16 model: every saved
+    storage once, but the weights' and the per-sequence rotary tables' (batch 1); a linear
+    layer saves its input as a ``(tokens, features)`` view, whose storage is the activation's.
+    With LoRA adapters (rank 4, no dropout; PEFT's fp32 adapters unless ``adapters_16bit``, as
+    the trainer makes them for a pure-bf16 job) on ``targets`` when given."""
     import peft
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from trainer.modeling import peft_targets
+
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg, attn_implementation=attn)).to(torch.bfloat16)
-    if lora:
-        m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    if targets:
+        m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=peft_targets(targets)),
+                                autocast_adapter_dtype=not adapters_16bit)
     m.train()
-    inner = m.base_model.model if lora else m
+    inner = m.base_model.model if targets else m
     inside, saved = [False], {}
     for layer in inner.model.layers[first:]:
         layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
         layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    weights = {p.untyped_storage().data_ptr() for p in m.parameters()}
 
     def pack(t):
-        if inside[0] and t.dim() > 1 and t.shape[0] == B:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        ptr = t.untyped_storage().data_ptr()
+        if inside[0] and t.dim() > 1 and t.shape[0] != 1 and ptr not in weights:
+            saved[ptr] = t.untyped_storage().nbytes()
         return t
 
     ids = torch.randint(0, cfg["vocab_size"], (B, S))
@@ -183,7 +201,7 @@ def test_gemma_blocks_save_what_the_estimate_counts(cfg):
     blocks save exactly the bytes the estimate adds."""
     pytest.importorskip("transformers")
     llama = {**TINY, "model_type": "llama"}
-    hooks = _saved_in_blocks(cfg, False) - _saved_in_blocks(llama, False)
+    hooks = saved_in_blocks(cfg) - saved_in_blocks(llama)
     assert hooks > 0
     assert _estimated_in_blocks(cfg, False, 2) - _estimated_in_blocks(llama, False, 2) == hooks
 
@@ -198,7 +216,7 @@ def test_gemma_blocks_save_what_the_estimate_counts(cfg):
 def test_gemma_blocks_under_eager_attention_save_what_the_estimate_counts(cfg):
     pytest.importorskip("transformers")
     llama = {**TINY, "model_type": "llama"}
-    hooks = _saved_in_blocks(cfg, False, attn="eager") - _saved_in_blocks(llama, False, attn="eager")
+    hooks = saved_in_blocks(cfg, attn="eager") - saved_in_blocks(llama, attn="eager")
     assert (_estimated_in_blocks(cfg, False, 2, "eager") - _estimated_in_blocks(llama, False, 2, "eager")
             == hooks)
 
@@ -212,7 +230,8 @@ def test_gemma_blocks_under_lora_save_what_the_estimate_counts(model_type):
     cfg = {"model_type": model_type, **TINY, "sliding_window": 64}
     cfg.pop("sliding_window") if model_type == "gemma" else None
     llama = {**TINY, "model_type": "llama"}
-    hooks = _saved_in_blocks(cfg, True, first=1) - _saved_in_blocks(llama, True, first=1)
+    qv = ["q_proj", "v_proj"]
+    hooks = saved_in_blocks(cfg, qv, first=1) - saved_in_blocks(llama, qv, first=1)
     assert _estimated_in_blocks(cfg, True, 1) - _estimated_in_blocks(llama, True, 1) == hooks
 
 

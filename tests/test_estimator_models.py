@@ -199,7 +199,7 @@ def test_an_arch_given_beside_a_preset_builds_its_own_model_type():
 
 def test_a_hugging_face_type_its_arch_does_not_build_is_refused():
     with pytest.raises(FrenzyInputError) as e:
-        resolve_model(dict(arch="llama", layers=2, hidden=64, heads=4, vocab=100, hf_model_type="phi3"))
+        resolve_model(dict(arch="llama", layers=2, hidden=64, heads=4, vocab=100, hf_model_type="falcon"))
     assert e.value.field == "hf_model_type" and "qwen3" in e.value.rule
     with pytest.raises(FrenzyInputError, match="hf_model_type"):
         resolve_model(dict(arch="gpt", layers=2, hidden=64, heads=4, vocab=100, hf_model_type="qwen3"))

@@ -47,6 +47,8 @@ ARCHS = {
     # than a real run does (tests/test_estimator_gemma.py measures the real one)
     "gemma2": dict(arch="llama", kv_heads=2, hf_model_type="gemma2", head_dim=128, sliding_window=384,
                    attn_softcap=50.0, logit_softcap=None),
+    # Phi-3: fused qkv and gate/up projections (its merged attention output a copy), a window
+    "phi3": dict(arch="llama", kv_heads=2, hf_model_type="phi3", sliding_window=384),
 }
 # architectures Hugging Face builds without SDPA (their attention is eager only)
 EAGER_ONLY = {"gemma2"}

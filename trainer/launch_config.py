@@ -122,9 +122,22 @@ def check_pipeline_model(plan: Plan, arch: str, layers: int | None = None) -> No
 AUTOTP_WHOLE_EMBEDDING_TYPES = ("gemma", "gemma2")
 
 
+# Model types neither tensor-parallel path shards: Phi-3's fused qkv_proj and gate_up_proj. Its
+# Hugging Face plan gathers their outputs and splits o_proj's and down_proj's inputs
+# ('colwise_gather_output', 'rowwise_split_input'): DeepSpeed 0.19's AutoTP rejects such a plan
+# ("unsupported partition style(s)", tried: tp=2 of a tiny Phi-3 on the CPU), and the pipeline's
+# DTensor tensor parallel shards plain column / row pairs only (a column split of a fused
+# projection would hand each rank a slice of q, k and v together)
+NO_TP_TYPES = ("phi3",)
+
+
 def check_tp_model(plan: Plan, model_type: str | None) -> None:
     """A ``tp > 1`` plan without pipeline stages runs DeepSpeed's AutoTP, which must shard the
-    model's embedding like every other matrix."""
+    model's embedding like every other matrix; no tensor-parallel path shards ``NO_TP_TYPES``."""
+    if plan.tp > 1 and model_type in NO_TP_TYPES:
+        raise FrenzyInputError("plan.tp", f"tensor parallel does not shard {model_type}'s fused qkv_proj and "
+                                          f"gate_up_proj (DeepSpeed AutoTP rejects its tensor-parallel plan): "
+                                          f"use data parallel with ZeRO, or pipeline stages")
     if plan.tp > 1 and plan.pp == 1 and model_type in AUTOTP_WHOLE_EMBEDDING_TYPES:
         raise FrenzyInputError("plan.tp", f"DeepSpeed AutoTP keeps a {model_type} model's embedding (and a head "
                                           f"tied to it) whole on every rank: use tp with pp >= 2 (the pipeline's "

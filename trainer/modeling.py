@@ -89,11 +89,16 @@ def build_model(spec: dict[str, Any], device):
     return model
 
 
-def peft_targets(targets: list[str] | None) -> list[str] | str | None:
+def peft_targets(targets: list[str] | None, model_type: str | None = None) -> list[str] | str | None:
     """A job's ``target_modules`` as PEFT takes them: its ``all-linear`` shorthand is a string
-    (in a list PEFT would look for a module of that name)."""
-    from estimator.memory import ALL_LINEAR
-    return ALL_LINEAR if targets and ALL_LINEAR in targets else targets
+    (in a list PEFT would look for a module of that name); none given, the estimator's default
+    for a model type PEFT has none for (``estimator.memory.LORA_TYPE_TARGETS``: phi3), else
+    None (PEFT's own default, which the estimator's per-architecture defaults are)."""
+    from estimator.memory import ALL_LINEAR, LORA_TYPE_TARGETS
+    if not targets:
+        default = LORA_TYPE_TARGETS.get(model_type) if model_type else None
+        return list(default) if default else targets
+    return ALL_LINEAR if ALL_LINEAR in targets else targets
 
 
 def add_adapters(model, spec: dict[str, Any], act_ckpt: bool):
@@ -107,7 +112,8 @@ def add_adapters(model, spec: dict[str, Any], act_ckpt: bool):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=act_ckpt,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = LoraConfig(r=ft["rank"], lora_alpha=ft["alpha"], lora_dropout=ft["dropout"],
-                     target_modules=peft_targets(ft.get("target_modules")), task_type="CAUSAL_LM")
+                     target_modules=peft_targets(ft.get("target_modules"), getattr(model.config, "model_type", None)),
+                     task_type="CAUSAL_LM")
     try:
         # fp32 adapters on a 16-bit base when the job keeps master weights
         return get_peft_model(model, cfg, autocast_adapter_dtype=spec.get("master_weights", "fp32") == "fp32")

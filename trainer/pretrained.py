@@ -144,7 +144,9 @@ def check_adapters(job: TrainingJob, model) -> None:
                                                               f"(module names end in: {', '.join(leaves[:20])})")
     try:
         get_peft_model(model, LoraConfig(r=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout,
-                                         target_modules=peft_targets(ft.target_modules), task_type="CAUSAL_LM"))
+                                         target_modules=peft_targets(ft.target_modules,
+                                                                     getattr(model.config, "model_type", None)),
+                                         task_type="CAUSAL_LM"))
     except (ValueError, TypeError) as e:
         raise FrenzyInputError("finetune.target_modules", " ".join(str(e).split())[:300]) from None
 

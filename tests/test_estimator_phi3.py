@@ -1,0 +1,189 @@
+"""Phi-3 and Phi-4 (Hugging Face model type phi3) in the estimator, the planner and the trainer's
+LoRA: parameters and tensor shapes as transformers builds them, config.json reading, and the
+activations its fused projections save, checked against what autograd saves (saved-tensor
+hooks on the installed transformers, CPU, pure bf16) beside a Llama of the same dimensions."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from estimator import estimate
+from estimator.errors import FrenzyInputError
+from estimator.models import PRESETS, resolve_model
+
+from .test_estimator_gemma import B, S, assert_config_json_builds_the_spec, saved_in_blocks
+
+# microsoft/Phi-3-mini-4k-instruct (3.8B), Phi-3-medium-4k-instruct (14B), Phi-3.5-mini-instruct,
+# phi-4 (14.7B): parameters as transformers counts them
+PHI3_PARAMS = {"phi-3-mini": 3_821_079_552, "phi-3-medium": 13_960_238_080, "phi-3.5-mini": 3_821_079_552,
+               "phi-4": 14_659_507_200}
+
+TINY = {"model_type": "phi3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "pad_token_id": None,
+        "eos_token_id": 127}
+
+
+@pytest.mark.parametrize("name", sorted(PHI3_PARAMS))
+def test_phi3_presets_have_the_published_parameter_counts(name):
+    spec = PRESETS[name]
+    assert spec.params == PHI3_PARAMS[name] == sum(math.prod(s) for s in spec.weight_shapes())
+    assert spec.fused_proj and not spec.tied and not spec.has_qkv_bias
+
+
+@pytest.mark.parametrize("cfg", [
+    TINY,
+    {**TINY, "sliding_window": 8, "num_key_value_heads": 4},
+    {**TINY, "tie_word_embeddings": True, "rope_theta": 250000.0, "max_position_embeddings": 512},
+    {**TINY, "attention_bias": True},              # Phi-3 builds no bias whatever the key says
+])
+def test_a_phi3_config_json_is_the_model_transformers_builds(tmp_path, cfg):
+    spec, _ = assert_config_json_builds_the_spec(tmp_path, cfg, (
+        "sliding_window", "tie_word_embeddings", "num_key_value_heads", "max_position_embeddings"))
+    assert spec.window == cfg.get("sliding_window")
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),                # Phi-4-mini's
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ({"resid_pdrop": 0.1}, "resid_pdrop"),
+    ({"embd_pdrop": 0.1}, "embd_pdrop"),
+    ({"head_dim": 32}, "head_dim"),
+])
+def test_phi3_configs_it_cannot_model_are_one_line_errors(extra, field):
+    with pytest.raises(FrenzyInputError) as e:
+        resolve_model({**TINY, **extra})
+    assert e.value.field in (field, f"model.{field}")
+    assert "\n" not in str(e.value)
+
+
+def _estimated_in_blocks(cfg: dict, targets: list[str] | None, blocks: int) -> float:
+    """The estimate's bytes for ``blocks`` of the model's blocks, the same tensors."""
+    from estimator.memory import (_lora_activation_delta, layer_activation_bytes, merged_copy, validate_knobs,
+                                  window_mask_bytes)
+
+    spec = resolve_model(cfg)
+    per_token = (sum(layer_activation_bytes(spec, S, 2.0, False, "flash", "none"))
+                 + window_mask_bytes(spec, S, 2.0, "flash", "none", True))
+    if targets:
+        # as the hooks' model runs: pure bf16 (16-bit adapters, which copy no input), rank 4
+        k = validate_knobs(spec, seq_len=S, finetune="lora", lora_targets=targets, lora_dropout=0.0,
+                           lora_rank=4, master_weights="none")
+        assert not k.accelerate_amp
+        per_token += sum(_lora_activation_delta(spec, k, 2.0, 1.0, merged=merged_copy(spec, 2.0, "flash", True,
+                                                                                      False, True)))
+    return per_token * B * S * blocks
+
+
+# the Llama (or, with a window, the Mistral) of the same dimensions, and its projections
+def _unfused(cfg: dict) -> dict:
+    other = {k: v for k, v in cfg.items() if k not in ("pad_token_id", "eos_token_id")}
+    return {**other, "model_type": "mistral" if cfg.get("sliding_window") else "llama"}
+
+
+@pytest.mark.parametrize("cfg", [TINY, {**TINY, "sliding_window": 8}, {**TINY, "sliding_window": 64}],
+                         ids=["global", "window-reached", "window-not-reached"])
+def test_phi3_blocks_save_what_the_estimate_counts(cfg):
+    """q, k and v are slices of one fused output (and gate and up of another): what their uses
+    save keeps that output alive whole, as a Llama keeps its three (two) outputs; but q, rotated
+    from a slice, is head-major, so SDPA's output is too and the merge before o_proj copies it
+    (``memory.merged_copy``): q wide more than the Llama (the Mistral, with a window) of the
+    same dimensions. A window the sequence reaches adds the sliding mask and the repeated k / v,
+    as Mistral's does. The blocks save what the estimate counts, to the byte, for both."""
+    pytest.importorskip("transformers")
+    hooks, unfused = saved_in_blocks(cfg), saved_in_blocks(_unfused(cfg))
+    assert hooks == _estimated_in_blocks(cfg, None, 2)
+    assert unfused == _estimated_in_blocks(_unfused(cfg), None, 2)
+    assert hooks - unfused == 2 * B * S * cfg["hidden_size"] * 2           # 2 blocks, bf16, q wide
+
+
+@pytest.mark.parametrize("fused,unfused", [
+    (["qkv_proj"], ["q_proj", "k_proj", "v_proj"]),
+    (["gate_up_proj", "down_proj"], ["gate_proj", "up_proj", "down_proj"]),
+    (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ["all-linear"]),
+])
+def test_phi3_blocks_under_lora_save_what_the_estimate_counts(fused, unfused):
+    """LoRA adapts a fused projection as one: one rank-r output where the Llama's separate
+    projections save three (two), on the same input; a frozen o_proj keeps no copy of its input
+    (an adapter on it does). Block 1 only (in block 0 the frozen projections' outputs need no
+    gradient yet): what the blocks save is the estimate, to the byte."""
+    pytest.importorskip("peft")
+    assert saved_in_blocks(TINY, fused, first=1, adapters_16bit=True) == _estimated_in_blocks(TINY, fused, 1)
+    assert saved_in_blocks(_unfused(TINY), unfused, first=1, adapters_16bit=True) == _estimated_in_blocks(_unfused(TINY), unfused, 1)
+
+
+def test_phi3_lora_defaults_to_its_fused_attention_projection_and_peft_takes_it():
+    """PEFT has no default targets for phi3 (it asks for target_modules): a job that names none
+    adapts qkv_proj, in the estimate and in the trainer alike."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from estimator.memory import lora_layer_params, validate_knobs
+    from trainer.modeling import peft_targets
+
+    spec = resolve_model(TINY)
+    k = validate_knobs(spec, seq_len=S, finetune="lora", lora_rank=4)
+    assert k.lora_targets == ("qkv_proj",)
+    targets = peft_targets(None, "phi3")
+    assert targets == ["qkv_proj"] and peft_targets(None, "llama") is None
+    model = peft.get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY)),
+                                peft.LoraConfig(r=4, target_modules=targets))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable == lora_layer_params(spec, k) * spec.layers
+    with pytest.raises(FrenzyInputError) as e:
+        validate_knobs(spec, seq_len=S, finetune="lora", lora_targets=["q_proj"])
+    assert e.value.field == "lora_targets" and "qkv_proj" in e.value.rule
+
+
+def test_phi3_plans_use_no_tensor_parallel_and_the_trainer_refuses_it(tmp_path):
+    """Neither tensor-parallel path shards Phi-3's fused projections: every tp plan the planner
+    shows says so (none is launchable), the trainer refuses one in a line; pipeline stages and
+    ZeRO plans remain."""
+    from estimator.job import TrainingJob
+    from estimator.plan import Plan
+    from estimator.plans import not_launchable_reason, plans_for_job
+    from trainer.launch_config import training_spec
+
+    spec = PRESETS["phi-4"]
+    plans = plans_for_job({"model": "phi-4", "seq_len": 4096, "global_batch": 64}, {"H100-80GB": 16})["H100-80GB"]
+    assert any(p.not_launchable is None for p in plans)
+    assert all(p.not_launchable for p in plans if p.tp > 1)
+    assert any("phi3" in (p.not_launchable or "") for p in plans)
+    tp = Plan(gpu_type="H100-80GB", gpus=8, dp=4, tp=2, micro_batch=1, grad_accum=16)
+    why = not_launchable_reason(tp, spec)
+    assert why is not None and why.startswith("plan.tp:") and "phi3" in why
+    assert not_launchable_reason(Plan(gpu_type="H100-80GB", gpus=8, dp=4, pp=2, micro_batch=1, grad_accum=16),
+                                 spec) is None
+    job = TrainingJob(model=TINY, seq_len=32, global_batch=4, train_steps=2)
+    with pytest.raises(FrenzyInputError) as e:
+        training_spec(job, Plan(gpu_type="CPU", gpus=2, dp=1, tp=2, micro_batch=4, grad_accum=1,
+                                precision="fp32"), tmp_path)
+    assert e.value.field == "plan.tp"
+
+
+def test_phi3_pipeline_stages_compute_the_models_logits():
+    """Two pipeline stages of a windowed Phi-3 chained compute the whole model's logits (the
+    stages' masks and rotary are the model's own). (Launched for real on the CPU: pp=2 and dp=2
+    ZeRO-2 losses equal one process's, LoRA with its default target trained: run by hand,
+    docs/parallel-plans.md.)"""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.parallel.pipeline import build_stage_module
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY, sliding_window=8))
+    ids = torch.randint(0, TINY["vocab_size"], (2, 32))
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        staged = build_stage_module(model, 1, 2)(build_stage_module(model, 0, 2)(ids))
+    assert torch.allclose(staged, whole, atol=1e-5), float((staged - whole).abs().max())
+
+
+def test_a_phi3_estimate_past_its_window_charges_the_window_and_warns():
+    short = estimate(model="phi-3-mini", seq_len=2046)          # shorter than its 2,047-token window
+    long = estimate(model="phi-3-mini", seq_len=4096)
+    assert not any("sliding window" in w for w in short.warnings)
+    assert any("sliding window" in w for w in long.warnings)
+    assert estimate(model="phi-4", seq_len=4096).params == PHI3_PARAMS["phi-4"]
