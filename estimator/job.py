@@ -71,7 +71,8 @@ class FinetuneSpec(BaseModel):
     target_modules: list[str] | None = Field(
         None, description="module names that get adapters (e.g. q_proj, v_proj), or all-linear (PEFT's "
                           "every linear layer but the output head); default: PEFT's default for the "
-                          "architecture")
+                          "architecture (q_proj, v_proj for Llama-family models; qkv_proj for phi3, "
+                          "which PEFT has none for)")
 
     @field_validator("target_modules", mode="before")
     @classmethod

@@ -629,8 +629,8 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             # exchange's pair (~3 q + 2 kv wide) stay below the MLP's gradient temporaries of the
             # same layer that ``layer_backward_transient`` counts (2 h + 2 ffn wide)
             attn += c * q
-        elif merged_copy(spec, c, attention, hf_models, ulysses, sem.cuda):
-            attn += c * q
+        else:
+            attn += c * q * merged_copy(spec, c, attention, hf_models, ulysses, sem.cuda, share)
         if spec.arch == "gpt" and amp and sem.cuda and act_ckpt != "selective" and hf_models:
             # Measured on H200 (torch 2.11): HF GPT-2 under autocast hands SDPA its fp32 additive
             # mask, so CUDA picks the memory-efficient kernel, which saves the mask expanded to
@@ -658,7 +658,10 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
             rep += 2 * m * h
     elif spec.arch == "llama":
         if amp:   # RMSNorm: fp32 input, fp32 normalized, a cast per consuming projection
-            rep = (8 * h + 3 * c * h + 4) + (8 * h + 2 * c * h + 4)
+            # (autocast caches casts of weights only): Phi-3's fused qkv_proj and gate_up_proj
+            # take one each (saved-tensor hooks under CPU autocast)
+            n_attn, n_mlp = (1, 1) if spec.fused_proj else (3, 2)
+            rep = (8 * h + n_attn * c * h + 4) + (8 * h + n_mlp * c * h + 4)
         elif compiled:
             # Inductor fuses RMSNorm: it saves the 16-bit input, rstd and the output the
             # projections read, not the fp32 upcast or the normalised copy (recomputed)
@@ -705,16 +708,24 @@ def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attenti
     return rep, shard
 
 
-def merged_copy(spec: ModelSpec, c: float, attention: str, hf_models: bool, ulysses: bool, cuda: bool) -> bool:
-    """Whether a block saves a copy of SDPA's output beside it, q wide: Phi-3's q is a slice of
-    the fused qkv output, so the rotary embedding writes it head-major ([b, heads, s, d]; a
-    Llama's q_proj output stays token-major) and SDPA's output follows q's layout, so the merge
-    of the heads before o_proj copies it, which o_proj saves for its weight's gradient
-    (saved-tensor hooks on the CPU; CUDA's flash kernel allocates its output like q: the same
-    copy). Not where eager or the math kernel merges a copy anyway, nor under Ulysses (its
-    all-to-all output is the copy)."""
-    return (spec.fused_proj and hf_models and attention == "flash" and not ulysses
-            and not (c == 4 and spec.n_kv < spec.heads and cuda))
+def merged_copy(spec: ModelSpec, c: float, attention: str, hf_models: bool, ulysses: bool, cuda: bool,
+                share: float = 0.0) -> float:
+    """The share of a block's layers that save a copy of SDPA's output beside it, q wide: Phi-3's
+    q is a slice of the fused qkv output, so the rotary embedding writes it head-major ([b,
+    heads, s, d]; a Llama's q_proj output stays token-major), SDPA's output follows q's layout
+    where the kernel allocates it like q, and the merge of the heads before o_proj then copies
+    it, which o_proj saves for its weight's gradient. The CPU kernel does so in every layer
+    (saved-tensor hooks). On CUDA (PyTorch's meta registrations of its kernels' outputs; not
+    measured on a GPU here) the flash kernel does, 16-bit and unmasked only; a layer handed a
+    mask (``share``: the layers whose window the sequence reaches) or fp32 runs the
+    memory-efficient kernel, which allocates its output token-major: no copy. None where eager
+    or the math kernel merges a copy anyway, nor under Ulysses (its all-to-all output is the
+    copy)."""
+    if not (spec.fused_proj and hf_models and attention == "flash" and not ulysses):
+        return 0.0
+    if not cuda:
+        return 1.0
+    return 0.0 if c == 4 else 1.0 - share
 
 
 def window_mask_bytes(spec: ModelSpec, s: int, c: float, attention: str, act_ckpt: str, hf_models: bool,
@@ -841,14 +852,14 @@ def _loss_terms(spec: ModelSpec, k: Knobs, prof: Profile, c: float, amp: bool) -
 
 
 def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float,
-                           compiled: bool = False, merged: bool = False) -> tuple[float, float]:
+                           compiled: bool = False, merged: float = 0.0) -> tuple[float, float]:
     """Per token and block: (replicated, sharded) bytes LoRA changes. Frozen projections keep
     no input for a weight gradient, frozen norm weights no normalised copy; each adapter saves
     its A output, and the input its A matrix saw: the tensor the norm produced when nothing
     copies it (16-bit adapters, no dropout), else a copy of its own (``_adapter_input_bytes``).
     ``compiled``: the norms are fused (``layer_activation_bytes``' compiled inventory keeps no
-    normalised copy to take off); ``merged``: the inventory holds the merged attention output
-    that only o_proj's weight gradient keeps (``merged_copy``)."""
+    normalised copy to take off); ``merged``: the share of layers whose inventory holds the
+    merged attention output that only o_proj's weight gradient keeps (``merged_copy``)."""
     h, f, r = spec.hidden, spec.f, k.lora_rank
     t = set(k.lora_targets)
     names = lora_projections(spec)
@@ -872,7 +883,7 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float,
             rep -= c * h                                        # mlp-norm output unsaved
         shard = adapters - (0.0 if keeps and "down_proj" in t else c * f)  # down_proj input
         if merged and not (keeps and "o_proj" in t):
-            shard -= c * spec.heads * spec.d_head                # o_proj's copy of its input
+            shard -= merged * c * spec.heads * spec.d_head       # o_proj's copy of its input
         if spec.has_qk_norm and not compiled:                   # q/k norms' normalised copies
             shard -= (4.0 if spec.gemma_norms else c) * (spec.heads + spec.n_kv) * spec.d_head
         return rep, shard
@@ -1041,12 +1052,12 @@ def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> _St
         vec_l = _layer_vector_params(spec)
         base_b = mat_b * (layer_p - vec_l) + c * vec_l   # per block
     head_w = V * e / t                                 # the (vocab-parallel) LM head's weight
-    largest_tensor = max(head_w, h * f / t)
+    largest_tensor = max(head_w, spec.largest_block_matrix / t)
 
     if lora:
         d_rep, d_shard = _lora_activation_delta(
             spec, k, c, sem.mask_bytes, compiled=k.fused and not act_amp,
-            merged=merged_copy(spec, c, k.attention, prof.hf_models, k.cp > 1, sem.cuda))
+            merged=merged_copy(spec, c, k.attention, prof.hf_models, k.cp > 1, sem.cuda, share))
         rep, shard = rep + d_rep, shard + d_shard
     sp_div = t if k.sp else 1                          # sequence parallelism shards the rest
     per_layer_tok = ((rep / t if k.sp else rep) + shard / t
@@ -1200,7 +1211,7 @@ def peak_terms(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool) -> tuple:
             if prof.fsdp2_copy_in and not lora and N > 1:
                 other_fixed += g_b * largest           # FSDP2's reduce-scatter input copy
         if k.finetune == "qlora":
-            other_fixed += c * h * f / t               # one weight dequantised for its matmul
+            other_fixed += c * spec.largest_block_matrix / t   # one weight dequantised for its matmul
         # --- what the batch does not change ---
         # activation offloading copies each block's saved tensors to the CPU as the forward
         # moves on: the GPU holds the block in flight

@@ -45,6 +45,7 @@ WINDOW_TYPES = ("mistral", "gemma2", "gemma3_text", "phi3")
 # whole, as the separate outputs are kept), other module names (LoRA adapts a fused projection
 # as one) and tensor shapes (per-tensor optimizer states)
 FUSED_PROJ_TYPES = ("phi3",)
+PHI3_VOCAB = 32064          # Phi-3's tokenizer (Llama 2's 32,000 + its special tokens)
 # the types with Gemma's alternating layer layout (``gemma_layer_types``), and their period
 LAYOUT_TYPES = {"gemma2": 2, "gemma3_text": 6}
 # the fields only some model types have, and those types
@@ -236,6 +237,16 @@ class ModelSpec(BaseModel):
     @property
     def model_type(self) -> str:
         return self.hf_model_type or HF_TYPES[self.arch][0]
+
+    @property
+    def largest_block_matrix(self) -> int:
+        """Elements of a block's largest weight matrix (per-tensor temporaries: Adafactor's
+        update, optimizer-in-backward): an MLP matrix, or Phi-3's fused gate_up_proj (2 ffn x h)
+        or qkv_proj."""
+        if self.fused_proj:
+            h = self.hidden
+            return max(2 * self.f * h, (self.heads + 2 * self.n_kv) * self.d_head * h)
+        return self.hidden * self.f
 
     @property
     def fused_proj(self) -> bool:
@@ -522,12 +533,14 @@ class ModelSpec(BaseModel):
             d["attention_bias"] = self.has_qkv_bias
             d["use_sliding_window"] = False
         elif t == "phi3":
-            # no dropout, whole rotary; Phi3Config's token ids (32000 pads) only where the
-            # vocabulary holds them
+            # no dropout, whole rotary; Phi3Config's token ids (32000 pads) only for Phi-3's own
+            # 32,064-token vocabulary: elsewhere (phi-4's 100,352) 32000 is an ordinary token,
+            # whose embedding row a padding index would freeze
+            phi3_vocab = V == PHI3_VOCAB
             d.update(sliding_window=self.sliding_window, original_max_position_embeddings=self.positions,
                      resid_pdrop=0.0, embd_pdrop=0.0, partial_rotary_factor=1.0,
-                     pad_token_id=32000 if V > 32000 else None, bos_token_id=min(1, V - 1),
-                     eos_token_id=32000 if V > 32000 else V - 1)
+                     pad_token_id=32000 if phi3_vocab else None, bos_token_id=min(1, V - 1),
+                     eos_token_id=32000 if phi3_vocab else V - 1)
         return d
 
     def dims(self) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def register(sub) -> None:
     t.add_argument("--master-weights", default="auto", help="auto | fp32 | none (pure 16-bit)")
     t.add_argument("--finetune", default="full", help="full | lora | qlora")
     t.add_argument("--lora-rank", type=int, help="adapter rank (default 16; with --finetune lora | qlora)")
-    t.add_argument("--lora-targets", help="comma-separated projections, or all-linear (default: PEFT's)")
+    t.add_argument("--lora-targets", help="comma-separated projections, or all-linear (default: PEFT's; qkv_proj for phi3)")
     t.add_argument("--lora-dropout", type=float,
                    help="dropout on the adapters' input (PEFT's default 0; a Frenzy job's 0.05)")
     t.add_argument("--loss", default="auto", help="auto (the framework's own loss path) | standard | chunked | "

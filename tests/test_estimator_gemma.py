@@ -138,12 +138,17 @@ def test_gemma3_configs_it_cannot_model_are_one_line_errors(extra, field):
 
 
 def saved_in_blocks(cfg: dict, targets: list[str] | None = None, first: int = 0, attn: str = "sdpa",
-                    adapters_16bit: bool = False) -> int:
-    """Bytes autograd saves inside the decoder blocks ``first..`` of a pure-bf16 model: every saved
-    storage once, but the weights' and the per-sequence rotary tables' (batch 1); a linear
-    layer saves its input as a ``(tokens, features)`` view, whose storage is the activation's.
-    With LoRA adapters (rank 4, no dropout; PEFT's fp32 adapters unless ``adapters_16bit``, as
-    the trainer makes them for a pure-bf16 job) on ``targets`` when given."""
+                    adapters_16bit: bool = False, amp: bool = False, seq: int = S) -> int:
+    """Bytes autograd saves inside the decoder blocks ``first..`` of a pure-bf16 model (``amp``:
+    fp32 weights under CPU autocast to bf16) on ``B`` rows of ``seq`` tokens: every saved storage
+    of a batch's tensor once (leading dimension ``B``, or ``B x seq`` for the ``(tokens,
+    features)`` view a linear layer saves of its input), so not the weights, their autocast
+    copies (pick a ``seq`` whose ``B x seq`` no weight dimension equals) nor the per-sequence
+    rotary tables (batch 1). With LoRA adapters (rank 4, no
+    dropout; PEFT's fp32 adapters unless ``adapters_16bit``, as the trainer makes them for a
+    pure-bf16 job) on ``targets`` when given."""
+    import contextlib
+
     import peft
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -151,7 +156,9 @@ def saved_in_blocks(cfg: dict, targets: list[str] | None = None, first: int = 0,
     from trainer.modeling import peft_targets
 
     torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg, attn_implementation=attn)).to(torch.bfloat16)
+    m = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg, attn_implementation=attn))
+    if not amp:
+        m = m.to(torch.bfloat16)
     if targets:
         m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=peft_targets(targets)),
                                 autocast_adapter_dtype=not adapters_16bit)
@@ -165,12 +172,13 @@ def saved_in_blocks(cfg: dict, targets: list[str] | None = None, first: int = 0,
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
-        if inside[0] and t.dim() > 1 and t.shape[0] != 1 and ptr not in weights:
+        if inside[0] and t.dim() > 1 and t.shape[0] in (B, B * seq) and ptr not in weights:
             saved[ptr] = t.untyped_storage().nbytes()
         return t
 
-    ids = torch.randint(0, cfg["vocab_size"], (B, S))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    ids = torch.randint(0, cfg["vocab_size"], (B, seq))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         m(input_ids=ids, labels=ids)
     return sum(saved.values())
 

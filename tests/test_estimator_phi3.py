@@ -58,22 +58,24 @@ def test_phi3_configs_it_cannot_model_are_one_line_errors(extra, field):
     assert "\n" not in str(e.value)
 
 
-def _estimated_in_blocks(cfg: dict, targets: list[str] | None, blocks: int) -> float:
-    """The estimate's bytes for ``blocks`` of the model's blocks, the same tensors."""
-    from estimator.memory import (_lora_activation_delta, layer_activation_bytes, merged_copy, validate_knobs,
-                                  window_mask_bytes)
+def _estimated_in_blocks(cfg: dict, targets: list[str] | None, blocks: int, amp: bool = False,
+                         seq: int = S) -> float:
+    """The estimate's bytes for ``blocks`` of the model's blocks, the same tensors, with the CPU
+    kernels' semantics (what the hooks run)."""
+    from estimator.memory import (_cpu_sem, _lora_activation_delta, layer_activation_bytes, merged_copy,
+                                  validate_knobs, window_mask_bytes)
 
     spec = resolve_model(cfg)
-    per_token = (sum(layer_activation_bytes(spec, S, 2.0, False, "flash", "none"))
-                 + window_mask_bytes(spec, S, 2.0, "flash", "none", True))
+    per_token = (sum(layer_activation_bytes(spec, seq, 2.0, amp, "flash", "none", _cpu_sem(2.0)))
+                 + window_mask_bytes(spec, seq, 2.0, "flash", "none", True, cuda=False))
     if targets:
         # as the hooks' model runs: pure bf16 (16-bit adapters, which copy no input), rank 4
-        k = validate_knobs(spec, seq_len=S, finetune="lora", lora_targets=targets, lora_dropout=0.0,
+        k = validate_knobs(spec, seq_len=seq, finetune="lora", lora_targets=targets, lora_dropout=0.0,
                            lora_rank=4, master_weights="none")
         assert not k.accelerate_amp
-        per_token += sum(_lora_activation_delta(spec, k, 2.0, 1.0, merged=merged_copy(spec, 2.0, "flash", True,
-                                                                                      False, True)))
-    return per_token * B * S * blocks
+        merged = merged_copy(spec, 2.0, "flash", True, False, cuda=False)
+        per_token += sum(_lora_activation_delta(spec, k, 2.0, 1.0, merged=merged))
+    return per_token * B * seq * blocks
 
 
 # the Llama (or, with a window, the Mistral) of the same dimensions, and its projections
@@ -96,6 +98,17 @@ def test_phi3_blocks_save_what_the_estimate_counts(cfg):
     assert hooks == _estimated_in_blocks(cfg, None, 2)
     assert unfused == _estimated_in_blocks(_unfused(cfg), None, 2)
     assert hooks - unfused == 2 * B * S * cfg["hidden_size"] * 2           # 2 blocks, bf16, q wide
+
+
+def test_phi3_blocks_under_autocast_save_one_cast_per_fused_projection():
+    """fp32 weights under autocast: the norm's fp32 output is cast to 16 bits once per projection
+    that reads it (autocast caches casts of weights only), and each cast is saved: a Llama's
+    q, k and v take three, its gate and up two; Phi-3's qkv_proj and gate_up_proj one each. The
+    blocks save what the estimate counts, for both."""
+    pytest.importorskip("transformers")
+    for cfg in (TINY, _unfused(TINY)):          # 2 x 24 tokens: no weight has 48 rows
+        assert (saved_in_blocks(cfg, amp=True, seq=24) == _estimated_in_blocks(cfg, None, 2, amp=True, seq=24)), \
+            cfg["model_type"]
 
 
 @pytest.mark.parametrize("fused,unfused", [
@@ -187,3 +200,34 @@ def test_a_phi3_estimate_past_its_window_charges_the_window_and_warns():
     assert not any("sliding window" in w for w in short.warnings)
     assert any("sliding window" in w for w in long.warnings)
     assert estimate(model="phi-4", seq_len=4096).params == PHI3_PARAMS["phi-4"]
+
+
+def test_phi3_merged_copy_where_the_kernel_allocates_its_output_like_q():
+    """The CPU kernel copies in every layer; on CUDA only the 16-bit flash kernel, in layers
+    handed no mask (a reached window's layers and fp32 run the memory-efficient kernel, whose
+    output is token-major); never for a Llama, eager attention or Ulysses."""
+    from estimator.memory import merged_copy
+
+    phi, llama = resolve_model(TINY), PRESETS["llama-3.2-1b"]
+    assert merged_copy(phi, 2.0, "flash", True, False, cuda=False, share=1.0) == 1.0
+    assert merged_copy(phi, 2.0, "flash", True, False, cuda=True) == 1.0
+    assert merged_copy(phi, 2.0, "flash", True, False, cuda=True, share=0.75) == 0.25
+    assert merged_copy(phi, 4.0, "flash", True, False, cuda=True) == 0.0
+    assert merged_copy(phi, 2.0, "eager", True, False, cuda=False) == 0.0
+    assert merged_copy(phi, 2.0, "flash", True, True, cuda=False) == 0.0
+    assert merged_copy(llama, 2.0, "flash", True, False, cuda=False) == 0.0
+
+
+def test_phi3_largest_matrix_and_token_ids():
+    """The largest weight a per-tensor temporary holds is the fused gate_up_proj (2 ffn x h); the
+    model built from a preset pads with Phi-3's token 32000 only in Phi-3's own vocabulary."""
+    import math
+
+    for name in ("phi-3-mini", "phi-3-medium", "phi-4"):
+        spec = PRESETS[name]
+        blocks = [s for s in spec.weight_shapes() if len(s) == 2 and spec.vocab not in s]
+        assert spec.largest_block_matrix == max(math.prod(s) for s in blocks)
+    assert PRESETS["phi-3-medium"].largest_block_matrix == 2 * 17920 * 5120
+    assert PRESETS["phi-3-mini"].hf_config()["pad_token_id"] == 32000
+    assert PRESETS["phi-4"].hf_config()["pad_token_id"] is None
+    assert PRESETS["llama-3.2-1b"].largest_block_matrix == 2048 * 8192
