@@ -159,8 +159,9 @@ def _descendants(pid: int) -> list[int]:
 
 def stop_tree(p: subprocess.Popen, grace_s: float = 30.0) -> list[int]:
     """Stop ``p`` and every process under it (its session's group and any descendant that left
-    it): SIGTERM, then SIGKILL after ``grace_s``. Returns the pids still alive after that."""
-    tree = [p.pid, *_descendants(p.pid)]
+    it): SIGTERM, then SIGKILL after ``grace_s``. Returns the pids still alive after that. A
+    ``p`` already reaped: its group only (its pid may be another process's by now)."""
+    tree = [p.pid, *_descendants(p.pid)] if p.poll() is None else []
 
     def signal_all(sig) -> None:
         for pid in tree:

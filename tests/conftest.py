@@ -14,6 +14,7 @@ import os
 import subprocess
 import tempfile
 from contextlib import ExitStack
+from typing import Any
 
 import pytest
 
@@ -44,14 +45,28 @@ os.environ.setdefault("FRENZY_DATA_ROOTS", tempfile.gettempdir())
 
 
 # What befell the Prefect test server, for the run's summary: xdist workers append lines to one
-# file the controlling process names (its environment reaches the workers it starts).
+# file the controlling process names (its environment reaches the workers it starts). The
+# server's own output goes to a log of this process (it would land in some test's captured
+# output, dropped when that test passes), whose tail is shown when it dies.
 _EVENTS_VAR = "FRENZY_TEST_SERVER_EVENTS"
-_harness: dict[str, ExitStack] = {}
+_SERVER_LOG = os.path.join(_HOME, "prefect-test-server.log")
+_harness: dict[str, Any] = {}         # "stack": the live harness; "wanted": the session asked for one
+
+
+def _uptime_s() -> float | None:
+    try:
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_SESSION_UPTIME_S = _uptime_s()        # the kernel log's clock when this process started
 
 
 def pytest_configure(config):
-    if not os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get(_EVENTS_VAR):
-        os.environ[_EVENTS_VAR] = os.path.join(_HOME, "server-events.txt")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[_EVENTS_VAR] = os.path.join(_HOME, "server-events.txt")   # this run's own
 
 
 def _server_event(line: str) -> None:
@@ -60,12 +75,23 @@ def _server_event(line: str) -> None:
 
 
 def _kernel_kills() -> list[str]:
-    """The kernel's log lines about killed processes (the OOM killer), where it may be read."""
+    """The kernel's lines about killed processes (the OOM killer) since this run began, where its
+    log may be read."""
     try:
         out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return [line for line in out.splitlines() if "Killed process" in line or "Out of memory" in line][-5:]
+    kills = []
+    for line in out.splitlines():
+        if "Killed process" not in line and "Out of memory" not in line:
+            continue
+        try:
+            at = float(line.split("]", 1)[0].lstrip("[ "))
+        except ValueError:
+            at = None
+        if at is None or _SESSION_UPTIME_S is None or at >= _SESSION_UPTIME_S:
+            kills.append(line)
+    return kills[-5:]
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -77,48 +103,102 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def _start_harness() -> None:
+    """One ``prefect_test_harness`` (server, database, settings), its server's stdout and stderr
+    (inherited at its start) pointed at ``_SERVER_LOG``."""
+    import sys
+
     from prefect.testing.utilities import prefect_test_harness
 
+    _harness["wanted"] = True
     stack = ExitStack()
-    stack.enter_context(prefect_test_harness(server_startup_timeout=120))
+    log = os.open(_SERVER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    saved = os.dup(1), os.dup(2)
+    sys.stdout.flush(), sys.stderr.flush()
+    try:
+        os.dup2(log, 1), os.dup2(log, 2)
+        stack.enter_context(prefect_test_harness(server_startup_timeout=120))
+    except BaseException:
+        stack.close()
+        raise
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        for fd in (*saved, log):
+            os.close(fd)
     _harness["stack"] = stack
 
 
-def _harness_process():
+def _dead_server() -> str | None:
+    """How the harness's server is gone (exited, or stopped through its object), or None."""
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer._instances.get(None)     # the harness registers its server here
-    return server.server_process if server is not None else None
+    proc = getattr(server, "server_process", None)
+    if proc is None:
+        return "was stopped (no server process)"
+    if proc.poll() is not None:
+        return f"(pid {proc.pid}) exited with code {proc.returncode}"
+    return None
+
+
+def _close_harness(dead: bool) -> None:
+    """Close the harness; a dead server's without draining Prefect's log and event workers into
+    it (they retried it for 2+ minutes: what they hold is dropped)."""
+    import prefect.testing.utilities as harness_module
+
+    stack = _harness.pop("stack", None)
+    if stack is None:
+        return
+    drain = harness_module.run_coro_as_sync
+    if dead:
+        harness_module.run_coro_as_sync = lambda coro, *a, **kw: coro.close()
+    try:
+        stack.close()
+    except Exception as err:
+        _server_event(f"closing the harness: {type(err).__name__}: {err}")
+    finally:
+        harness_module.run_coro_as_sync = drain
+
+
+def _log_tail(lines: int = 20) -> list[str]:
+    try:
+        with open(_SERVER_LOG, errors="replace") as f:
+            return ["    " + line for line in f.read().splitlines()[-lines:]]
+    except OSError:
+        return []
 
 
 @pytest.fixture(scope="session")
 def prefect_server():
     _start_harness()
     yield
-    _harness.pop("stack").close()
+    _close_harness(dead=_dead_server() is not None)
 
 
 @pytest.fixture(autouse=True)
 def _prefect_server_alive(request):
     """The session's server died (it has: every later flow test of that process then failed on a
-    dead or reused port): say so with its exit code, in the run's summary, and start a new one
-    (a new database: what earlier tests registered is gone), so one death costs one test."""
-    if "prefect_server" in request.fixturenames and "stack" in _harness:
-        proc = _harness_process()
-        if proc is not None and proc.poll() is not None:
-            _server_event(f"the server (pid {proc.pid}) exited with code {proc.returncode} "
-                          f"before {request.node.nodeid}; started a new one")
+    dead or reused port): say so with its exit code and the tail of its output, in the run's
+    summary, and start a new one (a new database: what earlier tests registered is gone, and a
+    module's fixtures keep what they made on the old one), so one death costs few tests."""
+    uses = "prefect_server" in request.fixturenames and _harness.get("wanted")
+    if uses:
+        how = _dead_server() if "stack" in _harness else "did not start again"
+        if how is not None:
+            _server_event(f"the server {how} before {request.node.nodeid}; starting a new one")
+            for line in _log_tail():
+                _server_event(line)
+            _close_harness(dead=True)
             try:
-                _harness.pop("stack").close()
-            except Exception as err:                        # its teardown talks to the dead server
-                _server_event(f"closing the dead server's harness: {type(err).__name__}: {err}")
-            _start_harness()
+                _start_harness()
+            except Exception as err:
+                _server_event(f"the new server did not start: {type(err).__name__}: {err}")
+                raise
     yield
-    if "prefect_server" in request.fixturenames and "stack" in _harness:
-        proc = _harness_process()
-        if proc is not None and proc.poll() is not None:
-            _server_event(f"the server (pid {proc.pid}) exited with code {proc.returncode} "
-                          f"during {request.node.nodeid}")
+    if uses and "stack" in _harness:
+        how = _dead_server()
+        if how is not None:
+            _server_event(f"the server {how} during {request.node.nodeid}")
 
 
 @pytest.fixture

@@ -135,6 +135,10 @@ def kill_tree(proc: subprocess.Popen, grace_s: float) -> None:
             pgids.add(os.getpgid(p.pid))
         except (ProcessLookupError, PermissionError):
             pass
+    # never this process's own group (a child started without a session of its own shares it,
+    # and with it this process, its parent and their other children): its tree is signalled
+    # one process at a time below
+    pgids.discard(os.getpgrp())
 
     def signal_all(sig: int) -> None:
         for pg in pgids:
