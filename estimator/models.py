@@ -51,7 +51,7 @@ LAYOUT_TYPES = {"gemma2": 2, "gemma3_text": 6}
 # the fields only some model types have, and those types
 TYPE_FIELDS = {"window_pattern": ("gemma3_text",), "rope_local_theta": ("gemma3_text",),
                "query_pre_attn_scalar": ("gemma2", "gemma3_text"), "attn_softcap": ("gemma2",),
-               "logit_softcap": ("gemma2",)}
+               "logit_softcap": ("gemma2",), "rotary_fraction": ("phi3",)}
 # the types whose Hugging Face attention has no SDPA path (Gemma 2 soft-caps its scores, which
 # SDPA cannot): they attend with eager kernels (``memory.attention_for``)
 EAGER_ONLY_TYPES = ("gemma2",)
@@ -129,6 +129,12 @@ class ModelSpec(BaseModel):
                                                               "(tanh; its config's attn_logit_softcapping)")
     logit_softcap: float | None = Field(None, gt=0, description="Gemma 2: output logits soft-capped at this "
                                                                "(its config's final_logit_softcapping)")
+    # the same saved tensors and (to the rotary's few FLOPs) the same work as a whole rotary: the
+    # rotated part is concatenated with the rest into a new tensor, as the whole one is made
+    # (saved-tensor hooks: equal bytes at 1, 0.75, 0.5); kept so the model built is the config's
+    rotary_fraction: float | None = Field(None, description="Phi-4-mini: the share of each head the rotary "
+                                                            "embedding turns (its partial_rotary_factor; "
+                                                            "default 1)")
 
     def __hash__(self) -> int:
         return hash(_HASH_FIELDS(self.__dict__))
@@ -165,6 +171,9 @@ class ModelSpec(BaseModel):
                 v = data.get(key)
                 if v is not None and (type(v) not in (int, float) or not 0 < v < float("inf")):
                     raise FrenzyInputError(key, f"must be a positive finite number or null, got {v!r}")
+            v = data.get("rotary_fraction")
+            if v is not None and (type(v) not in (int, float) or not 0 < v <= 1):
+                raise FrenzyInputError("rotary_fraction", f"must be a number in (0, 1] or null, got {v!r}")
         return data
 
     @model_validator(mode="after")
@@ -538,7 +547,7 @@ class ModelSpec(BaseModel):
             # whose embedding row a padding index would freeze
             phi3_vocab = V == PHI3_VOCAB
             d.update(sliding_window=self.sliding_window, original_max_position_embeddings=self.positions,
-                     resid_pdrop=0.0, embd_pdrop=0.0, partial_rotary_factor=1.0,
+                     resid_pdrop=0.0, embd_pdrop=0.0, partial_rotary_factor=self.rotary_fraction or 1.0,
                      pad_token_id=32000 if phi3_vocab else None, bos_token_id=min(1, V - 1),
                      eos_token_id=32000 if phi3_vocab else V - 1)
         return d
@@ -642,6 +651,10 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     _llama("phi-3.5-mini", 32, 3072, 32, 32, 8192, 32064, hf="phi3", max_pos=131072, theta=10000.0,
            sliding_window=262144),
     _llama("phi-4", 40, 5120, 40, 10, 17920, 100352, hf="phi3", max_pos=16384, theta=250000.0),
+    # Phi-4-mini (microsoft/Phi-4-mini-instruct): 200K tied vocabulary, 8 KV heads, rotary on
+    # three quarters of each head
+    _llama("phi-4-mini", 32, 3072, 24, 8, 8192, 200064, tied=True, hf="phi3", max_pos=131072,
+           theta=10000.0, sliding_window=262144, rotary_fraction=0.75),
     # Gemma 3 text (google/gemma-3-270m, -1b): four norms a block, per-head q/k norms, five
     # 512-token sliding-window layers to one global
     *(_llama(f"gemma-3-{size}", layers, hidden, 4, 1, ffn, 262144, tied=True, hf="gemma3_text",
@@ -700,15 +713,21 @@ def _gemma_pattern(cfg: dict[str, Any]) -> int | None:
                                           f"(the layouts {t} builds)")
 
 
+def _phi3_rotary_fraction(cfg: dict[str, Any]) -> float | None:
+    """A phi3 config.json's partial_rotary_factor (transformers 5's rope_parameters first, as
+    Phi3Config reads it), None for a whole rotary."""
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is None or (type(partial) in (int, float) and partial == 1):
+        return None
+    if type(partial) not in (int, float) or not 0 < partial <= 1:
+        raise FrenzyInputError("partial_rotary_factor", f"must be a number in (0, 1], got {partial!r}")
+    return float(partial)
+
+
 def _check_phi3(cfg: dict[str, Any]) -> None:
     """What a phi3 config.json may say that the memory model does not describe, refused in one
-    line: rotary on part of each head (Phi-4-mini's 0.75: other saved tensors) and dropout
-    (its masks)."""
-    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise FrenzyInputError("partial_rotary_factor", f"must be 1.0 for phi3 (rotary on part of each head, "
-                                                        f"as Phi-4-mini's, is not modelled; got {partial!r})")
+    line: dropout (its masks)."""
     for key in ("resid_pdrop", "embd_pdrop"):
         if cfg.get(key) not in (None, 0, 0.0):
             raise FrenzyInputError(key, f"must be 0 for phi3 (dropout is not modelled for it; got {cfg.get(key)!r})")
@@ -794,7 +813,8 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                              attn_softcap=g("attn_logit_softcapping", 50.0) if t == "gemma2" else None,
                              logit_softcap=g("final_logit_softcapping", 30.0) if t == "gemma2" else None,
                              rope_local_theta=((g("rope_local_base_freq") or local_rope.get("rope_theta"))
-                                               if t == "gemma3_text" else None))
+                                               if t == "gemma3_text" else None),
+                             rotary_fraction=_phi3_rotary_fraction(cfg) if t == "phi3" else None)
     except ValidationError as err:
         raise _input_error(err, "model.") from None
     except TypeError as err:

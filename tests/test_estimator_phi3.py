@@ -17,7 +17,7 @@ from .test_estimator_gemma import B, S, assert_config_json_builds_the_spec, save
 # microsoft/Phi-3-mini-4k-instruct (3.8B), Phi-3-medium-4k-instruct (14B), Phi-3.5-mini-instruct,
 # phi-4 (14.7B): parameters as transformers counts them
 PHI3_PARAMS = {"phi-3-mini": 3_821_079_552, "phi-3-medium": 13_960_238_080, "phi-3.5-mini": 3_821_079_552,
-               "phi-4": 14_659_507_200}
+               "phi-4": 14_659_507_200, "phi-4-mini": 3_836_021_760}
 
 TINY = {"model_type": "phi3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "pad_token_id": None,
@@ -28,7 +28,7 @@ TINY = {"model_type": "phi3", "hidden_size": 64, "intermediate_size": 128, "num_
 def test_phi3_presets_have_the_published_parameter_counts(name):
     spec = PRESETS[name]
     assert spec.params == PHI3_PARAMS[name] == sum(math.prod(s) for s in spec.weight_shapes())
-    assert spec.fused_proj and not spec.tied and not spec.has_qkv_bias
+    assert spec.fused_proj and spec.tied == (name == "phi-4-mini") and not spec.has_qkv_bias
 
 
 @pytest.mark.parametrize("cfg", [
@@ -44,8 +44,8 @@ def test_a_phi3_config_json_is_the_model_transformers_builds(tmp_path, cfg):
 
 
 @pytest.mark.parametrize("extra,field", [
-    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),                # Phi-4-mini's
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+    ({"partial_rotary_factor": 1.5}, "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0}},
      "partial_rotary_factor"),
     ({"resid_pdrop": 0.1}, "resid_pdrop"),
     ({"embd_pdrop": 0.1}, "embd_pdrop"),
@@ -56,6 +56,22 @@ def test_phi3_configs_it_cannot_model_are_one_line_errors(extra, field):
         resolve_model({**TINY, **extra})
     assert e.value.field in (field, f"model.{field}")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("cfg", [{**TINY, "partial_rotary_factor": 0.75},
+                                 {**TINY, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                              "partial_rotary_factor": 0.5}}])
+def test_a_partial_rotary_is_built_as_the_config_says_and_saves_what_a_whole_one_saves(tmp_path, cfg):
+    """Phi-4-mini turns three quarters of each head: the rotated part is concatenated with the
+    rest into a new tensor, as the whole rotary's output is made, so the blocks save the same
+    bytes (pure bf16, autocast, LoRA); the model built from the spec rotates the config's share."""
+    spec, built = assert_config_json_builds_the_spec(tmp_path, cfg, ("rope_parameters",))
+    assert spec.rotary_fraction == built.rope_parameters["partial_rotary_factor"] < 1
+    whole = {k: v for k, v in cfg.items() if k not in ("partial_rotary_factor", "rope_parameters")}
+    assert saved_in_blocks(cfg) == saved_in_blocks(whole)
+    assert saved_in_blocks(cfg, amp=True, seq=24) == saved_in_blocks(whole, amp=True, seq=24)
+    assert (saved_in_blocks(cfg, ["qkv_proj"], first=1, adapters_16bit=True)
+            == saved_in_blocks(whole, ["qkv_proj"], first=1, adapters_16bit=True))
 
 
 def _estimated_in_blocks(cfg: dict, targets: list[str] | None, blocks: int, amp: bool = False,
@@ -175,7 +191,8 @@ def test_phi3_plans_use_no_tensor_parallel_and_the_trainer_refuses_it(tmp_path):
     assert e.value.field == "plan.tp"
 
 
-def test_phi3_pipeline_stages_compute_the_models_logits():
+@pytest.mark.parametrize("extra", [{}, {"partial_rotary_factor": 0.75}], ids=["phi3", "partial-rotary"])
+def test_phi3_pipeline_stages_compute_the_models_logits(extra):
     """Two pipeline stages of a windowed Phi-3 chained compute the whole model's logits (the
     stages' masks and rotary are the model's own). (Launched for real on the CPU: pp=2 and dp=2
     ZeRO-2 losses equal one process's, LoRA with its default target trained: run by hand,
@@ -186,7 +203,7 @@ def test_phi3_pipeline_stages_compute_the_models_logits():
     from trainer.parallel.pipeline import build_stage_module
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY, sliding_window=8))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY, **extra, sliding_window=8))
     ids = torch.randint(0, TINY["vocab_size"], (2, 32))
     with torch.no_grad():
         whole = model(input_ids=ids).logits
