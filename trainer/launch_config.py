@@ -125,9 +125,11 @@ AUTOTP_WHOLE_EMBEDDING_TYPES = ("gemma", "gemma2")
 # Model types neither tensor-parallel path shards: Phi-3's fused qkv_proj and gate_up_proj. Its
 # Hugging Face plan gathers their outputs and splits o_proj's and down_proj's inputs
 # ('colwise_gather_output', 'rowwise_split_input'): DeepSpeed 0.19's AutoTP rejects such a plan
-# ("unsupported partition style(s)", tried: tp=2 of a tiny Phi-3 on the CPU), and the pipeline's
-# DTensor tensor parallel shards plain column / row pairs only (a column split of a fused
-# projection would hand each rank a slice of q, k and v together)
+# ("unsupported partition style(s)", tried: tp=2 of a tiny Phi-3 on the CPU); given layer rules of
+# its own (tensor_parallel.partition_config: qkv_proj split per q / k / v width, gate_up_proj per
+# half) it shards the weights, but Phi3Attention slices the fused output at the config's global
+# head counts, so the rank's half-width output is misread (tried: a shape error in o_proj); and
+# the pipeline's DTensor tensor parallel shards plain column / row pairs only
 NO_TP_TYPES = ("phi3",)
 
 
