@@ -449,6 +449,12 @@ def default_lora_targets(spec: ModelSpec) -> tuple[str, ...]:
     return LORA_TYPE_TARGETS.get(spec.model_type) or LORA_DEFAULT_TARGETS[spec.arch]
 
 
+# The Llama family's projections that read the attention norm's and the MLP norm's output (the
+# separate ones, and Phi-3's fused ones): LoRA on any of them keeps that output saved
+ATTN_NORM_READERS = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj"})
+MLP_NORM_READERS = frozenset({"gate_proj", "up_proj", "gate_up_proj"})
+
+
 def lora_projections(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """Each block's projections LoRA can target: name -> (in features, out features)."""
     h, f = spec.hidden, spec.f
@@ -837,9 +843,8 @@ def _loss_terms(spec: ModelSpec, k: Knobs, prof: Profile, c: float, amp: bool) -
         # Held through the blocks' backward only where the model output keeps them (HF); a
         # recipe that deletes the output frees each chunk after its backward
         # (the model's forward caps the whole logits first: tanh's output held beside them)
-        kept = cap if prof.loss == "hf" else 0.0
-        held = c + kept if prof.loss == "hf" else 0.0
-        return held, c + kept + (3 * 4.0 + c) / LOSS_CHUNKS
+        held = c + cap if prof.loss == "hf" else 0.0
+        return held, c + (cap if held else 0.0) + (3 * 4.0 + c) / LOSS_CHUNKS
     if prof.loss == "deleted":
         # the recipe upcasts in the model and deletes the output before backward: only the
         # fp32 log-softmax survives; backward adds its gradient and the logits' fp32 gradient
@@ -877,9 +882,9 @@ def _lora_activation_delta(spec: ModelSpec, k: Knobs, c: float, mask_b: float,
             rep = 0.0
         else:
             rep = -spec.norms_per_layer * 4.0 * h if spec.gemma_norms else -2 * c * h
-        if not (keeps and t & {"q_proj", "k_proj", "v_proj", "qkv_proj"}):
+        if not (keeps and t & ATTN_NORM_READERS):
             rep -= c * h                                        # attention-norm output unsaved
-        if not (keeps and t & {"gate_proj", "up_proj", "gate_up_proj"}):
+        if not (keeps and t & MLP_NORM_READERS):
             rep -= c * h                                        # mlp-norm output unsaved
         shard = adapters - (0.0 if keeps and "down_proj" in t else c * f)  # down_proj input
         if merged and not (keeps and "o_proj" in t):

@@ -655,7 +655,8 @@ def _plan_knobs(j: TrainingJob, plan: Plan) -> dict[str, Any]:
     return dict(seq_len=j.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum, dp=plan.dp,
                 tp=plan.tp, pp=plan.pp, cp=plan.cp, vpp=plan.vpp, zero=plan.zero, offload=plan.offload,
                 precision=plan.precision, optimizer=plan.optimizer, act_ckpt=plan.act_ckpt,
-                attention=attention_for(spec, plan.attention, t.framework), framework=t.framework, master_weights=t.master_weights,
+                attention=attention_for(spec, plan.attention, t.framework), framework=t.framework,
+                master_weights=t.master_weights,
                 finetune=t.finetune, lora_rank=t.lora_rank, lora_targets=t.lora_targets,
                 lora_dropout=t.lora_dropout)
 

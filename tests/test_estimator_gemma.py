@@ -183,17 +183,24 @@ def saved_in_blocks(cfg: dict, targets: list[str] | None = None, first: int = 0,
     return sum(saved.values())
 
 
-def _estimated_in_blocks(cfg: dict, lora: bool, blocks: int, attention: str = "flash") -> float:
-    """The estimate's bytes for ``blocks`` of the model's blocks, the same tensors."""
-    from estimator.memory import _lora_activation_delta, layer_activation_bytes, validate_knobs, window_mask_bytes
+def estimated_in_blocks(cfg: dict, targets: list[str] | None = None, blocks: int = 2, attention: str = "flash",
+                        amp: bool = False, seq: int = S, adapters_16bit: bool = False) -> float:
+    """The estimate's bytes for ``blocks`` of the model's blocks: the tensors ``saved_in_blocks``
+    counts with the same arguments, with the CPU kernels' semantics (what the hooks run)."""
+    from estimator.memory import (_cpu_sem, _lora_activation_delta, layer_activation_bytes, merged_copy,
+                                  validate_knobs, window_mask_bytes)
 
     spec = resolve_model(cfg)
-    per_token = (sum(layer_activation_bytes(spec, S, 2.0, False, attention, "none"))
-                 + window_mask_bytes(spec, S, 2.0, attention, "none", True))
-    if lora:
-        k = validate_knobs(spec, seq_len=S, finetune="lora", lora_targets=["q_proj", "v_proj"], lora_dropout=0.0)
-        per_token += sum(_lora_activation_delta(spec, k, 2.0, 1.0))
-    return per_token * B * S * blocks
+    per_token = (sum(layer_activation_bytes(spec, seq, 2.0, amp, attention, "none", _cpu_sem(2.0)))
+                 + window_mask_bytes(spec, seq, 2.0, attention, "none", True, cuda=False))
+    if targets:
+        # rank 4 as the hooks' adapters; 16-bit ones (a pure-bf16 job's) copy no input
+        k = validate_knobs(spec, seq_len=seq, finetune="lora", lora_targets=targets, lora_dropout=0.0,
+                           lora_rank=4, **({"master_weights": "none"} if adapters_16bit else {}))
+        assert k.accelerate_amp != adapters_16bit
+        merged = merged_copy(spec, 2.0, attention, True, False, cuda=False)
+        per_token += sum(_lora_activation_delta(spec, k, 2.0, 1.0, merged=merged))
+    return per_token * B * seq * blocks
 
 
 @pytest.mark.parametrize("cfg", [
@@ -211,7 +218,7 @@ def test_gemma_blocks_save_what_the_estimate_counts(cfg):
     llama = {**TINY, "model_type": "llama"}
     hooks = saved_in_blocks(cfg) - saved_in_blocks(llama)
     assert hooks > 0
-    assert _estimated_in_blocks(cfg, False, 2) - _estimated_in_blocks(llama, False, 2) == hooks
+    assert estimated_in_blocks(cfg) - estimated_in_blocks(llama) == hooks
 
 
 @pytest.mark.parametrize("cfg", [
@@ -225,7 +232,7 @@ def test_gemma_blocks_under_eager_attention_save_what_the_estimate_counts(cfg):
     pytest.importorskip("transformers")
     llama = {**TINY, "model_type": "llama"}
     hooks = saved_in_blocks(cfg, attn="eager") - saved_in_blocks(llama, attn="eager")
-    assert (_estimated_in_blocks(cfg, False, 2, "eager") - _estimated_in_blocks(llama, False, 2, "eager")
+    assert (estimated_in_blocks(cfg, attention="eager") - estimated_in_blocks(llama, attention="eager")
             == hooks)
 
 
@@ -240,7 +247,7 @@ def test_gemma_blocks_under_lora_save_what_the_estimate_counts(model_type):
     llama = {**TINY, "model_type": "llama"}
     qv = ["q_proj", "v_proj"]
     hooks = saved_in_blocks(cfg, qv, first=1) - saved_in_blocks(llama, qv, first=1)
-    assert _estimated_in_blocks(cfg, True, 1) - _estimated_in_blocks(llama, True, 1) == hooks
+    assert estimated_in_blocks(cfg, qv, 1) - estimated_in_blocks(llama, qv, 1) == hooks
 
 
 def test_a_gemma3_estimate_charges_masks_to_its_windowed_layers_only():

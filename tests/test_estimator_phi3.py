@@ -12,7 +12,8 @@ from estimator import estimate
 from estimator.errors import FrenzyInputError
 from estimator.models import PRESETS, resolve_model
 
-from .test_estimator_gemma import B, S, assert_config_json_builds_the_spec, saved_in_blocks
+from .test_estimator_gemma import (B, S, assert_config_json_builds_the_spec, estimated_in_blocks,
+                                   saved_in_blocks)
 
 # microsoft/Phi-3-mini-4k-instruct (3.8B), Phi-3-medium-4k-instruct (14B), Phi-3.5-mini-instruct,
 # phi-4 (14.7B): parameters as transformers counts them
@@ -74,26 +75,6 @@ def test_a_partial_rotary_is_built_as_the_config_says_and_saves_what_a_whole_one
             == saved_in_blocks(whole, ["qkv_proj"], first=1, adapters_16bit=True))
 
 
-def _estimated_in_blocks(cfg: dict, targets: list[str] | None, blocks: int, amp: bool = False,
-                         seq: int = S) -> float:
-    """The estimate's bytes for ``blocks`` of the model's blocks, the same tensors, with the CPU
-    kernels' semantics (what the hooks run)."""
-    from estimator.memory import (_cpu_sem, _lora_activation_delta, layer_activation_bytes, merged_copy,
-                                  validate_knobs, window_mask_bytes)
-
-    spec = resolve_model(cfg)
-    per_token = (sum(layer_activation_bytes(spec, seq, 2.0, amp, "flash", "none", _cpu_sem(2.0)))
-                 + window_mask_bytes(spec, seq, 2.0, "flash", "none", True, cuda=False))
-    if targets:
-        # as the hooks' model runs: pure bf16 (16-bit adapters, which copy no input), rank 4
-        k = validate_knobs(spec, seq_len=seq, finetune="lora", lora_targets=targets, lora_dropout=0.0,
-                           lora_rank=4, master_weights="none")
-        assert not k.accelerate_amp
-        merged = merged_copy(spec, 2.0, "flash", True, False, cuda=False)
-        per_token += sum(_lora_activation_delta(spec, k, 2.0, 1.0, merged=merged))
-    return per_token * B * seq * blocks
-
-
 # the Llama (or, with a window, the Mistral) of the same dimensions, and its projections
 def _unfused(cfg: dict) -> dict:
     other = {k: v for k, v in cfg.items() if k not in ("pad_token_id", "eos_token_id")}
@@ -111,8 +92,8 @@ def test_phi3_blocks_save_what_the_estimate_counts(cfg):
     as Mistral's does. The blocks save what the estimate counts, to the byte, for both."""
     pytest.importorskip("transformers")
     hooks, unfused = saved_in_blocks(cfg), saved_in_blocks(_unfused(cfg))
-    assert hooks == _estimated_in_blocks(cfg, None, 2)
-    assert unfused == _estimated_in_blocks(_unfused(cfg), None, 2)
+    assert hooks == estimated_in_blocks(cfg)
+    assert unfused == estimated_in_blocks(_unfused(cfg))
     assert hooks - unfused == 2 * B * S * cfg["hidden_size"] * 2           # 2 blocks, bf16, q wide
 
 
@@ -123,7 +104,7 @@ def test_phi3_blocks_under_autocast_save_one_cast_per_fused_projection():
     blocks save what the estimate counts, for both."""
     pytest.importorskip("transformers")
     for cfg in (TINY, _unfused(TINY)):          # 2 x 24 tokens: no weight has 48 rows
-        assert (saved_in_blocks(cfg, amp=True, seq=24) == _estimated_in_blocks(cfg, None, 2, amp=True, seq=24)), \
+        assert (saved_in_blocks(cfg, amp=True, seq=24) == estimated_in_blocks(cfg, amp=True, seq=24)), \
             cfg["model_type"]
 
 
@@ -138,8 +119,9 @@ def test_phi3_blocks_under_lora_save_what_the_estimate_counts(fused, unfused):
     (an adapter on it does). Block 1 only (in block 0 the frozen projections' outputs need no
     gradient yet): what the blocks save is the estimate, to the byte."""
     pytest.importorskip("peft")
-    assert saved_in_blocks(TINY, fused, first=1, adapters_16bit=True) == _estimated_in_blocks(TINY, fused, 1)
-    assert saved_in_blocks(_unfused(TINY), unfused, first=1, adapters_16bit=True) == _estimated_in_blocks(_unfused(TINY), unfused, 1)
+    for cfg, targets in ((TINY, fused), (_unfused(TINY), unfused)):
+        assert (saved_in_blocks(cfg, targets, first=1, adapters_16bit=True)
+                == estimated_in_blocks(cfg, targets, 1, adapters_16bit=True)), cfg["model_type"]
 
 
 def test_phi3_lora_defaults_to_its_fused_attention_projection_and_peft_takes_it():
@@ -211,7 +193,7 @@ def test_phi3_pipeline_stages_compute_the_models_logits(extra):
     assert torch.allclose(staged, whole, atol=1e-5), float((staged - whole).abs().max())
 
 
-def test_a_phi3_estimate_past_its_window_charges_the_window_and_warns():
+def test_a_phi3_estimate_warns_only_past_its_window():
     short = estimate(model="phi-3-mini", seq_len=2046)          # shorter than its 2,047-token window
     long = estimate(model="phi-3-mini", seq_len=4096)
     assert not any("sliding window" in w for w in short.warnings)
@@ -245,6 +227,14 @@ def test_phi3_largest_matrix_and_token_ids():
         blocks = [s for s in spec.weight_shapes() if len(s) == 2 and spec.vocab not in s]
         assert spec.largest_block_matrix == max(math.prod(s) for s in blocks)
     assert PRESETS["phi-3-medium"].largest_block_matrix == 2 * 17920 * 5120
+    # and the estimate sizes them by it: Adafactor's step temporaries (12 B an element of the
+    # largest tensor) are the fused gate_up_proj's, where the Llama of the same dimensions has
+    # its head as the largest
+    medium = PRESETS["phi-3-medium"]
+    llama = {**medium.model_dump(exclude_none=True), "hf_model_type": "llama", "sliding_window": None}
+    others = [estimate(model=m, seq_len=1024, optimizer="adafactor").breakdown_gib["other"] * 2**30 / 12
+              for m in (medium, llama)]
+    assert others == [2 * 17920 * 5120, 32064 * 5120]
     assert PRESETS["phi-3-mini"].hf_config()["pad_token_id"] == 32000
     assert PRESETS["phi-4"].hf_config()["pad_token_id"] is None
     assert PRESETS["llama-3.2-1b"].largest_block_matrix == 2048 * 8192

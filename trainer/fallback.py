@@ -69,12 +69,13 @@ def reestimate(job: TrainingJob, p: Plan, *, safety_margin_gib: float | None = N
         return None
     if est.device_used_gib > gpu.memory_gib - margin:
         return None
+    spec = resolve_model(job.model)
     # a model that attends eager whatever the plan says is timed as it runs (``attention_for``)
-    q = p.model_copy(update={"attention": attention_for(resolve_model(job.model), p.attention),
+    q = p.model_copy(update={"attention": attention_for(spec, p.attention),
                              "allocated_peak_gib": round(est.allocated_peak_gib, 4),
                              "reserved_peak_gib": round(est.reserved_peak_gib, 4),
                              "device_used_gib": round(est.device_used_gib, 4)})
-    st = step_time(resolve_model(job.model), q, gpu, seq_len=job.seq_len, adapters=plan_adapters(job, q))
+    st = step_time(spec, q, gpu, seq_len=job.seq_len, adapters=plan_adapters(job, q))
     return q.model_copy(update={"step_time_s": st})
 
 
