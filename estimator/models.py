@@ -183,6 +183,11 @@ class ModelSpec(BaseModel):
         kv = self.kv_heads if self.kv_heads is not None else self.heads
         if kv > self.heads or self.heads % kv:
             raise FrenzyInputError("kv_heads", f"must divide heads ({self.heads} % {kv} != 0)")
+        if self.vocab == 0 and self.arch != "bert":
+            # a decoder's output is next-token logits; only an encoder (ViT: arch bert, patch
+            # embeddings) trains without a vocabulary
+            raise FrenzyInputError("vocab", f"0 (no vocabulary) is for encoders (arch bert, e.g. ViT); "
+                                            f"a {self.arch} decoder predicts tokens from one")
         if self.arch == "bert" and self.kv_heads not in (None, self.heads):
             raise FrenzyInputError("kv_heads", "bert has no grouped-query attention (kv_heads == heads)")
         if self.model_type in ("mistral", "phi3") and self.qkv_bias:

@@ -6,7 +6,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Precision = Literal["fp32", "fp16", "bf16"]
-Optimizer = Literal["adamw", "adam", "sgd", "adafactor", "adamw8bit"]
+Optimizer = Literal["adamw", "adam", "sgd", "adafactor", "adamw8bit", "adamw8bit-paged"]
 ActCkpt = Literal["none", "selective", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Attention = Literal["flash", "eager"]

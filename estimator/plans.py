@@ -23,8 +23,8 @@ from .catalog import GPU, get_gpu
 from .errors import DoesNotFitError, FrenzyInputError, check_number, from_validation_error
 from .job import MAX_GPUS, TrainingJob
 from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, attention_for, batch_key, estimate,
-                     finish_key, host_offload_bytes, lora_adapters, peak_allocated, peak_terms,
-                     validate_knobs)
+                     finish_key, host_offload_bytes, lora_adapters, paged_state_bytes, peak_allocated,
+                     peak_terms, validate_knobs)
 from .models import ModelSpec, resolve_model, with_positions
 from .overheads import Overheads, overheads_for
 from .profiles import Profile, get_profile
@@ -474,18 +474,29 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
                           not gpu.is_cpu or (bool(flt) and int(flt.get("cp", 1)) > 1),
                           int(flt.get("vpp", 1)) if flt else 1, prof=prof)
     cap = gpu.memory_gib - margin
+    # a paged 8-bit optimizer's states sit in CUDA unified memory, outside the allocator
+    # (``memory.paged_state_bytes``): device used counts them, as ``estimate`` does, so a plan
+    # keeps them resident rather than paging them to the host every step
+    paged = optimizer == "adamw8bit-paged"
+
+    def finish(alloc_b: float, base: Knobs) -> tuple[float, float, float]:
+        a, r, u = _finish(alloc_b, ov, base)
+        return (a, r, u + paged_state_bytes(spec, base) / GIB) if paged else (a, r, u)
+
     by_count: dict[int, list[_Candidate]] = {}
     limits: dict[tuple, float] = {}     # memory.finish_key -> the most allocated bytes that fit
     for s, per_rank, allocs, alloc_values in table:
         base, n = s.base, s.n
-        limit = limits.get(s.fin_key)
+        key = (s.fin_key, base.tp, base.pp, base.offload) if paged else s.fin_key
+        limit = limits.get(key)
         if limit is None:
-            limit = limits[s.fin_key] = _alloc_limit_b(cap, ov, base)
+            limit = limits[key] = _alloc_limit_b(
+                cap - paged_state_bytes(spec, base) / GIB if paged else cap, ov, base)
         # used GiB grows with allocated bytes, so the largest fitting micro-batch is a bisection
         j = bisect_right(alloc_values, limit)
         if j == 0:
             mb0, a0 = allocs[0]
-            a, r, u = _finish(a0, ov, base)
+            a, r, u = finish(a0, base)
             keep_closest.append((u - cap, s, per_rank // mb0, mb0, a, r, u))
             continue
         mb, a_b = allocs[j - 1]
@@ -505,7 +516,7 @@ def _plans_cached(spec: ModelSpec, seq_len: int, global_batch: int, precision: s
         # faster plans the trainer cannot launch never crowd out the ones it can; memory
         # figures and Plan objects are made for the timed and the kept ones only
         # (candidate, (allocated, reserved, used GiB)), fastest first, then the least used
-        timed = [(c, _finish(c.alloc_b, ov, c.base))
+        timed = [(c, finish(c.alloc_b, c.base))
                  for c in _time_fastest(cands, spec, gpu, seq_len, nodes, precision, attention, f,
                                         tech.finetune != "full")]
         timed.sort(key=lambda t: (t[0].why is not None, t[0].step_time, t[1][2]))

@@ -22,7 +22,7 @@ both (``check_knobs``).
 | ``fsdp2_copy_in`` | FSDP2 copies a unit's unsharded gradients into one reduce-scatter input before freeing them |
 | ``accelerate_amp`` | zero-0 16-bit runs with fp32 weights go through Accelerate's native AMP: autocast, outputs converted to fp32 (loss "auto" holds fp32 logits; fp32 LoRA adapters save a 16-bit copy of their input) |
 | ``expandable_segments`` | the trainer launches with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (the estimate's ``allocator`` "auto"): full recomputation fragments the allocator less (``fragmentation_recompute_expandable``), LoRA more (``fragmentation_adapters``) |
-| ``job_knobs_only`` | the profile runs only what a Frenzy job can ask for (no loss kernel, activation offloading, optimizer in backward, fused kernels, paged optimizer) |
+| ``job_knobs_only`` | the profile runs only what a Frenzy job can ask for (no loss kernel, activation offloading, optimizer in backward, fused kernels) |
 Pure: no torch.
 """
 from __future__ import annotations
@@ -71,7 +71,8 @@ class Profile:
     # trainer/launch_config.py), "stage3" DeepSpeed's own default (on at stage 3 only)
     overlap_comm: str = ""
     # the profile runs only what a Frenzy job can ask for (estimator.job.TrainingJob has no loss
-    # kernel, activation offloading, optimizer in backward, fused kernels or paged optimizer)
+    # kernel, activation offloading, optimizer in backward or fused kernels; its trainer runs
+    # bitsandbytes' paged 8-bit AdamW as it runs the unpaged one: trainer/optim.py)
     job_knobs_only: bool = False
     # the trainer runs zero-0 16-bit steps with fp32 weights through Accelerate's native AMP
     # (Accelerator(mixed_precision=...) without DeepSpeed): autocast around the forward and
@@ -184,8 +185,7 @@ def check_knobs(p: Profile, *, finetune: str, zero: int, master: str, precision:
         asked = [(field, value) for field, value, on in (
             ("loss", f"{loss} ", loss in ("chunked", "fused-linear", "fp32-logits")),
             ("act_offload", "", act_offload), ("optimizer_in_backward", "", opt_in_bwd),
-            ("fused_kernels", "", fused),
-            ("optimizer", f"{optimizer} ", optimizer == "adamw8bit-paged")) if on]
+            ("fused_kernels", "", fused)) if on]
         if asked:
             field, value = asked[0]
             raise FrenzyInputError(field, f"{value}is not expressible with framework {p.name} "

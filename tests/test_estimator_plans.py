@@ -129,6 +129,28 @@ def test_estimate_plan_agrees_with_the_enumerated_predictions():
     assert checked >= 4
 
 
+def test_paged_optimizer_plans_count_the_paged_states_in_device_used():
+    """bitsandbytes' paged 8-bit AdamW keeps its large states in CUDA unified memory, outside
+    the allocator: the planner counts them in device used as ``estimate`` does, so its plans
+    fit with the states resident (and agree with ``estimate_plan``)."""
+    from estimator.plans import estimate_plan, plans_for_job
+
+    job = {"model": "llama-3.2-1b", "seq_len": 2048, "global_batch": 16, "train_steps": 10,
+           "optimizer": "adamw8bit-paged"}
+    plans = plans_for_job(job, {"RTX3090-24GB": 8, "A100-80GB": 4})
+    cap = {g: get_gpu(g).memory_gib - 1.0 for g in plans}
+    checked = 0
+    for p in (p for ps in plans.values() for p in ps):
+        est = estimate_plan(job, p)
+        paged = est.overheads["paged_optimizer_gib"]
+        assert paged > 0.1
+        assert abs(est.device_used_gib - p.device_used_gib) < 1e-3
+        assert p.device_used_gib <= cap[p.gpu_type] + 1e-9
+        assert p.device_used_gib - p.reserved_peak_gib > paged      # beyond the allocator's share
+        checked += 1
+    assert checked >= 4
+
+
 def test_plan_step_times_are_the_throughput_model_of_the_plan_itself():
     """Every field of a plan the throughput model reads reaches the planner's step time: an
     eager-attention job's plans are timed with eager kernels (they were timed as flash)."""

@@ -57,12 +57,18 @@ def test_unexpressible_knob_names_both():
     for knob, kw in (("loss", dict(loss="chunked")), ("loss", dict(loss="fused-linear")),
                      ("act_offload", dict(act_offload=True)),
                      ("optimizer_in_backward", dict(optimizer_in_backward=True)),
-                     ("fused_kernels", dict(fused_kernels=True)),
-                     ("optimizer", dict(optimizer="adamw8bit-paged"))):
+                     ("fused_kernels", dict(fused_kernels=True))):
         with pytest.raises(FrenzyInputError) as err:
             est(**kw)
         assert err.value.field == knob and "frenzy" in str(err.value) and "\n" not in str(err.value)
-        est(framework="hf" if knob != "optimizer" else "torchtune", **kw)   # where it runs
+        est(framework="hf", **kw)   # where it runs
+    # its trainer runs bitsandbytes' paged 8-bit AdamW (trainer/optim.py): the paged states count
+    # in device used, outside allocated and reserved, as under any framework that runs it
+    paged = est(optimizer="adamw8bit-paged", gpu="H100-80GB")
+    plain = est(optimizer="adamw8bit", gpu="H100-80GB")
+    assert paged.overheads["paged_optimizer_gib"] > 0
+    assert paged.device_used_gib - paged.reserved_peak_gib == pytest.approx(
+        plain.device_used_gib - plain.reserved_peak_gib + paged.overheads["paged_optimizer_gib"], abs=1e-6)
     with pytest.raises(FrenzyInputError) as err:
         est(zero=3, dp=8, zero_bucket_elems=0)
     assert err.value.field == "zero_bucket_elems"
@@ -138,6 +144,10 @@ def test_frenzy_profile_steps_adam_as_the_trainer_does():
                 for name in ("adamw", "adam"):
                     impl = optimizer_impl(name, device_type=device, zero=zero, offload=offload)
                     assert "fused" in impl.lower() or impl.endswith("CPUAdam"), impl
+    # the 8-bit ones are bitsandbytes', paged (unified-memory states) when asked
+    assert optimizer_impl("adamw8bit-paged", device_type="cuda", zero=0, offload="none") == \
+        "bitsandbytes.optim.PagedAdamW8bit"
+    assert optimizer_impl("adamw8bit", device_type="cuda", zero=0, offload="none") == "bitsandbytes.optim.AdamW8bit"
     assert validate_knobs(PRESETS["gpt2"], seq_len=8).adamw_impl == "fused"
     P = PRESETS["gpt2"].params
     default = estimate(model="gpt2", seq_len=8)
@@ -206,6 +216,11 @@ def test_encoder_without_vocabulary_and_uncapped_positions():
     vit = estimate(arch="bert", layers=32, hidden=1280, heads=16, ffn=5120, vocab=0, seq_len=257,
                    micro_batch=8)
     assert vit.params == pytest.approx(32 * (12 * 1280 ** 2 + 13 * 1280) + 257 * 1280 + 2 * 1280)
+    # a decoder predicts tokens: no vocabulary is an encoder's option only (one line, the field)
+    for arch in ("gpt", "llama", "opt"):
+        with pytest.raises(FrenzyInputError) as err:
+            estimate(arch=arch, layers=2, hidden=64, heads=4, ffn=128, vocab=0, seq_len=64)
+        assert err.value.field == "vocab" and arch in str(err.value) and "\n" not in str(err.value)
     # a model given by its dimensions does not cap positions; a preset's table does
     long = estimate(arch="gpt", layers=4, hidden=256, heads=4, vocab=1000, seq_len=8192)
     assert long.params > estimate(arch="gpt", layers=4, hidden=256, heads=4, vocab=1000,

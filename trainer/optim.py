@@ -18,6 +18,9 @@ adamw, adam, sgd  pipeline, ZeRO-2/3     the no-ZeRO choice over FSDP2's sharded
 sgd               any                    ``torch.optim.SGD`` (momentum 0.9, foreach)
 adafactor         any                    transformers ``Adafactor`` (fixed lr, no relative step)
 adamw8bit         CUDA                   bitsandbytes ``AdamW8bit``
+adamw8bit-paged   CUDA                   bitsandbytes ``PagedAdamW8bit`` (its large states in
+                                         CUDA unified memory, which the caching allocator
+                                         does not see: ``estimator.memory.paged_state_bytes``)
 ================  =====================  =====================================================
 
 None of them is torch's default (foreach) AdamW, whose step allocates temporaries as large as
@@ -47,7 +50,8 @@ def optimizer_impl(name: str, *, device_type: str, zero: int, offload: str) -> s
             return "deepspeed.ops.adam.FusedAdam"
         return torch_name
     return {"sgd": "torch.optim.SGD", "adafactor": "transformers.Adafactor",
-            "adamw8bit": "bitsandbytes.optim.AdamW8bit"}.get(name, name)
+            "adamw8bit": "bitsandbytes.optim.AdamW8bit",
+            "adamw8bit-paged": "bitsandbytes.optim.PagedAdamW8bit"}.get(name, name)
 
 
 def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
@@ -100,12 +104,13 @@ def make_optimizer(name: str, model, *, lr: float, optim: dict[str, Any], device
         from transformers.optimization import Adafactor
 
         return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False), impl
-    if name == "adamw8bit":
+    if name in ("adamw8bit", "adamw8bit-paged"):
         try:
             import bitsandbytes as bnb
         except ImportError:
-            raise InputProblem("optimizer: adamw8bit needs the bitsandbytes package") from None
-        return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps), impl
+            raise InputProblem(f"optimizer: {name} needs the bitsandbytes package") from None
+        cls = bnb.optim.PagedAdamW8bit if name == "adamw8bit-paged" else bnb.optim.AdamW8bit
+        return cls(groups, lr=lr, betas=betas, eps=eps), impl
     raise InputProblem(f"optimizer: unknown {name!r}")
 
 

@@ -210,8 +210,8 @@ def preflight_job(job: TrainingJob, plan: Plan) -> dict[str, Any]:
             raise FrenzyInputError("entry_point", f"module {mod_name!r} does not import ({type(e).__name__}: {e})") from None
         if not callable(getattr(mod, fn_name, None)):
             raise FrenzyInputError("entry_point", f"{mod_name!r} has no callable {fn_name!r}")
-    if plan.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
-        raise FrenzyInputError("optimizer", "adamw8bit needs the bitsandbytes package, which is not installed")
+    if plan.optimizer.startswith("adamw8bit") and importlib.util.find_spec("bitsandbytes") is None:
+        raise FrenzyInputError("optimizer", f"{plan.optimizer} needs the bitsandbytes package, which is not installed")
     return spec
 
 
