@@ -1138,8 +1138,13 @@ def peak_terms(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool) -> tuple:
     bucket_elems = k.bucket or prof.zero_bucket_elems or ov.zero_bucket_elems
 
     stages = []
+    made: dict[tuple, tuple] = {}      # what is read below: (layers, first, last) -> its stage
     for i, L_i in enumerate(stage_layers(spec.layers, p)):
         first, last = i == 0, i == p - 1
+        same = made.get((L_i, first, last))
+        if same is not None:           # a middle stage as deep as an earlier one: all but its index
+            stages.append((i,) + same[1:])
+            continue
         P = L_i * layer_p + (emb_p if first else 0.0) + (head_p if last else 0.0)
         if last and p > 1 and tied:
             P += head_w                                # last stage keeps its copy of the tied head
@@ -1254,6 +1259,7 @@ def peak_terms(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool) -> tuple:
         stages.append((i, L_i, first, last, kept_layers, fin, weights, unsharded, grads, optim,
                        other_fixed, head_grad, copies, inbwd_tmp, grads_end, c_total, after_bwd,
                        grads32, tmp))
+        made[(L_i, first, last)] = stages[-1]
     # what the batch loop reads of the setup (the planner keeps these per structure, not the
     # whole record: its memory of a trace's structures)
     consts = (c, act_amp, sem, transient_tok, h, V, e, arch, dropout, sp_div, per_layer_tok, r,
@@ -1273,8 +1279,17 @@ def _peaks(spec: ModelSpec, k: Knobs, ov: Overheads, cpu: bool, batches: tuple, 
     chunked = loss == "chunked"
 
     out: list = [[] for _ in batches] if breakdown else [0.0] * len(batches)
+    # Only the largest stage counts without a breakdown: a middle stage as deep as an earlier
+    # middle one differs from it only by its 1F1B in-flight micro-batches (min(m, p - i), fewer
+    # for a later i), so it never peaks higher and is skipped (half the work of a 16-stage
+    # pipeline; an interleaved schedule's in-flight count is not read here, so never skipped)
+    seen_middle: set[int] | None = None if breakdown or vpp > 1 else set()
     for (i, L_i, first, last, kept_layers, fin, weights, unsharded, grads, optim, other_fixed,
          head_grad, copies, inbwd_tmp, grads_end, c_total, after_bwd, grads32, tmp) in stages:
+        if seen_middle is not None and not first and not last:
+            if L_i in seen_middle:
+                continue
+            seen_middle.add(L_i)
         # --- what it does: per (micro-batch, accumulation) ---
         for bi, (mb_, ga_) in enumerate(batches):
             T = mb_ * k.seq_len / k.cp                # tokens per micro-batch on this rank

@@ -349,9 +349,22 @@ def _plan(gpu: GPU, n: int, base: Knobs, mb: int, ga: int, precision: str, optim
         step_time_s=step_time_s, not_launchable=why)
 
 
-# the plan the trainer's rules are asked about: a copy with the asked fields (a third of the
-# cost of building one with its defaults; the planner asks thousands of new ones per job shape)
-_PROBE = Plan.model_construct(gpu_type="probe")
+@dataclass(slots=True)
+class _RuleProbe:
+    """What the trainer's layout rules read of a plan (``trainer.launch_config``:
+    ``check_realisable``, ``check_pipeline_model``, ``check_tp_model``, ``check_heads``): the
+    planner asks them of hundreds of new layouts per job shape, and a pydantic ``Plan`` copy per
+    question cost ~40% of ``_launch_rule``."""
+
+    gpus: int = 1
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 0
+    offload: str = "none"
+    vpp: int = 1
+    grad_accum: int = 1
 
 
 @lru_cache(maxsize=4096)
@@ -367,8 +380,7 @@ def _launch_rule(tp: int, pp: int, cp: int, gpus: int, dp: int, zero: int, offlo
         from trainer.launch_config import check_pipeline_model, check_realisable, check_tp_model
     except ImportError:          # an estimator installed without the trainer: nothing to check
         return None
-    probe = _PROBE.model_copy(update={"gpus": gpus, "dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": zero,
-                                      "offload": offload, "vpp": vpp, "grad_accum": grad_accum})
+    probe = _RuleProbe(gpus, dp, tp, pp, cp, zero, offload, vpp, grad_accum)
     try:
         check_realisable(probe)
         if arch is not None:
@@ -387,7 +399,7 @@ def heads_rule(tp: int, cp: int, heads: int, kv_heads: int | None = None, pp: in
     except ImportError:          # an estimator installed without the trainer: nothing to check
         return None
     try:
-        check_heads(_PROBE.model_copy(update={"tp": tp, "cp": cp, "pp": pp}), heads, kv_heads)
+        check_heads(_RuleProbe(tp=tp, cp=cp, pp=pp), heads, kv_heads)
     except FrenzyInputError as err:
         return f"{err.field}: {err.rule}"
     return None
