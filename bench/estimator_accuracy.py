@@ -105,7 +105,8 @@ def knobs_of(model, regime, b, s, attn, ck, opt, ga) -> dict:
     # output keeps the 16-bit logits ("standard"; the trainer's Accelerate AMP holds fp32 ones),
     # and torch's default caching allocator (the trainer's launcher sets expandable segments)
     return dict(model=model, seq_len=s, micro_batch=b, grad_accum=ga, attention=attn,
-                act_ckpt=ck, optimizer=opt, adamw_impl="foreach", loss="standard", allocator="default",
+                act_ckpt=ck, optimizer=opt, loss="standard", allocator="default",
+                **({"adamw_impl": "foreach"} if opt in ("adam", "adamw") else {}),
                 precision="fp32" if regime == "fp32" else "bf16",
                 zero=1 if regime == "master" else 0,
                 mp_style="master" if regime == "master" else "auto")

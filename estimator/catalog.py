@@ -35,9 +35,9 @@ the development notes, notes/scheduling.md section 4 for measured speed ratios.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import FrenzyInputError
 
@@ -56,7 +56,9 @@ class GPU(BaseModel):
     fp16_tflops: float = Field(..., gt=0, le=100_000)
     fp32_tflops: float = Field(..., gt=0, le=100_000)
     mem_bw_gbs: float = Field(..., gt=0, le=1_000_000)
-    intra_link: str = "pcie4"
+    # the link family and generation; the throughput model credits NVLink's collectives their
+    # efficiency (any other spelling was taken, and timed as PCIe)
+    intra_link: str = Field("pcie4", pattern=r"^(nvlink|nvswitch|pcie|xgmi|shm)[0-9]*$")
     intra_link_gbps: float = Field(128.0, gt=0)
     inter_node_gbps: float = Field(100.0, gt=0)
     util: float = Field(0.4, gt=0, le=1)
@@ -64,9 +66,14 @@ class GPU(BaseModel):
     fp8_tflops: float | None = Field(None, gt=0)    # dense FP8 tensor rate; None = no FP8 (pre-Ada/Hopper)
     l2_mib: float = Field(6.0, gt=0)
     tdp_w: float = Field(300.0, gt=0)
-    gpu_class: str = "datacenter"              # datacenter | workstation | consumer | cpu
+    gpu_class: Literal["datacenter", "workstation", "consumer", "cpu"] = "datacenter"
     flash_attn_eff: float = Field(0.7, gt=0, le=1)  # fused attention's share of the GEMM rate
     is_cpu: bool = False
+
+    @field_validator("intra_link", mode="before")
+    @classmethod
+    def _link_lower(cls, v: Any) -> Any:
+        return v.strip().lower() if isinstance(v, str) else v     # "NVLink4" is nvlink4
 
     @property
     def supports_bf16(self) -> bool:
@@ -234,26 +241,33 @@ def get_gpu(name: str, extra: dict[str, GPU] | None = None) -> GPU:
         raise FrenzyInputError("gpu", f"unknown GPU type {name!r}; known types: {', '.join(known)}") from None
 
 
-def resolve_gpu_name(name: str, extra: dict[str, GPU] | None = None, *, field: str = "gpu") -> str:
-    """The GPU type a person means by ``name``: the exact name, else the one name equal to it
-    ignoring case ('h100-80gb'), else the one type whose name before the size suffix is it
-    ('H100' -> 'H100-80GB'; 'A100' is ambiguous: A100-40GB or A100-80GB). ``extra``: a
-    cluster's own types, searched with the catalog. Raises FrenzyInputError naming ``field``."""
+def gpu_names_meant(name: str, extra: dict[str, GPU] | None = None, *, field: str = "gpu") -> list[str]:
+    """The GPU types a person may mean by ``name``: the exact name, else the one name equal to
+    it ignoring case ('h100-80gb'), else every type whose name before the size suffix is it
+    ('H100' -> H100-80GB; 'A100' -> A100-40GB, A100-80GB). ``extra``: a cluster's own types,
+    searched with the catalog. Raises FrenzyInputError naming ``field`` when none is."""
     known = {**CATALOG, **(extra or {})}
     if name in known:
-        return name
+        return [name]
     if not isinstance(name, str) or not name.strip():
         raise FrenzyInputError(field, f"must be a GPU type name, got {name!r}")
     key = name.strip().upper()
     same = [n for n in known if n.upper() == key]
     if len(same) == 1:
-        return same[0]
+        return same
     family = sorted(n for n in known if n.upper().split("-")[0] == key)
-    if len(family) == 1:
-        return family[0]
-    if len(family) > 1:
-        raise FrenzyInputError(field, f"GPU type {name!r} is ambiguous: one of {', '.join(family)}")
+    if family:
+        return family
     raise FrenzyInputError(field, f"unknown GPU type {name!r}; known types: {', '.join(sorted(known))}")
+
+
+def resolve_gpu_name(name: str, extra: dict[str, GPU] | None = None, *, field: str = "gpu") -> str:
+    """The one GPU type a person means by ``name`` (``gpu_names_meant``; 'A100' is ambiguous:
+    A100-40GB or A100-80GB). Raises FrenzyInputError naming ``field``."""
+    names = gpu_names_meant(name, extra, field=field)
+    if len(names) > 1:
+        raise FrenzyInputError(field, f"GPU type {name!r} is ambiguous: one of {', '.join(names)}")
+    return names[0]
 
 
 # NVML product names -> catalog names. Ordered: the first matching rule wins. Patterns run on

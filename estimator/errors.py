@@ -26,8 +26,12 @@ class DoesNotFitError(FrenzyInputError):
         where = ""
         if closest is not None:
             c = closest
+            # the layout whole (gpus = dp x tp x pp x cp); vpp and offload where the plan has them
+            extra = "".join(f" {k}={getattr(c, k)}" for k, plain in (("vpp", 1), ("offload", "none"))
+                            if getattr(c, k, plain) != plain)
             where = (f"; closest plan: {getattr(c, 'gpus', '?')} x {getattr(c, 'gpu_type', '?')} "
                      f"(dp={getattr(c, 'dp', '?')} tp={getattr(c, 'tp', '?')} pp={getattr(c, 'pp', '?')} "
+                     f"cp={getattr(c, 'cp', 1)}{extra} "
                      f"zero={getattr(c, 'zero', '?')} act_ckpt={getattr(c, 'act_ckpt', '?')} "
                      f"micro_batch={getattr(c, 'micro_batch', '?')}) misses by {shortfall_gib:.2f} GiB")
         super().__init__("job", f"fits no GPU in the inventory{where}{(' ' + detail) if detail else ''}")

@@ -220,10 +220,34 @@ class TrainingJob(BaseModel):
     export: ExportSpec = Field(default_factory=ExportSpec, description="Hugging Face export of the result")
     tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking")
     # constraints (all optional)
-    allowed_gpu_types: list[str] | None = Field(None, description="only these GPU types (catalog names)")
+    allowed_gpu_types: list[str] | None = Field(
+        None, description="only these GPU types: catalog names as --gpu takes them ('h100' is H100-80GB; "
+                          "a family such as 'A100' allows each of its types), or a cluster's own types")
     max_gpus: Int | None = Field(None, gt=0, le=MAX_GPUS, description="use at most this many GPUs")
     deadline_s: float | None = Field(None, gt=0, le=MAX_DEADLINE_S, allow_inf_nan=False,
                                      description="wall-clock limit for the training run")
+
+    @field_validator("allowed_gpu_types")
+    @classmethod
+    def _gpu_type_names(cls, v: list[str] | None) -> list[str] | None:
+        # catalog names as a person writes them, made the catalog's (a lower-case or short name
+        # matched no pool and silently dropped the type); a family allows all of its types; a
+        # name the catalog does not know is kept for the cluster's own types, and the planner
+        # refuses it if the cluster has no such type either (plans.check_allowed_gpu_types)
+        if v is None:
+            return None
+        from .catalog import gpu_names_meant
+        from .errors import FrenzyInputError
+        out: list[str] = []
+        for name in v:
+            if not name.strip():
+                raise ValueError("allowed_gpu_types: must hold GPU type names, got an empty one")
+            try:
+                meant = gpu_names_meant(name, field="allowed_gpu_types")
+            except FrenzyInputError:        # not the catalog's: a cluster's own type, or a typo
+                meant = [name]
+            out += [n for n in meant if n not in out]
+        return out
 
     @model_validator(mode="before")
     @classmethod

@@ -38,7 +38,7 @@ from pydantic import BaseModel, Field
 from .catalog import CATALOG, get_gpu
 from .errors import FrenzyInputError
 from .job import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
-from .models import ModelSpec, model_from_kwargs, stage_layers, with_positions
+from .models import ModelSpec, model_from_kwargs, seq_len_rule, stage_layers, with_positions
 from .overheads import Overheads, overheads_for
 from .profiles import FRAMEWORKS, PROFILES, Profile, check_knobs, get_profile
 from .throughput import Adapters
@@ -277,10 +277,9 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
         raise FrenzyInputError("cp", f"must divide seq_len ({s} % {cp} != 0)")
     if sp and s % tp:
         raise FrenzyInputError("sp", f"tp must divide seq_len with sequence parallelism ({s} % {tp} != 0)")
-    if (spec.arch in ("gpt", "opt", "bert") and spec.max_positions is not None
-            and s > spec.max_positions):
-        raise FrenzyInputError("seq_len", f"exceeds the learned position table of {spec.name} "
-                                          f"({s} > {spec.max_positions})")
+    rule = seq_len_rule(spec, s)
+    if rule is not None:
+        raise FrenzyInputError("seq_len", rule)
     if optimizer in ("adafactor", "adamw8bit", "adamw8bit-paged") and zero >= 1:
         raise FrenzyInputError("zero", f"{optimizer} cannot be sharded by ZeRO (its states are "
                                        "per-tensor: factored rows/columns or blockwise 8-bit); use zero 0")
@@ -379,6 +378,13 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
     if overlap_comm is not None and not prof.overlap_comm:
         raise FrenzyInputError("overlap_comm", f"is a DeepSpeed setting, not expressible with "
                                                f"framework {prof.name}")
+    # settings of something the configuration does not run were ignored without a word
+    if overlap_comm is not None and overlap and zero == 0:
+        raise FrenzyInputError("overlap_comm", "overlaps ZeRO 1-3's gradient reduction; zero 0 has none to overlap")
+    if adamw_impl != "auto" and optimizer not in ("adam", "adamw"):
+        raise FrenzyInputError("adamw_impl", f"is how Adam / AdamW steps; optimizer {optimizer} has its own step")
+    if mp_style != "auto" and precision == "fp32":
+        raise FrenzyInputError("mp_style", "is the 16-bit regime (amp or master); precision fp32 has none")
     # Accelerate's native AMP (accelerate/accelerator.py, prepare_model): the AMP regime (fp32
     # weights, or fp32 LoRA adapters, and autocast) with no DeepSpeed engine (tp and cp run
     # through DeepSpeed in Frenzy's trainer, as ZeRO does; a pipeline is its own program)
@@ -1478,12 +1484,12 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
              precision: str = "bf16", optimizer: str = "adamw", act_ckpt: str = "none",
              attention: str = "flash", gpu: Any = None, method: str = "analytic",
              mp_style: str = "auto", model_factory: Any = None, framework: str = "frenzy",
-             master_weights: str = "auto", finetune: str = "full", lora_rank: int = 16,
+             master_weights: str = "auto", finetune: str = "full", lora_rank: int | None = None,
              lora_targets: Any = None, loss: str = "auto", act_offload: bool = False,
              optimizer_in_backward: bool = False, adamw_impl: str = "auto",
              fused_kernels: bool = False, zero_bucket_elems: float | None = None,
              gradient_as_bucket_view: bool | None = None, overlap_comm: bool | None = None,
-             score_clamp: bool = False, lora_dropout: float = 0.0, allocator: str = "auto") -> Estimate:
+             score_clamp: bool = False, lora_dropout: float | None = None, allocator: str = "auto") -> Estimate:
     """Per-GPU training memory of one configuration (see the module docstring).
 
     ``model``: preset name, path to a HF config.json, dict of dimensions or ModelSpec; or the
@@ -1493,7 +1499,8 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
     ``framework``: the implementation profile (estimator.profiles: frenzy, hf, torchtitan,
     megatron, deepspeed, torchtune, lightning). Technique knobs: ``master_weights`` (auto: the
     profile's; fp32; none = pure 16-bit), ``finetune`` (full, lora, qlora; ``lora_rank``,
-    ``lora_targets``, ``lora_dropout``), ``loss`` (auto: the profile's path; standard, chunked,
+    ``lora_targets``, ``lora_dropout``: rank 16, the architecture's projections, no dropout
+    unless given; given with a full fine-tune, an error), ``loss`` (auto: the profile's path; standard, chunked,
     fused-linear, fp32-logits, none), ``act_offload``,
     ``optimizer_in_backward``, ``adamw_impl`` (auto, foreach, foreach-legacy, fused, for-loop), ``fused_kernels``
     (torch.compile / Liger: fused RMSNorm and SwiGLU save fewer tensors), ``zero_bucket_elems``
@@ -1514,6 +1521,13 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
                                  tied_embeddings=tied_embeddings)
     # 4096, 4096.0 and "4096" are one length (``_pos_int``): the position table follows it alike
     spec = with_positions(spec, _pos_int("seq_len", seq_len))
+    if finetune == "full" and (lora_rank is not None or lora_targets is not None or lora_dropout is not None):
+        # adapter settings on a full fine-tune were ignored without a word (the CLI refuses them)
+        given = ", ".join(n for n, v in (("lora_rank", lora_rank), ("lora_targets", lora_targets),
+                                         ("lora_dropout", lora_dropout)) if v is not None)
+        raise FrenzyInputError("finetune", f"{given}: adapter settings need finetune lora or qlora (got 'full')")
+    lora_rank = 16 if lora_rank is None else lora_rank
+    lora_dropout = 0.0 if lora_dropout is None else lora_dropout
     attention = attention_for(spec, attention, framework)
     k = _knobs(framework, spec, seq_len, micro_batch, grad_accum, dp, tp, pp, cp, sp, vpp, zero,
                offload, precision, optimizer, act_ckpt, attention, mp_style, master_weights,
@@ -1527,6 +1541,25 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
         from .traced import traced_estimate
         return traced_estimate(spec, k, gpu=g, model_factory=model_factory)
     return analytic_estimate(spec, k, g)
+
+
+def shape_warnings(spec: ModelSpec, seq_len: int, attention: str, framework: str) -> list[str]:
+    """What an estimate of this model at this sequence length, attention and framework says
+    beside its figures, whatever the plan: where no measured source reaches, or the memory is
+    traced rather than measured (``Estimate.warnings``; the planner's CLI prints them too)."""
+    notes = []
+    if seq_len > COVERED_SEQ:
+        notes.append(f"seq_len {seq_len} is beyond any measured source ({COVERED_SEQ} tokens): "
+                     "the estimate extrapolates")
+    if spec.window_reached(seq_len) and attention == "flash" and get_profile(framework).hf_models:
+        notes.append(f"{spec.name}'s sliding window ({spec.window} tokens) is not longer than seq_len: SDPA "
+                     f"attends through an explicit {seq_len} x {seq_len} mask with k / v repeated to every "
+                     f"head in {spec.windowed_layers()} of its {spec.layers} layers (their memory counted as traced "
+                     f"on the CPU, not measured on a GPU)")
+    if _eager_only(spec, get_profile(framework)):
+        notes.append(f"{spec.name} attends with eager kernels (Hugging Face has no SDPA path for its "
+                     f"soft-capped scores): its attention keeps every head's s x s scores")
+    return notes
 
 
 def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | None = None) -> Estimate:
@@ -1562,17 +1595,7 @@ def analytic_estimate(spec: ModelSpec, k: Knobs, g: Any = None, *, cpu: bool | N
         ovd["paged_optimizer_gib"] = paged
         notes.append(f"{paged:.2f} GiB of paged 8-bit optimizer state is in CUDA unified memory: "
                      "counted in device_used, not in allocated/reserved")
-    if k.seq_len > COVERED_SEQ:
-        notes.append(f"seq_len {k.seq_len} is beyond any measured source ({COVERED_SEQ} tokens): "
-                     "the estimate extrapolates")
-    if spec.window_reached(k.seq_len) and k.attention == "flash" and get_profile(k.framework).hf_models:
-        notes.append(f"{spec.name}'s sliding window ({spec.window} tokens) is not longer than seq_len: SDPA "
-                     f"attends through an explicit {k.seq_len} x {k.seq_len} mask with k / v repeated to every "
-                     f"head in {spec.windowed_layers()} of its {spec.layers} layers (their memory counted as traced "
-                     f"on the CPU, not measured on a GPU)")
-    if _eager_only(spec, get_profile(k.framework)):
-        notes.append(f"{spec.name} attends with eager kernels (Hugging Face has no SDPA path for its "
-                     f"soft-capped scores): its attention keeps every head's s x s scores")
+    notes += shape_warnings(spec, k.seq_len, k.attention, k.framework)
     if k.fused and spec.arch not in ("llama", "gpt"):
         notes.append(f"fused_kernels change only llama/gpt block inventories; {spec.arch} is modelled eager")
     name = getattr(g, "name", None)

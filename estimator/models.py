@@ -57,6 +57,10 @@ TYPE_FIELDS = {"window_pattern": ("gemma3_text",), "rope_local_theta": ("gemma3_
 EAGER_ONLY_TYPES = ("gemma2",)
 
 
+# architectures whose Hugging Face configs have no KV-head count: every head its own k and v
+NO_GQA_ARCHS = ("bert", "gpt", "opt")
+
+
 def stage_layers(layers: int, stages: int) -> list[int]:
     """The layers of each of ``stages`` pipeline stages (or interleaved chunks): as even as the
     count allows, the first stages one more (the trainer's stages are these:
@@ -188,8 +192,8 @@ class ModelSpec(BaseModel):
             # embeddings) trains without a vocabulary
             raise FrenzyInputError("vocab", f"0 (no vocabulary) is for encoders (arch bert, e.g. ViT); "
                                             f"a {self.arch} decoder predicts tokens from one")
-        if self.arch == "bert" and self.kv_heads not in (None, self.heads):
-            raise FrenzyInputError("kv_heads", "bert has no grouped-query attention (kv_heads == heads)")
+        if self.arch in NO_GQA_ARCHS and self.kv_heads not in (None, self.heads):
+            raise FrenzyInputError("kv_heads", f"{self.arch} has no grouped-query attention (kv_heads == heads)")
         if self.model_type in ("mistral", "phi3") and self.qkv_bias:
             raise FrenzyInputError("qkv_bias", f"{self.model_type} has no attention biases (its config builds none)")
         if self.model_type == "phi3" and self.head_dim is not None and self.head_dim * self.heads != self.hidden:
@@ -920,6 +924,8 @@ def model_from_kwargs(model: Any = None, **dims: Any) -> ModelSpec:
                 # another arch builds its own model type, without the type's own switches
                 for key in ("hf_model_type", *TYPE_FIELDS):
                     base.pop(key, None)
+                if given["arch"] in NO_GQA_ARCHS:       # nor the preset's KV-head count
+                    base.pop("kv_heads", None)
             try:
                 spec = ModelSpec(**{**base, **given})
             except ValidationError as err:
@@ -934,6 +940,14 @@ def model_from_kwargs(model: Any = None, **dims: Any) -> ModelSpec:
 @lru_cache(maxsize=1024)
 def _sized(spec: ModelSpec, seq_len: int) -> ModelSpec:
     return ModelSpec(**{**spec.model_dump(exclude_none=True), "max_positions": seq_len})
+
+
+def seq_len_rule(spec: ModelSpec, seq_len: int) -> str | None:
+    """Why ``spec`` cannot take sequences of ``seq_len`` tokens (a learned position table
+    shorter than them), in one line, or None."""
+    if spec.arch in ("gpt", "opt", "bert") and spec.max_positions is not None and seq_len > spec.max_positions:
+        return f"exceeds the learned position table of {spec.name} ({seq_len} > {spec.max_positions})"
+    return None
 
 
 def with_positions(spec: ModelSpec, seq_len: int) -> ModelSpec:

@@ -17,6 +17,7 @@ Only the keys present override the defaults. Pure: no torch.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
@@ -112,11 +113,32 @@ def _calibration_in(home: str) -> str:
     return os.path.join(home, "calibration.json")
 
 
+# What a fitted term may be (a file edited by hand or written by another tool): GiB terms and
+# fragmentation shares are never negative (a negative context or share would make any plan fit),
+# a share above 1 would mean reserved more than twice allocated (54 H200 runs: at most 0.28);
+# buckets hold elements, and ZeRO-3 keeps at least the unit it computes.
+_TERM_RANGE = {**{k: (0.0, None) for k in ("cuda_context_gib", "workspace_gib", "nccl_per_comm_gib")},
+               **{k: (0.0, 1.0) for k in ("fragmentation", "fragmentation_recompute",
+                                            "fragmentation_adapters", "fragmentation_recompute_expandable")},
+               "zero_bucket_elems": (1.0, None), "zero3_live_units": (1.0, None)}
+
+
+def _checked_term(gpu: str, key: str, value: object) -> float:
+    low, high = _TERM_RANGE[key]
+    v = float(value) if type(value) in (int, float) else math.nan
+    if not (math.isfinite(v) and v >= low and (high is None or v <= high)):
+        rule = f"a number >= {low:g}" + (f" and <= {high:g}" if high is not None else "")
+        raise ValueError(f"{gpu}.{key} must be {rule}, got {value!r}")
+    return v
+
+
 def load_calibration(path: str | os.PathLike | None = None) -> dict[str, dict[str, float]]:
     """The calibration file's contents ({gpu_type: {term: value}}); {} when absent.
-    Re-read only when the file changes (mtime), so estimates stay fast."""
+    Re-read only when the file changes (mtime), so estimates stay fast. A term out of its
+    range (NaN, a negative context, a share above 1) makes the file not parse: a warning
+    names it and the defaults are used (``home.read_json_cached``)."""
     def parse(data: dict) -> dict[str, dict[str, float]]:
-        return {str(g): {k: float(v) for k, v in terms.items() if k in FIELDS}
+        return {str(g): {k: _checked_term(str(g), k, v) for k, v in terms.items() if k in FIELDS}
                 for g, terms in data.items() if isinstance(terms, dict)}
     return read_json_cached(os.fspath(path) if path else _calibration_file(), parse) or {}
 

@@ -100,13 +100,36 @@ def describe(flt: PlanFilter) -> str:
 
 
 def check_heads(flt: PlanFilter, spec) -> None:
-    """A ``tp`` or ``cp`` the model's attention heads do not split into: one line naming the
-    knob and the heads (``spec``: the job's ``ModelSpec``), before any plan is looked at."""
+    """A ``tp`` or ``cp`` the model's attention heads do not split into, or more pipeline
+    stages than the model has layers: one line naming the knob and the model's count
+    (``spec``: the job's ``ModelSpec``), before any plan is looked at."""
     from .plans import heads_rule
 
     why = heads_rule(int(flt.get("tp", 1)), int(flt.get("cp", 1)), spec.heads, spec.n_kv, int(flt.get("pp", 1)))
     if why is not None:
         raise FrenzyInputError(FIELD, f"{describe(flt)!r}: {why.removeprefix('plan.')}")
+    if int(flt.get("pp", 1)) > spec.layers:
+        raise FrenzyInputError(FIELD, f"{describe(flt)!r}: pp={flt['pp']} stages need a layer each and "
+                                      f"{spec.name} has {spec.layers}")
+
+
+def check_gpu(flt: PlanFilter, gpu_types: list[str], gpus: dict | None = None) -> PlanFilter:
+    """``flt`` with its ``gpu`` the one type of ``gpu_types`` (the inventory's) it names, as
+    ``--gpu`` resolves a name ('h100' is H100-80GB); an unknown, ambiguous or absent type is one
+    line naming the filter, not "no plan matches"."""
+    want = flt.get("gpu")
+    if want is None:
+        return flt
+    from .catalog import resolve_gpu_name
+
+    try:
+        name = resolve_gpu_name(str(want), {**(gpus or {}), **dict.fromkeys(gpu_types)}, field=FIELD)
+    except FrenzyInputError as err:
+        raise FrenzyInputError(FIELD, f"{describe(flt)!r}: {err.rule}") from None
+    if name not in gpu_types:
+        raise FrenzyInputError(FIELD, f"{describe(flt)!r}: {name} is not in the inventory "
+                                      f"(its types: {', '.join(gpu_types) or 'none'})")
+    return {**flt, "gpu": name}
 
 
 def filter_plans(plans_by_type: dict[str, list[Plan]], flt: PlanFilter | None,

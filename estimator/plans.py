@@ -24,7 +24,7 @@ from .errors import DoesNotFitError, FrenzyInputError, check_number, from_valida
 from .job import MAX_GPUS, TrainingJob
 from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, attention_for, batch_key, estimate,
                      finish_key, host_offload_bytes, lora_adapters, paged_state_bytes, peak_allocated,
-                     peak_terms, validate_knobs)
+                     peak_terms, shape_warnings, validate_knobs)
 from .models import ModelSpec, resolve_model, with_positions
 from .overheads import Overheads, overheads_for
 from .profiles import Profile, get_profile
@@ -621,8 +621,18 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
             raise FrenzyInputError("plan", f"must be knob=value text or a dict of knobs, got {plan_filter!r}")
         plan_filter = parse_plan_filter(describe(plan_filter))
     if plan_filter:
-        from .plan_filter import check_heads
+        from .plan_filter import check_gpu, check_heads
         check_heads(plan_filter, spec)      # tp=3 on 4 heads: that, not "no plan matches"
+        plan_filter = check_gpu(plan_filter, [g for g, n in inventory.items() if n > 0], gpus)
+    if j.allowed_gpu_types:
+        # TrainingJob made catalog names the catalog's; a name neither the catalog, the
+        # cluster's own types nor the inventory has is a typo, not a type to leave out
+        from .catalog import CATALOG
+        known = {**CATALOG, **(gpus or {}), **dict.fromkeys(inventory)}
+        for name in j.allowed_gpu_types:
+            if name not in known:
+                raise FrenzyInputError("allowed_gpu_types", f"unknown GPU type {name!r}; known types: "
+                                                            f"{', '.join(sorted(known))}")
     out: dict[str, list[Plan]] = {}
     closest: list = []
     fitting: list[int] = []
@@ -648,6 +658,15 @@ def plans_for_job(job: TrainingJob | dict, inventory: dict[str, int], *,
             raise DoesNotFitError(plan, short, f"(safety margin {safety_margin_gib} GiB)")
         _refuse_without_plans(j, spec, inventory)
     return out
+
+
+def plan_warnings(job: TrainingJob | dict) -> list[str]:
+    """What every plan of ``job`` carries beside its figures (``memory.shape_warnings`` of the
+    job's model, sequence length and attention under Frenzy's trainer): where the estimates
+    extrapolate beyond any measured source, or are traced rather than measured."""
+    j = _as_job(job)
+    spec = with_positions(resolve_model(j.model), j.seq_len)
+    return shape_warnings(spec, j.seq_len, attention_for(spec, j.attention, "frenzy"), "frenzy")
 
 
 def _refuse_without_plans(j: TrainingJob, spec: ModelSpec, inventory: dict[str, int]) -> None:
@@ -679,9 +698,11 @@ def _plan_knobs(j: TrainingJob, plan: Plan) -> dict[str, Any]:
                 tp=plan.tp, pp=plan.pp, cp=plan.cp, vpp=plan.vpp, zero=plan.zero, offload=plan.offload,
                 precision=plan.precision, optimizer=plan.optimizer, act_ckpt=plan.act_ckpt,
                 attention=attention_for(spec, plan.attention, t.framework), framework=t.framework,
-                master_weights=t.master_weights,
-                finetune=t.finetune, lora_rank=t.lora_rank, lora_targets=t.lora_targets,
-                lora_dropout=t.lora_dropout)
+                master_weights=t.master_weights, finetune=t.finetune,
+                # adapter settings only where there are adapters (``estimate`` refuses them beside
+                # a full fine-tune)
+                **(dict(lora_rank=t.lora_rank, lora_targets=t.lora_targets, lora_dropout=t.lora_dropout)
+                   if t.finetune != "full" else {}))
 
 
 def estimate_plan(job: TrainingJob | dict, plan: Plan, *, gpus: dict[str, GPU] | None = None) -> Estimate:

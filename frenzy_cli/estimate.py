@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from estimator.errors import FrenzyInputError
 
@@ -91,7 +92,9 @@ def register(sub) -> None:
     p.add_argument("--cluster", help="cluster YAML (GPU types and counts); default: 8 of every "
                                      "catalog GPU type")
     p.add_argument("--gpu", action="append", help="only this GPU type (repeatable)")
-    p.add_argument("--max-gpus", type=int, default=8, help="GPUs per type without --cluster")
+    p.add_argument("--max-gpus", type=int, default=None,
+                   help="GPUs per type without --cluster (default 8); with --cluster, the most GPUs "
+                        "of a type one plan may use (default: all the cluster has)")
     p.add_argument("--safety-margin-gib", type=float, default=None)
     p.add_argument("--top", type=int, default=5, help="plans shown per GPU type (table only)")
     p.add_argument("--json", action="store_true")
@@ -137,7 +140,11 @@ def handle_estimate(args) -> int:
         est = estimate(**kw)
         with_warnings = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     if args.json:
-        print(json.dumps(est.model_dump(mode="json")))
+        doc = est.model_dump(mode="json")
+        # what Python warned of while estimating (a calibration file that does not parse) is
+        # said here as in the table
+        doc["warnings"] = with_warnings + [n for n in doc["warnings"] if n not in with_warnings]
+        print(json.dumps(doc))
         return 0
     from .console import console
     from rich.table import Table
@@ -180,19 +187,25 @@ def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int, dict | None,
     """(GPU type -> count, GPUs per node, the cluster's own GPU types or None, GPU type -> host
     memory per node)."""
     from estimator.catalog import GPU_NAMES, resolve_gpu_name
+    from estimator.errors import check_number
+    from scheduler.cluster import MAX_CLUSTER_GPUS
+    if args.max_gpus is not None:
+        check_number("max_gpus", args.max_gpus, low=1, low_open=False, high=MAX_CLUSTER_GPUS, integer=True,
+                     what="the largest cluster a file may describe")
     if args.cluster:
         from scheduler.cluster import load_cluster
         cl = load_cluster(args.cluster)
         if args.gpu:
             args.gpu = [resolve_gpu_name(g, cl.gpu_types, field="--gpu") for g in args.gpu]
-        return cl.inventory(), cl.gpus_per_node(), cl.gpu_catalog(), cl.host_ram_gib()
+        inv = cl.inventory()
+        if args.max_gpus is not None:
+            inv = {g: min(n, args.max_gpus) for g, n in inv.items()}
+        return inv, cl.gpus_per_node(), cl.gpu_catalog(), cl.host_ram_gib()
     if args.gpu:
         args.gpu = [resolve_gpu_name(g, field="--gpu") for g in args.gpu]
     types = args.gpu or list(GPU_NAMES)
-    from estimator.errors import check_number
-    from scheduler.cluster import MAX_CLUSTER_GPUS
-    check_number("max_gpus", args.max_gpus, low=1, low_open=False, high=MAX_CLUSTER_GPUS, integer=True,
-                 what="the largest cluster a file may describe")
+    if args.max_gpus is None:
+        args.max_gpus = 8
     # nodes of 8 GPUs with the cluster file's default host memory
     from scheduler.cluster import Cluster, Pool
     hosts = Cluster(pools=[Pool(name=f"p{i}", gpu=g, gpus_per_node=8) for i, g in enumerate(types)]).host_ram_gib()
@@ -200,7 +213,7 @@ def _inventory(args) -> tuple[dict[str, int], dict[str, int] | int, dict | None,
 
 
 def handle_plan(args) -> int:
-    from estimator.plans import plans_for_job
+    from estimator.plans import plan_warnings, plans_for_job
 
     _adapter_flags_need_lora(args)
     if args.top < 1:
@@ -220,25 +233,43 @@ def handle_plan(args) -> int:
             raise FrenzyInputError("--gpu", f"{', '.join(missing)} not in the cluster {args.cluster} "
                                             f"(its types: {', '.join(inv)})")
         inv = {g: n for g, n in inv.items() if g in args.gpu}
-    plans = plans_for_job(job, inv, gpus_per_node=gpn, safety_margin_gib=args.safety_margin_gib,
-                          gpus=gpus, host_ram_gib=hosts)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            plans = plans_for_job(job, inv, gpus_per_node=gpn, safety_margin_gib=args.safety_margin_gib,
+                                  gpus=gpus, host_ram_gib=hosts)
+        except FrenzyInputError:
+            for w in caught:        # a refusal may come of what was warned (a calibration file ignored)
+                if issubclass(w.category, UserWarning):
+                    print(f"frenzy plan: warning: {w.message}", file=sys.stderr)
+            raise
+        notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    notes += [n for n in plan_warnings(job) if n not in notes]
     if args.json:
+        # stdout keeps its documented shape (GPU type -> plans); what the estimates say beside
+        # their figures goes to stderr, one line each
+        for n in notes:
+            print(f"frenzy plan: warning: {n}", file=sys.stderr)
         print(json.dumps({g: [p.model_dump(mode="json") for p in ps] for g, ps in plans.items()}))
         return 0
     from .console import console
     from .units import format_memory, format_seconds
     from rich.table import Table
     con = console()
+    for n in notes:
+        con.print(f"[yellow]warning:[/] {n}")
     for g, ps in plans.items():
         if not ps:
             con.print(f"[dim]{g}: no feasible plan[/]")
             continue
         t = Table(title=f"{g}: {len(ps)} feasible plans (launchable first, fastest first)")
-        for col in ("gpus", "dp", "tp", "pp", "zero", "offload", "ckpt", "mb x accum", "memory used",
+        for col in ("gpus", "dp", "tp", "pp", "cp", "zero", "offload", "ckpt", "mb x accum", "memory used",
                     "step", "launch here"):
             t.add_column(col, justify="right" if col != "launch here" else "left")
         for p in ps[: args.top]:
-            t.add_row(str(p.gpus), str(p.dp), str(p.tp), str(p.pp), str(p.zero), p.offload,
+            pp = f"{p.pp} x {p.vpp} chunks" if p.vpp > 1 else str(p.pp)
+            t.add_row(str(p.gpus), str(p.dp), str(p.tp), pp, str(p.cp), str(p.zero), p.offload,
                       p.act_ckpt, f"{p.micro_batch} x {p.grad_accum}", format_memory(p.device_used_gib),
                       format_seconds(p.step_time_s),
                       "yes" if p.not_launchable is None else f"no: {p.not_launchable}")

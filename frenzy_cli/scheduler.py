@@ -35,9 +35,11 @@ def handle(args) -> int:
     from estimator.errors import FrenzyInputError, check_number
     from scheduler.policies import policy_factory
 
+    from scheduler.round import MIN_TICK_S
     for name in ("tick_s", "ttl_s", "poll_s", "max_s"):
         if getattr(args, name) is not None:
-            check_number(name.replace("_", "-"), getattr(args, name))
+            check_number(name.replace("_", "-"), getattr(args, name),
+                         **(dict(low=MIN_TICK_S, low_open=False, what="seconds") if name == "tick_s" else {}))
     policy_factory(args.policy)
     topology = None
     if args.cluster:

@@ -141,6 +141,12 @@ def wants_tick(policy: Policy, *, pending: int, running: int, any_free: bool) ->
     return pending > 0 or (policy.grows_runs and running > 0 and any_free)
 
 
+# The finest tick (and simulated world round), live and simulated: a round a second. A live
+# round takes tens of ms and the service reads the ledger every 0.5 s; finer ticks only multiply
+# rounds (a simulated 1e-9 s tick never finished).
+MIN_TICK_S = 1.0
+
+
 def next_round_s(policy: Policy, now: float, tick_s: float, *, after_round: bool) -> float:
     """When the next round is due without a new event. Round-based policies: ``round_s`` after
     a round, else the next round boundary (rounds align to multiples of ``round_s``, which may

@@ -113,6 +113,7 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
     ``models`` defaults to the estimator's presets; requested GPU types are the catalog's plus
     ``extra_gpu_types`` (a cluster file's custom types: ``Cluster.gpu_types``).
     """
+    from estimator.models import PRESETS as presets, seq_len_rule
     path = Path(path)
     known_models = set(models) if models is not None else _known_models()
     known_gpus = _known_gpus() | set(extra_gpu_types)
@@ -162,6 +163,10 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
                 requested_gpu_type=gtype,
                 requested_gpus=_int_field(ngpu, where, "requested_gpus", most=MAX_CLUSTER_GPUS))
             _check_work(f"{where}: train_tokens", job)
+            if model in presets:      # the model's own rule, as `frenzy plan` says it (not "no plan fits")
+                rule = seq_len_rule(presets[model], job.seq_len)
+                if rule is not None:
+                    raise FrenzyInputError(f"{where}: seq_len", rule)
             jobs.append(job)
     if not jobs:
         raise FrenzyInputError(str(path), "workload has no jobs")
@@ -309,8 +314,10 @@ class TraceJob:
 
 def _text(path: Path, what: str):
     """A CSV's text as a file object: size and UTF-8 checked as every user file is
-    (``estimator.yamlfile.read_text``: a bad byte is named with its line and offset)."""
-    return io.StringIO(read_text(path, what, max_bytes=MAX_CSV_BYTES), newline="")
+    (``estimator.yamlfile.read_text``: a bad byte is named with its line and offset), a leading
+    byte-order mark dropped."""
+    # a spreadsheet's "CSV UTF-8" starts with a byte-order mark, which is no part of the header
+    return io.StringIO(read_text(path, what, max_bytes=MAX_CSV_BYTES).removeprefix("\ufeff"), newline="")
 
 
 def read_trace(path: str | Path) -> list[TraceJob]:

@@ -72,3 +72,19 @@ def test_nvml_v100_without_size_uses_memory():
     assert from_nvml_name("Tesla V100-SXM2", memory_gib=31.7) == "V100-32GB"
     assert from_nvml_name("Tesla V100-SXM2", memory_gib=15.7) == "V100-16GB"
     assert all(CATALOG[n].name == n for n in CATALOG)
+
+
+def test_a_custom_types_link_is_a_known_family_in_any_case():
+    """'NVLink4' was timed as PCIe (the model credits only 'nvlink...'), 'warp' was taken."""
+    import pytest
+    from pydantic import ValidationError
+
+    from estimator.catalog import GPU
+    kw = dict(name="X1", memory_gib=80, bf16_tflops=900, fp16_tflops=900, fp32_tflops=60, mem_bw_gbs=3000,
+              intra_link_gbps=3600)
+    assert GPU(**kw, intra_link="NVLink4").intra_link == "nvlink4"
+    for bad in ("warp", "nv-link", ""):
+        with pytest.raises(ValidationError):
+            GPU(**kw, intra_link=bad)
+    with pytest.raises(ValidationError):
+        GPU(**kw, gpu_class="gaming")

@@ -139,3 +139,34 @@ def test_a_calibration_file_that_does_not_parse_warns_and_the_defaults_hold(fren
     with warnings.catch_warnings():
         warnings.simplefilter("error")           # the same file again: no second warning
         assert overheads_for("A100-80GB") == DEFAULT
+
+
+@pytest.mark.parametrize("terms", [{"cuda_context_gib": float("nan")}, {"cuda_context_gib": -500},
+                                   {"fragmentation": -0.9}, {"fragmentation_recompute": 3.0},
+                                   {"zero3_live_units": 0}, {"workspace_gib": "big"}])
+def test_a_calibration_term_out_of_its_range_is_named_and_the_defaults_hold(frenzy_home, terms):
+    """A NaN or negative overhead in a hand-edited file made every plan fit (device used NaN or
+    -497 GiB): the file is refused with the GPU type and term named, and the defaults are used."""
+    from estimator.home import forget_json_cache
+    from estimator.overheads import DEFAULT, overheads_for
+
+    frenzy_home.mkdir(parents=True, exist_ok=True)
+    calibration_path().write_text(json.dumps({"A100-80GB": terms}))    # NaN: JSON's NaN literal
+    forget_json_cache()
+    key = next(iter(terms))
+    with pytest.warns(UserWarning, match=f"A100-80GB.{key} must be a number"):
+        assert overheads_for("A100-80GB") == DEFAULT
+    est = estimate(model="llama-3.1-70b", seq_len=8192, gpu="A100-80GB")
+    assert est.fits is False and est.device_used_gib > 80
+
+
+def test_estimate_json_carries_the_calibration_warning(frenzy_home, capsys):
+    """The table said the calibration file was ignored; --json said nothing."""
+    from estimator.home import forget_json_cache
+
+    frenzy_home.mkdir(parents=True, exist_ok=True)
+    calibration_path().write_text("{broken")
+    forget_json_cache()
+    assert main(["estimate", "--model", "llama-3.2-1b", "--seq-len", "2048", "--gpu", "A100-80GB", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert any("does not parse" in w for w in doc["warnings"])

@@ -129,3 +129,44 @@ def test_a_bad_flag_value_is_one_line_not_the_usage_block(capsys):
     assert e.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("frenzy estimate: error: argument --seq-len: invalid int value: 'abc'")
+
+
+def test_plan_says_what_estimate_warns_and_shows_cp(capsys):
+    """`frenzy plan` gave no out-of-coverage warning, and its table had no cp column although
+    the fastest long-sequence plans are context parallel."""
+    argv = ("plan", "--model", "llama-3.2-1b", "--seq-len", "196608", "--global-batch", "8",
+            "--gpu", "H200-141GB", "--max-gpus", "8")
+    rc, out, err = run(capsys, *argv, "--json")
+    assert rc == 0
+    plans = json.loads(out)["H200-141GB"]          # stdout keeps its shape: type -> plans
+    assert "beyond any measured source" in err and err.startswith("frenzy plan: warning:")
+    rc, out, _ = run(capsys, *argv)
+    assert rc == 0 and "beyond any measured source" in out
+    header = next(line for line in out.splitlines() if "gpus" in line and "dp" in line)
+    assert " cp " in header
+    assert any(p["cp"] > 1 for p in plans)
+
+
+def test_closest_plan_names_its_whole_layout(capsys):
+    rc, _, err = run(capsys, "plan", "--model", "llama-3.1-8b", "--seq-len", "262144", "--global-batch", "8",
+                     "--gpu", "H100-80GB", "--max-gpus", "64")
+    assert rc == 2
+    import re
+    m = re.search(r"closest plan: (\d+) x H100-80GB \(dp=(\d+) tp=(\d+) pp=(\d+) cp=(\d+)", err)
+    assert m, err
+    gpus, dp, tp, pp, cp = map(int, m.groups())
+    assert gpus == dp * tp * pp * cp
+
+
+def test_max_gpus_caps_a_cluster_too(capsys):
+    """--max-gpus was ignored beside --cluster (0 accepted, 1 still listed 8-GPU plans)."""
+    import os
+    cluster = os.path.join(os.path.dirname(__file__), "..", "examples", "cluster.yaml")
+    rc, out, _ = run(capsys, "plan", "--model", "gpt2", "--seq-len", "512", "--global-batch", "8",
+                     "--cluster", cluster, "--max-gpus", "1", "--json")
+    assert rc == 0
+    plans = [p for ps in json.loads(out).values() for p in ps]
+    assert plans and all(p["gpus"] == 1 for p in plans)
+    rc, _, err = run(capsys, "plan", "--model", "gpt2", "--seq-len", "512", "--global-batch", "8",
+                     "--cluster", cluster, "--max-gpus", "0")
+    assert rc == 2 and "max_gpus" in err and err.strip().count("\n") == 0

@@ -355,3 +355,39 @@ def test_a_sequence_length_given_as_a_float_or_text_is_the_same_length():
     dims = dict(arch="gpt", layers=4, hidden=256, heads=4, vocab=1000)
     assert estimate(model=dims, seq_len=4096).params == estimate(model=dims, seq_len=4096.0).params \
         == estimate(model=dims, seq_len="4096").params
+
+
+def test_allowed_gpu_types_are_read_as_gpu_names_and_a_typo_is_refused():
+    """'a100-80gb' matched no type and silently left A100-80GB out; 'Z100' was taken too."""
+    job = {"model": "gpt2-tiny", "seq_len": 64, "global_batch": 8}
+    inv = {"A100-80GB": 2, "A100-40GB": 2, "H100-80GB": 2}
+
+    def kept(allowed):
+        return {g for g, ps in plans_for_job({**job, "allowed_gpu_types": allowed}, inv).items() if ps}
+
+    assert kept(["a100-80gb", "H100-80GB"]) == {"A100-80GB", "H100-80GB"}
+    assert kept(["h100"]) == {"H100-80GB"}
+    assert kept(["A100"]) == {"A100-40GB", "A100-80GB"}       # a family allows each of its types
+    assert TrainingJob(**job, train_steps=1, allowed_gpu_types=["h100", "H100-80GB"]).allowed_gpu_types == ["H100-80GB"]
+    with pytest.raises(FrenzyInputError) as err:
+        plans_for_job({**job, "allowed_gpu_types": ["Z100", "H100-80GB"]}, inv)
+    assert err.value.field == "allowed_gpu_types" and "Z100" in str(err.value)
+    # a cluster's own type is known by its name
+    from estimator.catalog import GPU
+    mi = GPU(name="MI300X-192GB", memory_gib=192, bf16_tflops=1300, fp16_tflops=1300, fp32_tflops=160,
+             mem_bw_gbs=5300)
+    got = plans_for_job({**job, "allowed_gpu_types": ["MI300X-192GB"]}, {"MI300X-192GB": 8, "H100-80GB": 8},
+                        gpus={"MI300X-192GB": mi})
+    assert got["MI300X-192GB"] and not got["H100-80GB"]
+
+
+def test_a_plan_filter_names_an_unknown_or_absent_gpu_and_too_deep_a_pipeline():
+    job = {"model": "llama-3.2-1b", "seq_len": 2048, "global_batch": 16}
+    inv = {"A100-80GB": 8, "A100-40GB": 8, "H100-80GB": 8}
+    for flt, says in (("gpu=Z100", "unknown GPU type"), ("gpu=A100", "ambiguous"),
+                      ("gpu=L4", "not in the inventory"), ("pp=100", "has 16")):
+        with pytest.raises(FrenzyInputError) as err:
+            plans_for_job(job, inv, plan_filter=flt)
+        assert err.value.field == "plan" and says in str(err.value), (flt, str(err.value))
+    got = plans_for_job(job, inv, plan_filter="gpu=h100")       # as --gpu reads a name
+    assert got["H100-80GB"] and not got["A100-80GB"] and not got["A100-40GB"]

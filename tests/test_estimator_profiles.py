@@ -471,3 +471,24 @@ def test_planner_passes_the_jobs_lora_dropout():
     with_drop = estimate_plan(TrainingJob(**job, finetune={"method": "lora", "dropout": 0.05}), plan)
     without = estimate_plan(TrainingJob(**job, finetune={"method": "lora", "dropout": 0.0}), plan)
     assert with_drop.allocated_peak_gib - without.allocated_peak_gib == pytest.approx(4 * 2048 * 16 * 2 * 2048 / 2 ** 30)
+
+
+def test_settings_of_what_the_configuration_does_not_run_are_refused():
+    """They were ignored without a word: adapter settings on a full fine-tune (the CLI refused
+    them, the Python call did not), an AdamW implementation for SGD, a 16-bit regime in fp32,
+    DeepSpeed's overlap_comm at zero 0, grouped-query attention in a GPT."""
+    for kw, field in ((dict(lora_rank=64), "finetune"), (dict(lora_dropout=0.5), "finetune"),
+                      (dict(lora_targets="q_proj"), "finetune"),
+                      (dict(optimizer="sgd", adamw_impl="fused"), "adamw_impl"),
+                      (dict(precision="fp32", mp_style="amp"), "mp_style"),
+                      (dict(framework="deepspeed", zero=0, overlap_comm=True), "overlap_comm"),
+                      (dict(model=None, arch="gpt", layers=2, hidden=64, heads=4, kv_heads=2, vocab=100), "kv_heads")):
+        kw = {"model": "llama-3.2-1b", "seq_len": 256, **kw}
+        with pytest.raises(FrenzyInputError) as err:
+            estimate(**kw)
+        assert err.value.field == field and "\n" not in str(err.value), kw
+    # where they apply they still count
+    assert estimate(model="llama-3.2-1b", seq_len=256, finetune="lora", lora_rank=64).params > 0
+    estimate(model="llama-3.2-1b", seq_len=256, framework="deepspeed", zero=2, dp=2, overlap_comm=True)
+    # a preset moved to an arch without GQA leaves its KV-head count behind
+    assert estimate(model="qwen2.5-0.5b", arch="gpt", seq_len=256).params > 0

@@ -279,7 +279,9 @@ def test_a_wait_with_no_scheduler_times_out_saying_what_it_waited_for(url):
 def test_scheduler_flags_are_checked_before_anything_starts(capsys):
     from frenzy_cli.main import main
     assert main(["scheduler", "--tick-s", "-1"]) == 2
-    assert "tick-s: must be a finite number > 0" in capsys.readouterr().err
+    assert "tick-s: must be a finite number >= 1" in capsys.readouterr().err
+    assert main(["scheduler", "--tick-s", "1e-9"]) == 2      # a round a second at the finest
+    assert "tick-s: must be a finite number >= 1" in capsys.readouterr().err
     assert main(["scheduler", "--policy", "nope"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
 

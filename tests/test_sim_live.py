@@ -132,7 +132,10 @@ def test_unknown_policy_and_bad_noise_exit_2(workload, capsys):
 
 def test_bad_world_round_exits_2_before_anything_runs(workload, capsys):
     assert main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--world-round-s", "0"]) == 2
-    assert "world-round-s: must be a finite number > 0" in capsys.readouterr().err
+    assert "world-round-s: must be a finite number >= 1" in capsys.readouterr().err
+    # a round a second at the finest: a 1e-9 s tick made a one-job workload run for ever
+    assert main(["simulate", "--workload", str(workload), "--cluster", CLUSTER, "--tick-s", "1e-9"]) == 2
+    assert "tick-s: must be a finite number >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag,value", [("--noise", "inf"), ("--noise", "1e6"), ("--noise", "nan"),
@@ -169,3 +172,20 @@ def test_a_mix_whose_scale_makes_jobs_beyond_bounds_names_the_trace_job(tmp_path
     mix.write_text(Path("examples/workload-mix.yaml").read_text() + "\nduration_scale: 1.0e+5\n")
     assert main(["workload", "--trace", str(trace), "--mix", str(mix), "--out", str(tmp_path / "o.csv")]) == 2
     assert "trace job" in capsys.readouterr().err and not (tmp_path / "o.csv").exists()
+
+
+def test_a_row_the_model_cannot_take_is_refused_with_the_models_rule(tmp_path, capsys):
+    """gpt2 at 4,096 tokens was simulated and reported "rejected: no plan fits the cluster"."""
+    bad = tmp_path / "w.csv"
+    bad.write_text(",".join(WORKLOAD_COLUMNS) + "\nj1,0,gpt2,4096,16,1000000,A100-40GB,1\n")
+    assert main(["simulate", "--workload", str(bad), "--cluster", CLUSTER, "--no-progress"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert f"{bad}:2: seq_len" in line and "position table" in line
+
+
+def test_a_workload_saved_with_a_byte_order_mark_reads(tmp_path):
+    """A spreadsheet's "CSV UTF-8" starts with a BOM: its header was refused as not the columns."""
+    f = tmp_path / "w.csv"
+    f.write_bytes(("\ufeff" + ",".join(WORKLOAD_COLUMNS) + "\nj1,0,gpt2,1024,16,1000000,A100-40GB,1\n").encode())
+    [job] = read_workload(f)
+    assert job.job_id == "j1" and job.seq_len == 1024

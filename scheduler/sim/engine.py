@@ -36,7 +36,7 @@ from typing import Any
 from estimator.errors import FrenzyInputError, check_number
 from scheduler.placement import nodes_spanned
 from scheduler.restart import checkpoint_gb, checkpoint_move_s
-from scheduler.round import next_round_s, run_round, wants_tick
+from scheduler.round import MIN_TICK_S, next_round_s, run_round, wants_tick
 from scheduler.types import ClusterState, Decision, JobRequest, Node, Policy, RunningJob
 
 from .jobs import PlanBook, StepTimes, model_spec
@@ -84,12 +84,13 @@ class SimConfig:
         check_number("noise", self.noise, low_open=False, high=MAX_NOISE, what="a lognormal sigma")
         check_number("startup_s", self.startup_s, low_open=False, high=DAY_S, what="seconds")
         check_number("ckpt_gbs_per_node", self.ckpt_gbs_per_node, what="GB/s")
-        check_number("tick_s", self.tick_s, high=DAY_S, what="seconds")
+        check_number("tick_s", self.tick_s, low=MIN_TICK_S, low_open=False, high=DAY_S, what="seconds")
         check_number("max_restarts", self.max_restarts, low_open=False, integer=True)
         check_number("idle_rounds_limit", self.idle_rounds_limit, low=1, low_open=False, integer=True)
         check_number("idle_s", self.idle_s, low_open=False, high=DAY_S, what="seconds")
         if self.world_round_s is not None:
-            check_number("world_round_s", self.world_round_s, high=DAY_S, what="seconds")
+            check_number("world_round_s", self.world_round_s, low=MIN_TICK_S, low_open=False, high=DAY_S,
+                         what="seconds")
         if self.restart_s is not None:
             check_number("restart_s", self.restart_s, low_open=False, high=DAY_S, what="seconds")
         if not isinstance(self.step_ratio, dict):
