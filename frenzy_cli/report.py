@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 
 from .console import console as make_console
 from rich.table import Table
@@ -54,14 +55,17 @@ def print_result(result, console: Console | None = None) -> None:
             t.add_row(gpu_type, f"(+{len(plans) - len(shown)} more)", "", "", "", "", "", "", "", "")
     console.print(t)
 
+    # text that is not ours (error messages quoting C++ sources as "[.../pair.cc:537]", pool
+    # and node names, paths) is escaped: Rich read it as markup and raised
     a = result.allocation
-    console.print(f"[bold]Assignment[/]: {a.gpu_type} pool [cyan]{a.pool}[/], "
-                  "placement " + "; ".join(f"{node} devices {','.join(map(str, ids))}" for node, ids in a.placement.items())
+    console.print(f"[bold]Assignment[/]: {escape(a.gpu_type)} pool [cyan]{escape(a.pool)}[/], "
+                  "placement " + "; ".join(f"{escape(node)} devices {','.join(map(str, ids))}"
+                                           for node, ids in a.placement.items())
                   + f", allocation {a.allocation_id}")
     for i, att in enumerate(result.attempts, 1):
-        console.print(f"  attempt {i}: {att.get('outcome')} on {att.get('plan', {}).get('gpu_type')}"
+        console.print(f"  attempt {i}: {att.get('outcome')} on {escape(str(att.get('plan', {}).get('gpu_type')))}"
                       f" (resumed from step {att.get('resumed_from_step', 0)})"
-                      + (f" - {att['error']}" if att.get("error") else ""))
+                      + (f" - {escape(str(att['error']))}" if att.get("error") else ""))
 
     t = Table(title="Training loss per step", title_justify="left", min_width=32)
     t.add_column("step", justify="right")
@@ -80,5 +84,5 @@ def print_result(result, console: Console | None = None) -> None:
         console.print(f"final loss {result.losses[-1]:.4f}"
                       + (f", eval loss {result.eval_losses[-1]['loss']:.4f} at step {result.eval_losses[-1]['step']}"
                          if result.eval_losses else ""))
-    console.print(f"status: [bold]{result.status}[/]; checkpoints: {result.checkpoint_dir or 'none written'}"
-                  + (f"; export: {result.export_dir}" if result.export_dir else ""))
+    console.print(f"status: [bold]{result.status}[/]; checkpoints: {escape(str(result.checkpoint_dir or 'none written'))}"
+                  + (f"; export: {escape(str(result.export_dir))}" if result.export_dir else ""))

@@ -209,13 +209,15 @@ def ledger_gpus_by_pool(ledger) -> dict[str, int]:
     return held
 
 
-def reconcile_gpu_slots(ledger, pools: list[str]) -> dict[str, int]:
+def reconcile_gpu_slots(ledger, pools: list[str], waiting: Mapping[str, int] | None = None) -> dict[str, int]:
     """Lower each pool's ``gpu:<pool>`` busy count to what the ledger holds there, when it is
     higher (slots that leaked: no live holder, no lease left to expire); returns pool -> slots
-    freed. Never raises a count: a holder between its ledger grant and its slots is normal. A
-    holder that released on the ledger but not yet its slots may see the count undershoot by
-    its own slots for that moment; Prefect floors a release at zero and the ledger still
-    decides which GPUs are free."""
+    freed. ``waiting``: pool -> GPUs the caller holds on the ledger but not yet as slots (it is
+    waiting for them), which no slot counts: without it, a waiter's own grant kept as many
+    leaked slots alive and it waited for itself. Never raises a count: a holder between its
+    ledger grant and its slots is normal. A holder that released on the ledger but not yet its
+    slots may see the count undershoot by its own slots for that moment; Prefect floors a
+    release at zero and the ledger still decides which GPUs are free."""
     from prefect import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
     from prefect.exceptions import ObjectNotFound
@@ -229,7 +231,7 @@ def reconcile_gpu_slots(ledger, pools: list[str]) -> dict[str, int]:
                 lim = client.read_global_concurrency_limit_by_name(name)
             except ObjectNotFound:
                 continue
-            want = min(held.get(pool, 0), lim.limit)
+            want = min(max(0, held.get(pool, 0) - (waiting or {}).get(pool, 0)), lim.limit)
             if lim.active_slots > want:
                 client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=want))
                 freed[pool] = lim.active_slots - want
@@ -303,7 +305,7 @@ def hold_gpu_slots(pool: str, occupy: int, *, timeout_s: float | None = None,
                 raise
             from ledger import Ledger
 
-            freed = reconcile_gpu_slots(Ledger(ledger_url), [pool]).get(pool, 0)
+            freed = reconcile_gpu_slots(Ledger(ledger_url), [pool], {pool: occupy}).get(pool, 0)
             log.warning("waiting up to %.0f s for %d GPU slot(s) of %s (%s%s): the ledger granted the "
                         "GPUs, so only a dead holder's lease still counts them", left, occupy, name,
                         _slot_count(name), f"; freed {freed} leaked" if freed else "")

@@ -279,6 +279,15 @@ def test_reconcile_keeps_slots_the_ledger_holds(frenzy_home):
     assert dispatch.reconcile_gpu_slots(ledger, [pool]) == {pool: 1}
     assert _slots(pool) == 0
     assert dispatch.reconcile_gpu_slots(ledger, [pool, "no-such-pool"]) == {}
+    # a waiter whose grant is on the ledger holds no slot for it yet: a slot leaked by a run
+    # killed with its embedded server is freed for it (the grant kept it counted, and the
+    # waiter timed out waiting for itself)
+    mine = ledger.allocate_best_fit("job-b", Plan(gpu_type="CPU", gpus=2, dp=2, micro_batch=1, grad_accum=1))
+    assert mine is not None and len(mine.devices) == 2
+    _leak(pool, 1)
+    assert dispatch.reconcile_gpu_slots(ledger, [pool]) == {}             # counted as the grant's
+    assert dispatch.reconcile_gpu_slots(ledger, [pool], {pool: 2}) == {pool: 1}
+    assert _slots(pool) == 0
 
 
 def test_slot_waits_are_bounded_apart_from_the_job_deadline():

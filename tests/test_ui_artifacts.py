@@ -152,3 +152,28 @@ def test_cli_report_names_every_column_and_scales_units():
     assert "cannot launch" in text and "58% efficiency" in text and "<- chosen" in text
     assert "final loss 4.5000, eval loss 4.7000 at step 2" in text and "checkpoints: /abs/ckpt" in text
     assert "placement cpu-0 devices 0," in text and "{" not in text
+
+
+def test_cli_report_prints_error_text_that_looks_like_markup():
+    """A rank killed mid-run failed the first attempt with gloo's "[/.../pair.cc:537] Connection
+    reset"; the run recovered, and the report raised Rich's MarkupError printing that text."""
+    from rich.console import Console
+
+    from frenzy_cli.report import print_result
+    from frenzy_flows.results import Assignment, SubmitResult
+
+    by_type, chosen = _cpu_plans()
+    err = "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection reset"
+    est = {"params": 1000, "breakdown_gib": {"weights": 0.001}, "allocated_peak_gib": 0.01,
+           "reserved_peak_gib": 0.01, "device_used_gib": 0.01}
+    result = SubmitResult(status="completed", job_id="j", job_name="tiny", plan=chosen, initial_plan=chosen,
+                          allocation=Assignment(allocation_id="1", plan=chosen, pool="cpu[a]", gpu_type="CPU",
+                                                placement={"cpu-0": [0]}),
+                          estimate=est, plans=by_type, losses=[5.0, 4.5],
+                          attempts=[{"outcome": "failed", "plan": {"gpu_type": "CPU"}, "error": err},
+                                    {"outcome": "ok", "plan": {"gpu_type": "CPU"}, "resumed_from_step": 1}],
+                          checkpoint_dir="/abs/[ckpt]")
+    con = Console(width=300, record=True)
+    print_result(result, console=con)
+    text = con.export_text()
+    assert err in text and "pool cpu[a]" in text and "checkpoints: /abs/[ckpt]" in text
