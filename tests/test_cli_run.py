@@ -79,7 +79,12 @@ def test_run_job_that_fits_nowhere_names_closest_plan(tmp_path):
     pytest.param("optimizer: adamw8bit-paged\n", "optimizer",
                  marks=pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None,
                                           reason="bitsandbytes is installed")),
-], ids=["outside-roots", "missing", "tokenizer", "entry-point", "optimizer", "optimizer-paged"])
+    # found only after a server started and a job was recorded, or after the whole training
+    ("resume_from: no-such-run\n", "resume_from"),
+    ("tracking: {uri: 'ftp://x'}\n", "tracking.uri"),
+    ("export: {dir: d.txt/model}\n", "export.dir"),                          # under a file
+], ids=["outside-roots", "missing", "tokenizer", "entry-point", "optimizer", "optimizer-paged",
+        "resume-from", "tracking-uri", "export-dir"])
 def test_run_checks_data_tokenizer_and_entry_point_before_prefect(tmp_path, extra, field):
     (tmp_path / "d.txt").write_text("hello world " * 200)
     job = tmp_path / "j.yaml"

@@ -34,6 +34,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import queue
 import random
 import re
@@ -212,7 +213,38 @@ def preflight_job(job: TrainingJob, plan: Plan) -> dict[str, Any]:
             raise FrenzyInputError("entry_point", f"{mod_name!r} has no callable {fn_name!r}")
     if plan.optimizer.startswith("adamw8bit") and importlib.util.find_spec("bitsandbytes") is None:
         raise FrenzyInputError("optimizer", f"{plan.optimizer} needs the bitsandbytes package, which is not installed")
+    # what the run reads or writes at its start and end: found wrong only after a server
+    # started and a job was recorded, or after the whole training (an export folder)
+    if job.resume_from:
+        resume.explicit_checkpoint(job.resume_from)
+    if job.tracking.enabled and job.tracking.uri:
+        from .tracking import check_tracking_uri
+        check_tracking_uri(job.tracking.uri)
+    if job.export.enabled and job.export.dir:
+        check_writable_folder("export.dir", job.export.dir)
     return spec
+
+
+def check_writable_folder(field: str, path: str) -> None:
+    """``path`` can be made a folder: it is one or does not exist, and the nearest folder
+    above it that exists takes new files (the export is written beside it, as
+    ``<path>.partial``, and renamed). A probe file is made there and removed."""
+    import tempfile
+
+    p = Path(path).expanduser().resolve()
+    if p.exists() and not p.is_dir():
+        raise FrenzyInputError(field, f"{p} is a file, not a folder")
+    above = p.parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise FrenzyInputError(field, f"{above} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=above, prefix=".frenzy-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise FrenzyInputError(field, f"cannot write under {above} ({err.strerror or err})") from None
 
 
 class Mailbox:

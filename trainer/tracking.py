@@ -40,6 +40,23 @@ def default_uri() -> str:
     return f"sqlite:///{(frenzy_home() / 'mlflow.db').resolve()}"
 
 
+# MLflow's tracking stores: a folder (no scheme, or file:), its database stores (sqlite, and
+# SQLAlchemy's postgresql / mysql / mssql, with a +driver), a tracking server (http / https) and
+# Databricks; anything else fails only when the run starts
+TRACKING_SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks",
+                    "databricks-uc", "uc")
+
+
+def check_tracking_uri(uri: str) -> None:
+    """One line naming ``tracking.uri`` when its scheme is no MLflow tracking store."""
+    from urllib.parse import urlparse
+
+    scheme = urlparse(uri).scheme.split("+")[0].lower()
+    if scheme not in TRACKING_SCHEMES:
+        raise FrenzyInputError("tracking.uri", f"{uri!r}: {scheme}:// is not an MLflow tracking store (a folder, "
+                                               f"file:, sqlite:, postgresql:, mysql:, mssql:, http(s): or databricks)")
+
+
 def tracking_uri(job: TrainingJob) -> str:
     return job.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
 
