@@ -379,7 +379,8 @@ def compare(jobs: list[dict], results: dict[str, dict], queue, cluster: str, pol
             step_ratio: dict, startup: float, restart: float, tick_s: float, say) -> dict:
     """The live rows and results of ``jobs`` against the simulator on the same workload: prints
     the per-job table and the totals, returns the ``--json`` summary."""
-    rows = {r.name: r for r in queue.jobs(("done", "failed", "pending", "running"), plans=False) if r.name in results}
+    from ledger.queue import ACTIVE, ENDED
+    rows = {r.name: r for r in queue.jobs(ACTIVE + ENDED, plans=False) if r.name in results}
     first = min(r.submitted_at for r in rows.values())
     offsets = {n: r.submitted_at - first for n, r in rows.items()}
     live_jct = {n: r.ended_at - r.submitted_at for n, r in rows.items()
@@ -426,15 +427,16 @@ def control_plane_cpu(server, sched, workers, running, queue):
     (before its arrival, waiting, running, ended), the pool workers, their flow-run processes
     and the trainings those launched, and this bench itself."""
     from bench.proc_cpu import ProcCpu
+    from ledger.queue import ACTIVE, ENDED
 
     by_pid = {p.pid: j["name"] for j, p, _ in running}
     states: dict[str, str] = {}
-    label = {"pending": "waiting", "running": "running", "done": "ended", "failed": "ended"}
+    label = {"pending": "waiting", "running": "running", **dict.fromkeys(ENDED, "ended")}
 
     def read_states() -> None:
         try:
             states.update({r.name: label.get(r.state, r.state)
-                           for r in queue.jobs(("pending", "running", "done", "failed"), plans=False)})
+                           for r in queue.jobs(ACTIVE + ENDED, plans=False)})
         except Exception:            # a busy database: last sample's states stand
             pass
 

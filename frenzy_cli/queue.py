@@ -21,13 +21,13 @@ def register(sub) -> None:
 def handle(args) -> int:
     from frenzy_scheduler.source import queue_table
     from ledger.core import check_url_arg, default_ledger_file, ledger_field, open_existing
-    from ledger.queue import ACTIVE, JobQueue, Leadership
+    from ledger.queue import ACTIVE, ENDED, JobQueue, Leadership
 
     check_url_arg("--ledger", args.ledger)
     if not args.ledger and not os.environ.get("FRENZY_LEDGER_URL") and not default_ledger_file().exists():
         return _show([], None, args.json)     # a fresh checkout: nothing has been queued (and nothing is made)
     queue = JobQueue(open_existing(ledger_field(args.ledger), args.ledger))
-    states = ACTIVE + (("done", "failed") if args.all else ())
+    states = ACTIVE + (ENDED if args.all else ())
     now = queue.now()
     rows = queue_table(queue.jobs(states), now)
     lead = Leadership(queue.ledger, "observer", 1.0).current()

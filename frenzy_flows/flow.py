@@ -190,6 +190,9 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
                     # the trainer reports a run that ran out of fallbacks or time; it does not raise
                     ok = trained.get("status") in ("completed", "stopped")
                     status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
+                    if status == "stopped":        # the queue says why and where, as the result does
+                        stop = trained.get("stop") or {}
+                        error = f"stopped at step {stop.get('step', '?')}: {stop.get('reason') or 'on request'}"
                 except FrenzyInputError as err:
                     error = str(err)
                     raise
@@ -205,7 +208,7 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
                             "checkpoint", (queue.get(job_id).wait_reason or "no answer in time"))
                 assignment = wait_for_gpus(job, job_id, ledger_secret, wait_timeout_s=wait_timeout_s)
     finally:
-        queue.finish(job_id, "failed" if status == "failed" else "done", error=error or "")
+        queue.finish(job_id, {"failed": "failed", "stopped": "stopped"}.get(status, "done"), error=error or "")
 
     chosen = with_placed_nodes(chosen, assignment.placement)   # the plans as they ran: on their placement's nodes
     if trained.get("assignment"):       # the run moved (a re-size, a fallback): where it ended

@@ -54,7 +54,7 @@ def wait_for_allocation(queue, job_id: str, *, timeout_s: float, log: Callable[[
     """Wait until the scheduler placed ``job_id`` (its queue row turned ``running``), beating
     the row meanwhile; ``TimeoutError`` naming what it waited for (and the job given up, its
     allocation released if one came in the meantime)."""
-    from ledger.queue import Leadership
+    from ledger.queue import ENDED, Leadership
 
     end = time.monotonic() + timeout_s
     said = None
@@ -69,7 +69,7 @@ def wait_for_allocation(queue, job_id: str, *, timeout_s: float, log: Callable[[
             raise RuntimeError(f"job {job_id} is not in the scheduler's queue")
         if row.state == "running" and row.allocation_id:
             return Assignment.model_validate(row.allocation)
-        if row.state in ("done", "failed"):
+        if row.state in ENDED:
             raise RuntimeError(f"job {job_id} ended {row.state} while waiting for GPUs: {row.error or 'no reason given'}")
         if row.wait_reason and row.wait_reason != said:
             said = row.wait_reason

@@ -245,7 +245,10 @@ def queue_table(rows: list[QueueJob], now: float) -> list[dict[str, Any]]:
             "gpus": plan.get("gpus") if j.state == "running" else j.wait_gpus,
             "steps": f"{j.steps_done}/{j.steps_total}",
             "why": (f"{j.request.get('kind')} requested" if j.open_request
-                    else j.wait_reason if j.state == "pending" else j.wait_reason or "running"),
+                    else j.wait_reason if j.state == "pending"
+                    else j.wait_reason or "running" if j.state == "running"
+                    # an ended job (``frenzy queue --all``): why it failed or stopped
+                    else j.error or ("trained to its last step" if j.state == "done" else j.state)),
             "preemptions": j.preemptions, "resizes": j.resizes,
         })
     return out

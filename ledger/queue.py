@@ -40,6 +40,9 @@ log = logging.getLogger("frenzy.queue")
 # reaper gives the job up.
 DEFAULT_ALIVE_S = 60.0
 ACTIVE = ("pending", "running")
+# how a job ends: trained to its last step, failed, or stopped on request (Ctrl-C, `frenzy stop`)
+# with a checkpoint to resume from
+ENDED = ("done", "failed", "stopped")
 # A run's watcher forwards a request within a second (training.REQUEST_POLL_S); one not taken
 # up in two minutes (a database stall of a minute survives) belongs to a run that stopped
 # watching. Such a run, or one that acknowledged but did not stop in ``stop_allowance_s``, is
@@ -209,9 +212,10 @@ class JobQueue:
             row.wait_reason, row.updated_at = reason, now
 
     def finish(self, job_id: str, state: str, error: str = "", steps_done: int | None = None) -> None:
-        """The job ended: ``done`` or ``failed``. An open request is marked ignored."""
-        if state not in ("done", "failed"):
-            raise ValueError(f"a job ends done or failed, not {state!r}")
+        """The job ended (``ENDED``): ``done``, ``failed`` or ``stopped``; ``error``: why it failed
+        or stopped. An open request is marked ignored."""
+        if state not in ENDED:
+            raise ValueError(f"a job ends {', '.join(ENDED)}, not {state!r}")
         with self.ledger._tx() as s:
             row = self._row(s, job_id)
             if row is None:

@@ -135,7 +135,7 @@ class QueueJobRow(SQLModel, table=True):
     name: str = ""
     job: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))      # TrainingJob JSON
     plans: list[Any] = Field(default_factory=list, sa_column=Column(JSON))         # candidate Plan JSON
-    state: str = Field(default="pending", index=True)   # pending | running | done | failed
+    state: str = Field(default="pending", index=True)   # pending | running | done | failed | stopped
     submitted_at: float = 0.0
     steps_total: int = 0
     steps_done: int = 0

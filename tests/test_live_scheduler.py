@@ -79,6 +79,28 @@ def test_queue_runs_jobs_in_submission_order_and_says_why_they_wait(url):
     assert sum(1 for a in led.allocations() if a.status == "active") == 1
 
 
+def test_queue_tells_how_ended_jobs_ended(url):
+    """`frenzy queue --all` said "running" of every ended job, and a run stopped at step 331 of
+    3,000 (Ctrl-C, with a checkpoint) was "done"."""
+    from frenzy_scheduler.source import queue_table
+    from ledger.queue import ENDED
+
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    for name in ("ok", "bad", "halt"):
+        q.enqueue(name, name, {"name": name}, plans(), steps=100)
+    q.finish("ok", "done", steps_done=100)
+    q.finish("bad", "failed", error="RuntimeError: out of memory")
+    q.finish("halt", "stopped", error="stopped at step 31: interrupted (SIGINT)", steps_done=31)
+    rows = {r["job"]: r for r in queue_table(q.jobs(ENDED, plans=False), time.time())}
+    assert {j: r["state"] for j, r in rows.items()} == {"ok": "done", "bad": "failed", "halt": "stopped"}
+    assert rows["ok"]["why"] == "trained to its last step"
+    assert rows["bad"]["why"] == "RuntimeError: out of memory"
+    assert rows["halt"]["why"].startswith("stopped at step 31") and rows["halt"]["steps"] == "31/100"
+    with pytest.raises(ValueError):
+        q.finish("ok", "paused")
+
+
 def test_resize_request_for_a_finished_job_is_ignored_and_logged(url, caplog):
     led = ledger_with_cluster(url)
     q = JobQueue(led)
