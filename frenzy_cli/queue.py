@@ -13,7 +13,7 @@ def register(sub) -> None:
                        description=__doc__)
     p.add_argument("--ledger", help="ledger SQLAlchemy URL without a password (default: env "
                                     "FRENZY_LEDGER_URL, else SQLite under .frenzy/)")
-    p.add_argument("--all", action="store_true", help="also jobs that ended (done, failed)")
+    p.add_argument("--all", action="store_true", help="also jobs that ended (done, failed, stopped) and why")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(handler=handle)
 

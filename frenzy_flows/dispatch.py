@@ -199,6 +199,9 @@ SLOT_LEASE_S = 60.0
 # count is reconciled with the ledger; the whole wait is bounded by two leases plus 30 s.
 SLOT_RECONCILE_AFTER_S = 5.0
 SLOT_WAIT_S = 2 * SLOT_LEASE_S + 30.0
+# While a dispatched run waits for a worker to start it, its submitter beats the job's queue
+# row this often: six beats within the queue's alive window (ledger.queue.DEFAULT_ALIVE_S, 60 s)
+DISPATCH_BEAT_S = 10.0
 
 
 def ledger_gpus_by_pool(ledger) -> dict[str, int]:
@@ -325,12 +328,15 @@ def hold_gpu_slots(pool: str, occupy: int, *, timeout_s: float | None = None,
 
 # ---------------------------------------------------------------- dispatch
 
-def _wait(flow_run_id: UUID, pool: str, deadline: float, poll_s: float):
-    """Poll the run until final; explain a wait caused by a pool without workers."""
+def _wait(flow_run_id: UUID, pool: str, deadline: float, poll_s: float,
+          beat: Callable[[], Any] | None = None):
+    """Poll the run until final; explain a wait caused by a pool without workers. ``beat``: the
+    job's queue heartbeat, called while the run waits for a worker to start it (the run beats
+    for itself once it trains; beating for a run that is Running would hide one that died)."""
     from prefect import get_client
 
     log = _logger()
-    last_report = -1e9
+    last_report = last_beat = -1e9
     with get_client(sync_client=True) as client:
         while True:
             fr = client.read_flow_run(flow_run_id)
@@ -341,6 +347,14 @@ def _wait(flow_run_id: UUID, pool: str, deadline: float, poll_s: float):
             if now >= deadline:
                 return fr
             waiting = state is None or state.is_scheduled() or state.is_pending()
+            if waiting and beat is not None and now - last_beat >= DISPATCH_BEAT_S:
+                # the placed job's row would be reaped as dead after DEFAULT_ALIVE_S while a
+                # worker polls, pulls an image or starts the run
+                try:
+                    beat()
+                except Exception as err:       # a database hiccup: the next poll beats again
+                    log.warning("queue heartbeat while the run starts failed: %s", err)
+                last_beat = now
             if waiting and now - last_report >= NO_WORKER_REPORT_EVERY_S:
                 n = workers_online(pool)
                 if n == 0:
@@ -357,7 +371,7 @@ def _wait(flow_run_id: UUID, pool: str, deadline: float, poll_s: float):
 def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float | None,
                      job_id: str | None = None, settings: str | None = None,
                      env: Mapping[str, str] | None = None,
-                     poll_s: float = 2.0, first_attempt: int = 1) -> dict:
+                     poll_s: float = 2.0, first_attempt: int = 1, ledger_url: str | None = None) -> dict:
     """Run ``job`` with ``plan`` on ``allocation.pool`` through its ``frenzy-train-<pool>``
     deployment and return that flow's result (a dict; the train flow persists its result).
 
@@ -371,6 +385,8 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
     Raises ``DispatchError`` when the run ends other than COMPLETED or outlives ``timeout_s``
     (the run is cancelled then), ``FrenzyInputError`` when the pool was never synced.
     ``first_attempt``: the number of the run's first launch (a gang relaunched on one node).
+    ``ledger_url``: the ledger whose queue row of ``job_id`` this beats while the run waits for
+    a worker to start it (``_wait``).
     """
     pool = _get(allocation, "pool")
     if not pool:
@@ -387,7 +403,8 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
                           "assignment": assignment, "job_id": job_id,
                           # only when set: train flows deployed before it keep working
                           **({"settings": settings} if settings else {}),
-                          **({"first_attempt": first_attempt} if first_attempt > 1 else {})}, queue)
+                          **({"first_attempt": first_attempt} if first_attempt > 1 else {})}, queue,
+                         beat=queue_beat(job_id, ledger_url) if job_id else None)
 
 
 def node_work_queue(pool: str, placement: Mapping[str, Any]) -> str | None:
@@ -424,8 +441,26 @@ def node_work_queue(pool: str, placement: Mapping[str, Any]) -> str | None:
     return None
 
 
+def queue_beat(job_id: str, ledger_url: str | None = None) -> Callable[[], None]:
+    """The heartbeat of ``job_id``'s queue row in the ledger at ``ledger_url`` (connected at
+    the first beat), as its submitter beats it while it waits."""
+    queue = None
+
+    def beat() -> None:
+        nonlocal queue
+        if queue is None:
+            from ledger import Ledger
+            from ledger.queue import JobQueue
+
+            queue = JobQueue(Ledger(ledger_url))
+        queue.touch(job_id, plans=False)
+
+    return beat
+
+
 def _run_and_wait(deployment_id: UUID, pool: str, variables: dict[str, Any], timeout_s: float | None,
-                  deadline: float, poll_s: float, parameters: dict[str, Any], queue: str | None = None) -> dict:
+                  deadline: float, poll_s: float, parameters: dict[str, Any], queue: str | None = None,
+                  beat: Callable[[], Any] | None = None) -> dict:
     """Start the pool's run (on the node's work ``queue`` when given) and wait for its result;
     cancel it when we stop waiting early."""
     from prefect.deployments import run_deployment
@@ -440,7 +475,7 @@ def _run_and_wait(deployment_id: UUID, pool: str, variables: dict[str, Any], tim
         flow_run_id = fr.id
         log.info("dispatched job %s to pool %r as flow run %s (%s)", job_name, pool, fr.name,
                  ", ".join(f"{k}={v}" for k, v in variables.items() if k != "env"))
-        final = _wait(fr.id, pool, deadline, poll_s)
+        final = _wait(fr.id, pool, deadline, poll_s, beat)
         state = final.state
         if state is None or not state.is_final():
             cancel_flow_run(fr.id, f"frenzy: no result within {timeout_s}s")

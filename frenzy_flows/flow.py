@@ -57,7 +57,7 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
                              timeout_s=job.deadline_s, inventory=inventory)
     dispatch._logger().info("dispatching to work pool %s", pool)
     return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id, settings=settings,
-                                     timeout_s=job.deadline_s)
+                                     timeout_s=job.deadline_s, ledger_url=url)
 
 
 def _wait_for_worker(pool: str, job_id: str, assignment: Assignment, ledger_url: str | None,

@@ -276,7 +276,8 @@ def _retake(ledger, queue, job_id: str, assignment: Assignment, why: str, log) -
 
     ledger.release(assignment.allocation_id)
     if queue.get(job_id) is not None:
-        queue.requeue(job_id, steps_done=0, preempted=False, reason=f"gang failed: {why}"[:200])
+        queue.requeue(job_id, steps_done=0, preempted=False, reason=f"gang failed: {why}"[:200],
+                      allocation_id=assignment.allocation_id)
         return wait_for_allocation(queue, job_id, timeout_s=RETAKE_S * 10, log=log)
     end = time.monotonic() + RETAKE_S
     while True:
@@ -330,7 +331,7 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
             segments.append(dispatch.dispatch_to_pool(
                 job, assignment.plan, assignment, job_id=job_id, settings=settings, env=env,
                 poll_s=poll_s, timeout_s=None if timeout_s is None else max(1.0, deadline - time.monotonic()),
-                first_attempt=launch))
+                first_attempt=launch, ledger_url=ledger_url))
             return merge_results(segments)
         plan = assignment.plan
         gang_id = f"{job_id[:40]}-g{launch}-{uuid.uuid4().hex[:6]}"
@@ -376,7 +377,7 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
                 return merge_results(segments)
             ledger.release(assignment.allocation_id)
             new = answer_request(ledger, queue, job_id, req, int(stop.get("step", 0)), log=log.info,
-                                 wait_timeout_s=wait_timeout_s, what=job.name)
+                                 wait_timeout_s=wait_timeout_s, what=job.name, allocation_id=assignment.allocation_id)
             if new is None:
                 return merge_results(segments)
             assignment = new

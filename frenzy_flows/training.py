@@ -119,31 +119,43 @@ class RequestWatcher:
         self._thread.join(timeout=REQUEST_POLL_S * 5)
 
     def _run(self) -> None:
-        from trainer import control
-
+        # The thread must outlive any one failure: it is the run's heartbeat, its answer to the
+        # scheduler and its lease fence. An error of one period (a database failover, a lock
+        # timeout) is said and the next period tries again; it killed the thread, and with it
+        # the fence of a run whose GPUs the ledger could then give to another job.
         watched = True                          # False: no queue row (a run started by hand)
         while not self._stop.wait(REQUEST_POLL_S):
-            self._check_fence()
+            try:
+                self._check_fence()
+            except Exception as err:
+                self.log(f"frenzy: lease check failed: {type(err).__name__}: {err}")
             if not watched:
                 continue
             try:
-                row = self.queue.touch(self.job_id, steps_done=self.step, plans=False)
-            except Exception as err:            # a transient database error: next period
-                self.log(f"frenzy: queue heartbeat failed: {err}")
-                continue
-            if row is None:
-                watched = False
-                continue
-            req = row.request
-            if not (row.request_state == "pending" and req and req.get("id") not in self.forwarded):
-                continue
-            rid, kind = str(req["id"]), str(req.get("kind"))
+                watched = self._beat()
+            except Exception as err:
+                self.log(f"frenzy: queue heartbeat failed: {type(err).__name__}: {err}")
+
+    def _beat(self) -> bool:
+        """One period: the heartbeat, and the scheduler's open request forwarded to the run (once)
+        and acknowledged (until the queue has the acknowledgement). False: no queue row."""
+        from trainer import control
+
+        row = self.queue.touch(self.job_id, steps_done=self.step, plans=False)
+        if row is None:
+            return False
+        req = row.request
+        if not (row.request_state == "pending" and req):
+            return True
+        rid, kind = str(req["id"]), str(req.get("kind"))
+        if rid not in self.forwarded:
             control.request_stop(self.run_dir, reason="preempt" if kind == "preempt" else "resize", request_id=rid)
             self.forwarded[rid] = dict(req)
-            self.queue.ack_request(self.job_id, rid)
             target = Plan.model_validate(req["plan"]).short() if req.get("plan") else "the queue"
             self.log(f"frenzy: scheduler asks to {kind} ({req.get('reason') or kind}) -> {target}; "
                      f"stopping at the next step")
+        self.queue.ack_request(self.job_id, rid)
+        return True
 
 
     def _check_fence(self) -> None:
@@ -181,25 +193,27 @@ def lease_fence(ledger, lease: Callable[[], Any]) -> Callable[[], str | None]:
 
 
 def answer_request(ledger, queue, job_id: str, req: dict[str, Any], done: int, *, log: Callable[[str], None],
-                   wait_timeout_s: float, what: str) -> Assignment | None:
+                   wait_timeout_s: float, what: str, allocation_id: str | None = None) -> Assignment | None:
     """A run stopped after step ``done`` for the scheduler's request ``req`` and let its GPUs go:
     the allocation it relaunches on. A preempted job waits in the queue for its next one; a
     re-size takes its target (back to the queue when the target was taken meanwhile). None
     when the scheduler gave up on the run before it re-sized (it answered too late and the job
     was queued again): the target is released and the caller stops, the job resumes from the
-    checkpoint. One implementation for a single-node run and a gang."""
+    checkpoint. One implementation for a single-node run and a gang. ``allocation_id``: the
+    allocation the run stopped on (``JobQueue._run_ended``)."""
     if req.get("kind") == "preempt":
-        queue.requeue(job_id, steps_done=done, preempted=True, reason="preempted")
+        queue.requeue(job_id, steps_done=done, preempted=True, reason="preempted", allocation_id=allocation_id)
         log(f"frenzy: preempted after step {done}; waiting in the queue")
         return wait_for_allocation(queue, job_id, timeout_s=wait_timeout_s, log=log, what=what)
     target = Plan.model_validate(req["plan"])
     placement = {k: [int(d) for d in v] for k, v in req["placement"].items()}
     alloc = _take(ledger, job_id, target, placement, log)
     if alloc is None:
-        queue.requeue(job_id, steps_done=done, preempted=False, reason="re-size target was taken")
+        queue.requeue(job_id, steps_done=done, preempted=False, reason="re-size target was taken",
+                      allocation_id=allocation_id)
         return wait_for_allocation(queue, job_id, timeout_s=wait_timeout_s, log=log, what=what)
     new = Assignment.from_allocation(alloc, target)
-    if not queue.resized(job_id, str(req["id"]), new.model_dump(mode="json"), done):
+    if not queue.resized(job_id, str(req["id"]), new.model_dump(mode="json"), done, allocation_id):
         ledger.release(alloc.id)
         log(f"frenzy: the scheduler cancelled this run before it re-sized (step {done}); "
             f"stopping here, the job resumes from the checkpoint")
@@ -350,6 +364,10 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
             release()
             placed = fallback_allocation(ledger, job_id, p, log, pool=current["pool"])
             current.update(alloc_id=placed.allocation_id, plan=p, devices=list(placed.devices), pool=placed.pool)
+            try:        # the queue row names the allocation the run holds (a cancellation frees it)
+                queue.moved(job_id, placed.model_dump(mode="json"))
+            except Exception as err:       # a database hiccup: the run goes on; the lease still fences it
+                log(f"frenzy: could not record the fallback allocation on the queue row: {err}")
             if on_placed is not None:
                 on_placed(placed)
         current["lease"] = leases.enter_context(ledger.lease(current["alloc_id"]))
@@ -396,9 +414,10 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                 if interrupt.requested():       # a signal while stopping for the re-size: the checkpoint stands
                     log(f"frenzy: not relaunching after step {done} ({interrupt.requested()})")
                     break
+                stopped_on = current["alloc_id"]
                 release()                                       # run_training released it; idempotent
                 new = answer_request(ledger, queue, job_id, req, done, log=log, wait_timeout_s=wait_timeout_s,
-                                     what=job.name)
+                                     what=job.name, allocation_id=stopped_on)
                 if new is None:
                     break
                 now_plan = new.plan

@@ -155,14 +155,16 @@ class LedgerSource:
         kind, rid = j.request.get("kind"), str(j.request.get("id"))
         waited = "acknowledge" if j.request_state == "pending" else "stop after acknowledging"
         why = f"its run did not {waited} the {kind} request {rid} in time"
+        # the ledger first, atomically: a run that answered meanwhile keeps running (cancelling
+        # its flow run before this check killed a run that had answered at the deadline)
+        if not self.queue.cancel_run(j.job_id, rid, f"requeued: {why}; resumes from its last checkpoint"):
+            return                         # the run answered meanwhile
         cancelled = False
         if j.flow_run_id and self.cancel is not None:
             try:
                 cancelled = self.cancel(j.flow_run_id, f"frenzy scheduler: {why}")
             except Exception as err:      # Prefect away: the ledger's release still fences the run
                 log.warning("could not cancel flow run %s of job %s: %s", j.flow_run_id, j.job_id, err)
-        if not self.queue.cancel_run(j.job_id, rid, f"requeued: {why}; resumes from its last checkpoint"):
-            return                         # the run answered meanwhile
         self.counts["cancelled"] += 1
         log.warning("job %s: %s; flow run %s %s, GPUs freed, job queued again", j.job_id, why,
                     j.flow_run_id or "(none recorded)", "cancelled through Prefect" if cancelled else "not cancelled")

@@ -184,11 +184,12 @@ class JobQueue:
             row.updated_at = db_now(s)
             return True
 
-    def resized(self, job_id: str, request_id: str, assignment: dict[str, Any], steps_done: int) -> bool:
+    def resized(self, job_id: str, request_id: str, assignment: dict[str, Any], steps_done: int,
+                allocation_id: str | None = None) -> bool:
         """The run stopped for a re-size and holds its new allocation (``assignment``: the
         flow's Assignment as JSON). False, and nothing changes, when the scheduler cancelled
         the run meanwhile (``cancel_run``): the caller lets the new allocation go."""
-        with self._run_ended(job_id, steps_done) as (row, now):
+        with self._run_ended(job_id, steps_done, allocation_id) as (row, now):
             if row is None:
                 return False
             row.allocation_id, row.allocation, row.started_at = assignment["allocation_id"], dict(assignment), now
@@ -198,10 +199,12 @@ class JobQueue:
             row.state, row.updated_at = "running", now
             return True
 
-    def requeue(self, job_id: str, *, steps_done: int, preempted: bool, reason: str = "") -> None:
+    def requeue(self, job_id: str, *, steps_done: int, preempted: bool, reason: str = "",
+                allocation_id: str | None = None) -> None:
         """The run stopped and released its GPUs; the job waits for a new allocation
-        (``preempted``: counted as a preemption, else a re-size whose target was taken)."""
-        with self._run_ended(job_id, steps_done) as (row, now):
+        (``preempted``: counted as a preemption, else a re-size whose target was taken).
+        ``allocation_id``: the run's own (``_run_ended``)."""
+        with self._run_ended(job_id, steps_done, allocation_id) as (row, now):
             if row is None:
                 return
             row.state, row.allocation_id, row.allocation, row.started_at = "pending", None, {}, None
@@ -414,6 +417,18 @@ class JobQueue:
         limit = REQUEST_ACK_S + (self.stop_allowance_s(r) if r.request_state == "acked" else 0.0)
         return now - float(at) > limit
 
+    def moved(self, job_id: str, assignment: dict[str, Any]) -> bool:
+        """The running job's run moved to another allocation without a request (an
+        out-of-memory fallback): the row names it, so a cancellation frees the GPUs the run
+        holds and the queue shows where it runs. False when the job is not running."""
+        with self.ledger._tx() as s:
+            row = self._row(s, job_id, plans=False)
+            if row is None or row.state != "running":
+                return False
+            row.allocation_id, row.allocation = assignment["allocation_id"], dict(assignment)
+            row.updated_at = db_now(s)
+            return True
+
     def cancel_run(self, job_id: str, request_id: str, reason: str) -> bool:
         """The scheduler gave up on the run of ``job_id`` (it did not answer request
         ``request_id`` in time, and its flow run was cancelled): its GPUs are freed and the job
@@ -473,15 +488,20 @@ class JobQueue:
         return s.exec(stmt).first()
 
     @contextmanager
-    def _run_ended(self, job_id: str, steps_done: int) -> Iterator[tuple[QueueJobRow | None, float]]:
+    def _run_ended(self, job_id: str, steps_done: int,
+                   allocation_id: str | None = None) -> Iterator[tuple[QueueJobRow | None, float]]:
         """A transaction on the row of a job whose run just stopped: its service accounted,
         its progress recorded; yields (row, database time). The row is None, and nothing is
         recorded, for an unknown job and for a run the queue no longer counts: its job ended,
-        or the scheduler cancelled it (``cancel_run``; it may run again on new GPUs by now)."""
+        or the scheduler cancelled it (``cancel_run``; it may run again on new GPUs by now).
+        ``allocation_id``: the answering run's own allocation: when it is the row's, the run is
+        the job's current one, and a cancellation of an earlier run of the job (its request
+        state still "cancelled") does not silence it."""
         with self.ledger._tx() as s:
             row = self._row(s, job_id, plans=False)
             now = db_now(s)
-            if row is not None and (row.state != "running" or row.request_state == "cancelled"):
+            current = allocation_id is not None and row is not None and row.allocation_id == allocation_id
+            if row is not None and (row.state != "running" or (row.request_state == "cancelled" and not current)):
                 log.info("late answer from a run of job %s ignored: the job is %s%s", job_id, row.state,
                          " (its run was cancelled)" if row.request_state == "cancelled" else "")
                 row = None

@@ -101,6 +101,101 @@ def test_queue_tells_how_ended_jobs_ended(url):
         q.finish("ok", "paused")
 
 
+def test_the_runs_watcher_outlives_a_database_error_and_still_acknowledges(url, tmp_path, monkeypatch):
+    """One failed acknowledgement (a failover, a lock timeout) ended the watcher thread: the
+    heartbeats stopped (the job was reaped as failed while stopping), the request was never
+    acknowledged (the run was cancelled as overdue) and the lease fence was gone."""
+    from sqlalchemy.exc import OperationalError
+
+    from frenzy_flows import training
+
+    monkeypatch.setattr(training, "REQUEST_POLL_S", 0.05)
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("j", "j", {"name": "j"}, plans(), steps=10)
+    service(led).step()
+    rid = q.request("j", "shrink", plan=plans()[1], placement={"a100-0": [0]})
+    assert rid and q.get("j").request_state == "pending"
+    real_ack, failures, said = q.ack_request, [], []
+
+    def flaky_ack(job_id, request_id):
+        if not failures:
+            failures.append(request_id)
+            raise OperationalError("UPDATE queue_jobs", {}, Exception("database is locked"))
+        return real_ack(job_id, request_id)
+
+    monkeypatch.setattr(q, "ack_request", flaky_ack)
+    with training.RequestWatcher(q, "j", tmp_path, said.append) as watcher:
+        end = time.monotonic() + 10
+        while q.get("j").request_state != "acked" and time.monotonic() < end:
+            time.sleep(0.05)
+        assert watcher._thread.is_alive()
+        watcher.step = 7
+        while q.get("j").steps_done != 7 and time.monotonic() < end:
+            time.sleep(0.05)
+    assert failures == [rid] and q.get("j").request_state == "acked" and q.get("j").steps_done == 7
+    assert any("database is locked" in m for m in said)
+    from trainer import control
+    stop = control.read_request(tmp_path)          # forwarded to the run once, as a stop at a step
+    assert stop is not None and stop["request_id"] == rid and stop["action"] == "stop"
+
+
+def test_a_run_that_answers_at_the_deadline_is_not_cancelled(url):
+    """The overdue list is read, then the run answers: the scheduler cancelled its flow run
+    through Prefect before the ledger's atomic check said the run had answered, and killed it."""
+    from frenzy_scheduler.source import LedgerSource
+
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("j", "j", {"name": "j"}, plans(), steps=10)
+    service(led).step()
+    q.attach_run("j", "flow-run-1")
+    rid = q.request("j", "preempt", reason="a test preemption")
+    seen_overdue = q.get("j")                          # what reap() read as overdue
+    assert q.ack_request("j", rid)
+    led.release(seen_overdue.allocation_id)
+    q.requeue("j", steps_done=4, preempted=True, reason="preempted")      # the run answered
+    cancelled = []
+    src = LedgerSource(led, cancel=lambda run, why: cancelled.append(run) or True)
+    src._cancel_overdue(seen_overdue)
+    assert cancelled == [] and src.counts["cancelled"] == 0
+    assert q.get("j").state == "pending" and q.get("j").request_state == "done"
+
+
+def test_a_restarted_runs_answer_counts_after_an_earlier_run_was_cancelled(url):
+    """A cancelled run marks the row "cancelled" so its late answers are ignored; that mark
+    outlived the job's restart, and the new run's own requeue (a gang that lost a node) was
+    ignored too: the row stayed running on a released allocation."""
+    from frenzy_scheduler.source import assignment_json
+
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("j", "j", {"name": "j"}, plans(), steps=10)
+    svc = service(led)
+    svc.step()
+    first = q.get("j").allocation_id
+    rid = q.request("j", "preempt", reason="a test preemption")
+    assert q.cancel_run("j", rid, "requeued: no answer in time")
+    svc.step()                                        # placed again
+    second = q.get("j")
+    assert second.state == "running" and second.allocation_id != first and second.request_state == "cancelled"
+    q.requeue("j", steps_done=3, preempted=False, reason="late", allocation_id=first)   # the old run: ignored
+    assert q.get("j").state == "running"
+    led.release(second.allocation_id)
+    q.requeue("j", steps_done=3, preempted=False, reason="gang failed", allocation_id=second.allocation_id)
+    assert q.get("j").state == "pending" and q.get("j").allocation_id is None
+    # an out-of-memory fallback's allocation is the row's: a cancellation frees the GPUs the run holds
+    svc.step()
+    third = q.get("j")
+    led.release(third.allocation_id)
+    fb = led.allocate_best_fit("j", plans()[1])
+    assert q.moved("j", assignment_json(fb, plans()[1]))
+    assert q.get("j").allocation_id == fb.id
+    rid = q.request("j", "preempt", reason="again")
+    assert q.cancel_run("j", rid, "requeued: no answer in time")
+    assert led.allocation(fb.id).status == "released"
+
+
 def test_resize_request_for_a_finished_job_is_ignored_and_logged(url, caplog):
     led = ledger_with_cluster(url)
     q = JobQueue(led)

@@ -372,3 +372,42 @@ def test_a_runs_slots_follow_its_allocations_and_a_preempted_run_waiting_holds_n
     res = out["result"]
     assert res.status == "completed" and [a.plan.gpus for a in res.attempts] == [2, 1], lines[-10:]
     assert seen == {"training on 2": 2, "preempted, waiting": 0, "training on 1": 1, "ended": 0}
+
+
+def test_the_dispatcher_beats_the_jobs_row_until_a_worker_starts_the_run(monkeypatch):
+    """Between its placement and its run's own heartbeat the job's queue row was beaten by
+    nobody: a worker slower than the alive window (60 s) to start the run got the running job
+    reaped as failed. The dispatcher beats it while the run waits, and stops once it runs (a
+    run that died Running must not be kept alive by its dispatcher)."""
+    import types
+
+    import prefect
+
+    from frenzy_flows import dispatch
+
+    states = iter(["SCHEDULED", "PENDING", "PENDING", "RUNNING", "RUNNING", "COMPLETED"])
+
+    def state(name):
+        return types.SimpleNamespace(name=name, is_final=lambda: name == "COMPLETED",
+                                     is_scheduled=lambda: name == "SCHEDULED", is_pending=lambda: name == "PENDING")
+
+    class Client:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read_flow_run(self, _id):
+            return types.SimpleNamespace(name="run", state=state(next(states)))
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(prefect, "get_client", lambda sync_client=True: Client())
+    monkeypatch.setattr(dispatch, "workers_online", lambda pool: 1)
+    monkeypatch.setattr(dispatch.time, "monotonic", lambda: clock["t"])
+    monkeypatch.setattr(dispatch.time, "sleep", lambda s: clock.__setitem__("t", clock["t"] + dispatch.DISPATCH_BEAT_S))
+    beats = []
+    final = dispatch._wait("id", "pool", deadline=1e9, poll_s=dispatch.DISPATCH_BEAT_S,
+                           beat=lambda: beats.append(clock["t"]))
+    assert final.state.name == "COMPLETED"
+    assert beats == [0.0, 10.0, 20.0]          # scheduled, pending, pending; none once it runs
