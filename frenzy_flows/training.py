@@ -207,7 +207,7 @@ def answer_request(ledger, queue, job_id: str, req: dict[str, Any], done: int, *
         return wait_for_allocation(queue, job_id, timeout_s=wait_timeout_s, log=log, what=what)
     target = Plan.model_validate(req["plan"])
     placement = {k: [int(d) for d in v] for k, v in req["placement"].items()}
-    alloc = _take(ledger, job_id, target, placement, log)
+    alloc = _take(ledger, job_id, target, placement, log, beat=lambda: queue.touch(job_id, plans=False))
     if alloc is None:
         queue.requeue(job_id, steps_done=done, preempted=False, reason="re-size target was taken",
                       allocation_id=allocation_id)
@@ -223,18 +223,29 @@ def answer_request(ledger, queue, job_id: str, req: dict[str, Any], done: int, *
     return new
 
 
-def _take(ledger, job_id: str, plan: Plan, placement: dict[str, list[int]], log) -> Any:
-    """The re-size target, retried while GPUs another stopping job holds free; None if not."""
+def _take(ledger, job_id: str, plan: Plan, placement: dict[str, list[int]], log,
+          beat: Callable[[], Any] | None = None) -> Any:
+    """The re-size target, retried while GPUs another stopping job holds free; None if not.
+    ``beat``: the job's queue heartbeat, kept while it retries (a gang's watcher has stopped by
+    then, and the wait is as long as the queue's alive window)."""
     from ledger.core import LedgerConflict
 
     end = time.monotonic() + RESIZE_TAKE_S
+    beat_at = time.monotonic()
     while True:
         try:
             return ledger.allocate(job_id, plan, placement)
         except LedgerConflict as err:
-            if time.monotonic() > end:
+            now = time.monotonic()
+            if now > end:
                 log(f"frenzy: re-size target still taken after {RESIZE_TAKE_S:.0f} s ({err}); back to the queue")
                 return None
+            if beat is not None and now - beat_at >= WAIT_BEAT_S:
+                beat_at = now
+                try:
+                    beat()
+                except Exception as beat_err:     # a database hiccup: the next one beats again
+                    log(f"frenzy: queue heartbeat failed: {beat_err}")
             time.sleep(WAIT_POLL_S)
 
 

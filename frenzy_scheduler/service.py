@@ -70,6 +70,22 @@ class SchedulerService:
         self._valid_until = 0.0
         self._renew_at = 0.0
         self.takeovers = 0
+        # database clock - this host's clock, measured at each leadership renewal: rounds run on
+        # the database's clock, which stamps submissions, starts and leases (a host whose clock
+        # is off shifted preemption grace, aging and predicted starts by its error)
+        self._skew = 0.0
+
+    def db_clock(self) -> float:
+        """The database's time now, from this host's clock and the last measured skew."""
+        return time.time() + self._skew
+
+    def _measure_skew(self) -> None:
+        try:
+            t0 = time.time()
+            db = self.source.queue.now()
+            self._skew = db - (t0 + time.time()) / 2.0
+        except Exception as err:           # the last skew stands until the next renewal
+            log.warning("could not read the database clock: %s", err)
 
     # --- leadership -----------------------------------------------------------------------
     def _fence(self) -> bool:
@@ -94,11 +110,12 @@ class SchedulerService:
         if led:
             self._valid_until = t + self.ttl_s
             self._renew_at = t + self.ttl_s / 3.0
+            self._measure_skew()
             if not self.leading:
                 self.takeovers += 1
                 log.info("leading as %s (epoch %s)", self.leadership.holder, self.leadership.epoch)
                 # a fresh policy: policies keep per-job notes that a new leader must rebuild
-                self.loop = RoundLoop(self._policy(), self.source, clock=time.time, tick_s=self.tick_s,
+                self.loop = RoundLoop(self._policy(), self.source, clock=self.db_clock, tick_s=self.tick_s,
                                       reap_s=self.reap_s, on_round=self._on_round)
         else:
             self._renew_at = t + self.poll_s

@@ -131,3 +131,27 @@ def test_a_policy_shrink_decided_in_a_round_reaches_the_live_run(tmp_path, frenz
     row = q.get("p")
     assert (row.resizes, row.request_state, row.allocation["placement"]) == (1, "done", {"cpu-0": [1]})
     assert svc.source.counts["resized"] == 1
+
+
+def test_a_resize_waiting_for_its_target_keeps_the_job_alive(monkeypatch):
+    """A gang's watcher has stopped when it waits for its re-size target, and that wait
+    (RESIZE_TAKE_S, 60 s) is as long as the queue's alive window: the job was reaped as failed
+    while it waited. The wait beats the job's row now, every WAIT_BEAT_S."""
+    from ledger.core import LedgerConflict
+
+    from frenzy_flows import training
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(training.time, "monotonic", lambda: clock["t"])
+    monkeypatch.setattr(training.time, "sleep", lambda s: clock.__setitem__("t", clock["t"] + s))
+
+    class Taken:
+        def allocate(self, *a):
+            raise LedgerConflict("device 0 of a100-0 is held")
+
+    beats, said = [], []
+    got = training._take(Taken(), "j", None, {"a100-0": [0]}, said.append, beat=lambda: beats.append(clock["t"]))
+    assert got is None and "back to the queue" in said[-1]
+    gaps = [b - a for a, b in zip([0.0] + beats, beats)]
+    assert len(beats) >= training.RESIZE_TAKE_S / training.WAIT_BEAT_S - 1
+    assert max(gaps) <= training.WAIT_BEAT_S + training.WAIT_POLL_S

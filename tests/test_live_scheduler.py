@@ -196,6 +196,26 @@ def test_a_restarted_runs_answer_counts_after_an_earlier_run_was_cancelled(url):
     assert led.allocation(fb.id).status == "released"
 
 
+def test_rounds_run_on_the_databases_clock(url, monkeypatch):
+    """Submissions, starts and leases are stamped by the database's clock; rounds ran on the
+    scheduler host's, so a host whose clock was off shifted grace periods, aging and the
+    predicted starts `frenzy queue` shows by its error."""
+    led = ledger_with_cluster(url)
+    svc = service(led)
+    monkeypatch.setattr(svc.source.queue, "now", lambda: time.time() + 1000.0)   # a host 1,000 s behind
+    svc.step()
+    assert svc.leading and abs(svc.loop.clock() - (time.time() + 1000.0)) < 5.0
+    monkeypatch.undo()
+    JobQueue(led).enqueue("a", "a", {"name": "a"}, plans(), steps=10)
+    JobQueue(led).enqueue("b", "b", {"name": "b"}, plans(), steps=10)
+    svc._renew_at = 0.0
+    svc.step()                               # re-measured: no skew here
+    assert abs(svc.db_clock() - time.time()) < 5.0
+    waiting = JobQueue(led).get("b")
+    assert waiting.state == "pending" and waiting.predicted_start_s is not None
+    assert abs(waiting.predicted_start_s - JobQueue(led).now()) < 3600
+
+
 def test_resize_request_for_a_finished_job_is_ignored_and_logged(url, caplog):
     led = ledger_with_cluster(url)
     q = JobQueue(led)
