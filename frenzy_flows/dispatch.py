@@ -199,6 +199,19 @@ SLOT_LEASE_S = 60.0
 # count is reconciled with the ledger; the whole wait is bounded by two leases plus 30 s.
 SLOT_RECONCILE_AFTER_S = 5.0
 SLOT_WAIT_S = 2 * SLOT_LEASE_S + 30.0
+# A job's deadline is kept by its run (trainer.runner: a stop at a step boundary with a checkpoint
+# and an export, its clock started when the run starts); the submitter, whose clock starts when it
+# dispatches, waits this much longer before it cancels the run: a worker's poll, an image pull,
+# the run's imports and set-up, and the clean stop's checkpoint and export. Without it the
+# submitter cancelled first, and the ranks were killed instead of stopped.
+DEADLINE_GRACE_S = 600.0
+
+
+def dispatch_timeout(deadline_s: float | None) -> float | None:
+    """How long the submitter waits for a run of a job with ``deadline_s``."""
+    return None if deadline_s is None else deadline_s + DEADLINE_GRACE_S
+
+
 # While a dispatched run waits for a worker to start it, its submitter beats the job's queue
 # row this often: six beats within the queue's alive window (ledger.queue.DEFAULT_ALIVE_S, 60 s)
 DISPATCH_BEAT_S = 10.0

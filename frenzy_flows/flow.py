@@ -54,10 +54,10 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
 
         dispatch._logger().info("dispatching to work pool %s as a gang of %d nodes", pool, len(assignment.placement))
         return dispatch_gang(job, plan, assignment, job_id=job_id, ledger_url=url, settings=settings,
-                             timeout_s=job.deadline_s, inventory=inventory)
+                             timeout_s=dispatch.dispatch_timeout(job.deadline_s), inventory=inventory)
     dispatch._logger().info("dispatching to work pool %s", pool)
     return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id, settings=settings,
-                                     timeout_s=job.deadline_s, ledger_url=url)
+                                     timeout_s=dispatch.dispatch_timeout(job.deadline_s), ledger_url=url)
 
 
 def _wait_for_worker(pool: str, job_id: str, assignment: Assignment, ledger_url: str | None,

@@ -72,12 +72,13 @@ def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, firs
         last["step"] = step
         artifacts.progress_update(progress, step, total, loss)
 
-    fallbacks = oom_fallbacks(job, plan, inventory=inventory, site=site, last_step=lambda: last["step"])
     placed = [assignment]
     try:
         result = run_allocated_training(job, job_id, plan, assignment, ledger_url=ledger_url,
                                         log=log.info, inventory=inventory, on_step=on_step,
-                                        fallbacks=fallbacks, on_placed=placed.append,
+                                        fallbacks_for=lambda p: oom_fallbacks(job, p, inventory=inventory, site=site,
+                                                                              last_step=lambda: last["step"]),
+                                        on_placed=placed.append,
                                         slots=lambda pool, gpus: dispatch.hold_gpu_slots(pool, gpus,
                                                                                          ledger_url=ledger_url),
                                         first_attempt=first_attempt)

@@ -342,7 +342,8 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                            fallbacks=None, wait_timeout_s: float = 3600.0,
                            on_placed: Callable[[Assignment], None] | None = None,
                            slots: Callable[[str, int], contextlib.AbstractContextManager] | None = None,
-                           first_attempt: int = 1):
+                           first_attempt: int = 1,
+                           fallbacks_for: Callable[[Plan], Iterator[Plan]] | None = None):
     """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``. ``fallbacks``:
     the out-of-memory fallback plans to try (default: the trainer's own ladder).
     ``wait_timeout_s``: how long a preempted run waits in the queue for new GPUs.
@@ -353,7 +354,10 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     the run through fallbacks, re-sizes and preemptions: a preempted run waiting in the queue
     holds none, a grown one holds its new GPUs. None: nothing counts them but the ledger.
     ``first_attempt``: the number of the first launch (a gang relaunched on one node goes on
-    counting its launches, ``trainer.runner.run_training``)."""
+    counting its launches, ``trainer.runner.run_training``). ``fallbacks_for(plan)``: the
+    fallback ladder of a plan, asked again whenever a re-size or a new placement changes the
+    plan the run trains on (a ladder made for the starting plan stepped down from its GPU count
+    and memory, not the new plan's); it takes the place of ``fallbacks``."""
     from ledger import Ledger, LedgerUnavailable
     from ledger.queue import JobQueue
     from trainer import interrupt
@@ -408,12 +412,20 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
             segments = []
             now_plan = plan
             training_log = readable_log(log)     # the run log: sentences, not FRENZY_<TAG> {json}
+            # one deadline for the whole run: a segment after a re-size or a preemption (and the
+            # wait in the queue between them) spends what is left of it, not a fresh one
+            end = None if job.deadline_s is None else time.monotonic() + job.deadline_s
+            ladder, ladder_plan = fallbacks, plan
+            if fallbacks_for is not None:
+                ladder = fallbacks_for(plan)
             while True:
+                if fallbacks_for is not None and now_plan != ladder_plan:
+                    ladder, ladder_plan = fallbacks_for(now_plan), now_plan
                 result = run_training(job, now_plan, run_dir=run_dir, acquire=acquire, release=release,
                                       log=training_log,
                                       on_step=stepped, inventory=inventory,
-                                      deadline_s=job.deadline_s, fallbacks=fallbacks,
-                                      first_attempt=first_attempt)
+                                      deadline_s=None if end is None else max(0.0, end - time.monotonic()),
+                                      fallbacks=ladder, first_attempt=first_attempt)
                 segments.append(result)
                 if watcher.fenced is not None:
                     break

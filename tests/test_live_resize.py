@@ -37,7 +37,7 @@ def _setup(tmp_path, name, steps=None):
     return led, JobQueue(led), job, one, two
 
 
-def _train(led, job, job_id, plan, placement):
+def _train(led, job, job_id, plan, placement, **kw):
     from frenzy_flows.results import Assignment
     from frenzy_flows.training import run_allocated_training
 
@@ -51,7 +51,7 @@ def _train(led, job, job_id, plan, placement):
     def go():
         out["result"] = run_allocated_training(job, job_id, plan, Assignment.from_allocation(alloc, plan),
                                                ledger_url=led.url, log=lines.append,
-                                               on_step=lambda s, t, loss: steps.append(s))
+                                               on_step=lambda s, t, loss: steps.append(s), **kw)
     t = threading.Thread(target=go)
     t.start()
     return t, out, steps, lines
@@ -67,7 +67,9 @@ def test_shrink_request_stops_relaunches_and_resumes_exactly(tmp_path, frenzy_ho
     assert ref.status == "completed" and len(ref.losses) == job.steps
 
     q.enqueue("j", "j", job.model_dump(mode="json"), [two, one], steps=job.steps)
-    t, out, steps, lines = _train(led, job.model_copy(update={"name": "j"}), "j", two, {"cpu-0": [0, 1]})
+    ladders: list = []              # the out-of-memory ladder follows the plan the run trains on
+    t, out, steps, lines = _train(led, job.model_copy(update={"name": "j"}), "j", two, {"cpu-0": [0, 1]},
+                                  fallbacks_for=lambda p: (ladders.append(p), iter(()))[1])
     end = time.time() + 240
     while len(steps) < 3 and time.time() < end:
         time.sleep(0.05)
@@ -81,6 +83,7 @@ def test_shrink_request_stops_relaunches_and_resumes_exactly(tmp_path, frenzy_ho
     assert res.attempts[1].resumed_from_step > 0
     assert len(res.losses) == job.steps
     assert res.losses == pytest.approx(ref.losses, rel=1e-4, abs=1e-5)
+    assert [p.gpus for p in ladders] == [2, 1]
     row = q.get("j")
     assert (row.resizes, row.request_state, row.allocation["placement"]) == (1, "done", {"cpu-0": [1]})
     assert not [a for a in led.allocations() if a.status == "active"]

@@ -411,3 +411,14 @@ def test_the_dispatcher_beats_the_jobs_row_until_a_worker_starts_the_run(monkeyp
                            beat=lambda: beats.append(clock["t"]))
     assert final.state.name == "COMPLETED"
     assert beats == [0.0, 10.0, 20.0]          # scheduled, pending, pending; none once it runs
+
+
+def test_the_submitter_outwaits_the_runs_own_deadline_stop():
+    """The run keeps the job's deadline (a clean stop with a checkpoint and an export, its clock
+    started once it runs); the submitter's clock starts at dispatch, and cancelling at the same
+    deadline killed the ranks before the run could stop them."""
+    from frenzy_flows import dispatch
+
+    assert dispatch.dispatch_timeout(None) is None
+    assert dispatch.dispatch_timeout(3600.0) == 3600.0 + dispatch.DEADLINE_GRACE_S
+    assert dispatch.DEADLINE_GRACE_S >= 2 * dispatch.SLOT_WAIT_S      # a start that waits for its slots too

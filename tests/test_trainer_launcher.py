@@ -237,3 +237,21 @@ def test_kill_all_stops_a_process_the_run_waits_on():
     finally:
         child.kill()
         child.wait()
+
+
+def test_ranks_of_a_launcher_that_died_on_its_own_are_stopped(tmp_path):
+    """The launcher SIGKILLed (the OOM killer, a stray kill) left its ranks running: they lead
+    sessions of their own and watch only the runner, so they held the GPUs the retry was given
+    and wrote into its run folder."""
+    pidfile = str(tmp_path / "pids")
+    code = f"""
+    import os, signal, subprocess, sys, time
+    g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    open({pidfile!r}, "w").write(f"{{g.pid}}")
+    time.sleep(2.5)                    # the runner has seen its rank by now (it looks every second)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+    rc, _, _ = run_process_group(py(code), None, 60.0, grace_s=2)
+    assert rc == -9
+    rank = int(open(pidfile).read())
+    assert not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE

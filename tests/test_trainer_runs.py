@@ -201,6 +201,38 @@ def test_killed_rank_is_retried_and_resumes_from_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_stop_after_a_retry_reports_only_the_steps_the_run_kept(tmp_path):
+    """Attempt 1 logs past its last checkpoint and dies; attempt 2 resumes from that checkpoint
+    and is stopped (a re-size, a preemption) before it gets as far: the result held the dead
+    attempt's later steps, so a merged curve repeated them and the tracker reported a step the
+    run never kept."""
+    from trainer import control
+
+    j = job(train_steps=60, checkpoint_every=50)      # no checkpoint before the kill: resumes at 0
+    plan = cpu_plan(j, gpus=2)
+    run_dir = tmp_path / "run"
+    killed = []
+
+    def kill_then_stop(step, total, loss):
+        if step >= 4 and not killed:
+            ranks = training_processes(ranks_only=True)
+            assert ranks, "no training process found"
+            os.kill(ranks[-1].pid, signal.SIGKILL)
+            killed.append(step)
+            # the retry finds the stop at its first step boundary
+            control.request_stop(run_dir, reason="resize")
+
+    dev = Devices()
+    res = run_training(j, plan, run_dir=run_dir, acquire=dev.acquire, release=dev.release,
+                       log=lambda l: None, on_step=kill_then_stop, backoff_s=0.1, grace_s=5)
+    assert killed and res.status == "stopped", (res.status, res.error, [a.outcome for a in res.attempts])
+    kept = res.stop.step
+    assert kept < killed[0] and res.attempts[-1].resumed_from_step == 0
+    assert len(res.losses) == kept          # steps 1..kept, none of the dead attempt's beyond it
+    assert no_training_processes_left()
+
+
+@pytest.mark.slow
 def test_deadline_stops_the_run_and_leaves_nothing(tmp_path):
     j = job(train_steps=100000, checkpoint_every=100000)
     # 1 s: the deadline passes before the program has even imported torch, so it cannot act on

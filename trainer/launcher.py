@@ -225,6 +225,7 @@ def run_process_group(cmd: list[str], env: Mapping[str, str] | None, deadline_s:
     reader = threading.Thread(target=pump, name="frenzy-launch-reader", daemon=True)
     reader.start()
     rc: int | None = None
+    seen: dict[int, float] = {}     # the launcher's descendants met so far: pid -> start time
     try:
         end = None if deadline_s is None else time.monotonic() + deadline_s
         while True:  # short waits so a KeyboardInterrupt reaches us promptly in the main thread
@@ -236,10 +237,55 @@ def run_process_group(cmd: list[str], env: Mapping[str, str] | None, deadline_s:
                 rc = proc.wait(timeout=1.0 if left is None else min(1.0, left))
                 break
             except subprocess.TimeoutExpired:
+                _note_descendants(proc, seen)
                 continue
     finally:
         if proc.poll() is None:
             kill_tree(proc, grace_s)
+        else:
+            stop_orphans(seen, grace_s)
         _LIVE.pop(proc.pid, None)
         reader.join(10)
     return rc, oom.is_set(), list(tail)
+
+
+def _note_descendants(proc: subprocess.Popen, seen: dict[int, float]) -> None:
+    """Add the launcher's live descendants (the ranks) to ``seen`` with their start times."""
+    try:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            if p.pid not in seen:
+                try:
+                    seen[p.pid] = p.create_time()
+                except psutil.NoSuchProcess:
+                    pass
+    except psutil.NoSuchProcess:
+        pass
+
+
+def stop_orphans(seen: dict[int, float], grace_s: float) -> int:
+    """SIGTERM, then after ``grace_s`` SIGKILL, the processes of ``seen`` (pid -> start time)
+    still running: the ranks of a launcher that died on its own (the OOM killer, a stray kill).
+    They lead sessions of their own and watch only this process, so they trained on, holding
+    the GPUs the next attempt was given. A pid now another process's (its start time differs)
+    is left alone. Returns how many were running."""
+    alive = []
+    for pid, started in seen.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    for p in alive:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, rest = psutil.wait_procs(alive, timeout=grace_s)
+    for p in rest:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(rest, timeout=10)
+    return len(alive)

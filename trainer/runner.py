@@ -534,6 +534,12 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                 raise
             latest = checkpoints.latest_checkpoint(run_dir) or external
             resumed = latest.step if latest is not None else 0
+            # an attempt that failed after its last checkpoint logged steps this one trains
+            # again: its losses go (the run's curve, and a stop's step, are this attempt's)
+            for gone in [s for s in losses if s > resumed]:
+                del losses[gone]
+            for gone in [s for s in evals if s > resumed]:
+                del evals[gone]
             log(f"frenzy: attempt {number} on {current.short()} devices={','.join(devices[:local])}"
                 + (f" as node {node.machine_rank} of {machines} (rendezvous {address}:{port})" if node else "")
                 + (f", resuming from step {resumed}" if resumed else ""))
