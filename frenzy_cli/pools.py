@@ -54,21 +54,27 @@ def _prefect_env() -> str | None:
 
 def load_cluster_arg(ref: str):
     """A cluster YAML path, or ``block:<name>`` for a GPUCluster block on the server."""
-    from estimator.errors import FrenzyInputError
-
     if not ref.startswith("block:"):
         from scheduler.cluster import load_cluster
         return load_cluster(ref)
     from blocks import GPUCluster
 
     name = ref.split(":", 1)[1]
+    return _load_block(GPUCluster, name, "--cluster").to_cluster()
+
+
+def _load_block(cls, name: str, flag: str):
+    """The ``cls`` block ``name`` from the server; one line naming ``flag`` when there is none,
+    or when its saved document no longer validates (Prefect raises a ValueError either way)."""
+    from estimator.errors import FrenzyInputError
+
     try:
-        block = GPUCluster.load(name)
+        return cls.load(name)
     except ValueError as err:
         if "Unable to find block document" in str(err):
-            raise FrenzyInputError("--cluster", f"no GPUCluster block named {name!r} on the Prefect server") from None
-        raise
-    return block.to_cluster()
+            raise FrenzyInputError(flag, f"no {cls.__name__} block named {name!r} on the Prefect server") from None
+        raise FrenzyInputError(flag, f"the {cls.__name__} block {name!r} does not load: "
+                                     f"{' '.join(str(err).split())[:200]}") from None
 
 
 def handle_sync(args) -> int:
@@ -85,8 +91,11 @@ def handle_sync(args) -> int:
             cluster = load_cluster_arg(args.cluster)
         pool_specs(cluster)                   # bad pool names: one line before anything is written
         ledger_url = _ledger_url(args.settings)
-        ledger_pruned = Ledger(ledger_url).sync_cluster(cluster, prune=args.prune)
+        # Prefect's checks (the pool type, the worker template, the GPU types, the train flow)
+        # come before any write: the ledger is synced once Prefect took the cluster, so a
+        # refusal leaves both as they were (the ledger was pruned before Prefect refused)
         report = sync_pools(cluster, pool_type=args.pool_type, log=lines.append, prune=args.prune)
+        ledger_pruned = Ledger(ledger_url).sync_cluster(cluster, prune=args.prune)
     lines.append(f"ledger: {len(cluster.pools)} pool(s) synced"
                  + (f"; deactivated {', '.join(ledger_pruned)}" if ledger_pruned else ""))
     if args.json:
@@ -131,7 +140,7 @@ def _ledger_url(settings: str | None) -> str | None:
         return None
     from blocks import FrenzySettings
 
-    return FrenzySettings.load(settings).ledger_url_value()
+    return _load_block(FrenzySettings, settings, "--settings").ledger_url_value()
 
 
 def handle_status(args) -> int:

@@ -178,7 +178,9 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
         with allocation_lifetime(secret_value(ledger_secret), job_id, log=log.warning):
             assignment = wait_for_gpus(job, job_id, ledger_secret, wait_timeout_s=wait_timeout_s)
             chosen = assignment.plan
-            artifacts.plans_table(plans_by_type, chosen, steps=job.steps,
+            # the candidates the scheduler chose among (a type without a registered pool, or
+            # whose plans cannot launch, was never one: shown, it read as "faster, not taken")
+            artifacts.plans_table(candidates, chosen, steps=job.steps,
                                   pool_notes=dispatch.pool_notes(topology))
             artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
             events.placed(job.name, chosen, assignment)

@@ -57,13 +57,30 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
         return _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt)
 
 
+def _own_pool() -> str | None:
+    """The pool of the ``frenzy-train-<pool>`` deployment this run belongs to; None outside one."""
+    from deployments.pools import TRAIN_DEPLOYMENT_PREFIX
+
+    try:
+        from prefect.runtime import deployment
+
+        name = deployment.name
+    except Exception:              # no run context: a direct call
+        return None
+    return name[len(TRAIN_DEPLOYMENT_PREFIX):] if name and name.startswith(TRAIN_DEPLOYMENT_PREFIX) else None
+
+
 def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt=1) -> dict[str, Any]:
     from ledger import Ledger
 
     if assignment is None:
-        alloc = Ledger(ledger_url).allocate_best_fit(job_id, plan)
+        # run from the UI without an assignment: GPUs of this deployment's own pool (any free
+        # ones of the plan's type could be another pool's, whose devices this worker would use)
+        pool = _own_pool()
+        alloc = Ledger(ledger_url).allocate_best_fit(job_id, plan, pool=pool)
         if alloc is None:
-            raise RuntimeError(f"no free {plan.gpu_type} GPUs for {plan.short()}")
+            raise RuntimeError(f"no free {plan.gpu_type} GPUs for {plan.short()}"
+                               + (f" in pool {pool!r}" if pool else ""))
         assignment = Assignment.from_allocation(alloc, plan)
     progress = artifacts.progress_start(job.steps)
     last = {"step": 0}

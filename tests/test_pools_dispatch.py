@@ -422,3 +422,23 @@ def test_the_submitter_outwaits_the_runs_own_deadline_stop():
     assert dispatch.dispatch_timeout(None) is None
     assert dispatch.dispatch_timeout(3600.0) == 3600.0 + dispatch.DEADLINE_GRACE_S
     assert dispatch.DEADLINE_GRACE_S >= 2 * dispatch.SLOT_WAIT_S      # a start that waits for its slots too
+
+
+def test_a_train_run_started_by_hand_takes_gpus_of_its_own_pool(tmp_path, monkeypatch):
+    """`frenzy-train-<pool>` run from the UI without an assignment took free GPUs of the plan's
+    type anywhere: another pool's, whose device numbers its worker then used."""
+    from estimator.plan import Plan
+    from ledger import Ledger
+    from scheduler.cluster import parse_cluster
+
+    from frenzy_flows.train_flow import _own_pool
+
+    led = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
+    led.sync_cluster(parse_cluster("pools:\n  - {name: aa, gpu: CPU, nodes: 1, gpus_per_node: 2}\n"
+                                   "  - {name: bb, gpu: CPU, nodes: 1, gpus_per_node: 2}\n"))
+    monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__NAME", "frenzy-train-bb")
+    assert _own_pool() == "bb"
+    alloc = led.allocate_best_fit("j", Plan(gpu_type="CPU", gpus=1, dp=1, micro_batch=1, grad_accum=1), pool=_own_pool())
+    assert alloc is not None and alloc.pool == "bb"
+    monkeypatch.delenv("PREFECT__RUNTIME__DEPLOYMENT__NAME")
+    assert _own_pool() is None

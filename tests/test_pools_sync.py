@@ -277,6 +277,15 @@ def test_one_clusters_sync_leaves_other_clusters_pools_until_prune(tmp_path, cap
     with _client() as client:
         assert client.read_global_concurrency_limit_by_name(f"gpu:{a}").limit == 2   # a is still there
     assert {n.pool for n in Ledger().cluster_state().nodes} >= {a, b}
+    # Prefect refuses (b is a process pool): the ledger is as it was, nothing pruned (it was
+    # synced, and pruned, before Prefect's check)
+    assert main(["pools", "sync", "--cluster", str(fb), "--type", "kubernetes", "--prune"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "already exists with type 'process'" in err
+    assert {n.pool for n in Ledger().cluster_state().nodes} >= {a, b}
+    # a settings block that is not there: one line, nothing written
+    assert main(["pools", "sync", "--cluster", str(fb), "--settings", "no-such-settings"]) == 2
+    assert "no FrenzySettings block named 'no-such-settings'" in capsys.readouterr().err
 
     assert main(["pools", "sync", "--cluster", str(fb), "--prune", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
