@@ -7,8 +7,10 @@ JSON object instead of tables. Answers in milliseconds (no torch, no Prefect imp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from typing import Iterator
 
 from estimator.errors import FrenzyInputError
 
@@ -125,6 +127,22 @@ def _adapter_flags_need_lora(args) -> None:
                                              f"or qlora (got {args.finetune!r})")
 
 
+@contextlib.contextmanager
+def _user_warnings() -> Iterator[list[str]]:
+    """The text of the UserWarnings raised inside (a calibration file that does not parse), in
+    the list it yields, filled as the block ends (also when it raises): the commands say them
+    in their own output instead of Python's two-line warning."""
+    import warnings
+
+    said: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield said
+        finally:
+            said.extend(str(w.message) for w in caught if issubclass(w.category, UserWarning))
+
+
 def handle_estimate(args) -> int:
     from estimator import estimate
     from estimator.catalog import resolve_gpu_name
@@ -134,11 +152,8 @@ def handle_estimate(args) -> int:
         args.gpu = resolve_gpu_name(args.gpu, field="--gpu")
 
     kw = {k: getattr(args, k) for k in _EST_KEYS if getattr(args, k) is not None}
-    import warnings
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _user_warnings() as with_warnings:
         est = estimate(**kw)
-        with_warnings = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     if args.json:
         doc = est.model_dump(mode="json")
         # what Python warned of while estimating (a calibration file that does not parse) is
@@ -233,18 +248,14 @@ def handle_plan(args) -> int:
             raise FrenzyInputError("--gpu", f"{', '.join(missing)} not in the cluster {args.cluster} "
                                             f"(its types: {', '.join(inv)})")
         inv = {g: n for g, n in inv.items() if g in args.gpu}
-    import warnings
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
+    try:
+        with _user_warnings() as notes:
             plans = plans_for_job(job, inv, gpus_per_node=gpn, safety_margin_gib=args.safety_margin_gib,
                                   gpus=gpus, host_ram_gib=hosts)
-        except FrenzyInputError:
-            for w in caught:        # a refusal may come of what was warned (a calibration file ignored)
-                if issubclass(w.category, UserWarning):
-                    print(f"frenzy plan: warning: {w.message}", file=sys.stderr)
-            raise
-        notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    except FrenzyInputError:
+        for n in notes:         # a refusal may come of what was warned (a calibration file ignored)
+            print(f"frenzy plan: warning: {n}", file=sys.stderr)
+        raise
     notes += [n for n in plan_warnings(job) if n not in notes]
     if args.json:
         # stdout keeps its documented shape (GPU type -> plans); what the estimates say beside

@@ -57,6 +57,17 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
         return _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt)
 
 
+def hand_run_assignment(ledger, job_id: str, plan: Plan) -> Assignment:
+    """GPUs for a train run started by hand (from the UI, without an assignment): of this
+    deployment's own pool (any free ones of the plan's type could be another pool's, whose
+    devices this worker would then use). ``RuntimeError`` when none are free."""
+    pool = _own_pool()
+    alloc = ledger.allocate_best_fit(job_id, plan, pool=pool)
+    if alloc is None:
+        raise RuntimeError(f"no free {plan.gpu_type} GPUs for {plan.short()}" + (f" in pool {pool!r}" if pool else ""))
+    return Assignment.from_allocation(alloc, plan)
+
+
 def _own_pool() -> str | None:
     """The pool of the ``frenzy-train-<pool>`` deployment this run belongs to; None outside one."""
     from deployments.pools import TRAIN_DEPLOYMENT_PREFIX
@@ -74,14 +85,7 @@ def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, firs
     from ledger import Ledger
 
     if assignment is None:
-        # run from the UI without an assignment: GPUs of this deployment's own pool (any free
-        # ones of the plan's type could be another pool's, whose devices this worker would use)
-        pool = _own_pool()
-        alloc = Ledger(ledger_url).allocate_best_fit(job_id, plan, pool=pool)
-        if alloc is None:
-            raise RuntimeError(f"no free {plan.gpu_type} GPUs for {plan.short()}"
-                               + (f" in pool {pool!r}" if pool else ""))
-        assignment = Assignment.from_allocation(alloc, plan)
+        assignment = hand_run_assignment(Ledger(ledger_url), job_id, plan)
     progress = artifacts.progress_start(job.steps)
     last = {"step": 0}
 

@@ -170,3 +170,9 @@ def test_estimate_json_carries_the_calibration_warning(frenzy_home, capsys):
     assert main(["estimate", "--model", "llama-3.2-1b", "--seq-len", "2048", "--gpu", "A100-80GB", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert any("does not parse" in w for w in doc["warnings"])
+    # a plan that fits nowhere: the warning, then the refusal (it may come of the ignored file)
+    forget_json_cache()
+    assert main(["plan", "--model", "llama-3.1-70b", "--seq-len", "8192", "--global-batch", "8",
+                 "--gpu", "A100-80GB", "--max-gpus", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "warning:" in err[0] and "does not parse" in err[0] and "fits no GPU" in err[1]

@@ -413,15 +413,27 @@ def test_the_dispatcher_beats_the_jobs_row_until_a_worker_starts_the_run(monkeyp
     assert beats == [0.0, 10.0, 20.0]          # scheduled, pending, pending; none once it runs
 
 
-def test_the_submitter_outwaits_the_runs_own_deadline_stop():
+def test_the_submitter_outwaits_the_runs_own_deadline_stop(monkeypatch):
     """The run keeps the job's deadline (a clean stop with a checkpoint and an export, its clock
     started once it runs); the submitter's clock starts at dispatch, and cancelling at the same
     deadline killed the ranks before the run could stop them."""
-    from frenzy_flows import dispatch
+    from estimator.job import TrainingJob
+    from estimator.plan import Plan
+
+    from frenzy_flows import dispatch, flow
+    from frenzy_flows.results import Assignment
 
     assert dispatch.dispatch_timeout(None) is None
-    assert dispatch.dispatch_timeout(3600.0) == 3600.0 + dispatch.DEADLINE_GRACE_S
     assert dispatch.DEADLINE_GRACE_S >= 2 * dispatch.SLOT_WAIT_S      # a start that waits for its slots too
+    # what the submit flow's train step gives the dispatcher
+    job = TrainingJob(model="gpt2-tiny", seq_len=16, global_batch=2, train_steps=2, deadline_s=3600.0)
+    plan = Plan(gpu_type="CPU", gpus=1, dp=1, micro_batch=2, grad_accum=1)
+    assignment = Assignment(allocation_id="a", plan=plan, pool="p", gpu_type="CPU", placement={"n": [0]})
+    asked = {}
+    monkeypatch.setattr(dispatch, "has_workers", lambda pool: True)
+    monkeypatch.setattr(dispatch, "dispatch_to_pool", lambda *a, **kw: asked.update(kw) or {})
+    flow.train.fn(job, "j", plan, assignment, None, {"CPU": 1})
+    assert asked["timeout_s"] == 3600.0 + dispatch.DEADLINE_GRACE_S
 
 
 def test_a_train_run_started_by_hand_takes_gpus_of_its_own_pool(tmp_path, monkeypatch):
@@ -431,14 +443,17 @@ def test_a_train_run_started_by_hand_takes_gpus_of_its_own_pool(tmp_path, monkey
     from ledger import Ledger
     from scheduler.cluster import parse_cluster
 
-    from frenzy_flows.train_flow import _own_pool
+    from frenzy_flows.train_flow import _own_pool, hand_run_assignment
 
     led = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
     led.sync_cluster(parse_cluster("pools:\n  - {name: aa, gpu: CPU, nodes: 1, gpus_per_node: 2}\n"
                                    "  - {name: bb, gpu: CPU, nodes: 1, gpus_per_node: 2}\n"))
+    one = Plan(gpu_type="CPU", gpus=1, dp=1, micro_batch=1, grad_accum=1)
     monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__NAME", "frenzy-train-bb")
     assert _own_pool() == "bb"
-    alloc = led.allocate_best_fit("j", Plan(gpu_type="CPU", gpus=1, dp=1, micro_batch=1, grad_accum=1), pool=_own_pool())
-    assert alloc is not None and alloc.pool == "bb"
+    # best fit alone would take pool aa's (listed first); three runs fill bb and then refuse
+    assert [hand_run_assignment(led, f"j{i}", one).pool for i in range(2)] == ["bb", "bb"]
+    with pytest.raises(RuntimeError, match="in pool 'bb'"):
+        hand_run_assignment(led, "j2", one)
     monkeypatch.delenv("PREFECT__RUNTIME__DEPLOYMENT__NAME")
     assert _own_pool() is None
