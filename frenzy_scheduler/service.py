@@ -5,8 +5,9 @@ an embedded one in a thread, so a laptop needs nothing else. Every scheduler tri
 leadership lease (``ledger.queue.Leadership``): the holder renews it every third of its TTL and
 runs rounds; the others stand by, try again every poll, and take over once the lease ran out
 (the holder died) or was given up (a clean exit). A scheduler applies a round only while its
-lease is valid by its own monotonic clock (``fence``), so a holder that stalled past its TTL
-cannot act on a round it computed before.
+lease is valid by its own monotonic clock (``fence``), and each of its writes checks, in its own
+transaction, that it still holds the lease at the epoch it acquired (``ledger.queue.LeaseFence``):
+a holder that stalled past its TTL, even inside a round, cannot act on a round it computed before.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 from typing import Any, Callable
 
 from ledger import Ledger
-from ledger.queue import Leadership
+from ledger.queue import Leadership, LeadershipLost
 from scheduler.loop import RoundLoop
 from scheduler.policies import get_policy
 from scheduler.types import Policy
@@ -110,6 +111,8 @@ class SchedulerService:
         if led:
             self._valid_until = t + self.ttl_s
             self._renew_at = t + self.ttl_s / 3.0
+            # kept after a loss too: a write that slips past the monotonic fence fails there
+            self.source.queue.fence = self.leadership.fence()
             self._measure_skew()
             if not self.leading:
                 self.takeovers += 1
@@ -131,6 +134,9 @@ class SchedulerService:
             try:
                 with collector_held():    # no collector pass inside a round (collector.py)
                     self.loop.step()
+            except LeadershipLost as err:  # a standby took over while this round was written
+                log.warning("leadership lost during a round, the rest of it not applied: %s", err)
+                self._valid_until = self._renew_at = 0.0      # the next poll asks the lease again
             except Exception:             # a policy bug or a database error: logged, next poll retries
                 log.exception("scheduling round failed")
 

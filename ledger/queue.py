@@ -5,7 +5,10 @@ requests a scheduler makes of running jobs.
   waits until the scheduler has placed it: the row turns ``running`` with an allocation.
 * Exactly one scheduler acts at a time: ``Leadership`` holds a lease row whose expiry is taken
   from the database's clock (``db_now``), so a caller whose clock runs ahead cannot steal it;
-  a standby takes over once the lease has run out.
+  a standby takes over once the lease has run out. The scheduler's writes are fenced by the
+  lease's epoch (``JobQueue.fence``): each checks, in its own transaction, that its scheduler
+  still holds the lease it acted under, so one that stalled past its lease (a pause, a hung
+  connection) cannot write a round it computed before a standby took over.
 * The scheduler asks a running job to re-size or stop by writing a request on its row; the run's
   heartbeat reads it (``touch``), stops the training at a step boundary, and reports back
   (``ack_request``, ``resized``, ``requeue``). A request for a job that is no longer running is
@@ -60,6 +63,32 @@ STOP_MARGIN_S = 60.0
 # A waiting job's predicted start is rewritten when it moves by more than this: the queue view
 # shows it to the second, and a round must not rewrite a thousand rows for sub-second drift.
 PREDICTION_RESOLUTION_S = 1.0
+
+
+class LeadershipLost(RuntimeError):
+    """A scheduler's write found that its scheduler no longer holds the lease it acted under
+    (another took over, or the lease ran out): the write's transaction is rolled back."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseFence:
+    """The lease a scheduler acts under: the lease row ``name`` held by ``holder`` at ``epoch``
+    (``Leadership.fence()``)."""
+
+    name: str
+    holder: str
+    epoch: int
+
+
+# The lease row, shared-locked on PostgreSQL: a takeover (``Leadership.acquire``, FOR UPDATE)
+# waits for the fenced write's commit, so the write lands entirely before the new epoch or not
+# at all. SQLite's writers are serialised by BEGIN IMMEDIATE.
+_FENCE_SQL = {
+    "postgresql": text("SELECT holder, epoch, expires_at >= EXTRACT(EPOCH FROM clock_timestamp()) "
+                       "FROM scheduler_lease WHERE name = :name FOR SHARE"),
+    "sqlite": text("SELECT holder, epoch, expires_at >= (julianday('now') - 2440587.5) * 86400.0 "
+                   "FROM scheduler_lease WHERE name = :name"),
+}
 
 
 @dataclass(slots=True)
@@ -117,8 +146,25 @@ class QueueJob:
 class JobQueue:
     """The queue tables of ``ledger`` (a ``Ledger`` or its URL)."""
 
-    def __init__(self, ledger: Ledger | str | None = None):
+    def __init__(self, ledger: Ledger | str | None = None, *, fence: LeaseFence | None = None):
         self.ledger = ledger if isinstance(ledger, Ledger) else Ledger(ledger)
+        # the scheduler's queue: the lease its writes (requests, starts, wait answers,
+        # cancellations) are fenced by; None for submitters and runs, whose writes are their own
+        self.fence = fence
+
+    def _check_fence(self, s: Session) -> None:
+        """Raise ``LeadershipLost`` (rolling ``s`` back) unless ``fence``'s holder still holds
+        its lease at its epoch, unexpired by the database's clock."""
+        f = self.fence
+        if f is None:
+            return
+        row = s.execute(_FENCE_SQL["postgresql" if self.ledger.is_postgres else "sqlite"],
+                        {"name": f.name}).first()
+        if row is not None and (row[0], row[1]) == (f.holder, f.epoch) and row[2]:
+            return
+        now = ("gone" if row is None else "run out" if (row[0], row[1]) == (f.holder, f.epoch)
+               else f"held by {row[0]} at epoch {row[1]}")
+        raise LeadershipLost(f"{f.holder} acted under lease {f.name!r} epoch {f.epoch}, which is {now}")
 
     # --- submitter side -------------------------------------------------------------------
     def enqueue(self, job_id: str, name: str, job: dict[str, Any], plans: list[Plan], *, steps: int,
@@ -255,6 +301,7 @@ class JobQueue:
         if kind not in ("grow", "shrink", "move", "preempt"):
             raise ValueError(f"request kind must be grow, shrink, move or preempt, not {kind!r}")
         with self.ledger._tx() as s:
+            self._check_fence(s)
             row = self._row(s, job_id)
             if row is None or row.state != "running":
                 log.info("ignored %s request for job %s: it is %s", kind, job_id,
@@ -290,6 +337,7 @@ class JobQueue:
                 # advisory answers the next round rewrites: a commit need not wait for the WAL
                 # flush (a server crash may lose the last ones, never anything else's writes)
                 s.execute(text("SET LOCAL synchronous_commit TO OFF"))
+            self._check_fence(s)
             if known is None:
                 out = _wait_changes(waits, s.execute(
                     select(t.c.job_id, t.c.predicted_start_s, t.c.wait_gpu_type, t.c.wait_gpus, t.c.wait_reason)
@@ -325,6 +373,7 @@ class JobQueue:
             return out
         t = QueueJobRow.__table__
         with self.ledger._tx() as s:
+            self._check_fence(s)
             now = db_now(s)
             ids = sorted({j for j, _, _ in starts})
             state = dict(s.execute(self.ledger._locked(select(t.c.job_id, t.c.state).where(t.c.job_id.in_(ids))
@@ -435,6 +484,7 @@ class JobQueue:
         waits in the queue again, counted as a preemption; its next launch resumes from its
         last checkpoint. False, and nothing changes, when the run answered meanwhile."""
         with self.ledger._tx() as s:
+            self._check_fence(s)
             row = self._row(s, job_id, plans=False)
             if (row is None or row.state != "running" or row.request.get("id") != request_id
                     or row.request_state not in ("pending", "acked")):
@@ -608,6 +658,10 @@ class Leadership:
                 return None
             left = row.expires_at - db_now(s)
             return {"holder": row.holder, "epoch": row.epoch, "expires_in_s": left, "expired": left < 0}
+
+    def fence(self) -> LeaseFence | None:
+        """The lease as last acquired (``JobQueue.fence``), None before the first."""
+        return None if self.epoch is None else LeaseFence(self.name, self.holder, self.epoch)
 
     def release(self) -> None:
         """Give the lease up at once (a clean shutdown), so a standby need not wait the TTL."""

@@ -16,7 +16,7 @@ import pytest
 
 from estimator.plan import Plan
 from ledger import Ledger
-from ledger.queue import JobQueue, Leadership
+from ledger.queue import JobQueue, Leadership, LeadershipLost, LeaseFence
 from scheduler.cluster import parse_cluster
 from scheduler.loop import RoundLoop, Snapshot
 from scheduler.round import RoundResult
@@ -384,6 +384,44 @@ def test_second_scheduler_stands_by_and_takes_over_when_the_first_dies(url, tmp_
     assert by_b and all(r["t"] > died for r in by_b)        # B never acted while A led
     assert any("j1" in r["starts"] for r in rounds if r["who"] == "A")
     assert any("j2" in r["starts"] for r in by_b)
+
+
+def test_a_stalled_leaders_round_writes_nothing_once_a_standby_took_over(url, monkeypatch):
+    """The monotonic fence is checked before a round is applied; a leader that stalls after that
+    check (a pause, a hung connection) past its lease while a standby takes over wrote its old
+    round anyway. Every scheduler write now checks the lease's holder and epoch in its own
+    transaction: the stale round starts nothing, and the leader steps down."""
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    a = service(led, holder="A", ttl_s=1.0)
+    a.step()
+    assert a.leading and a.source.queue.fence == LeaseFence("scheduler", "A", 1)
+    real_apply = a.source.apply
+
+    def stalled(result, now):
+        time.sleep(1.3)                                 # past A's 1 s lease...
+        assert Leadership(led, "B", ttl_s=60.0).acquire()   # ...a standby takes over
+        real_apply(result, now)
+
+    monkeypatch.setattr(a.source, "apply", stalled)
+    monkeypatch.setattr(a.source, "fence", lambda: True)    # the stall came after the fence's check
+    q.enqueue("j", "j", {"name": "j"}, plans(), steps=10)
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("frenzy.scheduler").addHandler(handler)      # (Prefect's first import
+    try:                                                             # resets the root's handlers)
+        a.step()
+    finally:
+        logging.getLogger("frenzy.scheduler").removeHandler(handler)
+    assert any("leadership lost during a round" in m and "held by B at epoch 2" in m for m in seen), seen
+    assert q.get("j").state == "pending" and not [x for x in led.allocations() if x.status == "active"]
+    a.step()
+    assert not a.leading
+    # each fenced write: a request of the stale epoch is refused before it reads anything
+    with pytest.raises(LeadershipLost):
+        JobQueue(led, fence=LeaseFence("scheduler", "A", 1)).request("j", "preempt")
+    assert JobQueue(led, fence=LeaseFence("scheduler", "B", 2)).request("j", "preempt") is None   # not running
 
 
 def test_frenzy_queue_prints_pending_jobs_with_predicted_start_and_reason(url, capsys):
