@@ -127,6 +127,44 @@ def test_launch_files_carry_the_training_controls():
     assert with_tracking_default(own, site).tracking.uri == "sqlite:////tmp/x.db"           # the job's wins
 
 
+def test_a_runs_segments_log_into_one_mlflow_run(tmp_path):
+    """A re-size or a preemption relaunches the training in a new segment: each segment had
+    started an MLflow run of its own, so one job showed as several runs, its loss curve cut up.
+    The run's folder records its MLflow run; later segments continue it (params stay the first
+    segment's, each segment's plan a tag); another store, or a deleted run, gets a new one."""
+    from mlflow.tracking import MlflowClient
+
+    from trainer.tracking import RUN_FILE, Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    j = job(model="gpt2-tiny", name="seg", tracking={"uri": uri})
+    p2, p1 = cpu_plan(j, gpus=2), cpu_plan(j, gpus=1)
+    lines: list[str] = []
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ids = []
+    for seg, (plan, steps) in enumerate([(p2, (1, 2)), (p1, (3, 4))], start=1):
+        t = Tracker(j, plan, run_dir, lines.append)
+        for step in steps:
+            t.on_line("FRENZY_STEP", {"step": step, "loss": 5.0 - step, "step_time_s": 0.1, "tokens": 64})
+        t.finish("stopped" if seg == 1 else "completed", measured={}, final_plan=plan, export_dir=None,
+                 steps=steps[-1])
+        ids.append(t.run_id)
+    assert ids[0] == ids[1] and json.loads((run_dir / RUN_FILE).read_text())["run_id"] == ids[0]
+    client = MlflowClient(uri)
+    run = client.get_run(ids[0])
+    assert [m.step for m in client.get_metric_history(ids[0], "loss")] == [1, 2, 3, 4]
+    assert run.info.status == "FINISHED" and run.data.params["plan.gpus"] == "2"
+    assert run.data.tags["frenzy.segments"] == "2" and run.data.tags["frenzy.segment.2.plan"] == p1.short()
+    assert run.data.tags["frenzy.final_plan"] == p1.short() and not lines          # no MLflow error logged
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    # a deleted run, or a record of another store, starts a new run
+    client.delete_run(ids[0])
+    assert Tracker(j, p1, run_dir, lines.append).run_id != ids[0]
+    other = job(model="gpt2-tiny", name="seg", tracking={"uri": f"sqlite:///{tmp_path / 'other.db'}"})
+    assert Tracker(other, p1, run_dir, lines.append).run_id not in ids
+
+
 def test_control_file_requests_are_atomic_and_acted_on_once(tmp_path):
     from trainer import control
 

@@ -1,5 +1,9 @@
 """MLflow tracking of a training run, from the orchestrator (the runner), not the ranks: one
-MLflow run per Frenzy run however many attempts, fallbacks or re-sizes it takes.
+MLflow run per Frenzy run however many attempts, fallbacks or re-sizes it takes. The run's folder
+records its MLflow run (``mlflow-run.json``): a segment after a re-size or a preemption, and a
+resubmission that continues the run's checkpoints, go on logging into it (the plan each segment
+starts on as a ``frenzy.segment.<n>.plan`` tag; steps re-run after resuming from a checkpoint
+are logged again, at their later time).
 
 What is logged: the job's fields and the starting plan with its memory and step-time
 predictions as parameters (``job.*``, ``plan.*``), the model's parameter counts and the
@@ -34,6 +38,8 @@ FLUSH_INTERVAL_S = 2.0
 _MLFLOW_STATUS = {"completed": "FINISHED", "stopped": "KILLED", "failed": "FAILED", "timeout": "FAILED"}
 # MLflow's limit on one parameter value (characters)
 _PARAM_MAX = 6000
+# in the run's folder: the MLflow run its segments log into
+RUN_FILE = "mlflow-run.json"
 
 
 def default_uri() -> str:
@@ -110,15 +116,47 @@ class Tracker:
                 if self.uri.startswith("sqlite:///") and self.uri == default_uri():
                     art = (frenzy_home() / "mlflow-artifacts").resolve().as_uri()
                 self.experiment_id = self.client.create_experiment(job.tracking.experiment, artifact_location=art)
-            run = self.client.create_run(self.experiment_id, run_name=job.name,
-                                         tags={"frenzy.run_dir": str(run_dir), "frenzy.job_name": job.name})
+            earlier = self._earlier_run(Path(run_dir))
+            if earlier is not None:
+                run = earlier
+                self.client.update_run(run.info.run_id, status="RUNNING")
+            else:
+                run = self.client.create_run(self.experiment_id, run_name=job.name,
+                                             tags={"frenzy.run_dir": str(run_dir), "frenzy.job_name": job.name})
         except Exception as e:
             raise FrenzyInputError("tracking.uri", f"cannot start an MLflow run at {self.uri} "
                                                    f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
         self.run_id = run.info.run_id
+        # params are immutable in MLflow: a continued run keeps its first segment's (the job and
+        # the plan it started on); each segment's own plan is a tag
+        self._logged_params.update(run.data.params)
+        segment = int(run.data.tags.get("frenzy.segments", "0")) + 1
+        self._guard("tag the segment", self.client.log_batch, self.run_id, tags=_tags(
+            {"frenzy.segments": str(segment), f"frenzy.segment.{segment}.plan": plan.short()}))
         params = flatten("job", job.model_dump(mode="json", exclude={"tracking"}), {})
         flatten("plan", plan.model_dump(mode="json"), params)
         self.log_params(params)
+        try:
+            (Path(run_dir) / RUN_FILE).write_text(json.dumps(
+                {"tracking_uri": self.uri, "experiment_id": self.experiment_id, "run_id": self.run_id}))
+        except OSError as e:        # the next segment then starts a run of its own
+            self.log(f"frenzy: could not record the MLflow run in {run_dir} ({e}); training goes on")
+
+    def _earlier_run(self, run_dir: Path):
+        """The MLflow run an earlier segment of this run logged into, when it is in this store
+        and experiment and was not deleted; else None."""
+        try:
+            rec = json.loads((run_dir / RUN_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(rec, dict) or rec.get("tracking_uri") != self.uri or \
+                rec.get("experiment_id") != self.experiment_id:
+            return None
+        try:
+            run = self.client.get_run(str(rec.get("run_id")))
+        except Exception:           # gone from the store (or never there): a new run
+            return None
+        return run if run.info.lifecycle_stage == "active" else None
 
     @property
     def url(self) -> str | None:
@@ -184,9 +222,15 @@ class Tracker:
         now = int(time.time() * 1000)
         metrics = [Metric(f"measured.{k}", float(v), now, steps) for k, v in measured.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        tags = [RunTag("frenzy.status", status), RunTag("frenzy.final_plan", final_plan.short()),
-                RunTag("frenzy.memory_measured", str(bool(measured.get("memory_measured"))))]
+        tags = _tags({"frenzy.status": status, "frenzy.final_plan": final_plan.short(),
+                      "frenzy.memory_measured": str(bool(measured.get("memory_measured")))})
         if export_dir:
             tags.append(RunTag("frenzy.export_dir", export_dir))
         self._guard("log the summary", self.client.log_batch, self.run_id, metrics=metrics, tags=tags)
         self._guard("end the run", self.client.set_terminated, self.run_id, _MLFLOW_STATUS.get(status, "FAILED"))
+
+
+def _tags(values: dict[str, str]) -> list:
+    from mlflow.entities import RunTag
+
+    return [RunTag(k, v) for k, v in values.items()]
