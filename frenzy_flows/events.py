@@ -1,7 +1,9 @@
 """Prefect events Frenzy emits, so automations can react to placements and OOM fallbacks.
 
-Resource: ``frenzy.job.<job name>``; related: the pool (role ``work-pool``) and the GPU type
-(role ``gpu-type``). Inside a run Prefect adds the flow/task run as related resources itself.
+Resource: ``frenzy.job.<job name>``, labelled ``frenzy.job_id`` where the job id is known (names
+repeat across submissions; the scheduler's decisions carry the same label); related: the pool
+(role ``work-pool``) and the GPU type (role ``gpu-type``). Inside a run Prefect adds the
+flow/task run as related resources itself.
 Resource labels are strings (Prefect's rule); structured details go in the payload.
 """
 from __future__ import annotations
@@ -43,7 +45,11 @@ def _related(pool: str | None, gpu_type: str | None) -> list[dict[str, str]]:
     return rel
 
 
-def placed(job_name: str, plan: Plan, allocation: Any):
+def _id_label(job_id: str | None) -> dict[str, str]:
+    return {"frenzy.job_id": job_id} if job_id else {}
+
+
+def placed(job_name: str, plan: Plan, allocation: Any, *, job_id: str | None = None):
     """Emit ``frenzy.job.placed``: the job got ``allocation`` for ``plan``. Returns the Event."""
     from prefect.events import emit_event
 
@@ -52,12 +58,13 @@ def placed(job_name: str, plan: Plan, allocation: Any):
     return emit_event(
         event=PLACED,
         resource=job_resource(job_name, **{"frenzy.gpu_type": plan.gpu_type, "frenzy.gpus": plan.gpus,
-                                           **({"frenzy.pool": pool} if pool else {})}),
+                                           **({"frenzy.pool": pool} if pool else {}), **_id_label(job_id)}),
         related=_related(pool, plan.gpu_type),
         payload={"plan": plan.model_dump(mode="json"), "allocation": alloc})
 
 
-def oom_fallback(job_name: str, from_plan: Plan, to_plan: Plan | None, step: int):
+def oom_fallback(job_name: str, from_plan: Plan, to_plan: Plan | None, step: int, *,
+                 job_id: str | None = None):
     """Emit ``frenzy.job.oom-fallback``: training ran out of memory at ``step`` on ``from_plan``
     and continues with ``to_plan`` (None: no fallback left). Returns the Event."""
     from prefect.events import emit_event
@@ -65,7 +72,8 @@ def oom_fallback(job_name: str, from_plan: Plan, to_plan: Plan | None, step: int
     return emit_event(
         event=OOM_FALLBACK,
         resource=job_resource(job_name, **{"frenzy.gpu_type": from_plan.gpu_type,
-                                           "frenzy.to_gpu_type": to_plan.gpu_type if to_plan else "none"}),
+                                           "frenzy.to_gpu_type": to_plan.gpu_type if to_plan else "none",
+                                           **_id_label(job_id)}),
         related=_related(None, from_plan.gpu_type),
         payload={"step": int(step), "from_plan": from_plan.model_dump(mode="json"),
                  "to_plan": to_plan.model_dump(mode="json") if to_plan else None})
@@ -73,7 +81,7 @@ def oom_fallback(job_name: str, from_plan: Plan, to_plan: Plan | None, step: int
 
 def announced_fallbacks(job: Any, plan: Plan, *, inventory: dict[str, int] | None = None,
                         last_step: Callable[[], int] | None = None,
-                        plans: Iterable[Plan] | None = None) -> Iterator[Plan]:
+                        plans: Iterable[Plan] | None = None, job_id: str | None = None) -> Iterator[Plan]:
     """The out-of-memory fallback plans for ``plan`` (``trainer.fallback.fallback_plans`` unless
     ``plans`` is given), emitting ``frenzy.job.oom-fallback`` at the moment each one is taken,
     and once more with no target when none is left.
@@ -87,7 +95,7 @@ def announced_fallbacks(job: Any, plan: Plan, *, inventory: dict[str, int] | Non
     name = job.name if hasattr(job, "name") else str(job["name"])
     current = plan
     for nxt in plans:
-        oom_fallback(name, current, nxt, last_step() if last_step else 0)
+        oom_fallback(name, current, nxt, last_step() if last_step else 0, job_id=job_id)
         yield nxt
         current = nxt
-    oom_fallback(name, current, None, last_step() if last_step else 0)
+    oom_fallback(name, current, None, last_step() if last_step else 0, job_id=job_id)

@@ -183,7 +183,7 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
             artifacts.plans_table(candidates, chosen, steps=job.steps,
                                   pool_notes=dispatch.pool_notes(topology))
             artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
-            events.placed(job.name, chosen, assignment)
+            events.placed(job.name, chosen, assignment, job_id=job_id)
             while True:
                 try:
                     trained = train(job, job_id, assignment.plan, assignment, ledger_secret, topology.inventory(),

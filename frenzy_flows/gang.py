@@ -391,7 +391,7 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
             ledger.release(assignment.allocation_id)
             if fallbacks is None:        # the events say node 0's last step of the launch that ran out
                 fallbacks = oom_fallbacks(job, plan, inventory=inventory, site=load_settings(settings),
-                                          last_step=lambda: watcher.step)
+                                          last_step=lambda: watcher.step, job_id=job_id)
             nxt = next(fallbacks, None)
             if nxt is None:
                 raise GangError(f"training on pool {assignment.pool!r} across nodes ran out of memory on "

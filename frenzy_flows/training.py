@@ -250,7 +250,7 @@ def _take(ledger, job_id: str, plan: Plan, placement: dict[str, list[int]], log,
 
 
 def oom_fallbacks(job: TrainingJob, plan: Plan, *, inventory: dict[str, int] | None, site,
-                  last_step: Callable[[], int]) -> Iterator[Plan]:
+                  last_step: Callable[[], int], job_id: str | None = None) -> Iterator[Plan]:
     """The out-of-memory fallback plans of a run that starts on ``plan``, in the order it takes
     them: the trainer's ladder (``trainer.fallback.fallback_plans`` over ``inventory``), in the
     `FrenzySettings` block's order when ``site`` has one, each announced as it is taken
@@ -262,7 +262,8 @@ def oom_fallbacks(job: TrainingJob, plan: Plan, *, inventory: dict[str, int] | N
         from trainer.fallback import fallback_plans
 
         ordered = site.order_fallbacks(plan, fallback_plans(job, plan, inventory=inventory))
-    return events.announced_fallbacks(job, plan, inventory=inventory, plans=ordered, last_step=last_step)
+    return events.announced_fallbacks(job, plan, inventory=inventory, plans=ordered, last_step=last_step,
+                                      job_id=job_id)
 
 
 def fallback_allocation(ledger, job_id: str, plan: Plan, log: Callable[[str], None],

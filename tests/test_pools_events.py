@@ -39,8 +39,8 @@ def test_placed_and_oom_fallback_events_carry_plan_allocation_and_step():
 
     @flow
     def emit():
-        events.placed(job, p1, alloc)
-        events.oom_fallback(job, p1, p2, step=7)
+        events.placed(job, p1, alloc, job_id=f"{job}-id")
+        events.oom_fallback(job, p1, p2, step=7, job_id=f"{job}-id")
         events.oom_fallback(job, p2, None, step=9)
 
     emit()
@@ -48,6 +48,7 @@ def test_placed_and_oom_fallback_events_carry_plan_allocation_and_step():
     assert len(placed) == 1
     ev = placed[0]
     assert ev.resource["frenzy.pool"] == "rtx3090" and ev.resource["frenzy.gpus"] == "2"
+    assert ev.resource["frenzy.job_id"] == f"{job}-id"      # names repeat across submissions
     assert ev.payload["allocation"]["devices"] == ["2", "3"]
     assert ev.payload["allocation"]["allocation_id"] == "a-17"
     assert ev.payload["plan"]["micro_batch"] == 4
@@ -63,7 +64,8 @@ def test_placed_and_oom_fallback_events_carry_plan_allocation_and_step():
         ooms = _read(events.OOM_FALLBACK, f"frenzy.job.{job}")
     by_step = {e.payload["step"]: e for e in ooms}
     assert set(by_step) == {7, 9}
-    assert by_step[7].payload["to_plan"]["act_ckpt"] == "full"
+    assert by_step[7].payload["to_plan"]["act_ckpt"] == "full" and by_step[7].resource["frenzy.job_id"] == f"{job}-id"
+    assert "frenzy.job_id" not in by_step[9].resource
     assert by_step[9].payload["to_plan"] is None and by_step[9].resource["frenzy.to_gpu_type"] == "none"
 
 
