@@ -24,11 +24,21 @@ class FrenzyRunFailed(RuntimeError):
                          f"{st.get('type')}: {st.get('message') or ''}".rstrip(": "))
 
 
+FAILED_STATES = FINAL_STATES - {"COMPLETED"}
+
+
 def idempotency_key(dag_id: str, task_id: str, run_id: str, map_index: int = -1) -> str:
     """One key per Airflow task instance, the same on every retry (no try number in it), so a
     retried task finds the flow run its first try started instead of starting a second one."""
     key = f"airflow:{dag_id}:{task_id}:{run_id}"
     return key if map_index < 0 else f"{key}:{map_index}"
+
+
+def retry_key(key: str, failed_run_id: str) -> str:
+    """The key of the run that follows ``failed_run_id`` (started under ``key``'s chain): the
+    same for every try that finds that run failed, so concurrent or repeated tries converge on
+    one new run."""
+    return f"{key.split(':after:', 1)[0]}:after:{failed_run_id}"
 
 
 # Answers that say "not now" rather than "no": what Prefect's own client retries (408, 429, 502,
@@ -100,6 +110,33 @@ def trigger(client: httpx.Client, deployment: str, *, parameters: Mapping[str, A
     if r.status_code == 409:
         raise ValueError(f"parameters: rejected by the Prefect server: {r.text[:500]}")
     return _check(r, f"create a run of {deployment}")
+
+
+def trigger_or_resume(client: httpx.Client, deployment: str, *, idempotency_key: str,
+                      max_chain: int = 100, **kw: Any) -> dict:
+    """The task instance's flow run: the one its key names while that one is running or
+    completed; after a failed, crashed or cancelled one, the next of the chain
+    (``retry_key``), so an Airflow retry trains again (resuming the job's checkpoints) instead
+    of waiting on the failure it retries. ``kw``: ``trigger``'s."""
+    key = idempotency_key
+    for _ in range(max_chain):
+        fr = trigger(client, deployment, idempotency_key=key, **kw)
+        if state_type(fr) not in FAILED_STATES:
+            return fr
+        key = retry_key(key, fr["id"])
+    raise RuntimeError(f"{max_chain} flow runs of {idempotency_key} failed; not starting another")
+
+
+def cancel(client: httpx.Client, flow_run_id: str, message: str) -> dict:
+    """Ask Prefect to cancel the flow run (state CANCELLING: its worker stops the run's
+    process; the Frenzy run releases its GPUs as it ends). A run already final is left as it is."""
+    fr = read_flow_run(client, flow_run_id)
+    if state_type(fr) in FINAL_STATES:
+        return fr
+    r = _send(client, "POST", f"/flow_runs/{flow_run_id}/set_state",
+              json={"state": {"type": "CANCELLING", "name": "Cancelling", "message": message}})
+    _check(r, f"cancel flow run {flow_run_id}")
+    return read_flow_run(client, flow_run_id)
 
 
 def read_flow_run(client: httpx.Client, flow_run_id: str) -> dict:

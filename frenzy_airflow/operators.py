@@ -13,8 +13,12 @@ Tested against a real Airflow 3 (``airflow dags test`` of ``examples/airflow/fre
 tests/test_airflow_dag.py); the Airflow 2 import paths are kept as a fallback.
 
 The idempotency key is the task instance (dag, task, run id, map index), never the try number:
-an Airflow retry finds the flow run of the first try and waits on it; it never starts a second
-training. The flow run id goes to XCom. Only httpx talks to Prefect: no prefect import here.
+an Airflow retry finds the flow run of the first try and waits on it while it runs or returns it
+when it completed; it never starts a second training beside it. After a failed, crashed or
+cancelled run a retry starts the next one (``client.trigger_or_resume``: one per failed run,
+whatever the number of tries that find it), which resumes the job's checkpoints. A task Airflow
+kills (a timeout, marked failed) cancels the run it waits on (``on_kill``). The flow run id goes
+to XCom. Only httpx talks to Prefect: no prefect import here.
 """
 from __future__ import annotations
 
@@ -26,8 +30,8 @@ except ImportError:                    # Airflow 2
     from airflow.models import BaseOperator
     from airflow.sensors.base import BaseSensorOperator
 
-from .client import (DEFAULT_DEPLOYMENT, FINAL_STATES, FrenzyRunFailed, idempotency_key, make_client,
-                     read_flow_run, state_type, trigger, wait)
+from .client import (DEFAULT_DEPLOYMENT, FINAL_STATES, FrenzyRunFailed, cancel, idempotency_key, make_client,
+                     read_flow_run, state_type, trigger_or_resume, wait)
 
 
 def _conn(conn_id: str | None, api_url: str | None) -> tuple[str | None, str | None]:
@@ -57,6 +61,7 @@ class FrenzySubmitOperator(BaseOperator):
         self.job, self.parameters, self.deployment = job, parameters, deployment
         self.job_variables, self.api_url, self.prefect_conn_id = job_variables, api_url, prefect_conn_id
         self.wait, self.poll_interval, self.wait_timeout = wait, poll_interval, wait_timeout
+        self._waiting_on: str | None = None        # the flow run ``execute`` waits for
 
     def execute(self, context: Any) -> str:
         ti = context["ti"]
@@ -66,13 +71,28 @@ class FrenzySubmitOperator(BaseOperator):
             params["job"] = self.job
         url, api_key = _conn(self.prefect_conn_id, self.api_url)
         with make_client(url, api_key) as client:
-            fr = trigger(client, self.deployment, parameters=params, job_variables=self.job_variables,
-                         idempotency_key=key, tags=["airflow", f"dag:{ti.dag_id}"])
-            self.log.info("Prefect flow run %s (%s), idempotency key %s", fr["name"], fr["id"], key)
+            fr = trigger_or_resume(client, self.deployment, parameters=params, job_variables=self.job_variables,
+                                   idempotency_key=key, tags=["airflow", f"dag:{ti.dag_id}"])
+            self.log.info("Prefect flow run %s (%s), idempotency key %s", fr["name"], fr["id"],
+                          fr.get("idempotency_key") or key)
             if self.wait:
-                wait(client, fr["id"], poll_s=self.poll_interval, timeout_s=self.wait_timeout,
-                     on_poll=lambda r: self.log.info("flow run %s: %s", r["name"], state_type(r)))
+                self._waiting_on = fr["id"]
+                try:
+                    wait(client, fr["id"], poll_s=self.poll_interval, timeout_s=self.wait_timeout,
+                         on_poll=lambda r: self.log.info("flow run %s: %s", r["name"], state_type(r)))
+                finally:
+                    self._waiting_on = None
         return fr["id"]
+
+    def on_kill(self) -> None:
+        """Airflow stops the task (a timeout, marked failed): the training it waits on stops too."""
+        run_id = self._waiting_on
+        if not run_id:
+            return
+        url, api_key = _conn(self.prefect_conn_id, self.api_url)
+        with make_client(url, api_key) as client:
+            fr = cancel(client, run_id, f"Airflow stopped task {self.task_id}")
+        self.log.info("flow run %s (%s): %s", fr.get("name"), run_id, state_type(fr))
 
 
 class FrenzyFlowRunSensor(BaseSensorOperator):

@@ -122,9 +122,10 @@ def test_parameters_the_flow_rejects_are_refused_before_a_run(http, deployment):
     assert len(_runs_of(http, deployment)) == before
 
 
-@pytest.mark.prefect
-def test_operator_retry_reuses_the_first_tries_run(http, deployment, monkeypatch):
-    # stand-ins for the two Airflow base classes (Airflow cannot be installed next to Prefect)
+@pytest.fixture
+def operators(monkeypatch):
+    """``frenzy_airflow.operators`` over stand-ins for the two Airflow base classes (Airflow
+    cannot be installed next to Prefect; tests/test_airflow_dag.py runs the real one)."""
     class BaseOperator:
         def __init__(self, task_id: str, **kw):
             self.task_id = task_id
@@ -140,7 +141,13 @@ def test_operator_retry_reuses_the_first_tries_run(http, deployment, monkeypatch
                       "airflow.sensors.base": sensors_base}.items():
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.delitem(sys.modules, "frenzy_airflow.operators", raising=False)
-    from frenzy_airflow.operators import FrenzyFlowRunSensor, FrenzySubmitOperator
+    import frenzy_airflow.operators
+    return frenzy_airflow.operators
+
+
+@pytest.mark.prefect
+def test_operator_retry_reuses_the_first_tries_run(http, deployment, operators):
+    FrenzyFlowRunSensor, FrenzySubmitOperator = operators.FrenzyFlowRunSensor, operators.FrenzySubmitOperator
 
     api = str(http.base_url).rstrip("/")
     run_id = f"manual__{uuid.uuid4().hex}"
@@ -168,6 +175,52 @@ def test_operator_retry_reuses_the_first_tries_run(http, deployment, monkeypatch
     t.start()
     with pytest.raises(af.FrenzyRunFailed):
         waiting.execute({"ti": ti2, "run_id": key_run})
+
+
+@pytest.mark.prefect
+def test_a_retry_after_a_failed_run_trains_again_and_a_killed_task_cancels_its_run(http, deployment, operators):
+    """A retry found the failed run of the first try and failed with it at once: retries never
+    trained again. Now a retry after a failed (crashed, cancelled) run starts one new run, the
+    same for every try that finds that failure; a retry after a completed run returns it; and a
+    task Airflow kills cancels the run it waits on (the run trained on)."""
+    api = str(http.base_url).rstrip("/")
+    op = operators.FrenzySubmitOperator(task_id="t", job=JOB, parameters={"plan": PLAN}, deployment=deployment,
+                                        api_url=api, wait=False)
+    ti = types.SimpleNamespace(dag_id="d", task_id="t", map_index=-1, try_number=1)
+    ctx = {"ti": ti, "run_id": f"manual__{uuid.uuid4().hex}"}
+    first = op.execute(ctx)
+    _finish_later(http, first, "FAILED", after_s=0).join()
+    ti.try_number = 2
+    second = op.execute(ctx)
+    assert second != first and op.execute(ctx) == second                  # one new run per failure
+    assert af.read_flow_run(http, second)["idempotency_key"] == af.retry_key(
+        af.idempotency_key("d", "t", ctx["run_id"]), first)
+    _finish_later(http, second, "COMPLETED", after_s=0).join()
+    ti.try_number = 3
+    assert op.execute(ctx) == second                                      # done: not trained again
+
+    waiting = operators.FrenzySubmitOperator(task_id="w", job=JOB, parameters={"plan": PLAN}, deployment=deployment,
+                                             api_url=api, wait=True, poll_interval=0.2, wait_timeout=60)
+    out: dict = {}
+
+    def run():
+        try:
+            waiting.execute({"ti": types.SimpleNamespace(dag_id="d", task_id="w", map_index=-1),
+                             "run_id": ctx["run_id"]})
+        except Exception as err:
+            out["err"] = err
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    end = time.monotonic() + 20
+    while waiting._waiting_on is None and time.monotonic() < end:
+        time.sleep(0.05)
+    run_id = waiting._waiting_on
+    assert run_id
+    waiting.on_kill()
+    assert af.state_type(af.read_flow_run(http, run_id)) in ("CANCELLING", "CANCELLED")
+    _finish_later(http, run_id, "CANCELLED", after_s=0).join()      # what the run's worker does
+    t.join(30)
+    assert isinstance(out.get("err"), af.FrenzyRunFailed)
 
 
 def _fail_when_created(http, deployment: str, key: str) -> None:
