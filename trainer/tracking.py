@@ -1,9 +1,9 @@
 """MLflow tracking of a training run, from the orchestrator (the runner), not the ranks: one
 MLflow run per Frenzy run however many attempts, fallbacks or re-sizes it takes. The run's folder
-records its MLflow run (``mlflow-run.json``): a segment after a re-size or a preemption, and a
-resubmission that continues the run's checkpoints, go on logging into it (the plan each segment
-starts on as a ``frenzy.segment.<n>.plan`` tag; steps re-run after resuming from a checkpoint
-are logged again, at their later time).
+records its MLflow run (``mlflow-run.json``): a segment after a re-size or a preemption (the
+same folder) goes on logging into it (the plan each segment starts on as a
+``frenzy.segment.<n>.plan`` tag; steps re-run after resuming from a checkpoint are logged again,
+at their later time). A resubmission is a new run in a folder of its own: a new MLflow run.
 
 What is logged: the job's fields and the starting plan with its memory and step-time
 predictions as parameters (``job.*``, ``plan.*``), the model's parameter counts and the
