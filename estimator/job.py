@@ -57,6 +57,11 @@ def trains_adapters(spec: dict[str, Any] | None) -> bool:
     return (ft.get("method", "full") if isinstance(ft, dict) else ft) != "full"
 
 
+# a job's LoRA rank when it names none (``finetune.rank``), shared by the estimator's knobs and
+# the planner: an estimate that names no rank describes the adapters such a job trains
+DEFAULT_LORA_RANK = 16
+
+
 class FinetuneSpec(BaseModel):
     """How the job trains the model's weights: all of them, or low-rank adapters (PEFT)."""
 
@@ -65,7 +70,7 @@ class FinetuneSpec(BaseModel):
     method: Literal["full", "lora", "qlora"] = Field(
         "full", description="full: every weight trains; lora: low-rank adapters on a frozen 16-bit "
                             "base; qlora: adapters on a 4-bit (NF4) base (GPU with bitsandbytes only)")
-    rank: Int = Field(16, gt=0, le=4096, description="LoRA rank r")
+    rank: Int = Field(DEFAULT_LORA_RANK, gt=0, le=4096, description="LoRA rank r")
     alpha: float = Field(32.0, gt=0, allow_inf_nan=False, description="LoRA alpha (the update is scaled by alpha / r)")
     dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapters' input")
     target_modules: list[str] | None = Field(

@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field
 
 from .catalog import CATALOG, get_gpu
 from .errors import FrenzyInputError
-from .job import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
+from .job import DEFAULT_LORA_RANK, MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
 from .models import ModelSpec, model_from_kwargs, seq_len_rule, stage_layers, with_positions
 from .overheads import Overheads, overheads_for
 from .profiles import FRAMEWORKS, PROFILES, Profile, check_knobs, get_profile
@@ -151,7 +151,7 @@ class Knobs:
     framework: str = "frenzy"
     master: str = "fp32"                 # fp32 | none (resolved from master_weights)
     finetune: str = "full"
-    lora_rank: int = 16
+    lora_rank: int = DEFAULT_LORA_RANK
     lora_targets: tuple[str, ...] = ()
     lora_dropout: bool = False           # dropout on the adapters' input (PEFT lora_dropout > 0)
     loss: str = "standard"
@@ -208,7 +208,7 @@ def validate_knobs(spec: ModelSpec, *, seq_len: Any, micro_batch: Any = 1, grad_
                    vpp: Any = 1, zero: Any = 0, offload: Any = "none", precision: Any = "bf16",
                    optimizer: Any = "adamw", act_ckpt: Any = "none", attention: Any = "flash",
                    mp_style: Any = "auto", framework: Any = "frenzy", master_weights: Any = "auto",
-                   finetune: Any = "full", lora_rank: Any = 16, lora_targets: Any = None,
+                   finetune: Any = "full", lora_rank: Any = DEFAULT_LORA_RANK, lora_targets: Any = None,
                    loss: Any = "auto", act_offload: Any = False,
                    optimizer_in_backward: Any = False, adamw_impl: Any = "auto",
                    fused_kernels: Any = False, zero_bucket_elems: Any = None,
@@ -1526,7 +1526,7 @@ def estimate(model: Any = None, *, arch: str | None = None, layers: int | None =
         given = ", ".join(n for n, v in (("lora_rank", lora_rank), ("lora_targets", lora_targets),
                                          ("lora_dropout", lora_dropout)) if v is not None)
         raise FrenzyInputError("finetune", f"{given}: adapter settings need finetune lora or qlora (got 'full')")
-    lora_rank = 16 if lora_rank is None else lora_rank
+    lora_rank = DEFAULT_LORA_RANK if lora_rank is None else lora_rank
     lora_dropout = 0.0 if lora_dropout is None else lora_dropout
     attention = attention_for(spec, attention, framework)
     k = _knobs(framework, spec, seq_len, micro_batch, grad_accum, dp, tp, pp, cp, sp, vpp, zero,
@@ -1547,16 +1547,16 @@ def shape_warnings(spec: ModelSpec, seq_len: int, attention: str, framework: str
     """What an estimate of this model at this sequence length, attention and framework says
     beside its figures, whatever the plan: where no measured source reaches, or the memory is
     traced rather than measured (``Estimate.warnings``; the planner's CLI prints them too)."""
-    notes = []
+    notes, prof = [], get_profile(framework)
     if seq_len > COVERED_SEQ:
         notes.append(f"seq_len {seq_len} is beyond any measured source ({COVERED_SEQ} tokens): "
                      "the estimate extrapolates")
-    if spec.window_reached(seq_len) and attention == "flash" and get_profile(framework).hf_models:
+    if spec.window_reached(seq_len) and attention == "flash" and prof.hf_models:
         notes.append(f"{spec.name}'s sliding window ({spec.window} tokens) is not longer than seq_len: SDPA "
                      f"attends through an explicit {seq_len} x {seq_len} mask with k / v repeated to every "
                      f"head in {spec.windowed_layers()} of its {spec.layers} layers (their memory counted as traced "
                      f"on the CPU, not measured on a GPU)")
-    if _eager_only(spec, get_profile(framework)):
+    if _eager_only(spec, prof):
         notes.append(f"{spec.name} attends with eager kernels (Hugging Face has no SDPA path for its "
                      f"soft-capped scores): its attention keeps every head's s x s scores")
     return notes

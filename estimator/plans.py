@@ -21,7 +21,7 @@ from typing import Any
 
 from .catalog import GPU, get_gpu
 from .errors import DoesNotFitError, FrenzyInputError, check_number, from_validation_error
-from .job import MAX_GPUS, TrainingJob
+from .job import DEFAULT_LORA_RANK, MAX_GPUS, TrainingJob
 from .memory import (GIB, Estimate, Knobs, _alloc_limit_b, _finish, attention_for, batch_key, estimate,
                      finish_key, host_offload_bytes, lora_adapters, paged_state_bytes, peak_allocated,
                      peak_terms, shape_warnings, validate_knobs)
@@ -149,7 +149,7 @@ class _Technique:
     framework: str = "frenzy"
     master_weights: str = "fp32"
     finetune: str = "full"
-    lora_rank: int = 16
+    lora_rank: int = DEFAULT_LORA_RANK
     lora_targets: tuple[str, ...] | None = None
     lora_dropout: float = 0.0
 
@@ -666,7 +666,8 @@ def plan_warnings(job: TrainingJob | dict) -> list[str]:
     extrapolate beyond any measured source, or are traced rather than measured."""
     j = _as_job(job)
     spec = with_positions(resolve_model(j.model), j.seq_len)
-    return shape_warnings(spec, j.seq_len, attention_for(spec, j.attention, "frenzy"), "frenzy")
+    framework = _technique(j).framework
+    return shape_warnings(spec, j.seq_len, attention_for(spec, j.attention, framework), framework)
 
 
 def _refuse_without_plans(j: TrainingJob, spec: ModelSpec, inventory: dict[str, int]) -> None:

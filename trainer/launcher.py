@@ -152,15 +152,30 @@ def kill_tree(proc: subprocess.Popen, grace_s: float) -> None:
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
 
-    signal_all(signal.SIGTERM)
-    _, alive = psutil.wait_procs(tree, timeout=grace_s)
-    if alive:
-        signal_all(signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=10)
+    term_then_kill(tree, grace_s, send=signal_all)
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+
+
+def term_then_kill(procs: list[psutil.Process], grace_s: float,
+                   send: Callable[[int], None] | None = None) -> None:
+    """SIGTERM ``procs``, wait ``grace_s``, SIGKILL those left and wait for them (10 s).
+    ``send(sig)``: how to signal (e.g. their process groups too); default each process."""
+    def each(sig: int) -> None:
+        for p in procs:
+            try:
+                p.send_signal(sig)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+
+    send = send or each
+    send(signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    if alive:
+        send(signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=10)
 
 
 def live_launches() -> list[subprocess.Popen]:
@@ -276,16 +291,5 @@ def stop_orphans(seen: dict[int, float], grace_s: float) -> int:
                 alive.append(p)
         except psutil.NoSuchProcess:
             pass
-    for p in alive:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, rest = psutil.wait_procs(alive, timeout=grace_s)
-    for p in rest:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(rest, timeout=10)
+    term_then_kill(alive, grace_s)
     return len(alive)
