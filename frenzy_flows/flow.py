@@ -115,8 +115,10 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
             block's, else frenzy.
         safety_margin_gib: GPU memory (GiB) kept free beyond the predicted peak. Empty: the
             settings block's, else 1 GiB.
-        ledger_url: SQLAlchemy URL of the GPU ledger (kept secret). Empty: the settings
-            block's, else env FRENZY_LEDGER_URL, else SQLite under FRENZY_HOME.
+        ledger_url: SQLAlchemy URL of the GPU ledger. Typed here, it is stored with the
+            run's parameters (masked only in a Python call): a URL with a password belongs
+            in the settings block, which is encrypted. Empty: the settings block's, else env
+            FRENZY_LEDGER_URL, else SQLite under FRENZY_HOME.
         wait_timeout_s: Seconds to wait for free GPUs before the run fails, and then for a
             worker of the assigned pool when it has none online (the control machine's own
             pool trains in this process instead).
