@@ -40,6 +40,7 @@ from bench.sched_round import CLUSTER, make_jobs  # noqa: E402
 from estimator.plan import Plan  # noqa: E402
 from frenzy_scheduler.collector import collector_held  # noqa: E402
 from frenzy_scheduler.source import LedgerSource  # noqa: E402
+from ledger.queue import Leadership  # noqa: E402
 from ledger import Ledger  # noqa: E402
 from ledger.core import db_now  # noqa: E402
 from ledger.tables import AllocationRow, GpuRow, JobRow, QueueJobRow  # noqa: E402
@@ -210,6 +211,12 @@ def main() -> None:
     if cache is not None:
         cache.write_bytes(pickle.dumps(book._cache))
     source = LedgerSource(led)
+    # the service's writes are fenced by its leadership lease (one read of the lease row in
+    # each write transaction): this round leads and writes fenced, as the service does
+    lead = Leadership(led, "live-round-bench", ttl_s=24 * 3600.0)
+    if not lead.acquire():
+        raise SystemExit(f"another scheduler leads this ledger: {lead.current()}")
+    source.queue.fence = lead.fence()
     policy = get_policy(args.policy)
     total = sum(n.gpus for n in led.cluster_state().nodes)
     print(f"ledger: {led._write_engine.dialect.name}; cluster {total} GPUs, {len(cluster.inventory())} GPU types "
@@ -245,6 +252,7 @@ def main() -> None:
                      "running": len(snap.state.running), "starts": len(result.started),
                      "stops": len(result.stops)})
         next_id = churn(led, source, book, rng, next_id, args.churn)
+    lead.release()
     if prof is not None:
         prof.dump_stats(args.profile)
     warm = rows[1:]

@@ -74,6 +74,8 @@ class SyncReport:
     pools: dict[str, str] = field(default_factory=dict)        # name -> created | updated | unchanged
     limits: dict[str, int] = field(default_factory=dict)       # gcl name -> slots
     queues: dict[str, list[str]] = field(default_factory=dict) # pool -> its per-node work queues
+    # pool -> per-node work queues of nodes it no longer has (the pool shrank, or is one node now)
+    removed_queues: dict[str, list[str]] = field(default_factory=dict)
     deployments: dict[str, str] = field(default_factory=dict)  # deployment name -> id
 
 
@@ -246,6 +248,9 @@ def sync_pools(cluster: Any, *, pool_type: PoolType = "process", entrypoint: str
             for qname in node_queue_names(spec):
                 _ensure_queue(client, spec.name, qname, spec.gpu_type)
             report.queues[spec.name] = node_queue_names(spec)
+            dropped = _drop_stale_node_queues(client, spec, log)
+            if dropped:
+                report.removed_queues[spec.name] = dropped
             client.upsert_global_concurrency_limit_by_name(gpu_limit_name(spec.name), limit=spec.gpus)
             report.limits[gpu_limit_name(spec.name)] = spec.gpus
 
@@ -286,6 +291,41 @@ def _ensure_queue(client, pool: str, name: str, gpu_type: str) -> None:
                                              f"`prefect worker start --pool {pool} --work-queue {name}`")
     except ObjectAlreadyExists:       # a concurrent sync made it
         pass
+
+
+def _drop_stale_node_queues(client, spec: PoolSpec, log: Callable[[str], None]) -> list[str]:
+    """Delete the pool's per-node work queues (``<pool>-<i>``) of nodes it no longer has, so a
+    worker still started on one sits on an empty queue rather than one that looks current; a
+    queue that still holds a run not yet final is kept (its run's node is being drained) and
+    said so. The pool's other queues (its default one, any a site made) are never touched.
+    Returns the names deleted."""
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState,
+                                                FlowRunFilterStateType, WorkPoolFilter,
+                                                WorkPoolFilterName, WorkQueueFilter,
+                                                WorkQueueFilterName)
+    from prefect.client.schemas.objects import StateType
+
+    keep = set(node_queue_names(spec))
+    node_queue = re.compile(rf"^{re.escape(spec.name)}-\d+$")
+    dropped = []
+    for q in client.read_work_queues(work_pool_name=spec.name):
+        if q.name in keep or not node_queue.match(q.name):
+            continue
+        live = client.read_flow_runs(
+            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[spec.name])),
+            work_queue_filter=WorkQueueFilter(name=WorkQueueFilterName(any_=[q.name])),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+                any_=[StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED,
+                      StateType.CANCELLING]))), limit=1)
+        if live:
+            log(f"pool {spec.name}: work queue {q.name} kept (its node left the pool, but run "
+                f"{live[0].name} on it has not ended); the next sync removes it")
+            continue
+        client.delete_work_queue_by_id(q.id)
+        dropped.append(q.name)
+        log(f"pool {spec.name}: work queue {q.name} removed (the pool has {spec.nodes} node"
+            f"{'s' if spec.nodes != 1 else ''} now)")
+    return dropped
 
 
 def _remove_pool(client, name: str, flow_name: str) -> None:

@@ -158,6 +158,42 @@ def test_sync_is_idempotent_and_resizes_limits_when_the_cluster_changes():
 
 @pytest.mark.prefect
 @pytest.mark.usefixtures("prefect_server")
+def test_a_pool_that_lost_nodes_loses_their_work_queues_once_their_runs_ended():
+    """A 3-node pool synced as 2 nodes (then 1) kept ``<pool>-2`` (then ``-1``): a worker
+    started on it looked current. Those queues go, a site's own queue and the default stay,
+    and a queue still holding a run waits for the next sync."""
+    from prefect.states import Cancelled
+
+    from deployments.pools import sync_pools
+
+    a = f"sq-{uuid.uuid4().hex[:6]}"
+    quiet = dict(entrypoint=STANDIN, log=lambda *_: None)
+    r1 = sync_pools(_cluster((a, "A100-80GB", 3, 8)), **quiet)
+    assert r1.queues[a] == [f"{a}-0", f"{a}-1", f"{a}-2"] and not r1.removed_queues
+    with _client() as client:
+        client.create_work_queue(name="nightly", work_pool_name=a)
+        dep = client.read_deployment(r1.deployments[f"frenzy-train-{a}"])
+        run = client.create_flow_run_from_deployment(dep.id, parameters={"job": {}, "plan": {}, "assignment": {}},
+                                                     work_queue_name=f"{a}-1")
+    lines: list[str] = []
+    r2 = sync_pools(_cluster((a, "A100-80GB", 2, 8)), entrypoint=STANDIN, log=lines.append)
+    assert r2.removed_queues == {a: [f"{a}-2"]}
+    with _client() as client:
+        names = {q.name for q in client.read_work_queues(work_pool_name=a)}
+    assert names == {"default", "nightly", f"{a}-0", f"{a}-1"}
+    lines.clear()
+    r3 = sync_pools(_cluster((a, "A100-80GB", 1, 8)), entrypoint=STANDIN, log=lines.append)
+    assert r3.queues[a] == [] and r3.removed_queues == {a: [f"{a}-0"]}       # -1 holds a scheduled run
+    assert any(f"work queue {a}-1 kept" in line and run.name in line for line in lines)
+    with _client() as client:
+        client.set_flow_run_state(run.id, Cancelled(), force=True)
+    assert sync_pools(_cluster((a, "A100-80GB", 1, 8)), **quiet).removed_queues == {a: [f"{a}-1"]}
+    with _client() as client:
+        assert {q.name for q in client.read_work_queues(work_pool_name=a)} == {"default", "nightly"}
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
 def test_sync_refuses_a_pool_of_another_type_and_changes_nothing():
     from prefect.client.schemas.actions import WorkPoolCreate
 
