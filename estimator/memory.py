@@ -321,7 +321,7 @@ def _validate(framework: Any, spec: ModelSpec, seq_len: Any, micro_batch: Any, g
     check_knobs(prof, finetune=finetune, zero=zero, master=master_weights, precision=precision,
                 opt_in_bwd=opt_in_bwd, optimizer=optimizer, offload=offload, loss=loss,
                 act_offload=act_offload, fused=fused)
-    rank, targets, drop = 16, (), False
+    rank, targets, drop = DEFAULT_LORA_RANK, (), False
     if finetune != "full":
         if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) \
                 or not 0 <= lora_dropout < 1:

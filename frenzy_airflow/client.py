@@ -25,6 +25,9 @@ class FrenzyRunFailed(RuntimeError):
 
 
 FAILED_STATES = FINAL_STATES - {"COMPLETED"}
+# A retry that finds its run CANCELLING waits this long for it to end (Prefect kills a run's
+# process 30 s after asking it to stop; its worker then reports it cancelled)
+CANCELLING_WAIT_S = 120.0
 
 
 def idempotency_key(dag_id: str, task_id: str, run_id: str, map_index: int = -1) -> str:
@@ -121,6 +124,10 @@ def trigger_or_resume(client: httpx.Client, deployment: str, *, idempotency_key:
     key = idempotency_key
     for _ in range(max_chain):
         fr = trigger(client, deployment, idempotency_key=key, **kw)
+        deadline = time.monotonic() + CANCELLING_WAIT_S
+        while state_type(fr) == "CANCELLING" and time.monotonic() < deadline:
+            time.sleep(1.0)          # being cancelled (a killed try's on_kill): wait for its end
+            fr = read_flow_run(client, fr["id"])
         if state_type(fr) not in FAILED_STATES:
             return fr
         key = retry_key(key, fr["id"])

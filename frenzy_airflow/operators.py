@@ -76,12 +76,12 @@ class FrenzySubmitOperator(BaseOperator):
             self.log.info("Prefect flow run %s (%s), idempotency key %s", fr["name"], fr["id"],
                           fr.get("idempotency_key") or key)
             if self.wait:
+                # kept when the wait ends in an exception: Airflow calls on_kill after its
+                # timeout exception has left execute
                 self._waiting_on = fr["id"]
-                try:
-                    wait(client, fr["id"], poll_s=self.poll_interval, timeout_s=self.wait_timeout,
-                         on_poll=lambda r: self.log.info("flow run %s: %s", r["name"], state_type(r)))
-                finally:
-                    self._waiting_on = None
+                wait(client, fr["id"], poll_s=self.poll_interval, timeout_s=self.wait_timeout,
+                     on_poll=lambda r: self.log.info("flow run %s: %s", r["name"], state_type(r)))
+                self._waiting_on = None
         return fr["id"]
 
     def on_kill(self) -> None:

@@ -136,7 +136,10 @@ class SchedulerService:
                     self.loop.step()
             except LeadershipLost as err:  # a standby took over while this round was written
                 log.warning("leadership lost during a round, the rest of it not applied: %s", err)
-                self._valid_until = self._renew_at = 0.0      # the next poll asks the lease again
+                # a standby: the next poll asks the lease again, and leading again is a takeover
+                # (a fresh loop and policy; this loop counted the dropped round as done)
+                self.leading, self.loop = False, None
+                self._valid_until = self._renew_at = 0.0
             except Exception:             # a policy bug or a database error: logged, next poll retries
                 log.exception("scheduling round failed")
 

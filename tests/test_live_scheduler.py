@@ -399,6 +399,7 @@ def test_a_stalled_leaders_round_writes_nothing_once_a_standby_took_over(url, mo
     real_apply = a.source.apply
 
     def stalled(result, now):
+        monkeypatch.setattr(a.source, "apply", real_apply)    # once
         time.sleep(1.3)                                 # past A's 1 s lease...
         assert Leadership(led, "B", ttl_s=60.0).acquire()   # ...a standby takes over
         real_apply(result, now)
@@ -416,12 +417,18 @@ def test_a_stalled_leaders_round_writes_nothing_once_a_standby_took_over(url, mo
         logging.getLogger("frenzy.scheduler").removeHandler(handler)
     assert any("leadership lost during a round" in m and "held by B at epoch 2" in m for m in seen), seen
     assert q.get("j").state == "pending" and not [x for x in led.allocations() if x.status == "active"]
+    assert not a.leading and a.loop is None
     a.step()
-    assert not a.leading
+    assert not a.leading                                  # B leads
+    Leadership(led, "B", ttl_s=60.0).release()
+    time.sleep(a.poll_s)                                  # a standby asks again a poll later
+    a.step()                                              # leading again is a takeover: a fresh loop,
+    assert a.leading and a.takeovers == 2                 # whose first round places the job at once
+    assert q.get("j").state == "running"
     # each fenced write: a request of the stale epoch is refused before it reads anything
     with pytest.raises(LeadershipLost):
         JobQueue(led, fence=LeaseFence("scheduler", "A", 1)).request("j", "preempt")
-    assert JobQueue(led, fence=LeaseFence("scheduler", "B", 2)).request("j", "preempt") is None   # not running
+    assert JobQueue(led, fence=LeaseFence("scheduler", "A", 3)).request("j", "preempt")   # A's epoch now
 
 
 def test_frenzy_queue_prints_pending_jobs_with_predicted_start_and_reason(url, capsys):
