@@ -59,6 +59,15 @@ FRAGMENTATION_ADAPTERS = 0.20
 FRAGMENTATION_RECOMPUTE_EXPANDABLE = 0.20
 # NCCL buffers per communicator a rank joins (NCCL_BUFFSIZE 4 MiB x channels x peers; 0.2-1 GB).
 NCCL_PER_COMM_GIB = 0.25
+# What a run may hold outside its allocator and still be measured alone: a CUDA context with
+# every kernel image loaded eagerly (CUDA_MODULE_LOADING=EAGER: torch's kernels, ~1-2 GB) plus
+# the workspaces; NCCL's buffers per communicator (NCCL_BUFFSIZE 4 MiB x at most 32 channels x
+# send and receive x a few peers) stay well under 2 GiB. NVML's used memory is the whole
+# device's: a run that shared its GPU with another process reads more, and calibrating on it
+# made every plan of the type carry the other process (one run on a shared A100 gave a 61 GiB
+# "context"). Such runs are left out of the context and NCCL fits (``outliers``).
+MAX_CONTEXT_GIB = 2.0
+MAX_NCCL_PER_COMM_GIB = 2.0
 # DeepSpeed ZeRO-1/2 communication buckets (elements): a reduce and an all-gather bucket of
 # 16-bit values. The trainer's DeepSpeed config (trainer/launch_config.py) sets both to 5e7 with
 # overlap_comm off; DeepSpeed's own default is 5e8 (about 9 GB with overlap_comm on).
@@ -192,7 +201,10 @@ def fit_calibration(measurements: list, specs: dict[str, dict] | None = None) ->
       below 5 runs) so the fitted figure rarely under-predicts;
     * ``cuda_context_gib``: device used - reserved - workspace on single-GPU runs (90th pct);
     * ``nccl_per_comm_gib``: the rest of device used on multi-GPU runs, per communicator.
-    Returns {gpu_type: {term: value, ..., "runs": n}} for types with usable rows only."""
+    Runs whose device used exceeds what one process explains (``MAX_CONTEXT_GIB``,
+    ``MAX_NCCL_PER_COMM_GIB``: another process on the GPU) are left out of those two fits.
+    Returns {gpu_type: {term: value, ..., "runs": n, "outliers": m}} for types with usable
+    rows only (``outliers`` only where m > 0; neither key is a term)."""
     from .job import trains_adapters
 
     by_type: dict[str, list] = {}
@@ -205,6 +217,7 @@ def fit_calibration(measurements: list, specs: dict[str, dict] | None = None) ->
     fits: dict[str, dict[str, float | int]] = {}
     for gtype, rows in by_type.items():
         frag, frag_rc, frag_rc_exp, frag_lora, ctx, nccl = [], [], [], [], [], []
+        outliers = 0
         for m in rows:
             meas, plan = _get(m, "measured"), _get(m, "plan") or {}
             a, r = float(meas["allocated_peak_gib"]), float(meas["reserved_peak_gib"])
@@ -220,7 +233,10 @@ def fit_calibration(measurements: list, specs: dict[str, dict] | None = None) ->
                 outside = float(used) - r - WORKSPACE_GIB
                 comms = sum(1 for d in ("dp", "tp", "pp", "cp") if int(plan.get(d, 1) or 1) > 1)
                 if comms == 0:
-                    ctx.append(max(0.0, outside))
+                    if outside > MAX_CONTEXT_GIB:
+                        outliers += 1
+                    else:
+                        ctx.append(max(0.0, outside))
                 else:
                     nccl.append((outside, comms))
         pick = (lambda v: _quantile(v, 0.9) if len(v) >= 5 else max(v))
@@ -238,6 +254,11 @@ def fit_calibration(measurements: list, specs: dict[str, dict] | None = None) ->
         if nccl:
             base = fit.get("cuda_context_gib", CUDA_CONTEXT_GIB)
             per = [max(0.0, (o - base) / c) for o, c in nccl]
-            fit["nccl_per_comm_gib"] = round(pick(per), 4)
+            kept = [v for v in per if v <= MAX_NCCL_PER_COMM_GIB]
+            outliers += len(per) - len(kept)
+            if kept:
+                fit["nccl_per_comm_gib"] = round(pick(kept), 4)
+        if outliers:
+            fit["outliers"] = outliers
         fits[gtype] = fit
     return fits

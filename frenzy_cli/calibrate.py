@@ -100,7 +100,7 @@ def handle(args) -> int:
     tput = fit_throughput(measured) if measured else {"per_gpu": {}}
     path = tpath = None
     if fits and not args.dry_run:
-        path = write_calibration({g: {k: v for k, v in f.items() if k != "runs"}
+        path = write_calibration({g: {k: v for k, v in f.items() if k not in ("runs", "outliers")}
                                   for g, f in fits.items()})
     if tput["per_gpu"] and not args.dry_run:
         tpath = write_throughput(tput["factors"], list(tput["per_gpu"]))
@@ -128,6 +128,10 @@ def handle(args) -> int:
         for g, f in fits.items():
             t.add_row(g, str(f["runs"]), *(f"{f[c]:.3f}" if c in f else "-" for c in cols))
         con.print(t)
+        for g, f in fits.items():
+            if f.get("outliers"):
+                con.print(f"{g}: {f['outliers']} run(s) left out of the context / NCCL fit: their device used "
+                          f"is more than one process holds outside its allocator (another process on the GPU?)")
         con.print(f"written to {path}" if path else f"dry run: {calibration_path()} unchanged")
     if tput["per_gpu"]:
         t = Table(title=f"fitted throughput factors per GPU type ({len(measured)} runs with step times, "

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
+
+from .paths import check_output_file, write_failed
 
 WORKLOAD_HELP = """\
 Map the jobs of a Microsoft ITP trace (arrival time, duration, GPU count) to LLM training jobs
@@ -73,11 +74,17 @@ def register(sub) -> None:
 def _policies(args) -> list[str]:
     from estimator.errors import FrenzyInputError
     from scheduler.policies import policy_factory
-    names = [n.strip() for n in (args.compare or args.policy).split(",") if n.strip()]
+    flag = "compare" if args.compare else "policy"
+    names = [n.strip() for n in (args.compare or args.policy).split(",")]
+    if not any(names):
+        raise FrenzyInputError(flag, "give at least one policy")
+    if not all(names):
+        raise FrenzyInputError(flag, f"an empty policy name in {args.compare or args.policy!r}")
     for n in names:
         policy_factory(n)                 # raises naming the known policies
-    if not names:
-        raise FrenzyInputError("policy", "give at least one policy")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise FrenzyInputError(flag, f"{', '.join(twice)} named twice (a policy's run is the same every time)")
     return names
 
 
@@ -97,9 +104,7 @@ def handle_simulate(args) -> int:
     if args.plot and not args.compare:
         raise FrenzyInputError("plot", "needs --compare (one figure compares policies)")
     if args.plot:
-        plot = Path(args.plot)
-        if plot.is_dir():
-            raise FrenzyInputError("plot", f"{args.plot} is a folder; give a file name ending in .png")
+        plot = check_output_file("plot", args.plot)
         if plot.suffix.lower() not in ("", ".png"):
             raise FrenzyInputError("plot", f"writes a PNG: the name must end in .png (got {plot.suffix!r})")
         args.plot = str(plot.with_suffix(".png"))     # what matplotlib writes for a bare name
@@ -113,11 +118,20 @@ def handle_simulate(args) -> int:
     if args.json:
         payload = [r.summary() for r in results]
         print(json.dumps(payload[0] if not args.compare else payload, indent=None))
+        # the contract's keys only on stdout: why jobs did not finish goes to stderr (an
+        # average over no completed job reads 0.0 there)
+        for r in results:
+            note = unfinished_note(r)
+            if note:
+                print(note, file=sys.stderr)
     else:
         print_table(results, title=f"{args.workload} on {args.cluster} (seed {args.seed}, noise {args.noise})")
     if args.plot:
         from scheduler.sim.plot import plot_comparison
-        out = plot_comparison(results, args.plot, title=f"{args.workload} on {args.cluster}")
+        try:
+            out = plot_comparison(results, args.plot, title=f"{args.workload} on {args.cluster}")
+        except OSError as err:
+            raise write_failed("plot", args.plot, err) from None
         print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -182,15 +196,11 @@ def handle_workload(args) -> int:
     from estimator.errors import FrenzyInputError, check_number
     from scheduler.workload import MAX_SCALE, load_mix, map_trace, read_trace, write_workload
 
-    out = Path(args.out)
-    if out.is_dir():
-        raise FrenzyInputError("out", f"{args.out} is a folder; give the workload CSV's file name")
-    folder = next((p for p in out.resolve().parents if p.exists()), None)
-    if folder is None or not os.access(folder, os.W_OK):
-        raise FrenzyInputError("out", f"cannot write under {folder} (no permission)")
+    out = check_output_file("out", args.out)
     for name, path in (("trace", args.trace), ("mix", args.mix)):
         if out.exists() and Path(path).exists() and out.resolve() == Path(path).resolve():
             raise FrenzyInputError("out", f"{args.out} is the --{name} file; writing it would destroy the input")
+    check_number("seed", args.seed, low_open=False, integer=True)     # as `frenzy simulate --seed`
     mix = load_mix(args.mix)
     for attr, flag, val, kw in (("max_jobs", "max-jobs", args.max_jobs, {"integer": True}),
                                 ("start_s", "start-s", args.start_s, {"low_open": False}),
@@ -208,7 +218,10 @@ def handle_workload(args) -> int:
             jobs = map_trace(trace, mix, args.seed, progress=lambda n: prog.update(task, completed=n))
     else:
         jobs = map_trace(trace, mix, args.seed)
-    write_workload(jobs, args.out)
+    try:
+        write_workload(jobs, args.out)
+    except OSError as err:
+        raise write_failed("out", args.out, err) from None
     n_gpu = sum(j.requested_gpus for j in jobs)
     print(f"wrote {len(jobs)} jobs to {args.out} (seed {args.seed}, reference {mix.reference_gpu}, "
           f"{n_gpu} requested GPUs in total)", file=sys.stderr)

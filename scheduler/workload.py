@@ -16,7 +16,8 @@ The mapping (``frenzy workload``), reproducible from (trace, mix file, seed):
    many short jobs of at most 16 GPUs).
 2. For trace job *i* draw, from ``random.Random(f"{seed}:{i}")`` (so a job's draw does not
    depend on the other jobs), a model from the weighted presets of the first mix class whose
-   ``max_gpus`` >= the job's ``num_gpu``, a sequence length and a global batch from the weighted
+   ``max_gpus`` >= the job's ``num_gpu`` (the class of the largest ``max_gpus`` for a job
+   larger than every class), a sequence length and a global batch from the weighted
    lists. The draw is repeated (up to ``MAX_DRAWS`` times) until the estimator finds a plan of
    exactly ``num_gpu`` GPUs of the reference type that fits in memory, so that the author's
    request is one a competent user could actually run.
@@ -118,7 +119,7 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
     known_models = set(models) if models is not None else _known_models()
     known_gpus = _known_gpus() | set(extra_gpu_types)
     if not path.is_file():
-        raise FrenzyInputError("workload", f"no such file: {path}")
+        raise FrenzyInputError("workload", f"{path} is a folder, not a file" if path.is_dir() else f"no such file: {path}")
     jobs: list[WorkloadJob] = []
     seen: set[str] = set()
     with _text(path, "workload") as fh:
@@ -323,7 +324,7 @@ def _text(path: Path, what: str):
 def read_trace(path: str | Path) -> list[TraceJob]:
     path = Path(path)
     if not path.is_file():
-        raise FrenzyInputError("trace", f"no such file: {path}")
+        raise FrenzyInputError("trace", f"{path} is a folder, not a file" if path.is_dir() else f"no such file: {path}")
     out = []
     seen: set[str] = set()
     with _text(path, "trace") as fh:

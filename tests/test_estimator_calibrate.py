@@ -48,6 +48,31 @@ def test_fit_skips_cpu_runs_and_fits_nccl():
     assert fits["A100-80GB"]["fragmentation"] == pytest.approx(0.1)
 
 
+def test_a_run_that_shared_its_gpu_is_left_out_of_the_context_and_nccl_fits(frenzy_home, capsys):
+    """NVML's used memory is the device's: one run on a GPU another process also used (70 GiB
+    used for 9 reserved) was fitted as a 61 GiB CUDA context, and every plan of the type then
+    carried it. Such runs are left out of the context and NCCL fits, and said so."""
+    from ledger.core import Ledger
+
+    def row(used, dp=1):
+        return dict(gpu_type="A100-80GB", plan={"gpus": dp, "dp": dp, "act_ckpt": "none"},
+                    measured={"allocated_peak_gib": 8.0, "reserved_peak_gib": 9.0, "nvml_used_gib": used})
+    alone, shared = row(9.0 + 0.15 + 0.5), row(70.0)
+    f = fit_calibration([alone, shared, row(9.0 + 0.15 + 0.5 + 0.3, dp=2), row(60.0, dp=2)])["A100-80GB"]
+    assert f["cuda_context_gib"] == pytest.approx(0.5) and f["nccl_per_comm_gib"] == pytest.approx(0.3)
+    assert f["outliers"] == 2 and f["runs"] == 4 and f["fragmentation"] == pytest.approx(0.125)
+    assert "cuda_context_gib" not in fit_calibration([shared])["A100-80GB"]
+    url = f"sqlite:///{frenzy_home}/ledger.db"
+    frenzy_home.mkdir(parents=True, exist_ok=True)
+    led = Ledger(url)
+    for i, r in enumerate((alone, shared)):
+        led.record_measurement(f"job-{i}", None, r["gpu_type"], r["plan"], predicted={}, measured=r["measured"])
+    assert main(["calibrate", "--ledger", url]) == 0
+    assert "1 run(s) left out of the context / NCCL fit" in capsys.readouterr().out
+    saved = json.loads(calibration_path().read_text())["A100-80GB"]
+    assert saved["cuda_context_gib"] == pytest.approx(0.5) and "outliers" not in saved
+
+
 @pytest.mark.skipif(not os.path.exists(MEASURED), reason="no GPU measurements in bench/")
 def test_calibrate_cli_writes_file_used_by_estimates(frenzy_home, capsys):
     from ledger.core import Ledger

@@ -155,6 +155,48 @@ def test_plot_name_is_checked_before_simulating(workload, tmp_path, capsys):
     assert "must end in .png" in capsys.readouterr().err
     assert main([*args, "--plot", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
+    # under a file, or where no file can be made: one line before the simulation (they were a
+    # traceback after it); likewise the workload's --out
+    for bad in (workload / "jct.png", "/proc/frenzy-jct.png"):
+        assert main([*args, "--plot", str(bad), "--no-progress"]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("frenzy simulate: error: plot:") and ("cannot be written" in line or "cannot write" in line)
+    trace = tmp_path / "trace.csv"
+    trace.write_text(TRACE_ROWS)
+    assert main(["workload", "--trace", str(trace), "--mix", "examples/workload-mix.yaml",
+                 "--out", str(workload / "w.csv")]) == 2
+    assert f"out: {workload} is a file, not a folder" in capsys.readouterr().err
+
+
+def test_policy_lists_name_each_policy_once(workload, capsys):
+    base = ["simulate", "--workload", str(workload), "--cluster", CLUSTER]
+    assert main([*base, "--compare", "frenzy,frenzy"]) == 2
+    assert "compare: frenzy named twice" in capsys.readouterr().err
+    assert main([*base, "--compare", "frenzy,,gavel"]) == 2
+    assert "compare: an empty policy name" in capsys.readouterr().err
+    assert main([*base, "--workload", str(workload.parent)]) == 2
+    assert "is a folder, not a file" in capsys.readouterr().err
+    trace = workload.parent / "trace.csv"
+    assert main(["workload", "--trace", str(trace), "--mix", "examples/workload-mix.yaml", "--seed", "-3",
+                 "--out", str(workload.parent / "o.csv")]) == 2
+    assert "seed: must be an integer >= 0" in capsys.readouterr().err
+
+
+def test_a_cluster_of_custom_gpu_types_simulates_and_json_says_why_jobs_did_not_finish(workload, tmp_path, capsys):
+    """The cluster file's own gpu_types loaded, and `frenzy plan` used them, but the simulator
+    planned with the catalog alone: the first arrival failed on the unknown type."""
+    custom = tmp_path / "custom.yaml"
+    custom.write_text("pools: [{name: b, gpu: B200-192GB, nodes: 1, gpus_per_node: 8}]\n"
+                      "gpu_types: {B200-192GB: {memory_gib: 178, bf16_tflops: 2250, mem_bw_gbs: 8000, "
+                      "intra_link: nvlink5}}\n")
+    assert main(["simulate", "--workload", str(workload), "--cluster", str(custom), "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["completed"] == out["jobs"] == 8
+    tiny = tmp_path / "tiny.yaml"
+    tiny.write_text("pools: [{name: t, gpu: T4-16GB, nodes: 1, gpus_per_node: 1}]\n")
+    assert main(["simulate", "--workload", str(workload), "--cluster", str(tiny), "--json", "--no-progress"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["completed"] < 8 and "rejected: no plan fits the cluster" in got.err
 
 
 def test_a_workload_row_beyond_a_jobs_bounds_is_refused(tmp_path, capsys):

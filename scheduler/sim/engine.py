@@ -135,7 +135,7 @@ class SimCluster:
     def plan_book(self) -> PlanBook:
         """A plan cache for this cluster (share it between policies run on the same cluster)."""
         return PlanBook(self.inventory, self.gpus_per_node,
-                        memory_gib={t: g.memory_gib for t, g in self.gpus.items()})
+                        memory_gib={t: g.memory_gib for t, g in self.gpus.items()}, gpus=self.gpus)
 
 
 @dataclass(slots=True)

@@ -52,13 +52,16 @@ class PlanBook:
 
     def __init__(self, inventory: dict[str, int], gpus_per_node: dict[str, int],
                  margin_fractions: tuple[float, ...] = SIM_MARGIN_FRACTIONS,
-                 memory_gib: dict[str, float] | None = None):
+                 memory_gib: dict[str, float] | None = None, gpus: dict | None = None):
+        """``gpus``: the cluster's GPU types (``Cluster.gpu_catalog()``: its custom types with
+        the catalog's), looked up before the catalog."""
         self.inventory = dict(inventory)
         self.gpus_per_node = dict(gpus_per_node)
         self.margin_fractions = margin_fractions
+        self.gpus = dict(gpus or {})
         if memory_gib is None:
             from estimator.catalog import get_gpu
-            memory_gib = {t: get_gpu(t).memory_gib for t in inventory}
+            memory_gib = {t: get_gpu(t, self.gpus).memory_gib for t in inventory}
         self.memory_gib = memory_gib
         self._cache: dict[tuple[str, int, int], list[Plan]] = {}
 
@@ -74,7 +77,8 @@ class PlanBook:
                     try:
                         found += enumerate_plans(job, gpu_type, max_gpus=count,
                                                  gpus_per_node=self.gpus_per_node.get(gpu_type, 8),
-                                                 safety_margin_gib=frac * self.memory_gib[gpu_type])
+                                                 safety_margin_gib=frac * self.memory_gib[gpu_type],
+                                                 gpus=self.gpus or None)
                     except DoesNotFitError:
                         break            # a bigger margin will not fit either
             hit = pareto(found)

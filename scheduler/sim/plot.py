@@ -25,12 +25,16 @@ def plot_comparison(results, out: str | Path, title: str = "") -> Path:
     ax_cdf.set_ylabel("fraction of jobs")
     ax_cdf.set_title("JCT CDF")
     ax_cdf.grid(True, alpha=0.3)
-    ax_cdf.legend(fontsize=8, loc="lower right")
+    if ax_cdf.get_legend_handles_labels()[0]:      # no policy finished a job: no curve to name
+        ax_cdf.legend(fontsize=8, loc="lower right")
+    else:
+        ax_cdf.text(0.5, 0.5, "no job completed", ha="center", va="center", transform=ax_cdf.transAxes)
     ax_q.set_xlabel("simulated time (h)")
     ax_q.set_ylabel("jobs waiting")
     ax_q.set_title("Queue length")
     ax_q.grid(True, alpha=0.3)
-    ax_q.legend(fontsize=8)
+    if ax_q.get_legend_handles_labels()[0]:
+        ax_q.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
