@@ -106,14 +106,17 @@ def _gang_text(pool: str, node_ids: list[str]) -> str:
 
 
 def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, policy: str = "frenzy",
-            workers: Callable[[str], int] | None = None, plan_filter: str | None = None) -> dict[str, Any]:
+            workers: Callable[[str], int] | None = None, plan_filter: str | None = None,
+            registered: list[str] | None = None) -> dict[str, Any]:
     """What ``job`` would launch on ``cluster``: one JSON-able dict (``launch`` true with the
     GPU type, count, plan, memory, predicted step time and duration, pool, placement and worker;
     or ``launch`` false with ``reason`` and ``needs``). ``workers``: pool -> online workers, when a
     server may be asked (the flow's dry run); None leaves the worker unchecked. ``plan_filter``:
     the submission's ``--plan`` knobs (``estimator.plan_filter``), applied as the submit flow
     applies them: a filter that names a bad knob or matches no feasible plan raises
-    FrenzyInputError, as the same submission would."""
+    FrenzyInputError, as the same submission would. ``registered``: the work pools the server
+    has (the flow's dry run), among which the submission chooses; None: every pool of the
+    cluster (no server to ask)."""
     from prefect.logging import disable_run_logger
 
     from estimator.catalog import get_gpu
@@ -143,7 +146,8 @@ def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, pol
     plans_by_type = filter_plans(plans_by_type, flt, cluster.gpus_per_node())
     try:
         with disable_run_logger():
-            candidates = select_resources.fn(job, plans_by_type, cluster, [p.name for p in cluster.pools])
+            candidates = select_resources.fn(job, plans_by_type, cluster,
+                                             [p.name for p in cluster.pools] if registered is None else registered)
     except FrenzyInputError as err:
         return {**base, "launch": False, "reason": str(err),
                 "needs": nearest_fits(job, cluster, safety_margin_gib)}
@@ -229,12 +233,14 @@ def dry_run_in_flow(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: fl
                     plan_filter: str | None = None) -> dict[str, Any]:
     """The `frenzy-submit` flow's ``dry_run=True``: the dry run with the pools' online workers
     counted on the flow's server, shown as the ``frenzy-dry-run`` artifact and in the log."""
-    from prefect import get_run_logger
+    from prefect import get_client, get_run_logger
 
     from frenzy_flows.dispatch import workers_online
 
+    with get_client(sync_client=True) as client:     # as the submission chooses: registered pools only
+        registered = [p.name for p in client.read_work_pools()]
     d = dry_run(job, cluster, safety_margin_gib=safety_margin_gib, policy=policy, workers=workers_online,
-                plan_filter=plan_filter)
+                plan_filter=plan_filter, registered=registered)
     dry_run_artifact(d)
     log = get_run_logger()
     for line in dry_run_lines(d):

@@ -116,6 +116,11 @@ def test_flow_dry_run_returns_the_report_and_leaves_the_ledger_alone(frenzy_home
 
     (tmp_path / "cluster.yaml").write_text("pools:\n  - {name: cpu-dry, gpu: CPU, nodes: 1, gpus_per_node: 2}\n")
     job = {"name": "dry", "model": "gpt2-tiny", "seq_len": 64, "global_batch": 8, "train_steps": 5, "precision": "fp32"}
+    # as the submission would: a pool Prefect does not have is no candidate (the dry run had
+    # said "would launch" where the run then refused)
+    d = submit_training(job=job, cluster=str(tmp_path / "cluster.yaml"), dry_run=True)
+    assert not d["launch"] and "no Prefect work pool registered" in d["reason"]
+    _register("cpu-dry")
     d = submit_training(job=job, cluster=str(tmp_path / "cluster.yaml"), dry_run=True)
     assert d["launch"] and d["pool"] == "cpu-dry"
     assert "no worker online in pool cpu-dry" in d["worker"]
@@ -136,8 +141,22 @@ def test_flow_takes_the_cluster_as_a_gpu_cluster_block(frenzy_home):
     block = GPUCluster.from_cluster(parse_cluster("pools:\n  - {name: cpu-block, gpu: cpu, nodes: 1, gpus_per_node: 1}\n"))
     job = {"name": "dry-block", "model": "gpt2-tiny", "seq_len": 64, "global_batch": 8, "train_steps": 5,
            "precision": "fp32"}
+    _register("cpu-block")
     d = submit_training(job=job, cluster=block, dry_run=True)
     assert d["launch"] and d["pool"] == "cpu-block" and d["gpu_type"] == "CPU"     # 'cpu' resolved too
+
+
+def _register(pool: str) -> None:
+    """A work pool on the test server (what `frenzy pools sync` makes)."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+        except ObjectAlreadyExists:
+            pass
 
 
 A100_NODE = "pools:\n  - {name: a100, gpu: A100-80GB, nodes: 1, gpus_per_node: 8}\n"
