@@ -20,6 +20,7 @@ cluster, so every round has GPUs to place and jobs to place on them.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import gc
 import logging
@@ -217,6 +218,7 @@ def main() -> None:
     if not lead.acquire():
         raise SystemExit(f"another scheduler leads this ledger: {lead.current()}")
     source.queue.fence = lead.fence()
+    atexit.register(lead.release)     # a crashed run must not hold a day's lease on a shared ledger
     policy = get_policy(args.policy)
     total = sum(n.gpus for n in led.cluster_state().nodes)
     print(f"ledger: {led._write_engine.dialect.name}; cluster {total} GPUs, {len(cluster.inventory())} GPU types "
@@ -252,7 +254,6 @@ def main() -> None:
                      "running": len(snap.state.running), "starts": len(result.started),
                      "stops": len(result.stops)})
         next_id = churn(led, source, book, rng, next_id, args.churn)
-    lead.release()
     if prof is not None:
         prof.dump_stats(args.profile)
     warm = rows[1:]

@@ -11,9 +11,11 @@ from estimator.errors import FrenzyInputError
 def check_output_file(flag: str, path: str | os.PathLike) -> Path:
     """``path`` as a file this process may create or replace: not a folder, under a folder (or
     one it can make) it may write in. Raises FrenzyInputError naming ``flag`` otherwise."""
-    out = Path(path).expanduser()
+    out = Path(path)          # as given, as the inputs are read and the writer writes it
     if out.is_dir():
         raise FrenzyInputError(flag, f"{path} is a folder; give a file name")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise FrenzyInputError(flag, f"{path} exists and cannot be written (no permission)")
     for parent in out.absolute().parents:
         if parent.exists():
             if not parent.is_dir():

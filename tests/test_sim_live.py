@@ -41,6 +41,19 @@ def test_workload_cli_refuses_to_overwrite_its_inputs_and_bad_flags(tmp_path, ca
     assert "is the --trace file" in capsys.readouterr().err and trace.read_text() == TRACE_ROWS
     assert main([*base, "--out", "examples/workload-mix.yaml"]) == 2
     assert "is the --mix file" in capsys.readouterr().err
+    # a path with a literal "~" (`--out=~/t.csv`: the shell leaves it) is the same file for the
+    # check and the write, so the guard still sees the input
+    (tmp_path / "~").mkdir()
+    (tmp_path / "~" / "t.csv").write_text(TRACE_ROWS)
+    import os
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["workload", "--trace", "~/t.csv", "--mix", os.path.join(here, "examples/workload-mix.yaml"),
+                     "--out", "~/t.csv"]) == 2
+    finally:
+        os.chdir(here)
+    assert "is the --trace file" in capsys.readouterr().err and (tmp_path / "~" / "t.csv").read_text() == TRACE_ROWS
     for flag, value, says in (("--max-jobs", "0", "max-jobs: must be an integer > 0"),
                               ("--max-jobs", "-1", "max-jobs: must be an integer > 0"),
                               ("--time-scale", "nan", "time-scale: must be a finite number > 0")):
