@@ -62,12 +62,14 @@ NCCL_PER_COMM_GIB = 0.25
 # What a run may hold outside its allocator and still be measured alone: a CUDA context with
 # every kernel image loaded eagerly (CUDA_MODULE_LOADING=EAGER: torch's kernels, ~1-2 GB) plus
 # the workspaces; NCCL's buffers per communicator (NCCL_BUFFSIZE 4 MiB x at most 32 channels x
-# send and receive x a few peers) stay well under 2 GiB. NVML's used memory is the whole
+# send and receive x a few peers, plus NVLink SHARP's buffers on NVSwitch systems, ~1-2 GiB)
+# stay under 4 GiB, and the per-communicator figure divides by the parallel dimensions, not
+# every group a rank joins, so it runs high. NVML's used memory is the whole
 # device's: a run that shared its GPU with another process reads more, and calibrating on it
 # made every plan of the type carry the other process (one run on a shared A100 gave a 61 GiB
 # "context"). Such runs are left out of the context and NCCL fits (``outliers``).
 MAX_CONTEXT_GIB = 2.0
-MAX_NCCL_PER_COMM_GIB = 2.0
+MAX_NCCL_PER_COMM_GIB = 4.0
 # DeepSpeed ZeRO-1/2 communication buckets (elements): a reduce and an all-gather bucket of
 # 16-bit values. The trainer's DeepSpeed config (trainer/launch_config.py) sets both to 5e7 with
 # overlap_comm off; DeepSpeed's own default is 5e8 (about 9 GB with overlap_comm on).
