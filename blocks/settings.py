@@ -59,7 +59,13 @@ class FrenzySettings(KnownFields, Block):
     fallback_order: list[FallbackStep] = Field(
         list(DEFAULT_FALLBACK_ORDER), title="Out-of-memory fallback order",
         description="out-of-memory fallbacks to try, in order; leave a kind out to forbid it")
-    hf_token: SecretStr | None = Field(None, title="Hugging Face token", description="Hugging Face token for private tokenizers/datasets")
+    hf_token: SecretStr | None = Field(None, title="Hugging Face token",
+                                       description="Hugging Face token for gated or private Hub models (used when "
+                                                   "fetch_models is on)")
+    fetch_models: bool = Field(False, title="Fetch Hub models",
+                               description="download the Hugging Face Hub models a job names (configs, safetensors "
+                                           "weights, tokenizer) into each machine's Hugging Face cache before use; "
+                                           "off: nothing downloads, a model must already be in the cache")
     data_roots: list[str] = Field(
         default_factory=list, description="folders jobs may read data from, besides the job file's folder, "
                                           "the working directory and FRENZY_HOME")

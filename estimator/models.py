@@ -839,21 +839,24 @@ HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]
 def cached_hub_snapshot(repo_id: str, field: str = "model") -> str:
     """The local snapshot folder of Hub model ``repo_id`` in the Hugging Face cache
     (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``). Never downloads:
-    a model that is not cached raises FrenzyInputError naming the cache entry it looked for."""
+    a model that is not cached raises FrenzyInputError naming the cache entry it looked for.
+    A partial snapshot counts (the files a download was limited to, e.g. `hf download --include`
+    or ``frenzy_flows.hub``, which skips a repo's other weight formats): its config.json decides."""
     try:
-        from huggingface_hub import constants, snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
+        from huggingface_hub import constants, try_to_load_from_cache
     except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
         raise FrenzyInputError(field, f"{repo_id!r} looks like a Hub id, which needs huggingface_hub") from None
     entry = os.path.join(constants.HF_HUB_CACHE, "models--" + repo_id.replace("/", "--"))
     try:
-        folder = snapshot_download(repo_id, local_files_only=True)
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+        config = try_to_load_from_cache(repo_id, "config.json")
+    except (OSError, ValueError):        # an id the hub's own rules refuse
+        config = None
+    folder = os.path.dirname(config) if isinstance(config, str) else None
+    if folder is None:
         raise FrenzyInputError(field, f"{repo_id!r} is neither a preset, a local folder nor a Hub id in the "
-                                      f"local Hugging Face cache (no {entry}; runs never download: fetch it "
-                                      f"first, e.g. `hf download {repo_id}`)") from None
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise FrenzyInputError(field, f"the cached snapshot of {repo_id!r} ({folder}) has no config.json")
+                                      f"local Hugging Face cache (no {entry}; nothing downloads unless asked: "
+                                      f"`frenzy run --fetch`, fetch_models in the FrenzySettings block, or "
+                                      f"`hf download {repo_id}`)")
     return folder
 
 

@@ -25,6 +25,10 @@ def register(sub) -> None:
     p.add_argument("--plan", help='only plans with these knobs, e.g. "tp=2", "offload=optimizer,zero=3", '
                                   '"nodes=2" (knobs: dp tp pp vpp cp gpus nodes zero offload act_ckpt '
                                   'micro_batch grad_accum gpu)')
+    p.add_argument("--fetch", action="store_true",
+                   help="first download the Hugging Face Hub models the job names into this machine's cache "
+                        "(configs, safetensors weights, tokenizer; HF_TOKEN or `hf auth login` for gated ones); "
+                        "without it nothing downloads")
     p.add_argument("--dry-run", action="store_true",
                    help="print what would launch (GPU type, count, plan, memory, predicted step time "
                         "and duration, pool, worker) and start nothing: no Prefect server, no ledger")
@@ -96,6 +100,11 @@ def _handle(args) -> int:
     from scheduler.discover import cluster_or_local
     from trainer.pretrained import check_job
 
+    if args.fetch:
+        from frenzy_flows.hub import fetch_hub_models
+
+        for repo in fetch_hub_models(job, log=lambda line: print(f"frenzy: {line}", file=sys.stderr)):
+            print(f"frenzy: {repo} is in this machine's Hugging Face cache", file=sys.stderr)
     check_job(job)          # starting point, config/weights, LoRA targets, QLoRA support
 
     topology = cluster_or_local(args.cluster)

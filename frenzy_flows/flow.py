@@ -18,6 +18,7 @@ from scheduler.discover import cluster_or_local, is_control_machine_pool
 
 from frenzy_flows import artifacts, dispatch, events
 from frenzy_flows.form import RunForm
+from frenzy_flows.hub import fetch_hub_models
 from frenzy_flows.lifetime import allocation_lifetime
 from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, training_fields, with_placed_nodes
 from frenzy_flows.tasks import (as_secret, enqueue, estimate_memory, load_settings, new_job_id,
@@ -150,6 +151,8 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
     site = load_settings(settings)
     allowlist.configure_from(site)       # the site's data roots and entry-point modules
     job = with_tracking_default(with_site_defaults(job, site), site)
+    if site is not None and site.fetch_models:        # the Hub models it names, into this machine's cache
+        fetch_hub_models(job, token=site.hf_token_value(), log=log.info)
     check_job(job)              # starting point, LoRA targets, QLoRA support: before any GPU is taken
     # the URL may hold a password: it stays a SecretStr in every task and subflow parameter
     # (Prefect stores those masked) and is unwrapped only where the ledger connects

@@ -14,6 +14,7 @@ from estimator.job import TrainingJob
 from estimator.plan import Plan
 
 from frenzy_flows import artifacts, dispatch
+from frenzy_flows.hub import fetch_hub_models
 from frenzy_flows.results import Assignment
 from frenzy_flows.lifetime import allocation_lifetime
 from frenzy_flows.tasks import load_settings, new_job_id, secret_value
@@ -39,6 +40,8 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
     site = load_settings(settings)
     allowlist.configure_from(site)                  # the site's data roots and entry-point modules
     job = with_tracking_default(job, site)          # the settings block's MLflow server
+    if site is not None and site.fetch_models:      # the Hub models it names, into this node's cache
+        fetch_hub_models(job, token=site.hf_token_value(), log=log.info)
     ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
     job_id = job_id or new_job_id(job)
     if node is not None:
