@@ -852,6 +852,9 @@ def cached_hub_snapshot(repo_id: str, field: str = "model") -> str:
     except (OSError, ValueError):        # an id the hub's own rules refuse
         config = None
     folder = os.path.dirname(config) if isinstance(config, str) else None
+    if folder is None and os.path.isdir(os.path.join(entry, "snapshots")):
+        raise FrenzyInputError(field, f"the cached {repo_id!r} ({entry}) holds no config.json at revision main "
+                                      f"(a download limited to other files?); fetch its config")
     if folder is None:
         raise FrenzyInputError(field, f"{repo_id!r} is neither a preset, a local folder nor a Hub id in the "
                                       f"local Hugging Face cache (no {entry}; nothing downloads unless asked: "

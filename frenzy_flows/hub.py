@@ -6,7 +6,10 @@ error saying how to fetch it (``estimator.models.cached_hub_snapshot``). A site 
 in its `FrenzySettings` block (``fetch_models``), with ``hf_token`` for gated or private repos;
 `frenzy run --fetch` does the same from a shell (the token then comes from ``HF_TOKEN`` or `hf
 auth login`). Each machine that reads the model fetches it: the submit flow's (it sizes the model
-from its config.json and checks the weights it starts from) and every training node's.
+from its config.json and checks the weights it starts from) and every training node's, whose
+queue row and GPU lease are kept alive meanwhile (a download takes minutes). A node of a
+multi-node run fetches before it joins its gang: a download longer than the rendezvous wait
+fails that launch, and the gang's retry finds the model cached.
 
 What is fetched: for ``init_from`` (pretrained weights) the configs, safetensors weights and
 tokenizer files; for a ``model`` named by Hub id without weights, its configs only. Never the
@@ -25,7 +28,10 @@ from estimator.errors import FrenzyInputError
 # sentencepiece / tiktoken / vocab files)
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
 CONFIG_PATTERNS = ["config.json", "generation_config.json"]
-SKIPPED = ["original/*", "*.pth", "*.pt", "*.bin", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "*.ckpt"]
+# other weight formats of the same model: Meta's original/ checkpoints, Mistral's consolidated
+# safetensors (beside the Hugging Face shards), PyTorch / GGUF / ONNX / Flax / TF files
+SKIPPED = ["original/*", "consolidated*", "*.pth", "*.pt", "*.bin", "*.gguf", "*.onnx", "*.msgpack", "*.h5",
+           "*.ckpt"]
 
 
 def hub_models(job: Any) -> dict[str, tuple[str, bool]]:

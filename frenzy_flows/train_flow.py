@@ -4,7 +4,9 @@ CUDA_VISIBLE_DEVICES). Run directly (from the UI) without an allocation, it take
 from the ledger, best fit on that pool's GPU type."""
 from __future__ import annotations
 
-from typing import Any
+import threading
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator
 
 from prefect import flow, get_run_logger
 
@@ -41,7 +43,8 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
     allowlist.configure_from(site)                  # the site's data roots and entry-point modules
     job = with_tracking_default(job, site)          # the settings block's MLflow server
     if site is not None and site.fetch_models:      # the Hub models it names, into this node's cache
-        fetch_hub_models(job, token=site.hf_token_value(), log=log.info)
+        with _kept_alive(ledger_url, job_id, assignment):
+            fetch_hub_models(job, token=site.hf_token_value(), log=log.info)
     ledger_url = secret_value(ledger_url) or (site.ledger_url_value() if site else None)
     job_id = job_id or new_job_id(job)
     if node is not None:
@@ -58,6 +61,40 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
             artifacts.progress_end(progress)
     with allocation_lifetime(ledger_url, job_id, log=log.warning):   # released however this ends
         return _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt)
+
+
+# while a node prepares (a download), its job's queue row is beaten this often (the row lives
+# ledger.queue.DEFAULT_ALIVE_S, 60 s)
+PREPARE_BEAT_S = 10.0
+
+
+@contextmanager
+def _kept_alive(ledger_url: str | None, job_id: str, assignment: Assignment | None) -> Iterator[None]:
+    """The job's queue row beaten and its allocation's lease renewed while the block runs: the
+    dispatcher beats the row only until the run starts, and the lease is the training's from
+    its first launch on, so a download of minutes before it had the job reaped and its GPUs
+    given away."""
+    from ledger import Ledger
+
+    beat = dispatch.queue_beat(job_id, ledger_url)
+    stop = threading.Event()
+
+    def beating() -> None:
+        while not stop.wait(PREPARE_BEAT_S):
+            try:
+                beat()
+            except Exception:            # a database hiccup: the next beat tries again
+                pass
+
+    t = threading.Thread(target=beating, name="frenzy-prepare-beat", daemon=True)
+    t.start()
+    try:
+        alloc = assignment.allocation_id if assignment is not None else None
+        with Ledger(ledger_url).lease(alloc) if alloc else nullcontext():
+            yield
+    finally:
+        stop.set()
+        t.join()
 
 
 def hand_run_assignment(ledger, job_id: str, plan: Plan) -> Assignment:

@@ -104,3 +104,62 @@ def test_a_settings_block_with_fetch_models_fetches_with_its_token_in_the_submit
     hub.seen.clear()
     submit_training(job=job, cluster=str(tmp_path / "cluster.yaml"), settings=name, dry_run=True)
     assert hub.seen == []                                      # cached now, and fetching is off anyway
+
+
+def test_a_repo_is_fetched_for_what_the_job_reads_and_a_config_less_snapshot_is_named(hub, tmp_path):
+    """A model named by Hub id without weights: its config only; a sharded repo: its index and
+    every shard, not Mistral's consolidated copy; a cached entry without config.json is said so."""
+    from estimator.models import cached_hub_snapshot
+
+    cfg = (TINY / "config.json").read_bytes()
+    index = b'{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}'
+    hub.repos["org/sharded"] = {"config.json": cfg, "model.safetensors.index.json": index,
+                                "model-00001-of-00002.safetensors": b"1", "model-00002-of-00002.safetensors": b"2",
+                                "consolidated.safetensors": b"a copy", "tokenizer.json": b"{}"}
+    hub.repos["org/cfg"] = {"config.json": cfg, "model.safetensors": b"w"}
+    assert fetch_hub_models(_job(model="org/cfg"), token="tok") == ["org/cfg"]
+    assert sorted(p.name for p in Path(cached_hub_snapshot("org/cfg")).iterdir()) == ["config.json"]
+    assert fetch_hub_models(_job(init_from="org/sharded"), token="tok") == ["org/sharded"]
+    got = sorted(p.name for p in Path(cached_hub_snapshot("org/sharded")).iterdir())
+    assert got == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                   "model.safetensors.index.json", "tokenizer.json"]
+    hub.repos["org/nocfg"] = {"model.safetensors": b"w"}
+    from huggingface_hub import snapshot_download
+    snapshot_download("org/nocfg", token="tok", endpoint=hub.url)
+    with pytest.raises(FrenzyInputError, match="holds no config.json at revision main"):
+        cached_hub_snapshot("org/nocfg")
+
+
+def test_a_training_node_keeps_its_job_and_gpus_while_it_fetches(tmp_path, monkeypatch):
+    """The dispatcher beats a placed job's queue row only until its run starts, and the GPU
+    lease is the training's from its first launch: a node's download of minutes in between had
+    the job reaped and its GPUs given away. The row is beaten and the lease renewed meanwhile."""
+    import time
+
+    from estimator.plan import Plan
+    from frenzy_flows import train_flow
+    from frenzy_flows.results import Assignment
+    from ledger import Ledger
+    from ledger.queue import JobQueue
+    from scheduler.cluster import parse_cluster
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    led = Ledger(url)
+    led.sync_cluster(parse_cluster("pools:\n  - {name: cpu, gpu: CPU, nodes: 1, gpus_per_node: 1}\n"))
+    plan = Plan(gpu_type="CPU", gpus=1, dp=1, micro_batch=1, step_time_s=1.0)
+    q = JobQueue(led)
+    q.enqueue("j", "j", {"name": "j"}, [plan], steps=10)
+    alloc = led.allocate_best_fit("j", plan)
+    assignment = Assignment.from_allocation(alloc, plan)
+    from ledger.tables import QueueJobRow
+    from sqlmodel import Session
+
+    def alive() -> float:
+        with Session(led._read_engine) as s:
+            return s.get(QueueJobRow, "j").alive_until
+    alive0, lease0 = alive(), led.allocation(alloc.id).lease_expires_at
+    monkeypatch.setattr(train_flow, "PREPARE_BEAT_S", 0.05)
+    time.sleep(0.05)
+    with train_flow._kept_alive(url, "j", assignment):
+        time.sleep(0.4)
+    assert alive() > alive0 and led.allocation(alloc.id).lease_expires_at > lease0
