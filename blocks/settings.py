@@ -52,7 +52,8 @@ class FrenzySettings(KnownFields, Block):
         None, ge=0, le=1024, allow_inf_nan=False, title="Safety margin (GiB)", description="GPU memory kept free beyond the prediction, GiB (empty: Frenzy's default)")
     default_precision: Precision = Field("bf16", description="precision for jobs that do not set one")
     default_optimizer: Optimizer = Field("adamw", description="optimizer for jobs that do not set one")
-    policy: str = Field("frenzy", description="scheduling policy (see `frenzy simulate --help`)")
+    policy: str = Field("frenzy", description="scheduling policy, e.g. frenzy, sia, gavel, tiresias (a name "
+                                                     "it does not know is refused on save, with the list)")
     # a plain default (pydantic copies it per instance), not a factory: the schema then carries
     # it and a new block in the UI starts with every kind selected instead of none (none = every
     # fallback forbidden)

@@ -16,7 +16,8 @@ def register(sub) -> None:
     p.add_argument("--cluster", help="cluster YAML (pools per GPU type); default: the GPUs NVML "
                                      "finds here, else a local CPU pool")
     p.add_argument("--policy", help="scheduling policy (default: the settings block's, else frenzy)")
-    p.add_argument("--ledger", help="ledger SQLAlchemy URL (default: SQLite under .frenzy/)")
+    p.add_argument("--ledger", help="ledger SQLAlchemy URL (default: env FRENZY_LEDGER_URL, else SQLite under "
+                                    "FRENZY_HOME, .frenzy/)")
     p.add_argument("--safety-margin-gib", type=float, default=None,
                    help="GPU memory kept free beyond the prediction (GiB)")
     p.add_argument("--settings", help="a FrenzySettings block name (site defaults: ledger URL, "
@@ -31,7 +32,8 @@ def register(sub) -> None:
                         "without it nothing downloads")
     p.add_argument("--dry-run", action="store_true",
                    help="print what would launch (GPU type, count, plan, memory, predicted step time "
-                        "and duration, pool, worker) and start nothing: no Prefect server, no ledger")
+                        "and duration, pool, worker) and start nothing: no Prefect server, no ledger, so no "
+                        "settings block either (its policy and margin: give --policy / --safety-margin-gib)")
     p.set_defaults(handler=handle)
 
 

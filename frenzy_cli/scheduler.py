@@ -3,8 +3,9 @@
 (``scheduler.round.run_round``) over the ledger: on every submission and completion and on a
 tick, it places queued jobs and re-sizes or preempts running ones through requests their runs
 act on. Exactly one scheduler acts at a time: a second one stands by and takes over within the
-leadership TTL when the first dies. With a Prefect server (PREFECT_API_URL) it emits an event
-for every decision and keeps the queue as the `frenzy-queue` artifact."""
+leadership TTL when the first dies. With a Prefect server configured (PREFECT_API_URL, in the
+environment or the active Prefect profile) it emits an event for every decision and keeps the
+queue as the `frenzy-queue` artifact."""
 from __future__ import annotations
 
 import logging
@@ -20,7 +21,8 @@ def register(sub) -> None:
                                     "SQLite under .frenzy/)")
     p.add_argument("--cluster", help="cluster YAML to sync into the ledger first (default: use the "
                                      "pools already in the ledger)")
-    p.add_argument("--policy", default="frenzy", help="scheduling policy (default: frenzy)")
+    p.add_argument("--policy", default="frenzy", help="scheduling policy (default: frenzy; a name it does not know is refused with the "
+                        "list of known ones)")
     p.add_argument("--tick-s", type=float, default=None,
                    help="round tick while jobs wait or GPUs idle (default: 30)")
     p.add_argument("--ttl-s", type=float, default=None, help="leadership lease TTL (default: 15)")
@@ -59,7 +61,7 @@ def handle(args) -> int:
     if not ledger.cluster_state().nodes:
         raise FrenzyInputError("cluster", "the ledger has no pools: give --cluster (a cluster YAML) once")
     publish = on_queue = None
-    if not args.no_publish and os.environ.get("PREFECT_API_URL"):
+    if not args.no_publish and _prefect_api_url():
         from frenzy_scheduler.publish import emit_decision, publish_queue
 
         publish, on_queue = emit_decision, publish_queue
@@ -81,3 +83,14 @@ def handle(args) -> int:
         print(f"frenzy scheduler: stopped by signal {got['signal']}, leadership given up", file=sys.stderr)
         return 128 + int(got["signal"])
     return 0
+
+
+def _prefect_api_url() -> str | None:
+    """The Prefect API this process would talk to: the environment's PREFECT_API_URL, else the
+    active profile's (`prefect config set PREFECT_API_URL=...`), else None (no server)."""
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    return str(url) if url else None

@@ -40,7 +40,8 @@ def register(sub) -> None:
                        description=SIMULATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", required=True, help="workload CSV (see `frenzy workload`)")
     p.add_argument("--cluster", required=True, help="cluster YAML (pools of GPU types)")
-    p.add_argument("--policy", default="frenzy", help="scheduling policy (default: frenzy)")
+    p.add_argument("--policy", default="frenzy", help="scheduling policy (default: frenzy; a name it does not know is refused with the "
+                        "list of known ones)")
     p.add_argument("--compare", help="comma-separated policies to run side by side (overrides --policy)")
     p.add_argument("--seed", type=int, default=0, help="seed of the truth noise (default 0)")
     p.add_argument("--noise", type=float, default=0.1,
