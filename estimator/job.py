@@ -47,6 +47,9 @@ class DataSpec(BaseModel):
     def _path_needed(self) -> "DataSpec":
         if self.kind != "synthetic" and not self.path:
             raise ValueError(f"data.path: required when data.kind is {self.kind!r}")
+        if self.kind == "synthetic" and self.path:
+            # a path without a kind trained on synthetic tokens without a word
+            raise ValueError("data.path: synthetic data reads no file; give data.kind (text, jsonl or datasets)")
         return self
 
 

@@ -670,6 +670,11 @@ def plan_warnings(job: TrainingJob | dict) -> list[str]:
     return shape_warnings(spec, j.seq_len, attention_for(spec, j.attention, framework), framework)
 
 
+# estimate()'s adapter knobs as a TrainingJob names them
+_JOB_FIELDS = {"lora_targets": "finetune.target_modules", "lora_rank": "finetune.rank",
+               "lora_dropout": "finetune.dropout"}
+
+
 def _refuse_without_plans(j: TrainingJob, spec: ModelSpec, inventory: dict[str, int]) -> None:
     """No plan, not even a closest miss: say why in the job's own terms. The job's allowed GPU
     types are not in the inventory (named), or the model refuses the job at any layout (e.g. a
@@ -682,10 +687,13 @@ def _refuse_without_plans(j: TrainingJob, spec: ModelSpec, inventory: dict[str, 
     if not have:
         raise DoesNotFitError(None, float("inf"), "(no GPU type of the inventory is allowed)")
     t = _technique(j)
-    validate_knobs(spec, seq_len=j.seq_len, precision=j.precision, optimizer=j.optimizer,
-                   attention=attention_for(spec, j.attention, t.framework), framework=t.framework,
-                   master_weights=t.master_weights, finetune=t.finetune, lora_rank=t.lora_rank,
-                   lora_targets=t.lora_targets, lora_dropout=t.lora_dropout)
+    try:
+        validate_knobs(spec, seq_len=j.seq_len, precision=j.precision, optimizer=j.optimizer,
+                       attention=attention_for(spec, j.attention, t.framework), framework=t.framework,
+                       master_weights=t.master_weights, finetune=t.finetune, lora_rank=t.lora_rank,
+                       lora_targets=t.lora_targets, lora_dropout=t.lora_dropout)
+    except FrenzyInputError as err:     # the estimator's knob names, as the job's fields
+        raise FrenzyInputError(_JOB_FIELDS.get(err.field, err.field), err.rule) from None
     raise DoesNotFitError(None, float("inf"), f"(no parallel layout of {spec.name} is valid on "
                                               f"{', '.join(have)})")
 

@@ -98,3 +98,54 @@ def test_synthetic_is_deterministic_and_learnable():
     s = a.sequence(5)
     diffs = ((s[1:] - s[:-1]) % 256).unique()
     assert len(diffs) == 1                                      # a fixed stride: next token predictable
+
+
+def test_data_users_get_wrong_fails_before_launch_in_one_line(tmp_path):
+    """From a probe of job inputs: each of these trained on garbage, crashed with a traceback,
+    or failed only inside the training's ranks."""
+    from pydantic import ValidationError
+
+    from estimator.job import DataSpec
+
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(FrenzyInputError, match=r"weights.bin:2 is not UTF-8 text \(byte 128\)"):
+        check_data({"kind": "text", "path": str(binary)}, vocab=256, seq_len=16)
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(b'{"text": "ok"}\n' + '{"text": "café"}\n'.encode("latin-1"))
+    with pytest.raises(FrenzyInputError, match=r"latin1.jsonl:2 is not UTF-8"):
+        check_data({"kind": "jsonl", "path": str(latin)}, vocab=256, seq_len=4)
+    nulls = tmp_path / "null.jsonl"
+    nulls.write_text('{"text": "a real line of text"}\n{"text": null}\n')
+    with pytest.raises(FrenzyInputError, match=r"null.jsonl:2: 'text' is NoneType, not a string"):
+        check_data({"kind": "jsonl", "path": str(nulls)}, vocab=256, seq_len=4)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(FrenzyInputError, match="holds no text"):
+        check_data({"kind": "text", "path": str(empty)}, vocab=256, seq_len=4)
+    with pytest.raises(ValidationError, match="synthetic data reads no file"):      # path, no kind
+        DataSpec(path=str(empty))
+    datasets = pytest.importorskip("datasets")
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_list([{"body": "hi"}]).save_to_disk(str(folder))
+    with pytest.raises(FrenzyInputError, match="data.text_field: .* has no column 'text'"):
+        check_data({"kind": "datasets", "path": str(folder)}, vocab=256, seq_len=4)
+    with pytest.raises(FrenzyInputError, match="holds 3 tokens, fewer than seq_len"):
+        check_data({"kind": "datasets", "path": str(folder), "text_field": "body"}, vocab=256, seq_len=16)
+
+
+def test_an_export_never_replaces_a_folder_that_is_not_an_export(tmp_path):
+    """export.dir at an existing folder of data deleted it after the training."""
+    from trainer.modeling import EXPORT_MARKER
+    from trainer.runner import check_export_folder
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "medium.txt").write_text("my data")
+    with pytest.raises(FrenzyInputError, match="export.dir: .* not an earlier export"):
+        check_export_folder(str(victim))
+    check_export_folder(str(tmp_path / "new"))                      # new, empty or an earlier export: fine
+    (tmp_path / "empty").mkdir()
+    check_export_folder(str(tmp_path / "empty"))
+    (victim / EXPORT_MARKER).write_text("{}")
+    check_export_folder(str(victim))

@@ -66,19 +66,35 @@ def check_data(data: dict[str, Any], *, vocab: int, seq_len: int) -> None:
         tv = BYTE_VOCAB if tok is None else len(tok)
         if tv > vocab:
             raise FrenzyInputError("data.tokenizer", f"its vocabulary ({tv}) is larger than the model's vocab ({vocab})")
-        n = len(_tokens(_texts(data), tok)) if kind in ("text", "jsonl") else None
-        if n is not None and n < seq_len + 1:
-            raise FrenzyInputError("data.path", f"{path!r} holds {n} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        # every kind is read once here: a wrong datasets column or too little text fails
+        # before launch, not inside the training's ranks
+        texts = _texts(data)
+        if not any(t.strip() for t in texts):
+            raise FrenzyInputError("data.path", f"{path!r} holds no text")
+        n = len(_tokens(texts, tok))          # the training stream: documents and their separators
+        if n < seq_len + 1:
+            raise FrenzyInputError("data.path", f"{path!r} holds {n} token{'s' if n != 1 else ''}, fewer than "
+                                                f"seq_len + 1 = {seq_len + 1}")
 
 
 def _texts(data: dict[str, Any]) -> list[str]:
     kind, path, field = data.get("kind"), data.get("path"), data.get("text_field", "text")
     if kind == "text":
-        return [Path(path).read_text(encoding="utf-8", errors="replace")]
+        raw = Path(path).read_bytes()
+        try:
+            return [raw.decode("utf-8")]
+        except UnicodeDecodeError as e:   # a binary file, an archive, another encoding: not text to learn
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise FrenzyInputError("data.path", f"{path}:{line} is not UTF-8 text (byte {e.start}); "
+                                                "convert it to UTF-8") from None
     if kind == "jsonl":
         out = []
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for i, raw_line in enumerate(f, 1):
+                try:
+                    line = raw_line.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise FrenzyInputError("data.path", f"{path}:{i} is not UTF-8 text; convert it to UTF-8") from None
                 if not line.strip():
                     continue
                 try:
@@ -87,7 +103,11 @@ def _texts(data: dict[str, Any]) -> list[str]:
                     raise FrenzyInputError("data.path", f"{path}:{i} is not JSON ({e.msg})") from None
                 if not isinstance(rec, dict) or field not in rec:
                     raise FrenzyInputError("data.text_field", f"{path}:{i} has no field {field!r}")
-                out.append(str(rec[field]))
+                if not isinstance(rec[field], str):
+                    # null or a number trained on the text "None" / "3"
+                    raise FrenzyInputError("data.text_field", f"{path}:{i}: {field!r} is "
+                                                              f"{type(rec[field]).__name__}, not a string")
+                out.append(rec[field])
         return out
     if kind == "datasets":
         import datasets

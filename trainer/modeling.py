@@ -174,6 +174,9 @@ def export(accelerator, model, spec: dict[str, Any], out: Path, *, step: int, ma
     (tmp / EXPORT_MARKER).write_text(json.dumps({"step": step, "method": spec.get("finetune", {}).get("method", "full"),
                                                  "merged": bool(merge), "init_from": spec.get("init_from"),
                                                  "job_name": spec.get("job_name"), "time": time.time()}))
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+        # files appeared there since the preflight check: never delete what is not an export
+        raise RuntimeError(f"export: {out} holds files that are not an earlier export; the export is left in {tmp}")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)                                    # a reader never sees a half-written export
     print(f"frenzy: export step {step} -> {out} ({time.perf_counter() - t0:.1f} s)", flush=True)

@@ -222,7 +222,20 @@ def preflight_job(job: TrainingJob, plan: Plan) -> dict[str, Any]:
         check_tracking_uri(job.tracking.uri)
     if job.export.enabled and job.export.dir:
         check_writable_folder("export.dir", job.export.dir)
+        check_export_folder(job.export.dir)
     return spec
+
+
+def check_export_folder(path: str) -> None:
+    """An export replaces its folder: one that holds anything but an earlier export (its
+    ``modeling.EXPORT_MARKER``) is refused; pointing ``export.dir`` at an existing folder of
+    data, models or code deleted it after the training."""
+    from .modeling import EXPORT_MARKER
+
+    p = Path(path).expanduser().resolve()
+    if p.is_dir() and any(p.iterdir()) and not (p / EXPORT_MARKER).is_file():
+        raise FrenzyInputError("export.dir", f"{p} holds files that are not an earlier export (no {EXPORT_MARKER}): "
+                                             "an export replaces its folder; give a new or empty folder")
 
 
 def check_writable_folder(field: str, path: str) -> None:
