@@ -68,7 +68,8 @@ def check_data(data: dict[str, Any], *, vocab: int, seq_len: int) -> None:
             raise FrenzyInputError("data.tokenizer", f"its vocabulary ({tv}) is larger than the model's vocab ({vocab})")
         # every kind is read once here: a wrong datasets column or too little text fails
         # before launch, not inside the training's ranks
-        texts = _texts(data)
+        # (a datasets folder, often large, is read only until it holds enough tokens)
+        texts = _texts(data, enough=seq_len + 1 if kind == "datasets" else None, tok=tok)
         if not any(t.strip() for t in texts):
             raise FrenzyInputError("data.path", f"{path!r} holds no text")
         n = len(_tokens(texts, tok))          # the training stream: documents and their separators
@@ -77,7 +78,9 @@ def check_data(data: dict[str, Any], *, vocab: int, seq_len: int) -> None:
                                                 f"seq_len + 1 = {seq_len + 1}")
 
 
-def _texts(data: dict[str, Any]) -> list[str]:
+def _texts(data: dict[str, Any], *, enough: int | None = None, tok=None) -> list[str]:
+    """The documents of ``data``; ``enough``: a datasets folder's first rows only, up to that
+    many tokens (``tok``'s; None: bytes), for the checks before launch."""
     kind, path, field = data.get("kind"), data.get("path"), data.get("text_field", "text")
     if kind == "text":
         raw = Path(path).read_bytes()
@@ -118,7 +121,15 @@ def _texts(data: dict[str, Any]) -> list[str]:
         if field not in ds.column_names:
             raise FrenzyInputError("data.text_field", f"datasets folder {path!r} has no column {field!r} "
                                                       f"(columns: {', '.join(ds.column_names)})")
-        return [str(t) for t in ds[field]]
+        if enough is None:
+            return [str(t) for t in ds[field]]
+        out, n = [], 0
+        for row in ds.select_columns([field]):      # row by row: the column is not loaded whole
+            out.append(str(row[field]))
+            n += len(_tokens([out[-1]], tok))
+            if n >= enough:
+                break
+        return out
     raise FrenzyInputError("data.kind", f"unknown kind {kind!r}")
 
 
