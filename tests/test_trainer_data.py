@@ -149,3 +149,33 @@ def test_an_export_never_replaces_a_folder_that_is_not_an_export(tmp_path):
     check_export_folder(str(tmp_path / "empty"))
     (victim / EXPORT_MARKER).write_text("{}")
     check_export_folder(str(victim))
+
+
+def test_resume_from_another_runs_checkpoint_of_other_weights_is_refused_before_launch(tmp_path):
+    """A LoRA job resumed from a full fine-tune's checkpoint passed every check and failed in
+    the training (no adapter_state file); other adapters or another model likewise."""
+    from estimator.job import TrainingJob
+    from trainer import checkpoints, resume
+
+    base = {"seq_len": 32, "global_batch": 4, "train_steps": 4, "precision": "fp32", "model": "gpt2-tiny"}
+
+    def checkpoint_of(name: str, **job) -> checkpoints.Checkpoint:
+        run = tmp_path / name
+        resume.record_job(run, TrainingJob(**{**base, **job}))
+        d = checkpoints.checkpoint_path(run, 4)
+        d.mkdir(parents=True)
+        (d / checkpoints.MARKER).write_text("{}")
+        return resume.explicit_checkpoint(str(run))
+
+    full = checkpoint_of("full")
+    lora = checkpoint_of("lora", finetune={"method": "lora", "rank": 8, "target_modules": ["c_attn"]})
+    other = checkpoint_of("other", model="gpt2")
+    lora_job = TrainingJob(**base, finetune={"method": "lora", "rank": 8, "target_modules": ["c_attn"]})
+    with pytest.raises(FrenzyInputError, match="resume_from: .* holds full-model weights; this job trains lora"):
+        resume.check_resumable(lora_job, full)
+    resume.check_resumable(lora_job, lora)
+    with pytest.raises(FrenzyInputError, match="adapters of rank 8 on c_attn; this job's are rank 16"):
+        resume.check_resumable(TrainingJob(**base, finetune={"method": "lora", "target_modules": ["c_attn"]}), lora)
+    with pytest.raises(FrenzyInputError, match="is of another model"):
+        resume.check_resumable(TrainingJob(**base), other)
+    resume.check_resumable(TrainingJob(**{**base, "seq_len": 64, "global_batch": 8}), full)   # batch, length: fine

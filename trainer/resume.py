@@ -123,6 +123,38 @@ def explicit_checkpoint(resume_from: str, runs_root: Path | None = None) -> chec
                                           f"under {root}")
 
 
+def check_resumable(job: TrainingJob, ck: checkpoints.Checkpoint) -> None:
+    """``resume_from``'s checkpoint must hold the weights this job trains: the same model's
+    shapes, and full-model weights for a full fine-tune or the same adapters (rank, targets)
+    for LoRA / QLoRA. Another run's checkpoint passed the checks and failed inside the
+    training (a missing adapter_state file, or a shape mismatch). A checkpoint whose run left
+    no job record is left to the load. Batch, length, precision and optimizer may change."""
+    from estimator.models import resolve_model
+
+    doc = _job_doc(ck.path.parent.parent)              # <run>/checkpoints/step-N
+    try:
+        then = TrainingJob.model_validate(doc) if doc is not None else None
+    except ValueError:
+        then = None
+    if then is None:
+        return
+    was, now = then.finetune, job.finetune
+    if (was.method == "full") != (now.method == "full"):
+        raise FrenzyInputError("resume_from", f"{ck.path} holds {'full-model' if was.method == 'full' else was.method} "
+                                              f"weights; this job trains {'every weight' if now.method == 'full' else now.method + ' adapters'}")
+    if now.method != "full" and (was.rank != now.rank or sorted(was.target_modules or []) != sorted(now.target_modules or [])):
+        raise FrenzyInputError("resume_from", f"{ck.path} holds adapters of rank {was.rank} on "
+                                              f"{', '.join(was.target_modules or ['the default modules'])}; this job's "
+                                              f"are rank {now.rank} on {', '.join(now.target_modules or ['the default modules'])}")
+    try:
+        a, b = resolve_model(then.model), resolve_model(job.model)
+    except FrenzyInputError:                   # a model folder since moved: the load checks the shapes
+        return
+    if a.params != b.params or a.dims() != b.dims():
+        raise FrenzyInputError("resume_from", f"{ck.path} is of another model ({a.params:,} parameters; this "
+                                              f"job's has {b.params:,})")
+
+
 def prepare_run_dir(job: TrainingJob, job_id: str, runs_root: Path) -> Path:
     """The run folder of a new run of ``job`` (``runs_root/job_id``), with ``job.json`` and, when
     it continues another run, ``resume.json`` pointing at that run's checkpoint."""

@@ -216,7 +216,7 @@ def preflight_job(job: TrainingJob, plan: Plan) -> dict[str, Any]:
     # what the run reads or writes at its start and end: found wrong only after a server
     # started and a job was recorded, or after the whole training (an export folder)
     if job.resume_from:
-        resume.explicit_checkpoint(job.resume_from)
+        resume.check_resumable(job, resume.explicit_checkpoint(job.resume_from))
     if job.tracking.enabled and job.tracking.uri:
         from .tracking import check_tracking_uri
         check_tracking_uri(job.tracking.uri)
