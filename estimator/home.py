@@ -19,6 +19,28 @@ from pathlib import Path
 DEFAULT_HOME = ".frenzy"
 
 
+def check_can_write_in(field: str, folder: Path) -> None:
+    """New files can be made in ``folder``, or, where it does not exist yet, in the nearest
+    folder above it that does (the writer makes the rest): a probe file is made there and
+    removed, which also catches what access() misses (kernel file systems such as /proc).
+    FrenzyInputError naming ``field`` otherwise."""
+    import tempfile
+
+    from .errors import FrenzyInputError
+
+    above = Path(folder)
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise FrenzyInputError(field, f"{above} is a file, not a folder (cannot write under it)")
+    try:
+        fd, probe = tempfile.mkstemp(dir=above, prefix=".frenzy-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise FrenzyInputError(field, f"cannot write under {above} ({err.strerror or err})") from None
+
+
 def frenzy_home() -> Path:
     return Path(os.environ.get("FRENZY_HOME") or DEFAULT_HOME).absolute()
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
 import queue
 import random
 import re
@@ -242,22 +241,12 @@ def check_writable_folder(field: str, path: str) -> None:
     """``path`` can be made a folder: it is one or does not exist, and the nearest folder
     above it that exists takes new files (the export is written beside it, as
     ``<path>.partial``, and renamed). A probe file is made there and removed."""
-    import tempfile
+    from estimator.home import check_can_write_in
 
     p = Path(path).expanduser().resolve()
     if p.exists() and not p.is_dir():
         raise FrenzyInputError(field, f"{p} is a file, not a folder")
-    above = p.parent
-    while not above.exists():
-        above = above.parent
-    if not above.is_dir():
-        raise FrenzyInputError(field, f"{above} is a file, not a folder")
-    try:
-        fd, probe = tempfile.mkstemp(dir=above, prefix=".frenzy-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        raise FrenzyInputError(field, f"cannot write under {above} ({err.strerror or err})") from None
+    check_can_write_in(field, p.parent)
 
 
 class Mailbox:
