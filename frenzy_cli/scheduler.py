@@ -9,7 +9,6 @@ queue as the `frenzy-queue` artifact."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 
@@ -86,10 +85,8 @@ def handle(args) -> int:
 
 
 def _prefect_api_url() -> str | None:
-    """The Prefect API this process would talk to: the environment's PREFECT_API_URL, else the
-    active profile's (`prefect config set PREFECT_API_URL=...`), else None (no server)."""
-    if os.environ.get("PREFECT_API_URL"):
-        return os.environ["PREFECT_API_URL"]
+    """The Prefect API this process would talk to (Prefect's settings: the environment's
+    PREFECT_API_URL, else the active profile's), or None (no server)."""
     from prefect.settings import get_current_settings
 
     url = get_current_settings().api.url

@@ -152,12 +152,17 @@ class JobQueue:
         # cancellations) are fenced by; None for submitters and runs, whose writes are their own
         self.fence = fence
 
-    def _check_fence(self, s: Session) -> None:
-        """Raise ``LeadershipLost`` (rolling ``s`` back) unless ``fence``'s holder still holds
-        its lease at its epoch, unexpired by the database's clock."""
-        f = self.fence
-        if f is None:
-            return
+    @contextmanager
+    def _fenced_tx(self) -> Iterator[Session]:
+        """A writing transaction of the scheduler's: it first raises ``LeadershipLost``
+        (rolling back) unless ``fence``'s holder still holds its lease at its epoch, unexpired
+        by the database's clock; without a ``fence``, a plain one."""
+        with self.ledger._tx() as s:
+            if self.fence is not None:
+                self._check_fence(s, self.fence)
+            yield s
+
+    def _check_fence(self, s: Session, f: LeaseFence) -> None:
         row = s.execute(_FENCE_SQL["postgresql" if self.ledger.is_postgres else "sqlite"],
                         {"name": f.name}).first()
         if row is not None and (row[0], row[1]) == (f.holder, f.epoch) and row[2]:
@@ -300,8 +305,7 @@ class JobQueue:
         running (finished, failed, already re-queued) or already has a request open."""
         if kind not in ("grow", "shrink", "move", "preempt"):
             raise ValueError(f"request kind must be grow, shrink, move or preempt, not {kind!r}")
-        with self.ledger._tx() as s:
-            self._check_fence(s)
+        with self._fenced_tx() as s:
             row = self._row(s, job_id)
             if row is None or row.state != "running":
                 log.info("ignored %s request for job %s: it is %s", kind, job_id,
@@ -332,12 +336,11 @@ class JobQueue:
             out = _wait_changes(waits, _pending_in(waits, known))
             if not out:
                 return 0
-        with self.ledger._tx() as s:
+        with self._fenced_tx() as s:
             if self.ledger.is_postgres:
                 # advisory answers the next round rewrites: a commit need not wait for the WAL
                 # flush (a server crash may lose the last ones, never anything else's writes)
                 s.execute(text("SET LOCAL synchronous_commit TO OFF"))
-            self._check_fence(s)
             if known is None:
                 out = _wait_changes(waits, s.execute(
                     select(t.c.job_id, t.c.predicted_start_s, t.c.wait_gpu_type, t.c.wait_gpus, t.c.wait_reason)
@@ -372,8 +375,7 @@ class JobQueue:
             self.set_waits(waits or {}, known=known)
             return out
         t = QueueJobRow.__table__
-        with self.ledger._tx() as s:
-            self._check_fence(s)
+        with self._fenced_tx() as s:
             now = db_now(s)
             ids = sorted({j for j, _, _ in starts})
             state = dict(s.execute(self.ledger._locked(select(t.c.job_id, t.c.state).where(t.c.job_id.in_(ids))
@@ -483,8 +485,7 @@ class JobQueue:
         ``request_id`` in time, and its flow run was cancelled): its GPUs are freed and the job
         waits in the queue again, counted as a preemption; its next launch resumes from its
         last checkpoint. False, and nothing changes, when the run answered meanwhile."""
-        with self.ledger._tx() as s:
-            self._check_fence(s)
+        with self._fenced_tx() as s:
             row = self._row(s, job_id, plans=False)
             if (row is None or row.state != "running" or row.request.get("id") != request_id
                     or row.request_state not in ("pending", "acked")):

@@ -104,6 +104,12 @@ def test_a_settings_block_with_fetch_models_fetches_with_its_token_in_the_submit
     hub.seen.clear()
     submit_training(job=job, cluster=str(tmp_path / "cluster.yaml"), settings=name, dry_run=True)
     assert hub.seen == []                                      # cached now, and fetching is off anyway
+    # off, a repo the cache lacks is refused, and the Hub is not asked
+    hub.repos["org/other"] = hub.repos["org/tiny"]
+    with pytest.raises(Exception, match="nothing downloads unless asked"):
+        submit_training(job={**job, "init_from": "org/other"}, cluster=str(tmp_path / "cluster.yaml"),
+                        settings=name, dry_run=True)
+    assert hub.seen == []
 
 
 def test_a_repo_is_fetched_for_what_the_job_reads_and_a_config_less_snapshot_is_named(hub, tmp_path):

@@ -217,15 +217,14 @@ class Tracker:
     def finish(self, status: str, *, measured: dict[str, Any], final_plan: Plan, export_dir: str | None,
                steps: int) -> None:
         self.flush()
-        from mlflow.entities import Metric, RunTag
+        from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         metrics = [Metric(f"measured.{k}", float(v), now, steps) for k, v in measured.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)]
         tags = _tags({"frenzy.status": status, "frenzy.final_plan": final_plan.short(),
-                      "frenzy.memory_measured": str(bool(measured.get("memory_measured")))})
-        if export_dir:
-            tags.append(RunTag("frenzy.export_dir", export_dir))
+                      "frenzy.memory_measured": str(bool(measured.get("memory_measured"))),
+                      **({"frenzy.export_dir": export_dir} if export_dir else {})})
         self._guard("log the summary", self.client.log_batch, self.run_id, metrics=metrics, tags=tags)
         self._guard("end the run", self.client.set_terminated, self.run_id, _MLFLOW_STATUS.get(status, "FAILED"))
 
