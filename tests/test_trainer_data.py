@@ -100,6 +100,19 @@ def test_synthetic_is_deterministic_and_learnable():
     assert len(diffs) == 1                                      # a fixed stride: next token predictable
 
 
+def test_the_run_says_how_often_its_data_repeats(tmp_path):
+    f = tmp_path / "corpus.txt"
+    f.write_text(TEXT)                            # 1,800 bytes: 28 windows of 64 (+1) tokens
+    src = TokenSource({"kind": "text", "path": str(f), "tokenizer": "byte"}, seq_len=64, vocab=256, seed=0)
+    assert len(src) == 28
+    once = src.coverage(steps=7, global_batch=4)
+    assert "28 training sequences of 64 tokens" in once and "28 sequences read, 1 passes" in once
+    assert "repeats" not in once
+    many = src.coverage(steps=70, global_batch=4)
+    assert "10 passes" in many and "the data repeats" in many
+    assert TokenSource({"kind": "synthetic"}, seq_len=64, vocab=256, seed=0).coverage(10, 4) is None
+
+
 def test_data_users_get_wrong_fails_before_launch_in_one_line(tmp_path):
     """From a probe of job inputs: each of these trained on garbage, crashed with a traceback,
     or failed only inside the training's ranks."""

@@ -435,6 +435,7 @@ def test_deadline_stops_with_checkpoint_and_export_then_resubmission_resumes(tmp
     k = res.stop.step
     assert res.checkpoint_dir.endswith(f"step-{k:08d}") and len(res.losses) == k
     assert (Path(res.export_dir) / "adapter_config.json").is_file()         # the stop exported the model
+    assert any(l.startswith("frenzy: data: ") and "the data repeats" in l for l in lines)   # 100,000 steps of a small file
     assert res.eval_losses[-1].step == k
     # resubmitted under the same name: continues from step k instead of starting again
     again = j.model_copy(update={"train_steps": k + 2})

@@ -197,6 +197,21 @@ class TokenSource:
     def __len__(self) -> int:
         return self.windows if self.windows is not None else 1 << 62
 
+    def coverage(self, steps: int, global_batch: int) -> str | None:
+        """What the run reads of a file's data, in one line (None for synthetic data): the
+        sequences it holds and how many times ``steps`` optimizer steps of ``global_batch``
+        sequences pass over them. A small file repeats silently otherwise (one window of
+        seq_len + 1 tokens is a valid dataset: every step then trains on that one sequence)."""
+        if self.windows is None:
+            return None
+        read = steps * global_batch
+        passes = read / self.windows
+        line = (f"data: {self.windows} training sequences of {self.seq_len} tokens; {steps} steps x "
+                f"{global_batch} = {read} sequences read, {passes:.3g} passes")
+        if passes > 1:
+            line += " (the data repeats: more data, or fewer steps, to see new text)"
+        return line
+
     def sequence(self, n: int):
         import torch
 

@@ -331,6 +331,8 @@ def train(run_dir: Path) -> None:
         print(f"frenzy: rank 0/{world} device={device} plan={plan['gpu_type']} dp={dp} tp={lay.tp} cp={lay.cp} zero={plan['zero']} "
               f"act_ckpt={applied} micro_batch={mb} grad_accum={ga} attempt={attempt} "
               f"finetune={spec.get('finetune', {}).get('method', 'full')} optimizer={optimizer_impl}", flush=True)
+        if (coverage := source.coverage(steps, G)) is not None:
+            print(f"frenzy: {coverage}", flush=True)
         emit("FRENZY_MODEL", {"params": params, "trainable_params": trainable, "optimizer_impl": optimizer_impl,
                               "finetune": spec.get("finetune", {}).get("method", "full"),
                               "init_from": spec.get("init_from")})
@@ -511,6 +513,8 @@ def train_pipelined(run_dir: Path, spec: dict[str, Any], rank: int, world: int, 
         print(f"frenzy: rank 0/{world} device={device} plan={plan['gpu_type']} dp={dp} pp={lay.pp} vpp={pipe.vpp} zero={pipe.zero} tp={lay.tp} "
               f"micro_batch={mb} grad_accum={ga} attempt={attempt} schedule={type(pipe.schedule).__name__} "
               f"optimizer={pipe.optimizer_impl}", flush=True)
+        if (coverage := source.coverage(steps, G)) is not None:
+            print(f"frenzy: {coverage}", flush=True)
         emit("FRENZY_MODEL", {"params": params, "trainable_params": trainable, "optimizer_impl": pipe.optimizer_impl,
                               "finetune": "full", "init_from": spec.get("init_from")})
         if latest is not None:
