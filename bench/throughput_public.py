@@ -9,6 +9,16 @@ types) that the model orders like the measurements. A row with an unknown GPU ty
 malformed column or a configuration the model cannot express is listed as not expressible with
 its reason, never a crash.
 
+Spellings other sources use are read as what they mean: header names in any case or spacing,
+GPU names as NVML or a datasheet writes them ('A100-SXM4-80GB', 'Tesla V100-SXM2-32GB', 'RTX
+4090'; a family name with several sizes, 'A100', is refused as ambiguous, and the H100 PCIe part,
+slower than the SXM one the catalog holds, as unknown), precisions in any case and llm-foundry's
+or Lightning's names ('amp_bf16', 'bf16-mixed', '16-mixed'), ``act_ckpt`` as true / false,
+attention kernels by their names ('sdpa', 'fa2', 'flash_attention_2' -> flash; 'math' -> eager),
+integers written '64.0', '6.7e9' or '107,000'. Optional columns the schema may grow are read
+when present: ``attention`` (else the notes' ``attention=``, else flash), ``tied_embeddings``
+(default true), ``vpp`` and ``cp`` (default 1).
+
     python bench/throughput_public.py [--csv PATH] [--json] [--calibrate-on SOURCES] [--terms]
                                       [--factor NAME=VALUE ...] [--peak]
 
@@ -39,6 +49,7 @@ import csv
 import json
 import math
 import re
+import shlex
 import statistics
 import sys
 from dataclasses import dataclass
@@ -49,7 +60,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from estimator.catalog import CATALOG  # noqa: E402
+from estimator.catalog import CATALOG, from_nvml_name, gpu_names_meant  # noqa: E402
 from estimator.errors import FrenzyInputError  # noqa: E402
 from estimator.plan import Plan  # noqa: E402
 from estimator.throughput import (DEFAULT_FACTORS, Factors, Measurement, fit_factors,  # noqa: E402
@@ -63,7 +74,28 @@ INT_COLS = ("params", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "
             "micro_batch", "grad_accum", "dp", "tp", "pp", "zero", "gpus_per_node", "nodes")
 STR_COLS = ("row", "source", "model", "act_ckpt", "precision", "gpu")
 FLOAT_COLS = ("measured_tokens_per_s_per_gpu",)
-ATTN = re.compile(r"attention\s*=\s*(\w+)")
+ATTN = re.compile(r"attention\s*=\s*([\w.-]+)")
+ATTENTION_NAMES = {"flash": "flash", "flash2": "flash", "flash-2": "flash", "fa": "flash", "fa2": "flash",
+                   "fa3": "flash", "flash_attn": "flash", "flash_attention_2": "flash", "flashattention": "flash",
+                   "flashattention-2": "flash", "flashattention2": "flash", "sdpa": "flash", "xformers": "flash",
+                   "mem_efficient": "flash", "fused": "flash", "eager": "eager", "math": "eager",
+                   "vanilla": "eager", "standard": "eager", "unfused": "eager"}
+# the precision of the training (AMP or not); GEMM precisions fp8 / tf32 are read apart below
+PRECISION_NAMES = {"bf16": "bf16", "amp_bf16": "bf16", "bf16-mixed": "bf16", "bf16_mixed": "bf16",
+                   "bfloat16": "bf16", "fp16": "fp16", "amp_fp16": "fp16", "16-mixed": "fp16",
+                   "16_mixed": "fp16", "float16": "fp16", "amp": "fp16", "fp32": "fp32", "32": "fp32",
+                   "float32": "fp32", "32-true": "fp32", "fp8": "fp8", "tf32": "tf32"}
+ACT_CKPT_NAMES = {"none": "none", "false": "none", "no": "none", "0": "none", "off": "none",
+                  "full": "full", "true": "full", "yes": "full", "1": "full", "on": "full",
+                  "selective": "selective"}
+TRUE_FALSE = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+# a blank cell of these columns (the column itself present) means the plain setting; kv_heads:
+# as many as the heads (no grouped-query attention)
+BLANK_MEANS = {"kv_heads": "", "grad_accum": "1", "tp": "1", "pp": "1", "zero": "0", "act_ckpt": "none"}
+# beyond these a number is a typo, not a model (the largest dense models have ~2e12 params,
+# hidden sizes ~3e4, vocabularies ~3e5, context windows ~1e7, clusters ~1e5 GPUs)
+MAX_PARAMS, MAX_DIM = 10 ** 14, 1 << 30
+SIZE = re.compile(r"\d+\s*GB", re.I)
 CAUTION = re.compile(r"\bCAUTION\b")        # the source flags this measurement as anomalous
 NO_HEAD = re.compile(r"\bno (LM|language[- ]model) head\b", re.I)
 
@@ -88,50 +120,121 @@ class Row:
         return self.predicted / self.measured
 
 
+def _int(col: str, text: str) -> int:
+    """An integer column: '64', '64.0', '6.7e9' and '107,000' are integers; '6.5' is not."""
+    t = text.strip().replace(",", "").replace("_", "")
+    try:
+        return int(t)
+    except ValueError:
+        pass
+    try:
+        x = float(t)
+    except ValueError:
+        raise FrenzyInputError(col, f"must be an integer, got {text!r}") from None
+    if not math.isfinite(x) or x != int(x):
+        raise FrenzyInputError(col, f"must be an integer, got {text!r}")
+    return int(x)
+
+
+def gpu_type(text: str) -> str:
+    """The catalog GPU type a row names, however its source spells it (``FrenzyInputError``
+    naming ``gpu`` when none, or more than one, is meant)."""
+    name = text.strip()
+    try:
+        meant = gpu_names_meant(name)
+    except FrenzyInputError:
+        meant = []
+    if len(meant) == 1 and meant[0] != "CPU":
+        return meant[0]
+    if len(meant) > 1:
+        raise FrenzyInputError("gpu", f"GPU type {name!r} is ambiguous: one of {', '.join(meant)}")
+    if re.search(r"H100.*PCI", name, re.I):
+        raise FrenzyInputError("gpu", f"unknown GPU type {name!r}: the catalog's H100-80GB is the SXM part "
+                                      "(989 dense bf16 TFLOP/s; the PCIe card 756)")
+    mapped = from_nvml_name(name)
+    if mapped is not None:
+        family = gpu_names_meant(mapped.split("-")[0])
+        if len(family) > 1 and not SIZE.search(name):        # 'NVIDIA A100', 'Tesla V100': which size?
+            raise FrenzyInputError("gpu", f"GPU type {name!r} is ambiguous: one of {', '.join(family)}")
+        return mapped
+    raise FrenzyInputError("gpu", f"unknown GPU type {name!r}")
+
+
+def _named(col: str, text: str, names: dict[str, str]) -> str:
+    key = text.strip().lower()
+    if key not in names:
+        raise FrenzyInputError(col, f"unknown value {text!r}; one of {', '.join(sorted(set(names)))}")
+    return names[key]
+
+
 def parse_row(d: dict[str, str]) -> Row:
     """One CSV row -> a Row with a spec and a plan, or with ``reason`` saying why it is not expressible."""
     r = Row(row=str(d.get("row") or "?"), source=str(d.get("source") or ""), model=str(d.get("model") or "?"),
             gpu=str(d.get("gpu") or "?"), seq_len=0, measured=float("nan"),
             caution=bool(CAUTION.search(d.get("notes") or "")))
     try:
+        d = {k: (val or "") for k, val in d.items()}
+        for c, default in BLANK_MEANS.items():          # a blank the source leaves: the plain setting
+            if not d.get(c, "").strip() and c in d:
+                d[c] = d["heads"] if c == "kv_heads" else default
         missing = [c for c in INT_COLS + STR_COLS + FLOAT_COLS if (d.get(c) or "").strip() == ""]
         if missing:
             raise FrenzyInputError(missing[0], "missing column or empty value")
         v: dict[str, Any] = {}
-        for c in INT_COLS:
-            try:
-                v[c] = int(d[c])
-            except ValueError:
-                raise FrenzyInputError(c, f"must be an integer, got {d[c]!r}") from None
+        optional = {c: d[c] for c in ("vpp", "cp") if (d.get(c) or "").strip()}
+        for c, text in [*((c, d[c]) for c in INT_COLS), *optional.items()]:
+            v[c] = _int(c, text)
             if v[c] < (0 if c == "zero" else 1):
                 raise FrenzyInputError(c, f"must be >= {0 if c == 'zero' else 1}, got {v[c]}")
+            if v[c] > (MAX_PARAMS if c == "params" else MAX_DIM):
+                raise FrenzyInputError(c, f"{v[c]} is beyond any model or cluster "
+                                          f"(at most {MAX_PARAMS if c == 'params' else MAX_DIM})")
+        vpp, cp = v.get("vpp", 1), v.get("cp", 1)
         try:
-            meas = float(d["measured_tokens_per_s_per_gpu"])
+            meas = float(d["measured_tokens_per_s_per_gpu"].strip().replace(",", "").replace("_", ""))
         except ValueError:
             raise FrenzyInputError("measured_tokens_per_s_per_gpu", "must be a number") from None
         if not (math.isfinite(meas) and meas > 0):
             raise FrenzyInputError("measured_tokens_per_s_per_gpu", f"must be a positive number, got {meas}")
         r.seq_len, r.measured = v["seq_len"], meas
-        if r.gpu not in CATALOG or r.gpu == "CPU":
-            raise FrenzyInputError("gpu", f"unknown GPU type {r.gpu!r}")
-        gpus = v["dp"] * v["tp"] * v["pp"]
+        r.gpu = gpu_type(r.gpu)
+        gpus = v["dp"] * v["tp"] * v["pp"] * cp
         if gpus != v["gpus_per_node"] * v["nodes"]:
-            raise FrenzyInputError("dp", f"dp x tp x pp = {gpus} != gpus_per_node x nodes = "
-                                         f"{v['gpus_per_node'] * v['nodes']}")
-        m = ATTN.search(d.get("notes") or "")
-        attention = m.group(1) if m else "flash"
+            raise FrenzyInputError("dp", f"dp x tp x pp{' x cp' if cp > 1 else ''} = {gpus} != gpus_per_node x "
+                                         f"nodes = {v['gpus_per_node'] * v['nodes']}")
+        # layouts no framework runs: the model would price work that cannot be split that way
+        if v["pp"] * vpp > v["layers"]:
+            raise FrenzyInputError("pp", f"pp x vpp = {v['pp'] * vpp} stages for {v['layers']} layers")
+        if v["kv_heads"] > v["heads"] or v["heads"] % v["kv_heads"]:
+            raise FrenzyInputError("kv_heads", f"{v['kv_heads']} must divide heads ({v['heads']})")
+        if v["heads"] % v["tp"]:
+            raise FrenzyInputError("tp", f"tp {v['tp']} must divide heads ({v['heads']})")
+        notes = d.get("notes") or ""
+        m = ATTN.search(notes)
+        attention_text = (d.get("attention") or "").strip() or (m.group(1) if m else "flash")
+        attention = _named("attention", attention_text, ATTENTION_NAMES)
         # fp8 / tf32 name the GEMM precision: 16-bit training with FP8 GEMMs, fp32 on TF32 cores
+        named = _named("precision", d["precision"], PRECISION_NAMES)
         precision, matmul_precision = {"fp8": ("bf16", "fp8"), "tf32": ("fp32", "tf32")}.get(
-            d["precision"], (d["precision"], "default"))
+            named, (named, "default"))
+        act_ckpt = _named("act_ckpt", d["act_ckpt"], ACT_CKPT_NAMES)
+        tied_text = (d.get("tied_embeddings") or "").strip()
+        tied = _named("tied_embeddings", tied_text, TRUE_FALSE) if tied_text else True
         arch = "bert" if r.model.lower().startswith("bert") else "gpt"   # encoder: no causal mask
-        lm_head = not NO_HEAD.search(d.get("notes") or "")           # e.g. a SQuAD span head
+        lm_head = not NO_HEAD.search(notes)                             # e.g. a SQuAD span head
+        # without an LM head the params beyond the embedding are the layers' (throughput.py): a
+        # source that counts fewer params than its embedding alone holds is not this model
+        if not lm_head and v["params"] <= v["vocab"] * v["hidden"]:
+            raise FrenzyInputError("params", f"{v['params']} is no more than the embedding "
+                                             f"(vocab x hidden = {v['vocab'] * v['hidden']})")
         r.spec = SimpleNamespace(params=v["params"], layers=v["layers"], hidden=v["hidden"], heads=v["heads"],
-                                 kv_heads=v["kv_heads"], ffn=v["ffn"], vocab=v["vocab"], tied_embeddings=True,
+                                 kv_heads=v["kv_heads"], ffn=v["ffn"], vocab=v["vocab"], tied_embeddings=tied,
                                  arch=arch, lm_head=lm_head)
         from pydantic import ValidationError
         try:
             r.plan = Plan(gpu_type=r.gpu, gpus=gpus, dp=v["dp"], tp=v["tp"], pp=v["pp"], zero=v["zero"],
-                          act_ckpt=d["act_ckpt"], micro_batch=v["micro_batch"], grad_accum=v["grad_accum"],
+                          vpp=vpp, cp=cp,
+                          act_ckpt=act_ckpt, micro_batch=v["micro_batch"], grad_accum=v["grad_accum"],
                           precision=precision, matmul_precision=matmul_precision, attention=attention)
         except ValidationError as e:
             err = e.errors()[0]
@@ -142,9 +245,32 @@ def parse_row(d: dict[str, str]) -> Row:
     return r
 
 
+class CsvProblem(ValueError):
+    """A file that is not a CSV of the schema as a whole (one line, exit 2)."""
+
+
 def load(path: Path) -> list[Row]:
-    with open(path, newline="") as fh:
-        return [parse_row(d) for d in csv.DictReader(fh)]
+    """Every row of the file (a BOM, CRLF, undecodable bytes in the notes are tolerated); header
+    names are matched ignoring case and surrounding spaces."""
+    csv.field_size_limit(1 << 24)          # long notes are notes; a runaway quote is caught below
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as fh:
+        reader = csv.reader(fh)
+        try:
+            table = list(reader)
+        except csv.Error as e:
+            raise CsvProblem(f"{path}: not a readable CSV at line {reader.line_num}: {e}") from None
+    if not table:
+        raise CsvProblem(f"{path}: empty file")
+    header = [h.strip().lower() for h in table[0]]
+    dup = sorted({h for h in header if h and header.count(h) > 1})
+    if dup:
+        raise CsvProblem(f"{path}: column {dup[0]!r} appears more than once in the header")
+    rows = []
+    for cells in table[1:]:
+        if not any(c.strip() for c in cells):
+            continue                                        # a blank line
+        rows.append(parse_row(dict(zip(header, cells))))
+    return rows
 
 
 def predict(rows: list[Row], factors: Factors = DEFAULT_FACTORS) -> None:
@@ -154,8 +280,11 @@ def predict(rows: list[Row], factors: Factors = DEFAULT_FACTORS) -> None:
         try:
             r.predicted = tokens_per_s(r.spec, r.plan, CATALOG[r.gpu], seq_len=r.seq_len, nodes=r.nodes,
                                        factors=factors) / r.plan.gpus
-        except (FrenzyInputError, ValueError, ZeroDivisionError) as e:
+        except (FrenzyInputError, ValueError, ArithmeticError) as e:
             r.reason = f"model cannot express it: {e}"
+            continue
+        if not (math.isfinite(r.predicted) and r.predicted > 0):
+            r.reason = f"model cannot express it: predicted {r.predicted} tokens/s"
 
 
 def _q(xs: list[float], p: float) -> float:
@@ -172,9 +301,11 @@ def summary(rows: list[Row]) -> dict[str, Any]:
         by_gpu.setdefault(r.gpu, []).append(r.ratio)
         if not r.caution:
             by_gpu_plain.setdefault(r.gpu, []).append(r.ratio)
-    jobs: dict[tuple[str, int], list[Row]] = {}
+    # a same-job pair: one source's rows of one model at one sequence length (two sources' runs
+    # of a model differ in software, which no GPU ordering explains)
+    jobs: dict[tuple[str, str, int], list[Row]] = {}
     for r in ok:
-        jobs.setdefault((r.model, r.seq_len), []).append(r)
+        jobs.setdefault((r.source, r.model, r.seq_len), []).append(r)
     pairs = correct = 0
     wrong: list[str] = []
     gaps: list[float] = []      # |log(predicted speed ratio / measured speed ratio)| per pair
@@ -208,16 +339,24 @@ def measurements(rows: list[Row]) -> list[Measurement]:
             for r in rows if not r.reason]
 
 
+def _shape(p: Plan) -> str:
+    return (f"dp{p.dp} tp{p.tp} pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp > 1 else "") + (f" cp{p.cp}" if p.cp > 1 else "")
+            + f" z{p.zero} mb{p.micro_batch}x{p.grad_accum}")
+
+
 def print_rows(rows: list[Row]) -> None:
-    print(f"{'row':>4} {'model':<17}{'gpu':<15}{'seq':>5}{'plan':>22} {'attn':<6}"
+    wr = max([4] + [len(r.row) for r in rows])
+    wm = max([16] + [len(r.model) for r in rows])
+    wg = max([14] + [len(r.gpu) for r in rows])
+    ws = max([21] + [len(_shape(r.plan)) for r in rows if not r.reason])
+    print(f"{'row':>{wr}} {'model':<{wm}} {'gpu':<{wg}} {'seq':>6} {'plan':>{ws}} {'attn':<6}"
           f"{'measured':>10}{'predicted':>11}{'ratio':>7}")
     for r in rows:
         if r.reason:
-            print(f"{r.row:>4} {r.model:<17}{r.gpu:<15} not expressible: {r.reason}")
+            print(f"{r.row:>{wr}} {r.model:<{wm}} {r.gpu:<{wg}} not expressible: {r.reason}")
             continue
         p = r.plan
-        shape = f"dp{p.dp} tp{p.tp} pp{p.pp} z{p.zero} mb{p.micro_batch}x{p.grad_accum}"
-        print(f"{r.row:>4} {r.model:<17}{r.gpu:<15}{r.seq_len:>5}{shape:>22} {p.attention:<6}"
+        print(f"{r.row:>{wr}} {r.model:<{wm}} {r.gpu:<{wg}} {r.seq_len:>6} {_shape(p):>{ws}} {p.attention:<6}"
               f"{r.measured:>10.0f}{r.predicted:>11.0f}{r.ratio:>7.2f}")
 
 
@@ -295,7 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"--factor: {e}", file=sys.stderr)
         return 2
-    rows = load(path)
+    try:
+        rows = load(path)
+    except CsvProblem as e:
+        print(f"--csv: {e}", file=sys.stderr)
+        return 2
     predict(rows, factors)
     print_rows(rows)
     if args.terms:
@@ -318,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                               "before": {k: v for k, v in before.items() if not k.startswith("_")},
                               "after": {k: v for k, v in after.items() if not k.startswith("_")},
                               "util": {g: round(u, 4) for g, u in sorted(fitted.util.items())}}
-    cmd = "python bench/throughput_public.py" + ("" if path == DEFAULT_CSV else f" --csv {args.csv}") \
+    cmd = "python bench/throughput_public.py" + ("" if path == DEFAULT_CSV else f" --csv {shlex.quote(args.csv)}") \
         + (f" --calibrate-on {args.calibrate_on}" if args.calibrate_on else "") + (" --terms" if args.terms else "") \
         + "".join(f" --factor {p}" for p in args.factor) + (" --peak" if args.peak else "") \
         + (" --json" if args.json else "")

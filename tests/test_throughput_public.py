@@ -179,3 +179,54 @@ def test_zero3_gathers_hide_under_compute_when_the_link_is_fast():
     nv = step_time_breakdown(L8, p, g, seq_len=4096)
     slow = step_time_breakdown(L8, p, g, seq_len=4096, nodes=8, inter_node_gbps=25)
     assert nv.dp_comm < 0.05 * nv.total < slow.dp_comm
+
+
+def test_other_sources_spellings_are_read_as_what_they_mean(tmp_path, capsys):
+    """A CSV from other sources: a BOM, header names in another case, GPU names as NVML writes
+    them, llm-foundry's precision names, true / false checkpointing, attention kernels by name,
+    '64.0' and '107,000' as numbers, blank plain settings. Each reads as the canonical row does."""
+    canonical = _csv(tmp_path, [GOOD.format(gpu="A100-80GB", meas=20000)])
+    ref = tp.load(canonical)
+    tp.predict(ref)
+    header = HEADER.upper().replace(",", ", ")
+    variants = [
+        "1,src-a,m1,1315950592,24,2048,16,16,8192,50368,2048,14.0,1,8,1,1,3,false,amp_bf16,NVIDIA A100-SXM4-80GB,8,1,"
+        '"20,000",attention=fa2',
+        "2,src-a,m1,1.315950592e9,24,2048,16,,8192,50368,2048,14,,8,,,3,,BF16,a100-80gb,8,1,20000,attention=sdpa",
+    ]
+    p = tmp_path / "other.csv"
+    p.write_text("\ufeff" + "\r\n".join([header, *variants]) + "\r\n", encoding="utf-8")
+    rows = tp.load(p)
+    tp.predict(rows)
+    assert [r.reason for r in rows] == ["", ""]
+    for r in rows:
+        assert r.gpu == "A100-80GB" and r.plan == ref[0].plan and r.predicted == pytest.approx(ref[0].predicted)
+    ambiguous = [GOOD.format(gpu=g, meas=9) for g in ("NVIDIA A100", "H100 PCIe", "Tesla V100-SXM2")]
+    rows = tp.load(_csv(tmp_path, ambiguous))
+    assert "ambiguous" in rows[0].reason and "PCIe" in rows[1].reason and "ambiguous" in rows[2].reason
+    assert tp.load(_csv(tmp_path, [GOOD.format(gpu="Tesla V100-SXM2-32GB", meas=9)]))[0].gpu == "V100-32GB"
+
+
+def test_files_and_rows_no_model_has_are_one_line_not_a_traceback(tmp_path, capsys):
+    impossible = [
+        GOOD.format(gpu="A100-80GB", meas=9).replace(",24,2048,", ",24,1" + "0" * 40 + ","),   # hidden 1e40
+        GOOD.format(gpu="A100-80GB", meas=9).replace(",8,1,1,3,", ",1,1,8,3,").replace("{", ""),  # pp 8 ok
+        GOOD.format(gpu="A100-80GB", meas=9).replace(",16,16,8192,", ",16,32,8192,"),            # kv > heads
+        GOOD.format(gpu="A100-80GB", meas=9).replace(",8,1,1,3,", ",1,8,1,3,").replace(",16,16,", ",12,12,"),
+    ]
+    rows = tp.load(_csv(tmp_path, impossible))
+    tp.predict(rows)
+    assert "beyond any model" in rows[0].reason and rows[1].reason == ""
+    assert rows[2].reason.startswith("kv_heads") and rows[3].reason.startswith("tp")
+    latin = tmp_path / "latin.csv"                              # an Excel export: notes in cp1252
+    latin.write_bytes(("\n".join([HEADER, GOOD.format(gpu="A100-80GB", meas=9) + " 5 \xb5s"]) + "\n").encode("cp1252"))
+    assert tp.main(["--csv", str(latin), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["expressible"] == 1
+    dup = tmp_path / "dup.csv"
+    dup.write_text(HEADER + ",gpu\n")
+    runaway = tmp_path / "runaway.csv"
+    runaway.write_text(HEADER + "\n" + '1,"' + "x" * (1 << 25) + "\n")
+    for bad, words in ((dup, "more than once"), (runaway, "not a readable CSV")):
+        assert tp.main(["--csv", str(bad), "--json"]) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1
