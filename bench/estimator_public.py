@@ -11,6 +11,23 @@ metric the source measured (allocated / reserved / device used) is compared with
 ``--columns-only`` scores the CSV's columns alone (no profile, no documented settings): the
 estimator as the issue found it. With ``--json`` the last line is
 ``{"rows", "expressible", "median_abs_err", "p90_abs_err", "worst_under"}`` (errors as fractions).
+
+Other CSVs in the schema score the same way. The settings read by hand from each shipped row's
+source (``RUN_SETTINGS``, ``CAVEATS``) apply to a row only when its number and model are that
+shipped row's. Any other row's settings without a column are read from its ``framework`` and
+``notes`` by ``settings_from_text`` (pure bf16, fused or 8-bit paged AdamW, torch.compile,
+chunked or Liger fused-linear cross-entropy, optimizer in backward, activation offloading, LoRA
+rank and targets, DeepSpeed's overlap_comm, a model without an LM head; a negated mention, "no
+compile", "optimizer_in_bwd=False", is not read as on), and the row's output says what was read.
+``--notes-only`` scores the shipped rows that way too: how far those readings carry to runs no
+one read by hand. Values are read as other sources spell them: header names in any case,
+precisions 'bf16-true' (pure bf16), 'bf16-mixed', '16-mixed', 'amp'; optimizers
+'adamw_torch_fused', 'paged_adamw_8bit', 'adamw_bnb_8bit'; act_ckpt true / false; attention
+'sdpa', 'fa2'; metric 'nvidia-smi', 'max_memory_reserved'; offload 'cpu'; zero 'ZeRO-3'; arch
+as a Hugging Face model type (mistral, qwen2, gemma, phi3 -> llama's builder of that type; vit,
+roberta -> bert); a blank cell is the plain setting. A file that is not a CSV of the schema
+(missing columns, undecodable) is one line and exit 2; a row that cannot be read or expressed
+is listed as not expressible with its reason.
 """
 from __future__ import annotations
 
@@ -19,6 +36,7 @@ import csv
 import json
 import os
 import re
+import shlex
 import statistics
 import sys
 import warnings
@@ -110,6 +128,24 @@ RUN_SETTINGS: dict[int, dict] = {
     34: dict(_LIGHT), 35: dict(_LIGHT),
 }
 
+# The shipped rows the two tables above and below were read from: a row of another CSV gets
+# them only when its number and model say it is that run (other rows: ``settings_from_text``)
+_LLAMA_3B, _LLAMA_8B = "meta-llama/Llama-3.2-3B(-Instruct)", "meta-llama/Llama-3.1-8B(-Instruct)"
+_VIT_G = "timm/vit_giant_patch14_dinov2.lvd142m (ViT-g/14, 1.1B)"
+_DS_SIMPLE = "DeepSpeedExamples SimpleTransformerModel 6.86B (hidden 4096, 32 layers)"
+_GPT2_XL = "GPT-2 XL (1558M, llm.c train_gpt2.py GPT class)"
+_NN_TRANSFORMER = "lightning.pytorch.demos.Transformer (nn.Transformer, 1.01B)"
+SHIPPED_MODELS: dict[int, str] = {
+    **dict.fromkeys(range(1, 8), _LLAMA_3B), 8: _LLAMA_8B, 9: "meta-llama/Llama-3.1-70B-Instruct", 10: _LLAMA_8B,
+    11: "meta-llama/Llama-3.2-3B", 12: "meta-llama/Llama-3.2-3B",
+    13: "timm/vit_huge_patch14_224.orig_in21k (ViT-H/14, 632M)",
+    14: "timm/vit_huge_patch14_224.orig_in21k (ViT-H/14, 632M)", 15: _VIT_G, 16: _VIT_G, 17: _VIT_G,
+    18: "facebook/opt-1.3b", 19: "facebook/opt-350m (reward model: OPTModel + v_head)", 20: _DS_SIMPLE,
+    21: _DS_SIMPLE, **dict.fromkeys(range(22, 27), "meta-llama/Llama-3.1-8B"),
+    27: "LLaMA-2-7B (LlamaConfig defaults, random init)", 28: _GPT2_XL, 29: _GPT2_XL,
+    30: "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", **dict.fromkeys(range(31, 36), _NN_TRANSFORMER),
+}
+
 # Rows whose metric or configuration the source leaves unclear (kept in the output).
 CAVEATS = {
     7: "8-bit AdamW implementation not stated: the config default PagedAdamW8bit would keep its "
@@ -152,57 +188,253 @@ def _map(value: str, table: list[tuple[str, str]]) -> str | None:
     return None
 
 
-def _int(v: str) -> int:
-    return int(float(v))
+class RowProblem(ValueError):
+    """A cell that cannot be read (the row is listed as not expressible, with this)."""
 
 
-def row_kwargs(row: dict[str, str], columns_only: bool = False) -> dict:
-    """`estimate()` keywords of one CSV row."""
-    model = {"arch": row["arch"], "layers": _int(row["layers"]), "hidden": _int(row["hidden"]),
-             "heads": _int(row["heads"]), "kv_heads": _int(row["kv_heads"]),
-             "ffn": _int(row["ffn"]), "vocab": _int(row["vocab"]),
-             "tied_embeddings": row["tied_embeddings"].lower() == "true"}
-    kw: dict = dict(seq_len=_int(row["seq_len"]), micro_batch=_int(row["micro_batch"]),
-                    grad_accum=_int(row["grad_accum"]), dp=_int(row["dp"]), tp=_int(row["tp"]),
-                    pp=_int(row["pp"]), cp=_int(row["cp"]), sp=row["sp"].lower() == "true",
-                    vpp=_int(row["vpp"]), zero=_int(row["zero"]), offload=row["offload"],
-                    precision=row["precision"], optimizer=row["optimizer"],
-                    act_ckpt=row["act_ckpt"], attention=row["attention"])
+def _int(row: dict[str, str], col: str, blank: int | None = None) -> int:
+    """An integer cell: '64', '64.0', '6.7e9', '107,000'; a blank one is ``blank`` when given."""
+    text = row[col].replace(",", "").replace("_", "")
+    if not text:
+        if blank is None:
+            raise RowProblem(f"{col}: empty")
+        return blank
+    try:
+        x = float(text)
+    except ValueError:
+        raise RowProblem(f"{col}: {row[col]!r} is not a number") from None
+    if not (x == x and abs(x) < 1e15) or x != int(x):
+        raise RowProblem(f"{col}: {row[col]!r} is not an integer")
+    return int(x)
+
+
+def _named(row: dict[str, str], col: str, names: dict[str, str], blank: str | None = None) -> str:
+    key = row[col].lower()
+    if not key and blank is not None:
+        return blank
+    if key not in names:
+        raise RowProblem(f"{col}: {row[col]!r} is not one of {', '.join(sorted(set(names)))}")
+    return names[key]
+
+
+_BOOL = {"true": "true", "yes": "true", "1": "true", "y": "true",
+         "false": "false", "no": "false", "0": "false", "n": "false"}
+# the estimator's archs, and the Hugging Face model types its llama builder makes
+ARCHS = {"gpt": ("gpt", None), "gpt2": ("gpt", None), "llama": ("llama", None), "bert": ("bert", None),
+         "roberta": ("bert", None), "vit": ("bert", None), "opt": ("opt", None),
+         **{t: ("llama", t) for t in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")},
+         "qwen2.5": ("llama", "qwen2"), "gemma3": ("llama", "gemma3_text"),
+         "gemma3_text": ("llama", "gemma3_text"), "phi-3": ("llama", "phi3"), "phi4": ("llama", "phi3")}
+# precision column -> (precision, master weights): Lightning's 'bf16-true' is pure bf16
+PRECISIONS = {"bf16": ("bf16", None), "bfloat16": ("bf16", None), "bf16-mixed": ("bf16", None),
+              "amp_bf16": ("bf16", None), "bf16-true": ("bf16", "none"), "pure bf16": ("bf16", "none"),
+              "fp16": ("fp16", None), "float16": ("fp16", None), "16-mixed": ("fp16", None),
+              "fp16-mixed": ("fp16", None), "amp": ("fp16", None), "amp_fp16": ("fp16", None),
+              "16-true": ("fp16", "none"), "fp32": ("fp32", None), "float32": ("fp32", None),
+              "32": ("fp32", None), "32-true": ("fp32", None), "tf32": ("fp32", None)}
+# optimizer column -> (optimizer, AdamW implementation): bitsandbytes' and HF Trainer's names
+OPTIMIZERS = {"adamw": ("adamw", None), "adamw_torch": ("adamw", None), "adamw_hf": ("adamw", None),
+              "adamw_torch_fused": ("adamw", "fused"), "fused_adamw": ("adamw", "fused"),
+              "fusedadam": ("adamw", "fused"), "adam": ("adam", None), "sgd": ("sgd", None),
+              "adafactor": ("adafactor", None), "adamw8bit": ("adamw8bit", None),
+              "adamw_8bit": ("adamw8bit", None), "adamw_bnb_8bit": ("adamw8bit", None),
+              "8bit-adam": ("adamw8bit", None), "adam8bit": ("adamw8bit", None),
+              "adamw8bit-paged": ("adamw8bit-paged", None), "paged_adamw_8bit": ("adamw8bit-paged", None),
+              "pagedadamw8bit": ("adamw8bit-paged", None)}
+ACT_CKPT = {"none": "none", "false": "none", "no": "none", "0": "none", "off": "none",
+            "full": "full", "true": "full", "yes": "full", "1": "full", "on": "full",
+            "selective": "selective"}
+ATTENTION = {"flash": "flash", "flash2": "flash", "fa2": "flash", "fa3": "flash", "sdpa": "flash",
+             "flash_attention_2": "flash", "flash_attention_3": "flash", "xformers": "flash",
+             "eager": "eager", "math": "eager"}
+OFFLOAD = {"none": "none", "optimizer": "optimizer", "cpu": "optimizer", "optimizer+params": "optimizer+params",
+           "params": "optimizer+params", "full": "optimizer+params"}
+FINETUNE = {"full": "full", "lora": "lora", "qlora": "qlora"}
+METRICS = {**{m: m for m in METRIC}, "device": "device_used", "device-used": "device_used",
+           "nvidia-smi": "device_used", "nvml": "device_used", "max_memory_reserved": "reserved",
+           "max_memory_allocated": "allocated", "active_bytes": "allocated"}
+
+
+# (pattern, estimate() keyword, value): a setting as the libraries that run it name it
+TEXT_SETTINGS = [
+    (r"pure bf16|bf16[- ]true|no fp32 master", "master_weights", "none"),
+    (r"no (LM|language[- ]model) head|reward model", "loss", "none"),
+    (r"liger|fused[- ]linear[- ]cross", "loss", "fused-linear"),
+    (r"CEWithChunkedOutputLoss|chunked[- ](cross[- ]entropy|CE\b|loss)", "loss", "chunked"),
+    (r"torch\.compile|compile[ds]?\b(\s*[=:]\s*(true|1)|\s+on\b)|--compile\s+1|\bcompiled\b", "fused_kernels", True),
+    (r"optimizer_in_bwd\s*=\s*true|optimizer[ -]in[ -]backward|fuse optimizer step into backward",
+     "optimizer_in_backward", True),
+    (r"activation[ _]offload(ing)?\b(\s*=\s*true)?|enable_activation_offloading\s*=\s*true", "act_offload", True),
+    (r"AdamW\(fused(=True)?\)|fused[ =](torch )?AdamW|adamw_torch_fused|fused=True", "adamw_impl", "fused"),
+    (r"PagedAdamW8bit|paged_adamw_8bit", "optimizer", "adamw8bit-paged"),
+    (r"overlap_comm", "overlap_comm", True),
+]
+
+
+def _said(text: str, pattern: str) -> re.Match | None:
+    """The first mention of ``pattern`` in ``text`` that is not negated ("no compile", "without
+    Liger", "NO Liger", "optimizer_in_bwd=False", "compile 0")."""
+    for m in re.finditer(pattern, text, re.IGNORECASE):
+        before, after = text[max(0, m.start() - 10):m.start()].lower(), text[m.end():m.end() + 8].lower()
+        if re.search(r"\b(no|not|without|w/o)\s+$", before) or re.match(r"\s*[=:]?\s*(false|0|off)\b", after):
+            continue
+        return m
+    return None
+
+
+def settings_from_text(row: dict[str, str], finetune: str) -> tuple[dict, list[str]]:
+    """`estimate()` keywords for the settings a row documents only in its ``framework`` label and
+    ``notes`` (no column holds them), and what was read, for the output. Each reading is the
+    setting's usual name in the libraries that run it."""
+    text = f"{row['framework']} ; {row.get('notes', '')}"
+    kw: dict = {}
+    for pattern, key, value in TEXT_SETTINGS:
+        if key not in kw or key == "loss" and value == "none":    # the first reading wins; no head: no loss
+            if _said(text, pattern):
+                kw[key] = value
+    if finetune in ("lora", "qlora"):
+        m = re.search(r"(?:lora[ _]?)?(?:\brank|\br)\s*[=:]?\s*(\d+)\b", text, re.IGNORECASE)
+        if m:
+            kw["lora_rank"] = int(m.group(1))
+        targets = [t for t in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+                   if re.search(rf"\b{t}\b", text)]
+        if targets and not re.search(r"all[- ]linear|all linear layers", text, re.IGNORECASE):
+            kw["lora_targets"] = tuple(targets)
+    said = [f"{k}={v if not isinstance(v, tuple) else ','.join(v)}" for k, v in kw.items()]
+    return kw, said
+
+
+def shipped_row(row: dict[str, str]) -> int | None:
+    """The shipped row this row is (its number and model), or None."""
+    try:
+        n = int(row["row"])
+    except ValueError:
+        return None
+    return n if SHIPPED_MODELS.get(n) == row["model"] else None
+
+
+def row_kwargs(row: dict[str, str], columns_only: bool = False, notes_only: bool = False) -> tuple[dict, list[str]]:
+    """`estimate()` keywords of one CSV row (cells stripped, header names lower-case), and the
+    settings read from its text (empty for a shipped row, whose settings were read by hand)."""
+    arch, model_type = ARCHS.get(row["arch"].lower(), (None, None))
+    if arch is None:
+        raise RowProblem(f"arch: {row['arch']!r} is not one the estimator builds "
+                         f"({', '.join(sorted(ARCHS))})")
+    heads = _int(row, "heads")
+    model = {"arch": arch, "layers": _int(row, "layers"), "hidden": _int(row, "hidden"),
+             "heads": heads, "kv_heads": _int(row, "kv_heads", heads), "vocab": _int(row, "vocab")}
+    if row["ffn"]:
+        model["ffn"] = _int(row, "ffn")
+    if row["tied_embeddings"]:
+        model["tied_embeddings"] = _named(row, "tied_embeddings", _BOOL) == "true"
+    if model_type:
+        model["hf_model_type"] = model_type
+    precision, master = _named(row, "precision", PRECISIONS)
+    optimizer, adamw_impl = _named(row, "optimizer", OPTIMIZERS, blank=("adamw", None))
+    kw: dict = dict(seq_len=_int(row, "seq_len"), micro_batch=_int(row, "micro_batch"),
+                    grad_accum=_int(row, "grad_accum", 1), dp=_int(row, "dp", 1), tp=_int(row, "tp", 1),
+                    pp=_int(row, "pp", 1), cp=_int(row, "cp", 1),
+                    sp=_named(row, "sp", _BOOL, blank="false") == "true",
+                    vpp=_int(row, "vpp", 1),
+                    zero=_int({"zero": re.sub(r"^zero[-_ ]*", "", row["zero"], flags=re.I)}, "zero", 0),
+                    offload=_named(row, "offload", OFFLOAD, blank="none"), precision=precision,
+                    optimizer=optimizer, act_ckpt=_named(row, "act_ckpt", ACT_CKPT, blank="none"),
+                    attention=_named(row, "attention", ATTENTION, blank="flash"))
     gpu = _map(row["gpu"], GPUS)
     if gpu:
         kw["gpu"] = gpu
+    said: list[str] = []
     if not columns_only:
         kw["framework"] = profile_for_label(row["framework"])   # estimator.profiles' mapping
-        if row.get("finetune") and row["finetune"] != "full":
-            kw["finetune"] = row["finetune"]
-        extra = dict(RUN_SETTINGS.get(int(row["row"]), {}))
+        finetune = _named(row, "finetune", FINETUNE, blank="full")
+        if finetune != "full":
+            kw["finetune"] = finetune
+        if master:
+            kw["master_weights"] = master
+        if adamw_impl:
+            kw["adamw_impl"] = adamw_impl
+        shipped = None if notes_only else shipped_row(row)
+        if shipped is not None:
+            extra = dict(RUN_SETTINGS.get(shipped, {}))
+        else:
+            extra, said = settings_from_text(row, finetune)
         model.update(extra.pop("model_extra", {}))
         kw.update(extra)
     if model["arch"] != "llama" and model["kv_heads"] == model["heads"]:
         model.pop("kv_heads")                 # no grouped-query attention outside llama
     kw["model"] = model
-    return kw
+    return kw, said
 
 
-def score(path: str, columns_only: bool = False) -> tuple[list[dict], dict]:
-    with open(path, newline="", encoding="utf-8") as fh:
-        rows = list(csv.DictReader(fh))
+class CsvProblem(ValueError):
+    """A file that is not a CSV of the schema (one line, exit 2)."""
+
+
+# what the scorer reads of a row (``notes``, ``source`` and ``rank`` are text it only shows)
+COLUMNS = ("row", "model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied_embeddings",
+           "seq_len", "micro_batch", "grad_accum", "dp", "tp", "pp", "cp", "sp", "vpp", "zero", "offload",
+           "precision", "optimizer", "act_ckpt", "attention", "gpu", "metric", "measured_gib", "framework",
+           "finetune")
+
+
+def read_rows(path: str) -> list[dict[str, str]]:
+    """The CSV's rows, cells stripped, header names lower-case; a BOM, CRLF and a cp1252 export
+    are read. ``CsvProblem`` for a file that is not a CSV of the schema."""
+    raw = open(path, "rb").read()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        text = raw.decode("cp1252", errors="replace")
+    csv.field_size_limit(1 << 24)
+    try:
+        table = list(csv.reader(text.splitlines()))
+    except csv.Error as e:
+        raise CsvProblem(f"{path}: not a readable CSV: {e}") from None
+    if not table:
+        raise CsvProblem(f"{path}: empty file")
+    header = [h.strip().lower() for h in table[0]]
+    missing = [c for c in COLUMNS if c not in header]
+    if missing:
+        raise CsvProblem(f"{path}: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                         "(the schema of the shared published.csv)")
+    rows = []
+    for cells in table[1:]:
+        if not any(c.strip() for c in cells):
+            continue
+        row = {h: "" for h in header}
+        row.update({h: c.strip() for h, c in zip(header, cells)})
+        rows.append(row)
+    return rows
+
+
+def score(path: str, columns_only: bool = False, notes_only: bool = False) -> tuple[list[dict], dict]:
     out = []
-    for row in rows:
-        rec = {"row": int(row["row"]), "model": row["model"][:38], "metric": row["metric"],
-               "measured": float(row["measured_gib"]), "framework": row["framework"][:24],
-               "caveat": CAVEATS.get(int(row["row"]), "")}
+    for row in read_rows(path):
+        shipped = shipped_row(row)
+        rec = {"row": row["row"] or "?", "model": row["model"][:38], "metric": row["metric"],
+               "measured": float("nan"), "framework": row["framework"][:24],
+               "caveat": CAVEATS.get(shipped, "") if shipped is not None else ""}
         try:
-            kw = row_kwargs(row, columns_only)
+            try:
+                rec["measured"] = measured = float(row["measured_gib"].replace(",", ""))
+            except ValueError:
+                raise RowProblem(f"measured_gib: {row['measured_gib']!r} is not a number") from None
+            if not (measured > 0 and measured < float("inf")):
+                raise RowProblem(f"measured_gib: must be a positive number, got {row['measured_gib']!r}")
+            metric = _named(row, "metric", METRICS)
+            kw, said = row_kwargs(row, columns_only, notes_only)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 e = estimate(**kw)
-            pred = getattr(e, METRIC[row["metric"]])
-            rec.update(predicted=pred, err=pred / rec["measured"] - 1.0,
+            pred = getattr(e, METRIC[metric])
+            rec.update(predicted=pred, err=pred / measured - 1.0,
                        profile=kw.get("framework", "-"), warnings=list(e.warnings))
+            if said:
+                rec["caveat"] = "; ".join(x for x in (rec["caveat"], "read from its text: " + ", ".join(said)) if x)
         except Exception as exc:   # noqa: BLE001 - a row the estimator cannot express
             rec.update(predicted=None, err=None, profile="-",
-                       why=f"{type(exc).__name__}: {exc}".splitlines()[0][:110])
+                       why=f"{type(exc).__name__}: {exc}".splitlines()[0][:110]
+                       if not isinstance(exc, RowProblem) else str(exc)[:110])
         out.append(rec)
     errs = [r["err"] for r in out if r["err"] is not None]
     abs_errs = sorted(abs(x) for x in errs)
@@ -221,11 +453,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="last line: the summary as JSON")
     ap.add_argument("--columns-only", action="store_true",
                     help="score the CSV columns only (no profile, no documented settings)")
+    ap.add_argument("--notes-only", action="store_true",
+                    help="every row's settings read from its framework and notes, shipped rows too")
     args = ap.parse_args(argv)
     if not os.path.isfile(args.csv):
         print(f"csv: file not found: {args.csv}", file=sys.stderr)
         return 2
-    rows, summary = score(args.csv, args.columns_only)
+    try:
+        rows, summary = score(args.csv, args.columns_only, args.notes_only)
+    except CsvProblem as e:
+        print(f"csv: {e}", file=sys.stderr)
+        return 2
     print(f"{'row':>3} {'model':38} {'profile':10} {'metric':11} {'meas':>7} {'pred':>7} "
           f"{'err':>7}  note")
     for r in rows:
@@ -236,7 +474,10 @@ def main(argv: list[str] | None = None) -> int:
         note = "; ".join(x for x in [r["caveat"]] + r["warnings"] if x)
         print(f"{r['row']:>3} {r['model']:38} {r['profile']:10} {r['metric']:11} "
               f"{r['measured']:7.2f} {r['predicted']:7.2f} {r['err'] * 100:+6.1f}%  {note}")
-    cmd = "python bench/estimator_public.py" + (" --columns-only" if args.columns_only else "")
+    cmd = ("python bench/estimator_public.py"
+           + ("" if os.path.abspath(args.csv) == os.path.abspath(DEFAULT_CSV) else f" --csv {shlex.quote(args.csv)}")
+           + (" --columns-only" if args.columns_only else "") + (" --notes-only" if args.notes_only else "")
+           + (" --json" if args.json else ""))
     pct = (lambda v: "-" if v is None else f"{v * 100:.1f}%")
     print(f"\n{summary['expressible']}/{summary['rows']} rows expressible; median |error| "
           f"{pct(summary['median_abs_err'])}, p90 {pct(summary['p90_abs_err'])}, "

@@ -1,5 +1,6 @@
 """Implementation profiles and technique knobs of the estimator, the public-set score, and the
 planner's use of them (offload plans, launchability, LoRA / pure-bf16 plans)."""
+import csv
 import json
 import math
 import os
@@ -254,6 +255,80 @@ def test_public_set_score():
     assert summary["median_abs_err"] <= 0.03 and summary["p90_abs_err"] <= 0.08
     _, before = ep.score(ep.DEFAULT_CSV, columns_only=True)
     assert before["median_abs_err"] > 5 * summary["median_abs_err"]
+
+
+def _public_scorer():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import estimator_public as ep
+    if not os.path.isfile(ep.DEFAULT_CSV):
+        pytest.skip("public data set not present")
+    return ep
+
+
+def test_another_csv_gets_no_shipped_rows_hand_read_settings(tmp_path):
+    """The settings read by hand from a shipped row's source apply to that run only: another CSV
+    numbered alike gets its settings from its own framework label and notes."""
+    ep = _public_scorer()
+    with open(ep.DEFAULT_CSV, newline="", encoding="utf-8") as fh:
+        shipped = list(csv.DictReader(fh))
+    header = list(shipped[0])
+    # shipped row 10 (torchtune LoRA r8 on q/v) under another model name: not that run
+    other = {**shipped[9], "model": "someone-else/Llama-3.1-8B", "notes": "plain run", "framework": "torchtune"}
+    same = dict(shipped[9])
+    path = tmp_path / "other.csv"
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, header)
+        w.writeheader()
+        w.writerows([same, other])
+    rows, _ = ep.score(str(path))
+    assert rows[0]["predicted"] == pytest.approx(ep.score(ep.DEFAULT_CSV)[0][9]["predicted"])
+    assert rows[0]["caveat"].startswith("metric not named")               # its caveat, read by hand
+    assert rows[1]["caveat"] == "" and rows[1]["predicted"] != pytest.approx(rows[0]["predicted"])
+    kw, said = ep.row_kwargs({k: v.strip() for k, v in other.items()})
+    assert "lora_rank" not in kw and said == []                        # nothing in "plain run"
+    notes = ("LoRA r=16 on q_proj, v_proj; torch.optim.AdamW(fused=True); no compile; "
+             "CEWithChunkedOutputLoss; optimizer_in_bwd=False; NO Liger; pure bf16")
+    kw, said = ep.row_kwargs({**{k: v.strip() for k, v in other.items()}, "notes": notes})
+    assert kw["lora_rank"] == 16 and kw["lora_targets"] == ("q_proj", "v_proj")
+    assert kw["adamw_impl"] == "fused" and kw["loss"] == "chunked" and kw["master_weights"] == "none"
+    assert "fused_kernels" not in kw and "optimizer_in_backward" not in kw     # negated mentions
+    assert "lora_rank=16" in said
+
+
+def test_another_csvs_spellings_and_faults_are_read_or_named(tmp_path, capsys):
+    ep = _public_scorer()
+    with open(ep.DEFAULT_CSV, newline="", encoding="utf-8") as fh:
+        shipped = list(csv.DictReader(fh))
+    base = {**shipped[24], "row": "101", "model": "another Llama-3.1-8B run"}     # ZeRO-2, no Liger
+    spelled = {**base, "row": "102", "precision": "BF16-mixed", "optimizer": "adamw_torch", "act_ckpt": "false",
+               "attention": "sdpa", "metric": "max_memory_reserved", "zero": "ZeRO-2", "cp": "", "vpp": "",
+               "sp": "", "arch": "LLaMA"}
+    mistral = {**base, "row": "103", "arch": "mistral"}
+    bad = [{**base, "row": "104", "measured_gib": "~7.4"}, {**base, "row": "r5", "layers": "many"},
+           {**base, "row": "106", "arch": "t5"}]
+    path = tmp_path / "other.csv"
+    header = [h.upper() for h in shipped[0]]
+    with open(path, "w", newline="", encoding="utf-8-sig") as fh:          # a BOM, upper-case names
+        w = csv.writer(fh)
+        w.writerow(header)
+        for r in [base, spelled, mistral, *bad]:
+            w.writerow([r[k] for k in shipped[0]])
+    rows, summary = ep.score(str(path))
+    assert summary["rows"] == 6 and summary["expressible"] == 3
+    assert rows[1]["predicted"] == pytest.approx(rows[0]["predicted"])
+    assert rows[2]["predicted"] is not None
+    assert "measured_gib" in rows[3]["why"] and "layers" in rows[4]["why"] and "arch" in rows[5]["why"]
+    missing = tmp_path / "missing.csv"
+    missing.write_text("row,model\n1,x\n")
+    assert ep.main(["--csv", str(missing)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing columns" in err[0]
+    cp1252 = tmp_path / "excel.csv"
+    cp1252.write_bytes(path.read_text(encoding="utf-8-sig").replace("another", "caf\u00e9").encode("cp1252"))
+    assert ep.score(str(cp1252))[1]["expressible"] == 3
+    assert ep.main(["--csv", str(path), "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "--csv" in out and json.loads(out.strip().splitlines()[-1])["rows"] == 6
 
 
 def test_cli_framework_flag_and_bad_knob():
