@@ -1,6 +1,6 @@
 """The stages of a submission, each a Prefect task:
-estimate_memory -> select_resources -> enqueue -> wait_for_gpus here, then ``train``
-(``frenzy_flows.flow``).
+estimate_memory -> select_resources -> enqueue -> assign (``wait_for_gpus``: the GPUs the
+scheduler grants) here, then ``train`` (``frenzy_flows.flow``).
 
 The logic lives in the pure core (estimator, scheduler) and the edges (ledger, trainer); these
 tasks only wire it to Prefect: logging, artifacts, events, retries."""
@@ -114,7 +114,7 @@ def enqueue(job: TrainingJob, job_id: str, candidates: dict[str, list[Plan]], le
     return job_id
 
 
-@task(name="wait_for_gpus")
+@task(name="assign")          # the stage that assigns the job its GPUs (the scheduler decides)
 def wait_for_gpus(job: TrainingJob, job_id: str, ledger_url: SecretStr | str | None,
                   wait_timeout_s: float = 3600.0) -> Assignment:
     """Wait for the allocation the scheduler writes for the job (``wait_timeout_s``: then a

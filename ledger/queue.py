@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 import math
 from typing import Any, Callable, Iterator
 
-from sqlalchemy import bindparam, exists, or_, text
+from sqlalchemy import bindparam, exists, or_, text, update
 from sqlalchemy.orm import defer
 from sqlmodel import Session, select
 
 from estimator.plan import Plan
 
 from .core import Ledger, db_now
-from .tables import AllocationRow, QueueJobRow, SchedulerLeaseRow
+from .tables import AllocationRow, JobRow, QueueJobRow, SchedulerLeaseRow
 
 log = logging.getLogger("frenzy.queue")
 
@@ -278,6 +278,8 @@ class JobQueue:
             if row.state == "running":
                 self._account(row, now)
             row.state, row.error, row.ended_at, row.updated_at = state, error[:500], now, now
+            # the job's own row (placed when its GPUs were granted) ends with it
+            s.execute(update(JobRow).where(JobRow.job_id == job_id).values(status=state))
             if steps_done is not None:
                 row.steps_done = max(row.steps_done, int(steps_done))
             if row.request and row.request_state in ("pending", "acked"):

@@ -67,7 +67,7 @@ class JobRow(SQLModel, table=True):
     job_id: str = Field(primary_key=True)
     name: str = ""
     spec: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
-    status: str = "pending"          # pending | placed | done | failed
+    status: str = "pending"          # pending | placed, then as its queue row ends: done | failed | stopped
     steps: Optional[int] = None
     submitted_at: float = 0.0
 

@@ -31,6 +31,7 @@ def registered(cpu_cluster):
 def test_submit_trains_and_releases(registered, frenzy_home):
     from frenzy_flows import submit_training
     from ledger import Ledger
+    from ledger.tables import JobRow
 
     result = submit_training(job=TINY, cluster=registered)
     assert result.status == "completed"
@@ -48,6 +49,16 @@ def test_submit_trains_and_releases(registered, frenzy_home):
     assert all(len(n.free) == n.gpus for n in state.nodes)
     rows = ledger.measurements(gpu_type="CPU")
     assert any(r.job_id == result.job_id for r in rows)
+    with ledger._tx() as s:                                     # the job's row ended with it
+        assert s.get(JobRow, result.job_id).status == "done"
+    # the stages ran as Prefect tasks, in order
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[result.flow_run_id])))
+    order = [t.name.rsplit("-", 1)[0] for t in sorted(runs, key=lambda t: t.expected_start_time)]
+    stages = [n for n in order if n in ("estimate_memory", "select_resources", "assign", "train")]
+    assert stages == ["estimate_memory", "select_resources", "assign", "train"], order
 
 
 def test_unregistered_pool_is_reported(cpu_cluster, tmp_path, frenzy_home):

@@ -88,6 +88,7 @@ def test_queue_tells_how_ended_jobs_ended(url):
     led = ledger_with_cluster(url)
     q = JobQueue(led)
     for name in ("ok", "bad", "halt"):
+        led.submit_job(name, name, {"name": name})
         q.enqueue(name, name, {"name": name}, plans(), steps=100)
     q.finish("ok", "done", steps_done=100)
     q.finish("bad", "failed", error="RuntimeError: out of memory")
@@ -99,6 +100,12 @@ def test_queue_tells_how_ended_jobs_ended(url):
     assert rows["halt"]["why"].startswith("stopped at step 31") and rows["halt"]["steps"] == "31/100"
     with pytest.raises(ValueError):
         q.finish("ok", "paused")
+    from sqlmodel import select
+
+    from ledger.tables import JobRow
+    with led._tx() as s:                       # the jobs table's rows end with their queue rows
+        assert {r.job_id: r.status for r in s.exec(select(JobRow)).all()} == {
+            "ok": "done", "bad": "failed", "halt": "stopped"}
 
 
 def test_the_runs_watcher_outlives_a_database_error_and_still_acknowledges(url, tmp_path, monkeypatch):
