@@ -122,14 +122,21 @@ def _handle(args) -> int:
             raise
         plans = None        # the dry run says what would not launch, and the counts it needs
     if plans is not None:
-        filter_plans(plans, plan_filter, topology.gpus_per_node())
+        plans = filter_plans(plans, plan_filter, topology.gpus_per_node())
         # data, tokenizer, entry point, optimizer, allow-lists (the job file's folder is a data
         # root): a dry run refuses what the run would
         from trainer import allowlist
+        from trainer.fallback import launch_refusal, realisable
         from trainer.runner import preflight_job
 
         allowlist.configure(data_roots=[Path(args.job).resolve().parent])
-        preflight_job(job, min((p for ps in plans.values() for p in ps), key=lambda p: p.step_time_s))
+        every = [p for ps in plans.values() for p in ps]
+        runnable = [p for p in every if realisable(p)]
+        if not runnable and not args.dry_run:      # the flow's select_resources would refuse it, later
+            from estimator.errors import FrenzyInputError
+
+            raise FrenzyInputError("plan" if plan_filter else "job", launch_refusal(every))
+        preflight_job(job, min(runnable or every, key=lambda p: p.step_time_s))
     if args.dry_run:    # writes nothing: Prefect is imported (never contacted) with a throwaway home
         import tempfile
         with tempfile.TemporaryDirectory(prefix="frenzy-dry-run-") as tmp:

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from uuid import UUID
 
 from estimator.plan import Plan
+from trainer.fallback import not_launchable  # noqa: F401 (re-exported: the plans table uses it)
 from frenzy_cli.units import format_duration, format_memory, format_seconds  # noqa: F401 (re-exported)
 
 PLANS_KEY = "frenzy-plans"
@@ -78,22 +79,6 @@ def _layout(p: Plan) -> str:
     zero = f"ZeRO-{p.zero}" + ("" if p.offload == "none" else f"+off:{p.offload}")
     ckpt = "" if p.act_ckpt == "none" else f" ckpt:{p.act_ckpt}"
     return f"{par} {zero}{ckpt} mb {p.micro_batch}x{p.grad_accum}"
-
-
-def not_launchable(p: Plan) -> str | None:
-    """Why the trainer cannot launch ``p`` (its own rule, shortened; else the reason the
-    planner marked on it), or None."""
-    try:
-        from trainer.launch_config import check_realisable
-    except Exception:           # the trainer's module is not importable here: no verdict
-        return None
-    try:
-        check_realisable(p)
-    except ValueError as err:
-        knob = str(getattr(err, "field", "plan")).removeprefix("plan.")
-        rule = str(getattr(err, "rule", err)).split(": ", 1)[-1].split(" (")[0].strip()
-        return f"cannot launch {knob}{getattr(p, knob, '')}: {rule}"
-    return f"cannot launch: {p.not_launchable}" if p.not_launchable else None
 
 
 def why_not_chosen(p: Plan, chosen: Plan, *, short: bool = False) -> str:

@@ -149,8 +149,12 @@ def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, pol
             candidates = select_resources.fn(job, plans_by_type, cluster,
                                              [p.name for p in cluster.pools] if registered is None else registered)
     except FrenzyInputError as err:
-        return {**base, "launch": False, "reason": str(err),
-                "needs": nearest_fits(job, cluster, safety_margin_gib)}
+        # plans fit, but none is runnable here (pools, constraints, launchability): neither a type
+        # the cluster already has enough of nor another type is the answer, only the cluster's
+        # types that would need more GPUs than it has
+        needs = [n for n in nearest_fits(job, cluster, safety_margin_gib)
+                 if n["in_cluster"] and (n["gpus"] is None or n["gpus"] > n["have"])]
+        return {**base, "launch": False, "reason": str(err), "needs": needs}
     plans = [p for ps in candidates.values() for p in ps]
     request = JobRequest(job_id=f"{job.name}-dry-run", submit_s=time.time(), plans=plans,
                          steps_left=job.steps, model=base["model"], checkpoint_gb=0.0)

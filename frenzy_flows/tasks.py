@@ -17,7 +17,7 @@ from estimator.plan import Plan
 from estimator.plans import plans_for_job
 from scheduler.cluster import Cluster
 from scheduler.restart import checkpoint_gb
-from trainer.fallback import realisable
+from trainer.fallback import launch_refusal, realisable
 
 from frenzy_flows.results import Assignment
 
@@ -69,11 +69,7 @@ def select_resources(job: TrainingJob, plans_by_type: dict[str, list[Plan]], clu
             dropped[gpu_type] = f"every feasible plan needs more than max_gpus={job.max_gpus}"
         elif not (runnable := [p for p in fit if realisable(p)]):
             # the planner marks each plan the trainer cannot launch with its reason
-            from frenzy_flows.artifacts import not_launchable
-
-            reasons = sorted({(not_launchable(p) or "").removeprefix("cannot launch").lstrip(": ") for p in fit} - {""})
-            dropped[gpu_type] = ("no plan that fits can be launched here ("
-                                 + "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "") + ")")
+            dropped[gpu_type] = launch_refusal(fit)
         else:
             kept[gpu_type] = runnable
             continue

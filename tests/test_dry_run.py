@@ -183,3 +183,19 @@ def test_dry_run_honours_the_plan_filter(tmp_path):
         assert proc.returncode == 2 and says in proc.stderr, (bad, proc.stderr[-2000:])
         assert proc.stderr.strip().count("\n") == 0
     assert not (tmp_path / ".frenzy").exists()
+
+
+def test_a_plan_kind_the_trainer_cannot_launch_is_refused_before_prefect_starts(tmp_path):
+    """`--plan pp=2` on a GPT model (pipeline stages are built for llama decoders): the run said
+    so only from the flow, after starting the embedded Prefect server and syncing pools; the dry
+    run then also listed "needs at least 1 x CPU (the cluster has 2)", which is no answer."""
+    (tmp_path / "tiny.yaml").write_text("name: pp2\nmodel: gpt2-tiny\nseq_len: 32\nglobal_batch: 4\n"
+                                        "train_steps: 2\nprecision: fp32\n")
+    run = frenzy("run", "tiny.yaml", "--plan", "pp=2", cwd=tmp_path)
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0, run.stderr[-2000:]
+    assert "plan: no plan that fits can be launched here" in run.stderr and "llama decoders" in run.stderr
+    assert not (tmp_path / "home" / ".prefect").exists() and not (tmp_path / ".frenzy").exists()
+    dry = frenzy("run", "tiny.yaml", "--plan", "pp=2", "--dry-run", "--json", cwd=tmp_path)
+    d = json.loads(dry.stdout)
+    assert dry.returncode == 2 and not d["launch"] and "llama decoders" in d["reason"]
+    assert d["needs"] == []                 # the cluster has GPUs enough; the plan kind is the reason

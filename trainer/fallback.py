@@ -43,6 +43,26 @@ def realisable(p: Plan) -> bool:
     return True
 
 
+def not_launchable(p: Plan) -> str | None:
+    """Why the trainer cannot launch ``p`` (its own rule, shortened; else the reason the
+    planner marked on it), or None."""
+    try:
+        check_realisable(p)
+    except ValueError as err:
+        knob = str(getattr(err, "field", "plan")).removeprefix("plan.")
+        rule = str(getattr(err, "rule", err)).split(": ", 1)[-1].split(" (")[0].strip()
+        return f"cannot launch {knob}{getattr(p, knob, '')}: {rule}"
+    return f"cannot launch: {p.not_launchable}" if p.not_launchable else None
+
+
+def launch_refusal(plans: list[Plan]) -> str:
+    """The one clause for plans that fit but none of which the trainer can launch here, with
+    their reasons (at most three)."""
+    reasons = sorted({(not_launchable(p) or "").removeprefix("cannot launch").lstrip(": ") for p in plans} - {""})
+    return ("no plan that fits can be launched here (" + "; ".join(reasons[:3])
+            + ("; ..." if len(reasons) > 3 else "") + ")")
+
+
 def _key(p: Plan) -> tuple:
     """What makes two fallbacks the same plan (predictions aside)."""
     return (p.gpu_type, p.gpus, p.dp, p.tp, p.zero, p.offload, p.act_ckpt, p.micro_batch)
