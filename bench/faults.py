@@ -4,7 +4,8 @@ one fault mid-training and reports
 
 * gpus_freed: no ledger allocation of the run left active at the end (for a submitter killed
   outright: its lease is no longer renewed and runs out within the TTL, after which the ledger
-  frees it; the bench then expires it at that moment),
+  frees it; the bench then expires it at that moment); null for a scenario that did not run
+  (db-outage without FRENZY_TEST_POSTGRES_URL: its row says skipped, neither ok nor RED),
 * steps_lost: steps trained but not in a checkpoint when the fault hit (what a resume redoes),
 * status: how the run ended (the result's status, else from the exit status),
 * leftover_processes: processes of the run (the CLI, the embedded server, the launcher, the
@@ -180,9 +181,10 @@ class Run:
             return []
 
 
-def row(name: str, gpus_freed: bool, lost: int, status: str, left: int, note: str = "") -> dict:
-    return {"name": name, "gpus_freed": bool(gpus_freed), "steps_lost": int(lost), "status": status,
-            "leftover_processes": int(left), "_note": note}
+def row(name: str, gpus_freed: bool | None, lost: int, status: str, left: int, note: str = "") -> dict:
+    """One scenario's outcome; ``gpus_freed`` None: the scenario did not run (skipped)."""
+    return {"name": name, "gpus_freed": None if gpus_freed is None else bool(gpus_freed), "steps_lost": int(lost),
+            "status": status, "leftover_processes": int(left), "_note": note}
 
 
 # ------------------------------------------------------------------------- scenarios
@@ -305,7 +307,7 @@ def _psql(admin_url: str, sql: str) -> None:
 def db_outage(base, args):
     url = os.environ.get("FRENZY_TEST_POSTGRES_URL")
     if not url:
-        return row("db-outage", False, 0, "skipped (no FRENZY_TEST_POSTGRES_URL)", 0)
+        return row("db-outage", None, 0, "skipped (no FRENZY_TEST_POSTGRES_URL)", 0)
     db = url.rsplit("/", 1)[1]
     admin = url.rsplit("/", 1)[0] + "/postgres"
     r = Run(base, "db-outage", args, extra=["--ledger", url])
@@ -432,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: {cmd}   (steps {args.steps}, checkpoint every {args.checkpoint_every}; folders under {base})")
     print(f"{'scenario':<16} {'gpus_freed':>10} {'steps_lost':>10} {'leftover':>8}  status / note")
     for r in rows:
+        if r["gpus_freed"] is None:                  # did not run: neither green nor red
+            print(f"{r['name']:<16} {'-':>10} {'-':>10} {'-':>8}  --- {r['status']}")
+            continue
         green = r["gpus_freed"] and r["steps_lost"] <= args.checkpoint_every and r["leftover_processes"] == 0
         print(f"{r['name']:<16} {'yes' if r['gpus_freed'] else 'NO':>10} {r['steps_lost']:>10} "
               f"{r['leftover_processes']:>8}  {'ok ' if green else 'RED'} {r['status']}; {r['_note']}")

@@ -31,7 +31,8 @@ def register(sub) -> None:
     m.add_argument("--arch", choices=["gpt", "llama", "bert", "opt"])
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
         m.add_argument(f"--{name}", type=int)
-    m.add_argument("--tied-embeddings", type=_bool, metavar="BOOL")
+    m.add_argument("--tied-embeddings", type=_bool, nargs="?", const=True, metavar="BOOL",
+                   help="LM head shares the input embedding (bare: true; default: the model's)")
     j = e.add_argument_group("job and parallelism")
     j.add_argument("--seq-len", type=int, default=1024)
     j.add_argument("--micro-batch", type=int, default=1)

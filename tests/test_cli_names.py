@@ -82,3 +82,12 @@ def test_estimate_and_plan_tables_scale_units_for_tiny_models(capsys):
     assert main(["plan", "--model", "gpt2-tiny", "--seq-len", "64", "--global-batch", "8", "--gpu", "CPU"]) == 0
     out = capsys.readouterr().out
     assert "memory used" in out and " ms " in out and "0.00" not in out
+
+
+def test_boolean_estimate_flags_take_a_bare_form_like_sp(capsys):
+    """`--sp` alone meant true; `--tied-embeddings` alone was a usage error (exit 2)."""
+    def params(*flags):
+        assert main(["estimate", "--model", "gpt2", *flags, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["params"]
+
+    assert params("--tied-embeddings") == params("--tied-embeddings", "true") < params("--tied-embeddings", "false")
