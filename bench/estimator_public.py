@@ -225,6 +225,7 @@ ARCHS = {"gpt": ("gpt", None), "gpt2": ("gpt", None), "llama": ("llama", None), 
          **{t: ("llama", t) for t in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")},
          "qwen2.5": ("llama", "qwen2"), "gemma3": ("llama", "gemma3_text"),
          "gemma3_text": ("llama", "gemma3_text"), "phi-3": ("llama", "phi3"), "phi4": ("llama", "phi3")}
+_LLAMA_TYPES = tuple(k for k, (arch, _) in ARCHS.items() if arch == "llama")
 # precision column -> (precision, master weights): Lightning's 'bf16-true' is pure bf16
 PRECISIONS = {"bf16": ("bf16", None), "bfloat16": ("bf16", None), "bf16-mixed": ("bf16", None),
               "amp_bf16": ("bf16", None), "bf16-true": ("bf16", "none"), "pure bf16": ("bf16", "none"),
@@ -265,7 +266,7 @@ TEXT_SETTINGS = [
     (r"optimizer_in_bwd\s*=\s*true|optimizer[ -]in[ -]backward|fuse optimizer step into backward",
      "optimizer_in_backward", True),
     (r"activation[ _]offload(ing)?\b(\s*=\s*true)?|enable_activation_offloading\s*=\s*true", "act_offload", True),
-    (r"AdamW\(fused(=True)?\)|fused[ =](torch )?AdamW|adamw_torch_fused|fused=True", "adamw_impl", "fused"),
+    (r"AdamW\(fused(=True)?\)|fused[ =](torch )?AdamW|AdamW[ ,]+fused\b|adamw_torch_fused|fused=True", "adamw_impl", "fused"),
     (r"PagedAdamW8bit|paged_adamw_8bit", "optimizer", "adamw8bit-paged"),
     (r"overlap_comm", "overlap_comm", True),
 ]
@@ -292,6 +293,23 @@ def settings_from_text(row: dict[str, str], finetune: str) -> tuple[dict, list[s
         if key not in kw or key == "loss" and value == "none":    # the first reading wins; no head: no loss
             if _said(text, pattern):
                 kw[key] = value
+    # numbers and versions the notes give
+    model_extra: dict = {}
+    if re.search(r"cross[- ]attention", text, re.IGNORECASE) and (m := re.search(r"\b(\d+)\s+decoder\b", text)):
+        model_extra["cross_attn_layers"] = int(m.group(1))          # an encoder-decoder's decoder blocks
+    if _said(text, r"SwiGLU|gated (MLP|hidden)") and row["arch"].lower() not in ("llama", *_LLAMA_TYPES):
+        model_extra["gated_mlp"] = True                             # a gated MLP outside llama's builder
+    if model_extra:
+        kw["model_extra"] = model_extra
+    if m := re.search(r"reduce_bucket_size\W{0,3}(\d+(?:\.\d+)?(?:e\d+)?)", text, re.IGNORECASE):
+        kw["zero_bucket_elems"] = float(m.group(1))                 # DeepSpeed's reduce bucket (elements)
+    if _said(text, r"NO_SHARD"):
+        kw["gradient_as_bucket_view"] = True                        # FSDP NO_SHARD: no DDP bucket copy
+    # PyTorch 2.0 / 2.1's foreach Adam(W) built its denominator out of place (estimator.memory)
+    version = re.search(r"\b(?:PyTorch|torch)\s+(\d+)\.(\d+)", text)
+    if (version and (int(version.group(1)), int(version.group(2))) in ((2, 0), (2, 1))
+            and "adamw_impl" not in kw and row["optimizer"].lower() in ("adam", "adamw", "adamw_torch", "")):
+        kw["adamw_impl"] = "foreach-legacy"
     if finetune in ("lora", "qlora"):
         m = re.search(r"(?:lora[ _]?)?(?:\brank|\br)\s*[=:]?\s*(\d+)\b", text, re.IGNORECASE)
         if m:
@@ -300,8 +318,12 @@ def settings_from_text(row: dict[str, str], finetune: str) -> tuple[dict, list[s
                    if re.search(rf"\b{t}\b", text)]
         if targets and not re.search(r"all[- ]linear|all linear layers", text, re.IGNORECASE):
             kw["lora_targets"] = tuple(targets)
-    said = [f"{k}={v if not isinstance(v, tuple) else ','.join(v)}" for k, v in kw.items()]
+    said = [f"{k}={v if not isinstance(v, (tuple, dict)) else _show(v)}" for k, v in kw.items()]
     return kw, said
+
+
+def _show(v: tuple | dict) -> str:
+    return ",".join(v) if isinstance(v, tuple) else ",".join(f"{k}={x}" for k, x in v.items())
 
 
 def shipped_row(row: dict[str, str]) -> int | None:
@@ -313,9 +335,12 @@ def shipped_row(row: dict[str, str]) -> int | None:
     return n if SHIPPED_MODELS.get(n) == row["model"] else None
 
 
-def row_kwargs(row: dict[str, str], columns_only: bool = False, notes_only: bool = False) -> tuple[dict, list[str]]:
+def row_kwargs(row: dict[str, str], columns_only: bool = False, notes_only: bool = False,
+               previous: dict | None = None) -> tuple[dict, list[str]]:
     """`estimate()` keywords of one CSV row (cells stripped, header names lower-case), and the
-    settings read from its text (empty for a shipped row, whose settings were read by hand)."""
+    settings read from its text (empty for a shipped row, whose settings were read by hand).
+    ``previous``: the settings read from the row before, which a row of a cumulative table
+    ("as previous + ...", same source) keeps under its own."""
     arch, model_type = ARCHS.get(row["arch"].lower(), (None, None))
     if arch is None:
         raise RowProblem(f"arch: {row['arch']!r} is not one the estimator builds "
@@ -358,6 +383,11 @@ def row_kwargs(row: dict[str, str], columns_only: bool = False, notes_only: bool
             extra = dict(RUN_SETTINGS.get(shipped, {}))
         else:
             extra, said = settings_from_text(row, finetune)
+            if previous and re.search(r"\bas (the )?previous\b", row.get("notes", ""), re.IGNORECASE):
+                kept = {k: v for k, v in previous.items() if k not in extra}
+                extra = {**kept, **extra}
+                said = [f"as the row before: {', '.join(sorted(kept))}"] * bool(kept) + said
+            row["_read"] = dict(extra)          # for the next row of a cumulative table (``score``)
         model.update(extra.pop("model_extra", {}))
         kw.update(extra)
     if model["arch"] != "llama" and model["kv_heads"] == model["heads"]:
@@ -409,6 +439,7 @@ def read_rows(path: str) -> list[dict[str, str]]:
 
 def score(path: str, columns_only: bool = False, notes_only: bool = False) -> tuple[list[dict], dict]:
     out = []
+    before: dict | None = None               # the row before: its source and its text's settings
     for row in read_rows(path):
         shipped = shipped_row(row)
         rec = {"row": row["row"] or "?", "model": row["model"][:38], "metric": row["metric"],
@@ -422,7 +453,8 @@ def score(path: str, columns_only: bool = False, notes_only: bool = False) -> tu
             if not (measured > 0 and measured < float("inf")):
                 raise RowProblem(f"measured_gib: must be a positive number, got {row['measured_gib']!r}")
             metric = _named(row, "metric", METRICS)
-            kw, said = row_kwargs(row, columns_only, notes_only)
+            previous = before["read"] if before and before["source"] == row.get("source") else None
+            kw, said = row_kwargs(row, columns_only, notes_only, previous)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 e = estimate(**kw)
@@ -436,6 +468,7 @@ def score(path: str, columns_only: bool = False, notes_only: bool = False) -> tu
                        why=f"{type(exc).__name__}: {exc}".splitlines()[0][:110]
                        if not isinstance(exc, RowProblem) else str(exc)[:110])
         out.append(rec)
+        before = {"source": row.get("source"), "read": row.get("_read")}
     errs = [r["err"] for r in out if r["err"] is not None]
     abs_errs = sorted(abs(x) for x in errs)
     summary = {"rows": len(out), "expressible": len(errs),

@@ -293,6 +293,25 @@ def test_another_csv_gets_no_shipped_rows_hand_read_settings(tmp_path):
     assert kw["adamw_impl"] == "fused" and kw["loss"] == "chunked" and kw["master_weights"] == "none"
     assert "fused_kernels" not in kw and "optimizer_in_backward" not in kw     # negated mentions
     assert "lora_rank=16" in said
+    # a cumulative table: "as previous + X" keeps what the row before said (same source only)
+    first = {**other, "row": "1", "notes": "pure bf16; CEWithChunkedOutputLoss"}
+    second = {**other, "row": "2", "notes": "as previous + optimizer_in_bwd=True"}
+    elsewhere = {**second, "row": "3", "source": "another README"}
+    path = tmp_path / "cumulative.csv"
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, header)
+        w.writeheader()
+        w.writerows([first, second, elsewhere])
+    rows, _ = ep.score(str(path))
+    assert "as the row before: loss, master_weights" in rows[1]["caveat"]
+    assert "optimizer_in_backward=True" in rows[1]["caveat"] and "row before" not in rows[2]["caveat"]
+    assert rows[1]["predicted"] < rows[2]["predicted"]
+    # an encoder-decoder's decoder blocks, PyTorch 2.1's foreach Adam, FSDP NO_SHARD, a bucket size
+    kw, _ = ep.row_kwargs({**{k: v.strip() for k, v in other.items()}, "optimizer": "adam", "notes":
+                           "32 encoder + 32 decoder layers; decoder layers add cross-attention; PyTorch 2.1; "
+                           "NO_SHARD; reduce_bucket_size 5e7"})
+    assert kw["model"]["cross_attn_layers"] == 32 and kw["adamw_impl"] == "foreach-legacy"
+    assert kw["gradient_as_bucket_view"] is True and kw["zero_bucket_elems"] == 5e7
 
 
 def test_another_csvs_spellings_and_faults_are_read_or_named(tmp_path, capsys):
