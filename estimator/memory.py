@@ -592,6 +592,26 @@ def _cpu_sem(c: float) -> _Sem:
     return _Sem(c, c, False)
 
 
+def op_sac_saved_tok(spec: ModelSpec, c: float, t: int = 1, sp_div: int = 1) -> float:
+    """Bytes per token one block keeps under per-op selective checkpointing (torchtitan's
+    policy) beyond its input: the outputs of every other matmul, the 1st, 3rd, ... in the order
+    the block runs them (llama: q, k, v, o, gate, up, down -> q, v, gate, down; fused
+    projections: qkv, o, gate_up, down -> qkv, gate_up), and the attention kernel's output and
+    log-sum-exp (fp32, one per head). Split by tensor parallelism except the block's last
+    projection, whose reduced output sequence parallelism splits."""
+    h, f, a = spec.hidden, spec.f, spec.heads
+    q, kvd = a * spec.d_head, spec.n_kv * spec.d_head
+    if spec.arch == "llama" and not spec.fused_proj:
+        outs = [q, kvd, kvd, h, f, f, h]
+    elif spec.arch == "llama":
+        outs = [q + 2 * kvd, h, 2 * f, h]
+    else:                                   # fused qkv, output, MLP in, MLP out
+        outs = [q + 2 * kvd, h, f, h]
+    kept = outs[0::2]
+    last = kept[-1] if len(outs) % 2 else 0          # the block's last projection, when kept
+    return c * (sum(kept) - last) / t + c * last / sp_div + (c * q + 4.0 * a) / t
+
+
 def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attention: str,
                            act_ckpt: str, sem: _Sem = CUDA_SEM, *, compiled: bool = False,
                            repeat_kv: bool = False, hf_models: bool = True,
@@ -1080,6 +1100,11 @@ def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> _St
     logits_tok = V / t if loss != "none" else 0.0     # vocab-parallel logits per token
 
     full = k.act_ckpt == "full"
+    if k.act_ckpt == "selective" and prof.selective_ac == "op":
+        # per-op selective checkpointing: a checkpointed block (its input kept, one block
+        # recomputed in the backward, as full) that also keeps its save list's outputs
+        full = True
+        ckpt_keep_tok += op_sac_saved_tok(spec, c, t, sp_div)
     # FSDP SHARD_GRAD_OP (torch's ZeRO-2; a pipeline's ZeRO-2 is FSDP2 without resharding
     # after the forward) keeps sharded parameters between steps and the unsharded ones from
     # the forward until each unit's post-backward reshard: the step sees only the shards,

@@ -22,6 +22,7 @@ both (``check_knobs``).
 | ``fsdp2_copy_in`` | FSDP2 copies a unit's unsharded gradients into one reduce-scatter input before freeing them |
 | ``accelerate_amp`` | zero-0 16-bit runs with fp32 weights go through Accelerate's native AMP: autocast, outputs converted to fp32 (loss "auto" holds fp32 logits; fp32 LoRA adapters save a 16-bit copy of their input) |
 | ``expandable_segments`` | the trainer launches with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (the estimate's ``allocator`` "auto"): full recomputation fragments the allocator less (``fragmentation_recompute_expandable``), LoRA more (``fragmentation_adapters``) |
+| ``selective_ac`` | what ``act_ckpt="selective"`` recomputes: "attention" (Megatron's: the attention core) or "op" (torchtitan's per-op policy: a checkpointed block that keeps every other matmul output and the attention kernel's outputs) |
 | ``job_knobs_only`` | the profile runs only what a Frenzy job can ask for (no loss kernel, activation offloading, optimizer in backward, fused kernels) |
 Pure: no torch.
 """
@@ -82,6 +83,12 @@ class Profile:
     # the trainer launches with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Frenzy's
     # launcher does): recomputation fragments less, LoRA more (overheads.FRAGMENTATION_*)
     expandable_segments: bool = False
+    # act_ckpt "selective": "attention" recomputes the attention core (Megatron-LM's selective
+    # recomputation; with flash attention nothing of it was saved); "op" is torchtitan's per-op
+    # selective checkpointing (torchtitan/models/llama3/infra/parallelize.py, _custom_policy):
+    # each block is checkpointed and keeps only the outputs of its save list (mm, the attention
+    # kernels, reduce-scatter, max), every second mm recomputed
+    selective_ac: str = "attention"
     measured: str = ""
 
     def __hash__(self) -> int:
@@ -113,8 +120,9 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
     Profile("torchtitan", "torchtitan: FSDP2 with fp32 sharded params and bf16 compute, fused "
                           "AdamW, per-op selective checkpointing, loss on fp32 logits",
             adamw_impl="fused", loss="deleted", ddp_bucket_copy=False, lora=False, qlora=False,
-            hf_models=False, torch_sharding=True, fsdp2_copy_in=True,
-            measured="documented behaviour (no public measured row in the data set)"),
+            hf_models=False, torch_sharding=True, fsdp2_copy_in=True, selective_ac="op",
+            measured="documented behaviour (no public measured row in the data set); per-op selective "
+                     "checkpointing against its saved outputs on the CPU (tests/test_estimator_sac.py)"),
     Profile("megatron", "Megatron-core: fused kernels, vocab-parallel cross-entropy, "
                         "distributed optimizer, fp32 gradient buffer",
             zero0_regime="master", adamw_impl="fused", loss="vocab-parallel",
