@@ -7,6 +7,7 @@ for 30 steps each with Frenzy's own trainer, and print predicted vs measured pea
     scripts/gpu_check.sh --set lora [--out DIR]                  # Qwen2.5-1.5B, full vs 5 LoRA plans
     scripts/gpu_check.sh --set lora --predict [--gpu-type H200-141GB]   # no GPU: the predictions only
     scripts/gpu_check.sh --set lora-heldout [--out DIR]          # Llama-3.2-3B, 6 plans predicted first
+    scripts/gpu_check.sh --set parallel --gpus 2 [--out DIR]     # ~1B Llama: tp, pp, cp, offload plans
     scripts/gpu_check.sh --rescore docs/data/gpu_check_h200.json   # no GPU: today's estimator vs saved measurements
 
 Predicted: ``estimator.estimate`` for the plan on the catalog GPU type NVML reports.
@@ -22,6 +23,13 @@ from its config, random weights, seq 2048, global batch 8, one GPU, the launcher
 DeepSpeed ZeRO-2, ZeRO-3, ZeRO-2 with the optimizer offloaded (DeepSpeed's CPU Adam), LoRA and
 pure bf16 (no fp32 master weights). The report is written after every plan, so a run cut short
 keeps what it measured.
+
+``--set parallel`` measures the plan kinds beyond data parallel (issue 13's check): tensor
+parallel (DeepSpeed AutoTP), pipeline parallel (1F1B over torch.distributed.pipelining), sequence
+parallel (DeepSpeed Ulysses), each on 2 GPUs, and ZeRO-3 with the optimizer and then the
+parameters offloaded to the CPU, on as many GPUs as given: peak memory and step time against the
+estimate and the throughput model. On one GPU only the offload plans run; the others are listed
+as needing 2.
 
 ``--set lora`` checks the throughput model's LoRA terms (frozen base without weight gradients,
 the adapters' casts, dropout, scaling and add, adapter-only optimizer) and the memory terms of
@@ -54,8 +62,30 @@ NO_TRACKING = {"enabled": False}
 # The job-level settings a plan set varies beside the plan (rescore rebuilds the same job).
 JOB_KNOBS = ("finetune", "master_weights")
 
-KNOBS = {"gpu_type", "gpus", "dp", "zero", "offload", "act_ckpt", "micro_batch", "grad_accum", "precision",
-         "optimizer", "attention"}
+KNOBS = {"gpu_type", "gpus", "dp", "tp", "pp", "cp", "zero", "offload", "act_ckpt", "micro_batch", "grad_accum",
+         "precision", "optimizer", "attention"}
+
+
+def plan_of(gpu_type: str, gpus: int, global_batch: int, kw: dict):
+    """The plan of a set's row on ``gpus`` GPUs: data parallel over what tp x pp x cp leaves,
+    the global batch kept by gradient accumulation."""
+    from estimator.plan import Plan
+
+    model_par = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
+    dp = gpus // model_par
+    return Plan(gpu_type=gpu_type, gpus=gpus, dp=dp, grad_accum=global_batch // dp // kw["micro_batch"], **kw)
+
+
+def runnable_rows(rows: list[tuple[str, dict, dict]], gpus: int) -> list[tuple[str, dict, dict]]:
+    """The rows whose tp x pp x cp divides ``gpus``; the others are named on stderr."""
+    keep = []
+    for label, kw, job_kw in rows:
+        need = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
+        if gpus % need:
+            print(f"gpu_check: {label}: needs a multiple of {need} GPUs (--gpus {need}); skipped", file=sys.stderr)
+        else:
+            keep.append((label, kw, job_kw))
+    return keep
 
 
 def print_table(report: dict) -> None:
@@ -113,13 +143,11 @@ def predict(a, write: bool) -> int:
     """The predictions of a plan set on ``--gpu-type``, no GPU: a table, and the report (measured
     fields empty) under ``--out`` when given."""
     from estimator.catalog import get_gpu
-    from estimator.plan import Plan
 
     rows = []
-    for label, kw, job_kw in plan_set(a.set, a.global_batch // a.gpus, zero=a.zero):
+    for label, kw, job_kw in runnable_rows(plan_set(a.set, a.global_batch // a.gpus, zero=a.zero), a.gpus):
         job = check_job(a.model, a.seq_len, a.global_batch, a.steps, **job_kw)
-        plan = Plan(gpu_type=a.gpu_type, gpus=a.gpus, dp=a.gpus,
-                    grad_accum=a.global_batch // a.gpus // kw["micro_batch"], **kw)
+        plan = plan_of(a.gpu_type, a.gpus, a.global_batch, kw)
         pred = predict_anyway(job, plan)
         rows.append({"plan": label, "knobs": plan.model_dump(include=KNOBS),
                      "job": job.model_dump(mode="json", include=set(JOB_KNOBS)), "status": "predicted",
@@ -245,6 +273,16 @@ def plan_set(name: str, per_rank: int, *, zero: bool = False) -> list[tuple[str,
                  {"master_weights": "none",
                   "finetune": {"method": "lora", "rank": 32, "dropout": 0.1, "target_modules": attn}}),
                 (f"mb{big} lora full-ckpt", dict(micro_batch=big, act_ckpt="full"), {"finetune": {"method": "lora"}})]
+    if name == "parallel":
+        # one model, every kind: the pipeline's micro-batches come from the accumulation (4 in
+        # flight), tensor and sequence parallel replicate the batch over their group
+        return [("mb2 tp2", dict(micro_batch=2, tp=2), {}),
+                ("mb4 tp2 full-ckpt", dict(micro_batch=4, tp=2, act_ckpt="full"), {}),
+                ("mb1 pp2", dict(micro_batch=1, pp=2), {}),
+                ("mb2 cp2", dict(micro_batch=2, cp=2), {}),
+                ("mb2 zero3 offload-opt", dict(micro_batch=min(2, per_rank), zero=3, offload="optimizer"), {}),
+                ("mb2 zero3 offload-opt+params", dict(micro_batch=min(2, per_rank), zero=3,
+                                                      offload="optimizer+params"), {})]
     shapes = [("mb4 no-ckpt", dict(micro_batch=min(4, per_rank), act_ckpt="none"), {}),
               ("mb16 no-ckpt", dict(micro_batch=min(16, per_rank), act_ckpt="none"), {}),
               ("mb16 full-ckpt", dict(micro_batch=min(16, per_rank), act_ckpt="full"), {})]
@@ -255,7 +293,8 @@ def plan_set(name: str, per_rank: int, *, zero: bool = False) -> list[tuple[str,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", choices=("basic", "memory", "heldout", "lora", "lora-heldout"), default="basic",
+    ap.add_argument("--set", choices=("basic", "memory", "heldout", "lora", "lora-heldout", "parallel"),
+                    default="basic",
                     help="basic: three plans (+ ZeRO-2 with --zero); memory: the 7-plan device-used check; "
                          "heldout: 4 plans of another model to check memory's terms on")
     ap.add_argument("--model", help="default gpt2-medium (basic), llama-3.2-1b (memory)")
@@ -277,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     defaults = {"basic": ("gpt2-medium", 30, 1024, 16), "memory": ("llama-3.2-1b", 10, 2048, 8),
                 "heldout": ("qwen2.5-0.5b", 8, 1024, 16), "lora": ("qwen2.5-1.5b", 8, 2048, 8),
-                "lora-heldout": ("llama-3.2-3b", 6, 1024, 16)}[a.set]
+                "lora-heldout": ("llama-3.2-3b", 6, 1024, 16), "parallel": ("llama-3.2-1b", 10, 2048, 8)}[a.set]
     for name, value in zip(("model", "steps", "seq_len", "global_batch"), defaults):
         if getattr(a, name) is None:
             setattr(a, name, value)
@@ -290,7 +329,6 @@ def main(argv: list[str] | None = None) -> int:
         return predict(a, write=out_given)
 
     from estimator.catalog import from_nvml_name
-    from estimator.plan import Plan
     from scheduler.discover import nvml_gpus
     from trainer.fallback import reestimate
     from trainer.runner import run_training
@@ -307,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check: {len(found)} x {found[0].name} ({found[0].memory_gib:.1f} GiB) -> catalog {gpu_type}; using {devices}")
 
     n = a.gpus
-    shapes = plan_set(a.set, a.global_batch // n, zero=a.zero)
+    shapes = runnable_rows(plan_set(a.set, a.global_batch // n, zero=a.zero), n)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -315,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
               "global_batch": a.global_batch, "steps": a.steps, "set": a.set, "rows": rows}
     for label, kw, job_kw in shapes:
         job = check_job(a.model, a.seq_len, a.global_batch, a.steps, **job_kw)
-        plan = Plan(gpu_type=gpu_type, gpus=n, dp=n, grad_accum=a.global_batch // n // kw["micro_batch"], **kw)
+        plan = plan_of(gpu_type, n, a.global_batch, kw)
         pred = reestimate(job, plan, safety_margin_gib=0.0)
         if pred is None:
             print(f"gpu_check: {label}: the estimator says it does not fit; running it anyway")

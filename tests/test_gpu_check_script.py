@@ -74,3 +74,26 @@ def test_predict_writes_the_sets_predictions_without_a_gpu(name, tmp_path):
     assert len(steps) > 1                       # targets, rank and dropout change the step
     for r in lora:
         assert r["predicted"]["allocated_peak_gib"] < full[0]["predicted"]["allocated_peak_gib"]
+
+
+def test_parallel_set_runs_every_plan_kind_the_trainer_launches_and_says_what_one_gpu_skips(tmp_path):
+    """Issue 13's device check: tp, pp, cp and offload plans of a ~1B Llama, each one the trainer
+    can launch, predicted to fit an H200; on one GPU only the offload plans run."""
+    from gpu_check import plan_of, runnable_rows
+    from trainer.fallback import not_launchable
+
+    rows = plan_set("parallel", 4)
+    plans = {label: plan_of("H200-141GB", 2, 8, kw) for label, kw, _ in rows}
+    assert {p.tp for p in plans.values()} >= {1, 2} and any(p.pp == 2 for p in plans.values())
+    assert any(p.cp == 2 for p in plans.values())
+    assert {p.offload for p in plans.values()} >= {"optimizer", "optimizer+params"}
+    for label, plan in plans.items():
+        assert plan.global_batch == 8 and not_launchable(plan) is None, label
+        assert reestimate(check_job("llama-3.2-1b", 2048, 8, 10), plan, safety_margin_gib=0.0) is not None, label
+    one = runnable_rows(rows, 1)
+    assert [label for label, _, _ in one] == [label for label, kw, _ in rows if "offload" in kw]
+    out = subprocess.run([sys.executable, "scripts/gpu_check.py", "--set", "parallel", "--predict", "--gpus", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert "mb2 tp2: needs a multiple of 2 GPUs" in out.stderr and "offload-opt+params" in out.stdout
