@@ -371,6 +371,7 @@ def row_kwargs(row: dict[str, str], columns_only: bool = False, notes_only: bool
     said: list[str] = []
     if not columns_only:
         kw["framework"] = profile_for_label(row["framework"])   # estimator.profiles' mapping
+        unknown = profile_for_label(row["framework"], default="") == ""
         finetune = _named(row, "finetune", FINETUNE, blank="full")
         if finetune != "full":
             kw["finetune"] = finetune
@@ -388,6 +389,8 @@ def row_kwargs(row: dict[str, str], columns_only: bool = False, notes_only: bool
                 extra = {**kept, **extra}
                 said = [f"as the row before: {', '.join(sorted(kept))}"] * bool(kept) + said
             row["_read"] = dict(extra)          # for the next row of a cumulative table (``score``)
+        if unknown:                             # shown apart from the text's readings (``score``)
+            row["_label"] = f"framework {row['framework']!r} names no profile: scored as {kw['framework']}"
         model.update(extra.pop("model_extra", {}))
         kw.update(extra)
     if model["arch"] != "llama" and model["kv_heads"] == model["heads"]:
@@ -461,8 +464,8 @@ def score(path: str, columns_only: bool = False, notes_only: bool = False) -> tu
             pred = getattr(e, METRIC[metric])
             rec.update(predicted=pred, err=pred / measured - 1.0,
                        profile=kw.get("framework", "-"), warnings=list(e.warnings))
-            if said:
-                rec["caveat"] = "; ".join(x for x in (rec["caveat"], "read from its text: " + ", ".join(said)) if x)
+            rec["caveat"] = "; ".join(x for x in (rec["caveat"], row.get("_label", ""),
+                                                  "read from its text: " + ", ".join(said) if said else "") if x)
         except Exception as exc:   # noqa: BLE001 - a row the estimator cannot express
             rec.update(predicted=None, err=None, profile="-",
                        why=f"{type(exc).__name__}: {exc}".splitlines()[0][:110]
