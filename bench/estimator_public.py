@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import os
 import re
@@ -44,7 +45,7 @@ import warnings
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from estimator import estimate  # noqa: E402
-from estimator.profiles import profile_for_label  # noqa: E402
+from estimator.profiles import get_profile, profile_for_label  # noqa: E402
 
 DEFAULT_CSV = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
                            "estimator-public", "published.csv")
@@ -266,27 +267,35 @@ TEXT_SETTINGS = [
     (r"optimizer_in_bwd\s*=\s*true|optimizer[ -]in[ -]backward|fuse optimizer step into backward",
      "optimizer_in_backward", True),
     (r"activation[ _]offload(ing)?\b(\s*=\s*true)?|enable_activation_offloading\s*=\s*true", "act_offload", True),
-    (r"AdamW\(fused(=True)?\)|fused[ =](torch )?AdamW|AdamW[ ,]+fused\b|adamw_torch_fused|fused=True", "adamw_impl", "fused"),
+    (r"AdamW\(fused(=True)?\)|\bfused[ =](torch )?AdamW|AdamW[ ,]+fused\b|adamw_torch_fused|\bfused=True", "adamw_impl",
+     "fused"),
     (r"PagedAdamW8bit|paged_adamw_8bit", "optimizer", "adamw8bit-paged"),
     (r"overlap_comm", "overlap_comm", True),
 ]
 
 
+# a mention turned off: before it ("no compile", "without Liger", "non-fused"), or after it as a
+# setting ("optimizer_in_bwd=False", "use_liger_kernel=False", '"overlap_comm": false', "compile 0",
+# "compiled: no", "torch.compile disabled")
+_NEGATED_BEFORE = re.compile(r"(\b(no|not|without|w/o)\s+|\bnon[- ]?)$")
+_NEGATED_AFTER = re.compile(r"""[\w"']*\s*[=:]\s*["']?(false|0|off|no|none|disabled)\b|[\w"']*\s+(false|off|disabled)\b""")
+
+
 def _said(text: str, pattern: str) -> re.Match | None:
-    """The first mention of ``pattern`` in ``text`` that is not negated ("no compile", "without
-    Liger", "NO Liger", "optimizer_in_bwd=False", "compile 0")."""
+    """The first mention of ``pattern`` in ``text`` that is not negated."""
     for m in re.finditer(pattern, text, re.IGNORECASE):
-        before, after = text[max(0, m.start() - 10):m.start()].lower(), text[m.end():m.end() + 8].lower()
-        if re.search(r"\b(no|not|without|w/o)\s+$", before) or re.match(r"\s*[=:]?\s*(false|0|off)\b", after):
+        before, after = text[max(0, m.start() - 10):m.start()].lower(), text[m.end():m.end() + 24].lower()
+        if _NEGATED_BEFORE.search(before) or _NEGATED_AFTER.match(after):
             continue
         return m
     return None
 
 
-def settings_from_text(row: dict[str, str], finetune: str) -> tuple[dict, list[str]]:
+def settings_from_text(row: dict[str, str], finetune: str, profile: str = "hf") -> tuple[dict, list[str]]:
     """`estimate()` keywords for the settings a row documents only in its ``framework`` label and
     ``notes`` (no column holds them), and what was read, for the output. Each reading is the
-    setting's usual name in the libraries that run it."""
+    setting's usual name in the libraries that run it; ``profile``: the row's (its optimizer
+    implementation decides whether a PyTorch version matters)."""
     text = f"{row['framework']} ; {row.get('notes', '')}"
     kw: dict = {}
     for pattern, key, value in TEXT_SETTINGS:
@@ -295,25 +304,30 @@ def settings_from_text(row: dict[str, str], finetune: str) -> tuple[dict, list[s
                 kw[key] = value
     # numbers and versions the notes give
     model_extra: dict = {}
-    if re.search(r"cross[- ]attention", text, re.IGNORECASE) and (m := re.search(r"\b(\d+)\s+decoder\b", text)):
+    if _said(text, r"cross[- ]attention") and (m := re.search(r"\b(\d+)\s+decoder\b", text)):
         model_extra["cross_attn_layers"] = int(m.group(1))          # an encoder-decoder's decoder blocks
     if _said(text, r"SwiGLU|gated (MLP|hidden)") and row["arch"].lower() not in ("llama", *_LLAMA_TYPES):
         model_extra["gated_mlp"] = True                             # a gated MLP outside llama's builder
     if model_extra:
         kw["model_extra"] = model_extra
-    if m := re.search(r"reduce_bucket_size\W{0,3}(\d+(?:\.\d+)?(?:e\d+)?)", text, re.IGNORECASE):
-        kw["zero_bucket_elems"] = float(m.group(1))                 # DeepSpeed's reduce bucket (elements)
+    if m := re.search(r"reduce_bucket_size\W{0,3}(\d[\d,_]*(?:\.\d+)?(?:e[+-]?\d+)?)", text, re.IGNORECASE):
+        kw["zero_bucket_elems"] = float(m.group(1).replace(",", "").replace("_", ""))   # DeepSpeed's, elements
     if _said(text, r"NO_SHARD"):
         kw["gradient_as_bucket_view"] = True                        # FSDP NO_SHARD: no DDP bucket copy
     # PyTorch 2.0 / 2.1's foreach Adam(W) built its denominator out of place (estimator.memory)
-    version = re.search(r"\b(?:PyTorch|torch)\s+(\d+)\.(\d+)", text)
-    if (version and (int(version.group(1)), int(version.group(2))) in ((2, 0), (2, 1))
+    version = re.search(r"\b(?:PyTorch|torch)\s*(?:==|\s)\s*(\d+)\.(\d+)", text, re.IGNORECASE)
+    foreach = get_profile(profile).adamw_impl == "foreach"      # torch's own AdamW, not a framework's
+    if (version and (int(version.group(1)), int(version.group(2))) in ((2, 0), (2, 1)) and foreach
             and "adamw_impl" not in kw and row["optimizer"].lower() in ("adam", "adamw", "adamw_torch", "")):
         kw["adamw_impl"] = "foreach-legacy"
     if finetune in ("lora", "qlora"):
-        m = re.search(r"(?:lora[ _]?)?(?:\brank|\br)\s*[=:]?\s*(\d+)\b", text, re.IGNORECASE)
+        # "lora_r=16", "LoRA rank 8", "r=32", "r8"; not a process rank ("rank 0") or "r=0.1"
+        m = (re.search(r"lora[ _]?(?:r|rank)\s*[=:]?\s*([1-9]\d*)(?![\w.])", text, re.IGNORECASE)
+             or re.search(r"(?<![\w.])r\s*=\s*([1-9]\d*)(?![\w.])", text)
+             or re.search(r"(?<![\w.])(?:rank\s+|r)([1-9]\d*)(?![\w.])(?=[^.;]*\blora\b)|\blora\b[^.;]*?"
+                          r"(?<![\w.])(?:rank\s+|r)([1-9]\d*)(?![\w.])", text, re.IGNORECASE))
         if m:
-            kw["lora_rank"] = int(m.group(1))
+            kw["lora_rank"] = int(next(g for g in m.groups() if g))
         targets = [t for t in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
                    if re.search(rf"\b{t}\b", text)]
         if targets and not re.search(r"all[- ]linear|all linear layers", text, re.IGNORECASE):
@@ -383,9 +397,10 @@ def row_kwargs(row: dict[str, str], columns_only: bool = False, notes_only: bool
         if shipped is not None:
             extra = dict(RUN_SETTINGS.get(shipped, {}))
         else:
-            extra, said = settings_from_text(row, finetune)
+            extra, said = settings_from_text(row, finetune, kw["framework"])
             if previous and re.search(r"\bas (the )?previous\b", row.get("notes", ""), re.IGNORECASE):
-                kept = {k: v for k, v in previous.items() if k not in extra}
+                kept = {k: v for k, v in previous.items() if k not in extra
+                        and not (finetune == "full" and k.startswith("lora_"))}
                 extra = {**kept, **extra}
                 said = [f"as the row before: {', '.join(sorted(kept))}"] * bool(kept) + said
             row["_read"] = dict(extra)          # for the next row of a cumulative table (``score``)
@@ -420,7 +435,7 @@ def read_rows(path: str) -> list[dict[str, str]]:
         text = raw.decode("cp1252", errors="replace")
     csv.field_size_limit(1 << 24)
     try:
-        table = list(csv.reader(text.splitlines()))
+        table = list(csv.reader(io.StringIO(text, newline="")))
     except csv.Error as e:
         raise CsvProblem(f"{path}: not a readable CSV: {e}") from None
     if not table:

@@ -74,11 +74,11 @@ INT_COLS = ("params", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "
             "micro_batch", "grad_accum", "dp", "tp", "pp", "zero", "gpus_per_node", "nodes")
 STR_COLS = ("row", "source", "model", "act_ckpt", "precision", "gpu")
 FLOAT_COLS = ("measured_tokens_per_s_per_gpu",)
-ATTN = re.compile(r"attention\s*=\s*([\w.-]+)")
+ATTN = re.compile(r"attention\s*=\s*([\w.-]*\w)")          # "attention=flash." ends a sentence
 ATTENTION_NAMES = {"flash": "flash", "flash2": "flash", "flash-2": "flash", "fa": "flash", "fa2": "flash",
                    "fa3": "flash", "flash_attn": "flash", "flash_attention_2": "flash", "flashattention": "flash",
                    "flashattention-2": "flash", "flashattention2": "flash", "sdpa": "flash", "xformers": "flash",
-                   "mem_efficient": "flash", "fused": "flash", "eager": "eager", "math": "eager",
+                   "mem_efficient": "flash", "fused": "flash", "flash-attn": "flash", "flash_attn_2": "flash", "eager": "eager", "math": "eager",
                    "vanilla": "eager", "standard": "eager", "unfused": "eager"}
 # the precision of the training (AMP or not); GEMM precisions fp8 / tf32 are read apart below
 PRECISION_NAMES = {"bf16": "bf16", "amp_bf16": "bf16", "bf16-mixed": "bf16", "bf16_mixed": "bf16",
@@ -148,9 +148,12 @@ def gpu_type(text: str) -> str:
         return meant[0]
     if len(meant) > 1:
         raise FrenzyInputError("gpu", f"GPU type {name!r} is ambiguous: one of {', '.join(meant)}")
-    if re.search(r"H100.*PCI", name, re.I):
-        raise FrenzyInputError("gpu", f"unknown GPU type {name!r}: the catalog's H100-80GB is the SXM part "
-                                      "(989 dense bf16 TFLOP/s; the PCIe card 756)")
+    if re.search(r"H[12]00.*(PCI|NVL)", name, re.I):
+        raise FrenzyInputError("gpu", f"unknown GPU type {name!r}: the catalog's H100-80GB and H200-141GB are "
+                                      "the SXM parts (H100: 989 dense bf16 TFLOP/s; the PCIe card 756, NVL 835)")
+    if re.search(r"4090\s*D\b", name, re.I):
+        raise FrenzyInputError("gpu", f"unknown GPU type {name!r}: the RTX 4090 D has 11% fewer cores than the "
+                                      "catalog's RTX4090-24GB")
     mapped = from_nvml_name(name)
     if mapped is not None:
         family = gpu_names_meant(mapped.split("-")[0])
@@ -176,14 +179,14 @@ def parse_row(d: dict[str, str]) -> Row:
         d = {k: (val or "") for k, val in d.items()}
         for c, default in BLANK_MEANS.items():          # a blank the source leaves: the plain setting
             if not d.get(c, "").strip() and c in d:
-                d[c] = d["heads"] if c == "kv_heads" else default
+                d[c] = d.get("heads", "") if c == "kv_heads" else default
         missing = [c for c in INT_COLS + STR_COLS + FLOAT_COLS if (d.get(c) or "").strip() == ""]
         if missing:
             raise FrenzyInputError(missing[0], "missing column or empty value")
         v: dict[str, Any] = {}
         optional = {c: d[c] for c in ("vpp", "cp") if (d.get(c) or "").strip()}
         for c, text in [*((c, d[c]) for c in INT_COLS), *optional.items()]:
-            v[c] = _int(c, text)
+            v[c] = _int(c, re.sub(r"^zero[-_ ]*", "", text.strip(), flags=re.I) if c == "zero" else text)
             if v[c] < (0 if c == "zero" else 1):
                 raise FrenzyInputError(c, f"must be >= {0 if c == 'zero' else 1}, got {v[c]}")
             if v[c] > (MAX_PARAMS if c == "params" else MAX_DIM):

@@ -597,8 +597,10 @@ def op_sac_saved_tok(spec: ModelSpec, c: float, t: int = 1, sp_div: int = 1) -> 
     policy) beyond its input: the outputs of every other matmul, the 1st, 3rd, ... in the order
     the block runs them (llama: q, k, v, o, gate, up, down -> q, v, gate, down; fused
     projections: qkv, o, gate_up, down -> qkv, gate_up), and the attention kernel's output and
-    log-sum-exp (fp32, one per head). Split by tensor parallelism except the block's last
-    projection, whose reduced output sequence parallelism splits."""
+    log-sum-exp (fp32, one per head). Split by tensor parallelism, except a row-parallel
+    projection's output (the block's last, kept whole: its partial sums before the reduction);
+    under sequence parallelism the save list's reduce-scatter outputs after the attention's and
+    the MLP's output projections are kept too (h / tp each)."""
     h, f, a = spec.hidden, spec.f, spec.heads
     q, kvd = a * spec.d_head, spec.n_kv * spec.d_head
     if spec.arch == "llama" and not spec.fused_proj:
@@ -609,7 +611,8 @@ def op_sac_saved_tok(spec: ModelSpec, c: float, t: int = 1, sp_div: int = 1) -> 
         outs = [q + 2 * kvd, h, f, h]
     kept = outs[0::2]
     last = kept[-1] if len(outs) % 2 else 0          # the block's last projection, when kept
-    return c * (sum(kept) - last) / t + c * last / sp_div + (c * q + 4.0 * a) / t
+    scattered = 2 * c * h / t if sp_div > 1 else 0.0
+    return c * (sum(kept) - last) / t + c * last + scattered + (c * q + 4.0 * a) / t
 
 
 def layer_activation_bytes(spec: ModelSpec, s: int, c: float, amp: bool, attention: str,

@@ -76,13 +76,17 @@ def plan_of(gpu_type: str, gpus: int, global_batch: int, kw: dict):
     return Plan(gpu_type=gpu_type, gpus=gpus, dp=dp, grad_accum=global_batch // dp // kw["micro_batch"], **kw)
 
 
-def runnable_rows(rows: list[tuple[str, dict, dict]], gpus: int) -> list[tuple[str, dict, dict]]:
-    """The rows whose tp x pp x cp divides ``gpus``; the others are named on stderr."""
+def runnable_rows(rows: list[tuple[str, dict, dict]], gpus: int, global_batch: int) -> list[tuple[str, dict, dict]]:
+    """The rows whose tp x pp x cp divides ``gpus`` and whose data-parallel micro-batches divide
+    the global batch; the others are named on stderr."""
     keep = []
     for label, kw, job_kw in rows:
         need = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
         if gpus % need:
             print(f"gpu_check: {label}: needs a multiple of {need} GPUs (--gpus {need}); skipped", file=sys.stderr)
+        elif global_batch % (gpus // need * kw["micro_batch"]):
+            print(f"gpu_check: {label}: dp {gpus // need} x micro-batch {kw['micro_batch']} does not divide the "
+                  f"global batch {global_batch}; skipped", file=sys.stderr)
         else:
             keep.append((label, kw, job_kw))
     return keep
@@ -145,7 +149,8 @@ def predict(a, write: bool) -> int:
     from estimator.catalog import get_gpu
 
     rows = []
-    for label, kw, job_kw in runnable_rows(plan_set(a.set, a.global_batch // a.gpus, zero=a.zero), a.gpus):
+    for label, kw, job_kw in runnable_rows(plan_set(a.set, a.global_batch // a.gpus, zero=a.zero), a.gpus,
+                                           a.global_batch):
         job = check_job(a.model, a.seq_len, a.global_batch, a.steps, **job_kw)
         plan = plan_of(a.gpu_type, a.gpus, a.global_batch, kw)
         pred = predict_anyway(job, plan)
@@ -345,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check: {len(found)} x {found[0].name} ({found[0].memory_gib:.1f} GiB) -> catalog {gpu_type}; using {devices}")
 
     n = a.gpus
-    shapes = runnable_rows(plan_set(a.set, a.global_batch // n, zero=a.zero), n)
+    shapes = runnable_rows(plan_set(a.set, a.global_batch // n, zero=a.zero), n, a.global_batch)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -306,12 +306,36 @@ def test_another_csv_gets_no_shipped_rows_hand_read_settings(tmp_path):
     assert "as the row before: loss, master_weights" in rows[1]["caveat"]
     assert "optimizer_in_backward=True" in rows[1]["caveat"] and "row before" not in rows[2]["caveat"]
     assert rows[1]["predicted"] < rows[2]["predicted"]
+    # a LoRA row's adapter settings are not carried into a full fine-tune "as previous"; a quoted
+    # line break inside the notes stays inside its cell
+    adapters = {**other, "row": "4", "finetune": "lora", "notes": "LoRA r=32\non q_proj, v_proj"}
+    full_after = {**other, "row": "5", "finetune": "full", "notes": "as previous, full fine-tune"}
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, header)
+        w.writeheader()
+        w.writerows([adapters, full_after])
+    rows, summary = ep.score(str(path))
+    assert summary["rows"] == 2 and summary["expressible"] == 2, rows
+    assert "lora_rank=32" in rows[0]["caveat"]
     # an encoder-decoder's decoder blocks, PyTorch 2.1's foreach Adam, FSDP NO_SHARD, a bucket size
-    kw, _ = ep.row_kwargs({**{k: v.strip() for k, v in other.items()}, "optimizer": "adam", "notes":
-                           "32 encoder + 32 decoder layers; decoder layers add cross-attention; PyTorch 2.1; "
-                           "NO_SHARD; reduce_bucket_size 5e7"})
+    lightning = {**{k: v.strip() for k, v in other.items()}, "optimizer": "adam", "framework": "lightning", "notes":
+                 "32 encoder + 32 decoder layers; decoder layers add cross-attention; PyTorch 2.1; "
+                 "NO_SHARD; reduce_bucket_size=5e+07"}
+    kw, _ = ep.row_kwargs(lightning)
     assert kw["model"]["cross_attn_layers"] == 32 and kw["adamw_impl"] == "foreach-legacy"
     assert kw["gradient_as_bucket_view"] is True and kw["zero_bucket_elems"] == 5e7
+    # a framework with its own AdamW (torchtune's fused) is not torch's foreach of that version
+    assert "adamw_impl" not in ep.row_kwargs({**lightning, "framework": "torchtune"})[0]
+    # negations and numbers that are not what they look like
+    for notes, absent in (("no cross-attention; 32 decoder layers", "cross_attn_layers"),
+                          ("use_liger_kernel=False", "loss"), ('"overlap_comm": false', "overlap_comm"),
+                          ("non-fused AdamW", "adamw_impl"), ("torch.compile disabled", "fused_kernels")):
+        kw, _ = ep.row_kwargs({**lightning, "notes": notes})
+        assert absent not in kw and absent not in kw["model"], notes
+    lora = {**lightning, "finetune": "lora"}
+    for notes, rank in (("rank 0 reports; LoRA r=32", 32), ("lora_r=16", 16), ("8 GPUs, rank 0 measured", None),
+                        ("LoRA rank 8, alpha 16", 8), ("dropout r=0.1", None)):
+        assert ep.row_kwargs({**lora, "notes": notes})[0].get("lora_rank") == rank, notes
 
 
 def test_another_csvs_spellings_and_faults_are_read_or_named(tmp_path, capsys):

@@ -4,8 +4,6 @@ own selective-checkpoint cache holds after a real forward of Hugging Face blocks
 from __future__ import annotations
 
 import functools
-import math
-from collections import defaultdict
 
 import pytest
 
@@ -19,41 +17,18 @@ transformers = pytest.importorskip("transformers")
 
 def _kept_per_token(model, tokens: int) -> list[float]:
     """Bytes per token each decoder block's selective-checkpoint cache holds after a forward,
-    under torchtitan's policy (its save list: mm, the attention kernels, max; every second mm
-    recomputed, counted per block), the CPU attention kernel added to the list."""
-    from torch.utils._pytree import tree_leaves
-    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    under torchtitan's policy (``tests/sac_tp_block.py``)."""
+    from torch.utils.checkpoint import checkpoint
 
-    aten = torch.ops.aten
-    save = {aten.mm.default, aten.max.default, aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_flash_attention_for_cpu.default}
-    caches = []
+    from tests.sac_tp_block import cached_bytes, torchtitan_context
 
-    def context_fn():
-        meta = defaultdict(int)
-
-        def policy(ctx, func, *args, **kwargs):
-            mode = "recompute" if ctx.is_recompute else "forward"
-            if func == aten.mm.default:
-                meta[f"{mode}_mm_count"] += 1
-            keep = func in save and not (func == aten.mm.default and meta[f"{mode}_mm_count"] % 2 == 0)
-            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-        fwd, recompute = create_selective_checkpoint_contexts(policy)
-        caches.append(fwd)
-        return fwd, recompute
-
+    caches: list = []
+    context_fn = torchtitan_context(caches)
     for layer in model.model.layers:
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False, context_fn=context_fn)
     ids = torch.randint(0, model.config.vocab_size, (2, tokens // 2))
     model(input_ids=ids, labels=ids)
-    out = []
-    for cache in caches:
-        kept = [w.val for per_op in cache.storage.values() for entry in per_op.values()
-                for w in tree_leaves(entry) if isinstance(getattr(w, "val", None), torch.Tensor)]
-        out.append(sum(math.prod(t.shape) * t.element_size() for t in kept) / tokens)
-    return out
+    return [cached_bytes(cache) / tokens for cache in caches]
 
 
 @pytest.mark.parametrize("family", ["llama", "phi3"])
@@ -85,3 +60,21 @@ def test_torchtitans_selective_sits_between_none_and_full_by_the_kept_outputs():
     hf = dict(kw, framework="hf", zero=3)
     assert estimate(**hf, act_ckpt="selective").allocated_peak_gib == pytest.approx(
         estimate(**hf, act_ckpt="none").allocated_peak_gib, rel=0.01)
+
+
+@pytest.mark.parametrize("args", [["2", "--nosp"], ["4"]])
+def test_a_tensor_parallel_blocks_kept_outputs_match_under_sequence_parallelism_too(args):
+    """DTensor tensor parallelism on a fake process group (its own process): a row-parallel
+    projection keeps its whole partial-sum output, sequence parallelism adds the two
+    reduce-scatter outputs of the save list."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "tests" / "sac_tp_block.py"), *args], cwd=root,
+                         capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(root), "PATH": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    words = out.stdout.strip().splitlines()[-1].split()
+    measured, formula = float(words[words.index("measured") + 1]), float(words[-1])
+    assert measured == formula and measured > 0

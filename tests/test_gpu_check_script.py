@@ -90,10 +90,12 @@ def test_parallel_set_runs_every_plan_kind_the_trainer_launches_and_says_what_on
     for label, plan in plans.items():
         assert plan.global_batch == 8 and not_launchable(plan) is None, label
         assert reestimate(check_job("llama-3.2-1b", 2048, 8, 10), plan, safety_margin_gib=0.0) is not None, label
-    one = runnable_rows(rows, 1)
+    one = runnable_rows(rows, 1, 8)
     assert [label for label, _, _ in one] == [label for label, kw, _ in rows if "offload" in kw]
     out = subprocess.run([sys.executable, "scripts/gpu_check.py", "--set", "parallel", "--predict", "--gpus", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert out.returncode == 0, out.stderr
     assert "mb2 tp2: needs a multiple of 2 GPUs" in out.stderr and "offload-opt+params" in out.stdout
+    assert [label for label, _, _ in runnable_rows(rows, 3, 8)] == []          # dp 3 never divides 8
+    assert "mb4 tp2 full-ckpt" not in [label for label, _, _ in runnable_rows(rows, 8, 8)]   # dp 4 x mb 4 > 8

@@ -106,10 +106,10 @@ def test_the_run_says_how_often_its_data_repeats(tmp_path):
     src = TokenSource({"kind": "text", "path": str(f), "tokenizer": "byte"}, seq_len=64, vocab=256, seed=0)
     assert len(src) == 28
     once = src.coverage(steps=7, global_batch=4)
-    assert "28 training sequences of 64 tokens" in once and "28 sequences read, 1 passes" in once
+    assert "28 training sequences of 64 tokens" in once and "28 sequences read, 1.00 passes" in once
     assert "repeats" not in once
     many = src.coverage(steps=70, global_batch=4)
-    assert "10 passes" in many and "the data repeats" in many
+    assert "10.00 passes" in many and "the data repeats" in many
     assert TokenSource({"kind": "synthetic"}, seq_len=64, vocab=256, seed=0).coverage(10, 4) is None
 
 

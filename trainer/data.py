@@ -207,7 +207,7 @@ class TokenSource:
         read = steps * global_batch
         passes = read / self.windows
         line = (f"data: {self.windows} training sequences of {self.seq_len} tokens; {steps} steps x "
-                f"{global_batch} = {read} sequences read, {passes:.3g} passes")
+                f"{global_batch} = {read} sequences read, {passes:.2f} passes")
         if passes > 1:
             line += " (the data repeats: more data, or fewer steps, to see new text)"
         return line
