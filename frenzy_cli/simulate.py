@@ -209,7 +209,11 @@ def handle_workload(args) -> int:
                                 ("time_scale", "time-scale", args.time_scale, {"high": MAX_SCALE})):
         if val is not None:
             setattr(mix, attr, check_number(flag, val, **kw))
-    trace = read_trace(args.trace)
+    skipped: list[str] = []
+    trace = read_trace(args.trace, skipped)
+    if skipped:
+        print(f"frenzy workload: left out {len(skipped)} trace row{'s' if len(skipped) != 1 else ''} of jobs that "
+              f"never ran on a GPU (duration 0 or num_gpu 0), e.g. {skipped[0]!r}", file=sys.stderr)
     show = sys.stderr.isatty()
     if show:
         from .console import console

@@ -106,6 +106,30 @@ def _check_work(where: str, job: WorkloadJob) -> None:
         raise FrenzyInputError(where, f"makes {job.steps:,} optimizer steps; at most {MAX_STEPS:,}")
 
 
+def _model_file(model: str) -> bool:
+    """Whether ``model`` is a Hugging Face config.json (or a folder with one) the estimator
+    reads, as ``frenzy estimate --model PATH`` takes it."""
+    p = Path(model)
+    if not (p.is_file() or (p / "config.json").is_file()):
+        return False
+    from estimator.models import resolve_model
+    try:
+        resolve_model(model)
+    except FrenzyInputError:
+        return False
+    return True
+
+
+def _gpu_name(name: str, known: set[str], field: str) -> str:
+    """The one known GPU type ``name`` means (``catalog.resolve_gpu_name``'s rules: any case, the
+    size suffix dropped when only one size exists)."""
+    from estimator.catalog import resolve_gpu_name
+    try:
+        return resolve_gpu_name(name, dict.fromkeys(known), field=field)     # it reads the names only
+    except FrenzyInputError as err:
+        raise FrenzyInputError(field, err.rule.split(";")[0] + f" (known: {', '.join(sorted(known))})") from None
+
+
 def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
                   extra_gpu_types: Iterable[str] = ()) -> list[WorkloadJob]:
     """Read and validate a workload CSV; the first bad row raises ``FrenzyInputError`` naming
@@ -148,12 +172,13 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
             if not math.isfinite(submit_s) or submit_s < 0 or submit_s > MAX_SUBMIT_S:
                 raise FrenzyInputError(f"{where}: submit_s", f"must be a time from 0 to {MAX_SUBMIT_S:g} s "
                                                              f"(ten years), got {submit}")
-            if model not in known_models:
+            if model not in known_models and not _model_file(model):
                 raise FrenzyInputError(f"{where}: model",
-                                       f"unknown model {model!r} (must be a preset: see `frenzy models`)")
+                                       f"unknown model {model!r} (a preset: see `frenzy models`; or a "
+                                       "Hugging Face config.json, or a folder holding one)")
             if gtype not in known_gpus:
-                raise FrenzyInputError(f"{where}: requested_gpu_type",
-                                       f"unknown GPU type {gtype!r} (known: {', '.join(sorted(known_gpus))})")
+                # as people type it and the cluster file takes it: 'a100-80gb', 'H100'
+                gtype = _gpu_name(gtype, known_gpus, f"{where}: requested_gpu_type")
             # the bounds a submitted TrainingJob has (a job of 10^18 tokens kept the simulator
             # ticking for ever)
             job = WorkloadJob(
@@ -321,7 +346,10 @@ def _text(path: Path, what: str):
     return io.StringIO(read_text(path, what, max_bytes=MAX_CSV_BYTES).removeprefix("\ufeff"), newline="")
 
 
-def read_trace(path: str | Path) -> list[TraceJob]:
+def read_trace(path: str | Path, skipped: list[str] | None = None) -> list[TraceJob]:
+    """The trace's jobs, by submission time. Rows of jobs that never ran on a GPU (duration 0,
+    num_gpu 0: public traces keep failed-at-start and CPU jobs) are left out, their ids added
+    to ``skipped`` when given; ``num_gpu`` may be written '2.0' (a pandas export)."""
     path = Path(path)
     if not path.is_file():
         raise FrenzyInputError("trace", f"{path} is a folder, not a file" if path.is_dir() else f"no such file: {path}")
@@ -340,9 +368,16 @@ def read_trace(path: str | Path) -> list[TraceJob]:
             except ValueError:
                 raise FrenzyInputError(where, "submission_time and duration must be numbers") from None
             try:
-                n = int(row["num_gpu"])
-            except ValueError:
+                g = float(row["num_gpu"])
+                if not g.is_integer():
+                    raise ValueError
+                n = int(g)
+            except (ValueError, OverflowError):
                 raise FrenzyInputError(f"{where}: num_gpu", f"must be a whole number of GPUs, got {row['num_gpu']!r}") from None
+            if d == 0 or n == 0:
+                if skipped is not None:
+                    skipped.append(row["job_id"])
+                continue
             check_number(f"{where}: submission_time", t, low_open=False, high=MAX_SUBMIT_S)
             check_number(f"{where}: duration", d, high=MAX_SUBMIT_S)
             check_number(f"{where}: num_gpu", n, integer=True, high=MAX_CLUSTER_GPUS)

@@ -233,6 +233,33 @@ def test_a_round_based_world_sees_arrivals_and_frees_gpus_only_at_round_boundari
         assert by["b"]["first_start_s"] == pytest.approx(b_start)
 
 
+def test_gpu_utilisation_counts_gpus_held_to_the_round_after_the_last_step():
+    """A round-based world holds a run's GPUs to the round after its last step, past the
+    makespan (the last step): utilisation over the makespan went above 1 (1.14 on a day-long
+    round)."""
+    for world in (None, 60.0, 3600.0):
+        _, res = run([job("a", 0.0, 100)], cluster({A100: (1, 1)}), FifoUser(), [plan(A100, 1, 1.0, 10)],
+                     startup_s=0.0, world_round_s=world)
+        assert 0 < res.gpu_util <= 1.0, world
+    assert res.gpu_util == pytest.approx(1.0)       # held from 0 to the round at 3,600 s (36 before)
+    assert res.makespan_s == pytest.approx(100.0)   # the makespan still ends at the last step
+
+
+def test_the_plan_book_holds_only_plans_the_trainer_can_launch_within_the_nodes_host_memory():
+    """Llama-2-70B on one node of 4 x RTX 3090 (192 GiB of host memory): only an optimizer +
+    parameter offload plan fits the GPUs, and it needs ~1.7 TB of host memory; every policy
+    'completed' it in 25-30 h. Plans the trainer cannot launch were run too."""
+    from scheduler.sim.jobs import PlanBook
+    from trainer.fallback import realisable
+
+    inv, gpn = {R3090: 4}, {R3090: 4}
+    assert PlanBook(inv, gpn).plans("llama-2-70b", 2048, 32)               # host memory unchecked
+    assert PlanBook(inv, gpn, host_ram_gib={R3090: 192.0}).plans("llama-2-70b", 2048, 32) == []
+    assert PlanBook(inv, gpn, host_ram_gib={R3090: 4096.0}).plans("llama-2-70b", 2048, 32)
+    book = PlanBook({A100: 16}, {A100: 8})
+    assert all(realisable(p) for p in book.plans("llama-2-7b", 2048, 64))
+
+
 def test_idle_gpu_hours_while_a_job_that_could_use_them_waits_are_counted():
     # FIFO without backfill: from t=1 the 2-GPU head waits, one GPU free, and the head's own
     # 1-GPU plan could have used it; once the head starts, nothing is free

@@ -176,6 +176,34 @@ def test_trace_rows_that_are_not_finite_or_whole_are_one_line(tmp_path, row, say
         read_trace(p)
 
 
+def test_trace_rows_of_jobs_that_never_ran_on_a_gpu_are_left_out_and_counted(tmp_path):
+    p = tmp_path / "t.csv"
+    p.write_text("job_id,submission_time,duration,num_gpu\nfailed,0,0,1\ncpu,5,600,0\nok,9,600,2.0\n")
+    skipped: list[str] = []
+    jobs = read_trace(p, skipped)
+    assert [(j.job_id, j.num_gpu) for j in jobs] == [("ok", 2)] and skipped == ["failed", "cpu"]
+
+
+def test_workload_rows_take_gpu_names_and_models_as_the_rest_of_the_cli_does(tmp_path):
+    """'a100-40gb' and a config.json path: refused by the workload reader, taken by `frenzy
+    estimate` and the cluster file."""
+    import json as _json
+
+    from scheduler.workload import read_workload
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(_json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2,
+                                "vocab_size": 128, "n_positions": 256}))
+    p = tmp_path / "w.csv"
+    header = "job_id,submit_s,model,seq_len,global_batch,train_tokens,requested_gpu_type,requested_gpus\n"
+    p.write_text(header + f"a,0,{cfg},128,8,100000,a100-40gb,1\nb,1,gpt2,128,8,100000,H100,1\n")
+    jobs = read_workload(p)
+    assert [(j.model, j.requested_gpu_type) for j in jobs] == [(str(cfg), "A100-40GB"), ("gpt2", "H100-80GB")]
+    p.write_text(header + "a,0,gpt2,128,8,100000,A100,1\n")
+    with pytest.raises(FrenzyInputError, match="ambiguous: one of A100-40GB, A100-80GB"):
+        read_workload(p)
+
+
 def test_example_mix_loads():
     mix = load_mix("examples/workload-mix.yaml")
     assert mix.reference_gpu == "A100-40GB" and mix.class_for(64).max_gpus == 64

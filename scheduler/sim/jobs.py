@@ -48,17 +48,23 @@ def pareto(plans: list[Plan]) -> list[Plan]:
 
 
 class PlanBook:
-    """All plans of each job shape on one cluster, Pareto-pruned, fastest first."""
+    """All plans of each job shape on one cluster that Frenzy's trainer can launch there,
+    Pareto-pruned, fastest first: what a live submission may run (``select_resources`` keeps
+    only realisable plans), so the simulator's policies choose from the same menu."""
 
     def __init__(self, inventory: dict[str, int], gpus_per_node: dict[str, int],
                  margin_fractions: tuple[float, ...] = SIM_MARGIN_FRACTIONS,
-                 memory_gib: dict[str, float] | None = None, gpus: dict | None = None):
+                 memory_gib: dict[str, float] | None = None, gpus: dict | None = None,
+                 host_ram_gib: dict[str, float] | None = None):
         """``gpus``: the cluster's GPU types (``Cluster.gpu_catalog()``: its custom types with
-        the catalog's), looked up before the catalog."""
+        the catalog's), looked up before the catalog. ``host_ram_gib``: host memory per node of
+        each type (``Cluster.host_ram_gib()``): offload plans whose offloaded states do not fit
+        it are not run; None: not checked."""
         self.inventory = dict(inventory)
         self.gpus_per_node = dict(gpus_per_node)
         self.margin_fractions = margin_fractions
         self.gpus = dict(gpus or {})
+        self.host_ram_gib = dict(host_ram_gib or {})
         if memory_gib is None:
             from estimator.catalog import get_gpu
             memory_gib = {t: get_gpu(t, self.gpus).memory_gib for t in inventory}
@@ -70,15 +76,18 @@ class PlanBook:
         hit = self._cache.get(key)
         if hit is None:
             from estimator.plans import enumerate_plans
+            from trainer.fallback import realisable
             job = _training_job(model, seq_len, global_batch)
             found: list[Plan] = []
             for gpu_type, count in self.inventory.items():
                 for frac in self.margin_fractions:
                     try:
-                        found += enumerate_plans(job, gpu_type, max_gpus=count,
-                                                 gpus_per_node=self.gpus_per_node.get(gpu_type, 8),
-                                                 safety_margin_gib=frac * self.memory_gib[gpu_type],
-                                                 gpus=self.gpus or None)
+                        found += [p for p in enumerate_plans(job, gpu_type, max_gpus=count,
+                                                             gpus_per_node=self.gpus_per_node.get(gpu_type, 8),
+                                                             safety_margin_gib=frac * self.memory_gib[gpu_type],
+                                                             gpus=self.gpus or None,
+                                                             host_ram_gib=self.host_ram_gib.get(gpu_type))
+                                  if realisable(p)]
                     except DoesNotFitError:
                         break            # a bigger margin will not fit either
             hit = pareto(found)

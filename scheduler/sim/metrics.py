@@ -7,11 +7,13 @@ Definitions (all over the workload's jobs):
   completed jobs (p99 by linear interpolation).
 * ``makespan_s``: last completion minus first submission.
 * ``avg_queue_s``: mean time from submission to first start, completed jobs.
-* ``gpu_util``: allocated GPU-seconds (including start-up and failed runs) over
-  (cluster GPUs x makespan).
+* ``gpu_util``: allocated GPU-seconds (including start-up and failed runs) over (cluster GPUs
+  x the time from the first submission to the last release: a round-based world holds a run's
+  GPUs to the round after its last step, past the makespan).
 * ``oom_events``: runs that died of out-of-memory.
 * ``sched_ms_p50`` / ``sched_ms_p99``: wall time of one ``Policy.schedule`` call (rounds a
-  policy answered from memory because its inputs had not changed are left out).
+  policy answered from memory because its inputs had not changed are left out, and the first
+  call, which pays one-time set-up).
 * ``idle_waiting_gpu_h`` (beyond the contract): per GPU type, GPU-hours left free while a
   pending job had a plan of that type needing no more GPUs than were free (work conservation).
 * ``lower_bound_avg_jct_s``: mean over jobs of ``startup_s + steps x real step time`` of the
@@ -96,6 +98,7 @@ def summarise(sim, wall_s: float) -> SimResult:
     first = min((sj.wl.submit_s for sj in sim.jobs), default=0.0)
     last = max((sj.end_s for sj in done), default=first)
     makespan = last - first
+    held = max(last, sim.last_release_s) - first        # GPUs are allocated until released
     total = sim.cluster.total_gpus
     per_job = [{"job_id": sj.wl.job_id, "model": sj.wl.model, "state": sj.state,
                 "submit_s": sj.wl.submit_s, "first_start_s": sj.first_start, "end_s": sj.end_s,
@@ -106,7 +109,7 @@ def summarise(sim, wall_s: float) -> SimResult:
         avg_jct_s=sum(jcts) / len(jcts) if jcts else 0.0,
         p50_jct_s=percentile(jcts, 50), p99_jct_s=percentile(jcts, 99),
         makespan_s=makespan, avg_queue_s=sum(queues) / len(queues) if queues else 0.0,
-        gpu_util=sim.busy_gpu_s / (total * makespan) if total and makespan > 0 else 0.0,
+        gpu_util=sim.busy_gpu_s / (total * held) if total and held > 0 else 0.0,
         oom_events=sim.oom_events,
         sched_ms_p50=percentile(sim.sched_ms, 50), sched_ms_p99=percentile(sim.sched_ms, 99),
         lower_bound_avg_jct_s=_lower_bound(sim),
