@@ -173,7 +173,7 @@ def unfinished_note(r) -> str | None:
     """Why a run's jobs did not all finish, or None when they did."""
     if r.completed >= r.jobs:
         return None
-    parts = [(r.rejected, "rejected: no plan fits the cluster"),
+    parts = [(r.rejected, "rejected: no plan fits the cluster's GPUs, or its hosts' memory for offload"),
              (r.failed, "failed: gave up after repeated out-of-memory runs"),
              (r.stranded, "stranded: still queued or running when the simulation stopped")]
     why = "; ".join(f"{n} {text}" for n, text in parts if n)

@@ -64,7 +64,7 @@ def test_simulator_says_why_jobs_did_not_finish_and_compares_the_same_jobs(capsy
 
     a = _sim("frenzy", ["done", "done", "done", "rejected"], [3600.0, 7200.0, 36000.0, 0.0])
     b = _sim("sia", ["done", "done", "pending", "failed"], [3600.0, 10800.0, 0.0, 0.0])
-    assert unfinished_note(a) == "frenzy: 3/4 done, 1 not (1 rejected: no plan fits the cluster)"
+    assert unfinished_note(a) == "frenzy: 3/4 done, 1 not (1 rejected: no plan fits the cluster's GPUs, or its hosts' memory for offload)"
     assert "1 failed: gave up after repeated out-of-memory runs" in unfinished_note(b)
     assert "1 stranded: still queued or running" in unfinished_note(b)
     # frenzy's own average (4.67 h) includes a 10 h job sia never finished: compare j0 and j1 only
