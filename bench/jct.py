@@ -418,7 +418,8 @@ the command that reproduces it. All numbers measured on the shared 2-core develo
 * Simulator: `scheduler/sim/` (event loop `engine.py`, truth `truth.py`, metrics `metrics.py`).
   Plans come from the live estimator (`estimator.plans.enumerate_plans`, asked at safety
   margins of 0, 12% and 27% of each card's memory so the menu holds the packed, fastest variant
-  of each configuration and roomier ones), step times from the live throughput model
+  of each configuration and roomier ones; only plans Frenzy's trainer launches, offload plans
+  within the nodes' host memory, as a live submission), step times from the live throughput model
   (`estimator.throughput.step_time`) at the placement a job actually gets (nodes spanned,
   slowest inter-node link), policies from `scheduler.policies.get_policy`: nothing is copied.
 * Truth: real step time = predicted x lognormal(sigma = `--noise`, default 0.1) per (job, GPU
