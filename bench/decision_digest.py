@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import pickle
 import random
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.jct import OUT, TRACES, run_cli  # noqa: E402
-from bench.sched_round import CLUSTER, busy_state, make_jobs  # noqa: E402
+from bench.sched_round import CLUSTER, busy_state, make_jobs, plan_book, save_plan_book  # noqa: E402
 from scheduler.policies.frenzy.policy import FrenzyPolicy  # noqa: E402
 
 WORKLOADS = {   # name -> `frenzy workload` flags
@@ -70,12 +69,9 @@ def sched_rounds(cache: Path | None, rounds: int = 30) -> None:
     """``bench/sched_round.py``'s rounds for ``frenzy`` (same seeds, arrivals and occupancy)."""
     from scheduler.cluster import parse_cluster
     from scheduler.policies import get_policy
-    from scheduler.sim.jobs import PlanBook
     cluster = parse_cluster(CLUSTER)
     base = cluster.initial_state()
-    book = PlanBook(cluster.inventory(), cluster.gpus_per_node())
-    if cache is not None and cache.exists():
-        book._cache.update(pickle.loads(cache.read_bytes()))
+    book = plan_book(cluster, cache)
     rng, now = random.Random(0), 1_000_000.0
     jobs = make_jobs(book, rng, 1000, 0, now)
     policy, rng, next_id = get_policy("frenzy"), random.Random(1), 1000
@@ -85,8 +81,7 @@ def sched_rounds(cache: Path | None, rounds: int = 30) -> None:
         drop = set(rng.sample(range(len(jobs)), k))
         jobs = [j for i, j in enumerate(jobs) if i not in drop] + make_jobs(book, rng, k, next_id, now + r)
         next_id += k
-    if cache is not None:
-        cache.write_bytes(pickle.dumps(book._cache))
+    save_plan_book(book, cache)
 
 
 def simulate(workload: str, cluster: str, world: float | None = None) -> str:

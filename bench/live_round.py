@@ -24,7 +24,6 @@ import atexit
 import contextlib
 import gc
 import logging
-import pickle
 import random
 import statistics
 import sys
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sqlalchemy import insert, text, update  # noqa: E402
 
-from bench.sched_round import CLUSTER, make_jobs  # noqa: E402
+from bench.sched_round import CLUSTER, make_jobs, plan_book, save_plan_book  # noqa: E402
 from estimator.plan import Plan  # noqa: E402
 from frenzy_scheduler.collector import collector_held  # noqa: E402
 from frenzy_scheduler.source import LedgerSource  # noqa: E402
@@ -197,10 +196,8 @@ def main() -> None:
         tmp = tempfile.TemporaryDirectory(prefix="frenzy-live-round-")
         url = f"sqlite:///{Path(tmp.name) / 'ledger.db'}"
     cluster = parse_cluster(CLUSTER)
-    book = PlanBook(cluster.inventory(), cluster.gpus_per_node())
     cache = Path(args.plan_cache) if args.plan_cache else None
-    if cache is not None and cache.exists():
-        book._cache.update(pickle.loads(cache.read_bytes()))
+    book = plan_book(cluster, cache)
     led = Ledger(url)
     t0 = time.perf_counter()
     led.sync_cluster(cluster)
@@ -209,8 +206,7 @@ def main() -> None:
     t0 = time.perf_counter()
     seed(led, book, rng, args.jobs, args.busy)
     t_seed = time.perf_counter() - t0
-    if cache is not None:
-        cache.write_bytes(pickle.dumps(book._cache))
+    save_plan_book(book, cache)
     source = LedgerSource(led)
     # the service's writes are fenced by its leadership lease (one read of the lease row in
     # each write transaction): this round leads and writes fenced, as the service does

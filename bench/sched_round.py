@@ -46,6 +46,31 @@ BATCH = [16, 32, 64, 128]
 GPU_COUNTS = [1, 1, 1, 2, 4, 8, 8, 16, 32, 64]
 
 
+# what a plan cache file holds: the plan book's version (2: plans Frenzy's trainer launches,
+# offload plans within the nodes' host memory; 1: every feasible plan) and its plans
+PLAN_BOOK_VERSION = 2
+
+
+def plan_book(cluster, cache: Path | None) -> PlanBook:
+    """The simulator's plan book for ``cluster`` (its custom GPU types, host memory), filled
+    from ``cache`` when that file holds a book of this version (an older one is ignored)."""
+    from scheduler.sim.engine import SimCluster
+
+    book = SimCluster.from_cluster(cluster).plan_book()
+    if cache is not None and cache.exists():
+        kept = pickle.loads(cache.read_bytes())
+        if isinstance(kept, dict) and kept.get("version") == PLAN_BOOK_VERSION:
+            book._cache.update(kept["plans"])
+        else:
+            print(f"plan cache {cache}: an older plan book's; planning afresh", file=sys.stderr)
+    return book
+
+
+def save_plan_book(book: PlanBook, cache: Path | None) -> None:
+    if cache is not None:
+        cache.write_bytes(pickle.dumps({"version": PLAN_BOOK_VERSION, "plans": book._cache}))
+
+
 def make_jobs(book: PlanBook, rng: random.Random, n: int, start: int, now: float) -> list[JobRequest]:
     names, weights = list(MODELS), list(MODELS.values())
     out = []
@@ -91,10 +116,8 @@ def main() -> None:
     cluster = parse_cluster(CLUSTER)
     base = cluster.initial_state()
     total = sum(n.gpus for n in base.nodes)
-    book = PlanBook(cluster.inventory(), cluster.gpus_per_node())
     cache = Path(args.plan_cache) if args.plan_cache else None
-    if cache is not None and cache.exists():
-        book._cache.update(pickle.loads(cache.read_bytes()))
+    book = plan_book(cluster, cache)
     t0 = time.perf_counter()
     rng = random.Random(args.seed)
     now = 1_000_000.0
@@ -120,8 +143,7 @@ def main() -> None:
             drop = set(rng.sample(range(len(jobs)), k))
             jobs = [j for i, j in enumerate(jobs) if i not in drop] + make_jobs(book, rng, k, next_id, now + r)
             next_id += k
-        if cache is not None:
-            cache.write_bytes(pickle.dumps(book._cache))
+        save_plan_book(book, cache)
         warm = sorted(times[1:])
         p99 = warm[min(len(warm) - 1, round(0.99 * (len(warm) - 1)))]
         print(f"{name:<14}{times[0]:>10.1f}{statistics.median(warm):>11.1f}{p99:>9.1f}{max(warm):>9.1f}"

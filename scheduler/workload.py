@@ -106,18 +106,17 @@ def _check_work(where: str, job: WorkloadJob) -> None:
         raise FrenzyInputError(where, f"makes {job.steps:,} optimizer steps; at most {MAX_STEPS:,}")
 
 
-def _model_file(model: str) -> bool:
-    """Whether ``model`` is a Hugging Face config.json (or a folder with one) the estimator
-    reads, as ``frenzy estimate --model PATH`` takes it."""
+def _model_file(model: str):
+    """The model a Hugging Face config.json (or a folder with one) describes, as ``frenzy
+    estimate --model PATH`` takes it; None when ``model`` is no such file."""
     p = Path(model)
     if not (p.is_file() or (p / "config.json").is_file()):
-        return False
+        return None
     from estimator.models import resolve_model
     try:
-        resolve_model(model)
+        return resolve_model(model)
     except FrenzyInputError:
-        return False
-    return True
+        return None
 
 
 def _gpu_name(name: str, known: set[str], field: str) -> str:
@@ -172,7 +171,8 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
             if not math.isfinite(submit_s) or submit_s < 0 or submit_s > MAX_SUBMIT_S:
                 raise FrenzyInputError(f"{where}: submit_s", f"must be a time from 0 to {MAX_SUBMIT_S:g} s "
                                                              f"(ten years), got {submit}")
-            if model not in known_models and not _model_file(model):
+            from_file = _model_file(model) if model not in known_models else None
+            if model not in known_models and from_file is None:
                 raise FrenzyInputError(f"{where}: model",
                                        f"unknown model {model!r} (a preset: see `frenzy models`; or a "
                                        "Hugging Face config.json, or a folder holding one)")
@@ -189,8 +189,9 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
                 requested_gpu_type=gtype,
                 requested_gpus=_int_field(ngpu, where, "requested_gpus", most=MAX_CLUSTER_GPUS))
             _check_work(f"{where}: train_tokens", job)
-            if model in presets:      # the model's own rule, as `frenzy plan` says it (not "no plan fits")
-                rule = seq_len_rule(presets[model], job.seq_len)
+            spec = presets.get(model) or from_file
+            if spec is not None:      # the model's own rule, as `frenzy plan` says it (not "no plan fits")
+                rule = seq_len_rule(spec, job.seq_len)
                 if rule is not None:
                     raise FrenzyInputError(f"{where}: seq_len", rule)
             jobs.append(job)

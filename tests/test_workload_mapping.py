@@ -202,6 +202,10 @@ def test_workload_rows_take_gpu_names_and_models_as_the_rest_of_the_cli_does(tmp
     p.write_text(header + "a,0,gpt2,128,8,100000,A100,1\n")
     with pytest.raises(FrenzyInputError, match="ambiguous: one of A100-40GB, A100-80GB"):
         read_workload(p)
+    # the file model's own rule, as for a preset (not "rejected: no plan fits" after the run)
+    p.write_text(header + f"a,0,{cfg},512,8,100000,A100-40GB,1\n")
+    with pytest.raises(FrenzyInputError, match=r"seq_len: exceeds the learned position table .*512 > 256"):
+        read_workload(p)
 
 
 def test_example_mix_loads():

@@ -199,7 +199,6 @@ class Simulator:
         self._seq = 0
         self._token = 0
         self.sched_ms: list[float] = []
-        self._timed_once = False
         self.rounds = 0
         self.queue_series: list[tuple[float, int]] = []
         self.busy_gpu_s = 0.0
@@ -395,13 +394,10 @@ class Simulator:
         pending = [sj.req for sj in self.pending.values()]
         result = run_round(self.policy, pending, self.state, t)
         # a policy may answer a round whose inputs did not change from memory (sia's ILP):
-        # such rounds say nothing about its cost per decision and are left out of sched_ms; so
-        # is a simulation's first call, which pays one-time set-up (imports, a solver's first
-        # build: sia 440 ms, then ~5 ms a round, on a 6-job workload)
+        # such rounds say nothing about its cost per decision and are left out of sched_ms
+        # (the first call's one-time set-up: ``metrics.summarise``)
         if not result.cached:
-            if self._timed_once:
-                self.sched_ms.append(result.policy_ms)
-            self._timed_once = True
+            self.sched_ms.append(result.policy_ms)
         self.rounds += 1
         for d in result.stops:
             self._preempt(d, t)
