@@ -32,8 +32,6 @@ is listed as not expressible with its reason.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import os
 import re
@@ -44,7 +42,9 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bench.public_csv import ACT_CKPT, ATTENTION, TRUE_FALSE, CsvProblem, integer, named, read_rows  # noqa: E402
 from estimator import estimate  # noqa: E402
+from estimator.errors import FrenzyInputError  # noqa: E402
 from estimator.profiles import get_profile, profile_for_label  # noqa: E402
 
 DEFAULT_CSV = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
@@ -189,37 +189,6 @@ def _map(value: str, table: list[tuple[str, str]]) -> str | None:
     return None
 
 
-class RowProblem(ValueError):
-    """A cell that cannot be read (the row is listed as not expressible, with this)."""
-
-
-def _int(row: dict[str, str], col: str, blank: int | None = None) -> int:
-    """An integer cell: '64', '64.0', '6.7e9', '107,000'; a blank one is ``blank`` when given."""
-    text = row[col].replace(",", "").replace("_", "")
-    if not text:
-        if blank is None:
-            raise RowProblem(f"{col}: empty")
-        return blank
-    try:
-        x = float(text)
-    except ValueError:
-        raise RowProblem(f"{col}: {row[col]!r} is not a number") from None
-    if not (x == x and abs(x) < 1e15) or x != int(x):
-        raise RowProblem(f"{col}: {row[col]!r} is not an integer")
-    return int(x)
-
-
-def _named(row: dict[str, str], col: str, names: dict[str, str], blank: str | None = None) -> str:
-    key = row[col].lower()
-    if not key and blank is not None:
-        return blank
-    if key not in names:
-        raise RowProblem(f"{col}: {row[col]!r} is not one of {', '.join(sorted(set(names)))}")
-    return names[key]
-
-
-_BOOL = {"true": "true", "yes": "true", "1": "true", "y": "true",
-         "false": "false", "no": "false", "0": "false", "n": "false"}
 # the estimator's archs, and the Hugging Face model types its llama builder makes
 ARCHS = {"gpt": ("gpt", None), "gpt2": ("gpt", None), "llama": ("llama", None), "bert": ("bert", None),
          "roberta": ("bert", None), "vit": ("bert", None), "opt": ("opt", None),
@@ -243,12 +212,6 @@ OPTIMIZERS = {"adamw": ("adamw", None), "adamw_torch": ("adamw", None), "adamw_h
               "8bit-adam": ("adamw8bit", None), "adam8bit": ("adamw8bit", None),
               "adamw8bit-paged": ("adamw8bit-paged", None), "paged_adamw_8bit": ("adamw8bit-paged", None),
               "pagedadamw8bit": ("adamw8bit-paged", None)}
-ACT_CKPT = {"none": "none", "false": "none", "no": "none", "0": "none", "off": "none",
-            "full": "full", "true": "full", "yes": "full", "1": "full", "on": "full",
-            "selective": "selective"}
-ATTENTION = {"flash": "flash", "flash2": "flash", "fa2": "flash", "fa3": "flash", "sdpa": "flash",
-             "flash_attention_2": "flash", "flash_attention_3": "flash", "xformers": "flash",
-             "eager": "eager", "math": "eager"}
 OFFLOAD = {"none": "none", "optimizer": "optimizer", "cpu": "optimizer", "optimizer+params": "optimizer+params",
            "params": "optimizer+params", "full": "optimizer+params"}
 FINETUNE = {"full": "full", "lora": "lora", "qlora": "qlora"}
@@ -357,36 +320,38 @@ def row_kwargs(row: dict[str, str], columns_only: bool = False, notes_only: bool
     ("as previous + ...", same source) keeps under its own."""
     arch, model_type = ARCHS.get(row["arch"].lower(), (None, None))
     if arch is None:
-        raise RowProblem(f"arch: {row['arch']!r} is not one the estimator builds "
-                         f"({', '.join(sorted(ARCHS))})")
-    heads = _int(row, "heads")
-    model = {"arch": arch, "layers": _int(row, "layers"), "hidden": _int(row, "hidden"),
-             "heads": heads, "kv_heads": _int(row, "kv_heads", heads), "vocab": _int(row, "vocab")}
+        raise FrenzyInputError("arch", f"{row['arch']!r} is not one the estimator builds "
+                                       f"({', '.join(sorted(ARCHS))})")
+
+    def cell(col: str, blank: int | None = None) -> int:
+        return integer(col, row[col], blank)
+
+    heads = cell("heads")
+    model = {"arch": arch, "layers": cell("layers"), "hidden": cell("hidden"),
+             "heads": heads, "kv_heads": cell("kv_heads", heads), "vocab": cell("vocab")}
     if row["ffn"]:
-        model["ffn"] = _int(row, "ffn")
+        model["ffn"] = cell("ffn")
     if row["tied_embeddings"]:
-        model["tied_embeddings"] = _named(row, "tied_embeddings", _BOOL) == "true"
+        model["tied_embeddings"] = named("tied_embeddings", row["tied_embeddings"], TRUE_FALSE)
     if model_type:
         model["hf_model_type"] = model_type
-    precision, master = _named(row, "precision", PRECISIONS)
-    optimizer, adamw_impl = _named(row, "optimizer", OPTIMIZERS, blank=("adamw", None))
-    kw: dict = dict(seq_len=_int(row, "seq_len"), micro_batch=_int(row, "micro_batch"),
-                    grad_accum=_int(row, "grad_accum", 1), dp=_int(row, "dp", 1), tp=_int(row, "tp", 1),
-                    pp=_int(row, "pp", 1), cp=_int(row, "cp", 1),
-                    sp=_named(row, "sp", _BOOL, blank="false") == "true",
-                    vpp=_int(row, "vpp", 1),
-                    zero=_int({"zero": re.sub(r"^zero[-_ ]*", "", row["zero"], flags=re.I)}, "zero", 0),
-                    offload=_named(row, "offload", OFFLOAD, blank="none"), precision=precision,
-                    optimizer=optimizer, act_ckpt=_named(row, "act_ckpt", ACT_CKPT, blank="none"),
-                    attention=_named(row, "attention", ATTENTION, blank="flash"))
+    precision, master = named("precision", row["precision"], PRECISIONS)
+    optimizer, adamw_impl = named("optimizer", row["optimizer"], OPTIMIZERS, blank=("adamw", None))
+    kw: dict = dict(seq_len=cell("seq_len"), micro_batch=cell("micro_batch"),
+                    grad_accum=cell("grad_accum", 1), dp=cell("dp", 1), tp=cell("tp", 1),
+                    pp=cell("pp", 1), cp=cell("cp", 1),
+                    sp=named("sp", row["sp"], TRUE_FALSE, blank=False),
+                    vpp=cell("vpp", 1), zero=integer("zero", re.sub(r"^zero[-_ ]*", "", row["zero"], flags=re.I), 0),
+                    offload=named("offload", row["offload"], OFFLOAD, blank="none"), precision=precision,
+                    optimizer=optimizer, act_ckpt=named("act_ckpt", row["act_ckpt"], ACT_CKPT, blank="none"),
+                    attention=named("attention", row["attention"], ATTENTION, blank="flash"))
     gpu = _map(row["gpu"], GPUS)
     if gpu:
         kw["gpu"] = gpu
     said: list[str] = []
     if not columns_only:
         kw["framework"] = profile_for_label(row["framework"])   # estimator.profiles' mapping
-        unknown = profile_for_label(row["framework"], default="") == ""
-        finetune = _named(row, "finetune", FINETUNE, blank="full")
+        finetune = named("finetune", row["finetune"], FINETUNE, blank="full")
         if finetune != "full":
             kw["finetune"] = finetune
         if master:
@@ -404,18 +369,12 @@ def row_kwargs(row: dict[str, str], columns_only: bool = False, notes_only: bool
                 extra = {**kept, **extra}
                 said = [f"as the row before: {', '.join(sorted(kept))}"] * bool(kept) + said
             row["_read"] = dict(extra)          # for the next row of a cumulative table (``score``)
-        if unknown:                             # shown apart from the text's readings (``score``)
-            row["_label"] = f"framework {row['framework']!r} names no profile: scored as {kw['framework']}"
         model.update(extra.pop("model_extra", {}))
         kw.update(extra)
     if model["arch"] != "llama" and model["kv_heads"] == model["heads"]:
         model.pop("kv_heads")                 # no grouped-query attention outside llama
     kw["model"] = model
     return kw, said
-
-
-class CsvProblem(ValueError):
-    """A file that is not a CSV of the schema (one line, exit 2)."""
 
 
 # what the scorer reads of a row (``notes``, ``source`` and ``rank`` are text it only shows)
@@ -425,67 +384,44 @@ COLUMNS = ("row", "model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn
            "finetune")
 
 
-def read_rows(path: str) -> list[dict[str, str]]:
-    """The CSV's rows, cells stripped, header names lower-case; a BOM, CRLF and a cp1252 export
-    are read. ``CsvProblem`` for a file that is not a CSV of the schema."""
-    raw = open(path, "rb").read()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        text = raw.decode("cp1252", errors="replace")
-    csv.field_size_limit(1 << 24)
-    try:
-        table = list(csv.reader(io.StringIO(text, newline="")))
-    except csv.Error as e:
-        raise CsvProblem(f"{path}: not a readable CSV: {e}") from None
-    if not table:
-        raise CsvProblem(f"{path}: empty file")
-    header = [h.strip().lower() for h in table[0]]
-    missing = [c for c in COLUMNS if c not in header]
-    if missing:
-        raise CsvProblem(f"{path}: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
-                         "(the schema of the shared published.csv)")
-    rows = []
-    for cells in table[1:]:
-        if not any(c.strip() for c in cells):
-            continue
-        row = {h: "" for h in header}
-        row.update({h: c.strip() for h, c in zip(header, cells)})
-        rows.append(row)
-    return rows
-
-
 def score(path: str, columns_only: bool = False, notes_only: bool = False) -> tuple[list[dict], dict]:
     out = []
     before: dict | None = None               # the row before: its source and its text's settings
-    for row in read_rows(path):
+    for row in read_rows(path, COLUMNS):
         shipped = shipped_row(row)
         rec = {"row": row["row"] or "?", "model": row["model"][:38], "metric": row["metric"],
                "measured": float("nan"), "framework": row["framework"][:24],
-               "caveat": CAVEATS.get(shipped, "") if shipped is not None else ""}
-        try:
+               "caveat": CAVEATS.get(shipped, "") if shipped is not None else "",
+               "predicted": None, "err": None, "profile": "-"}
+        out.append(rec)
+        try:                                  # the row's cells: a bad one is the row's reason
             try:
                 rec["measured"] = measured = float(row["measured_gib"].replace(",", ""))
             except ValueError:
-                raise RowProblem(f"measured_gib: {row['measured_gib']!r} is not a number") from None
+                raise FrenzyInputError("measured_gib", f"{row['measured_gib']!r} is not a number") from None
             if not (measured > 0 and measured < float("inf")):
-                raise RowProblem(f"measured_gib: must be a positive number, got {row['measured_gib']!r}")
-            metric = _named(row, "metric", METRICS)
+                raise FrenzyInputError("measured_gib", f"must be a positive number, got {row['measured_gib']!r}")
+            metric = named("metric", row["metric"], METRICS)
             previous = before["read"] if before and before["source"] == row.get("source") else None
             kw, said = row_kwargs(row, columns_only, notes_only, previous)
+        except FrenzyInputError as exc:
+            rec["why"] = str(exc)[:110]
+            continue
+        finally:
+            before = {"source": row.get("source"), "read": row.get("_read")}
+        try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 e = estimate(**kw)
-            pred = getattr(e, METRIC[metric])
-            rec.update(predicted=pred, err=pred / measured - 1.0,
-                       profile=kw.get("framework", "-"), warnings=list(e.warnings))
-            rec["caveat"] = "; ".join(x for x in (rec["caveat"], row.get("_label", ""),
-                                                  "read from its text: " + ", ".join(said) if said else "") if x)
         except Exception as exc:   # noqa: BLE001 - a row the estimator cannot express
-            rec.update(predicted=None, err=None, profile="-",
-                       why=f"{type(exc).__name__}: {exc}".splitlines()[0][:110]
-                       if not isinstance(exc, RowProblem) else str(exc)[:110])
-        out.append(rec)
+            rec["why"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:110]
+            continue
+        pred = getattr(e, METRIC[metric])
+        unknown = not columns_only and profile_for_label(row["framework"], default="") == ""
+        label = f"framework {row['framework']!r} names no profile: scored as {kw['framework']}" if unknown else ""
+        rec.update(predicted=pred, err=pred / measured - 1.0, profile=kw.get("framework", "-"), warnings=list(e.warnings),
+                   caveat="; ".join(x for x in (rec["caveat"], label,
+                                                "read from its text: " + ", ".join(said) if said else "") if x))
         before = {"source": row.get("source"), "read": row.get("_read")}
     errs = [r["err"] for r in out if r["err"] is not None]
     abs_errs = sorted(abs(x) for x in errs)

@@ -45,7 +45,6 @@ named per-GPU factors (``estimator.throughput.fit_factors``) on those rows and s
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import re
@@ -60,6 +59,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.public_csv import ACT_CKPT, ATTENTION, TRUE_FALSE, CsvProblem, integer, named, read_rows  # noqa: E402
 from estimator.catalog import CATALOG, from_nvml_name, gpu_names_meant  # noqa: E402
 from estimator.errors import FrenzyInputError  # noqa: E402
 from estimator.plan import Plan  # noqa: E402
@@ -75,20 +75,11 @@ INT_COLS = ("params", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "
 STR_COLS = ("row", "source", "model", "act_ckpt", "precision", "gpu")
 FLOAT_COLS = ("measured_tokens_per_s_per_gpu",)
 ATTN = re.compile(r"attention\s*=\s*([\w.-]*\w)")          # "attention=flash." ends a sentence
-ATTENTION_NAMES = {"flash": "flash", "flash2": "flash", "flash-2": "flash", "fa": "flash", "fa2": "flash",
-                   "fa3": "flash", "flash_attn": "flash", "flash_attention_2": "flash", "flashattention": "flash",
-                   "flashattention-2": "flash", "flashattention2": "flash", "sdpa": "flash", "xformers": "flash",
-                   "mem_efficient": "flash", "fused": "flash", "flash-attn": "flash", "flash_attn_2": "flash", "eager": "eager", "math": "eager",
-                   "vanilla": "eager", "standard": "eager", "unfused": "eager"}
 # the precision of the training (AMP or not); GEMM precisions fp8 / tf32 are read apart below
 PRECISION_NAMES = {"bf16": "bf16", "amp_bf16": "bf16", "bf16-mixed": "bf16", "bf16_mixed": "bf16",
                    "bfloat16": "bf16", "fp16": "fp16", "amp_fp16": "fp16", "16-mixed": "fp16",
                    "16_mixed": "fp16", "float16": "fp16", "amp": "fp16", "fp32": "fp32", "32": "fp32",
                    "float32": "fp32", "32-true": "fp32", "fp8": "fp8", "tf32": "tf32"}
-ACT_CKPT_NAMES = {"none": "none", "false": "none", "no": "none", "0": "none", "off": "none",
-                  "full": "full", "true": "full", "yes": "full", "1": "full", "on": "full",
-                  "selective": "selective"}
-TRUE_FALSE = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 # a blank cell of these columns (the column itself present) means the plain setting; kv_heads:
 # as many as the heads (no grouped-query attention)
 BLANK_MEANS = {"kv_heads": "", "grad_accum": "1", "tp": "1", "pp": "1", "zero": "0", "act_ckpt": "none"}
@@ -120,22 +111,6 @@ class Row:
         return self.predicted / self.measured
 
 
-def _int(col: str, text: str) -> int:
-    """An integer column: '64', '64.0', '6.7e9' and '107,000' are integers; '6.5' is not."""
-    t = text.strip().replace(",", "").replace("_", "")
-    try:
-        return int(t)
-    except ValueError:
-        pass
-    try:
-        x = float(t)
-    except ValueError:
-        raise FrenzyInputError(col, f"must be an integer, got {text!r}") from None
-    if not math.isfinite(x) or x != int(x):
-        raise FrenzyInputError(col, f"must be an integer, got {text!r}")
-    return int(x)
-
-
 def gpu_type(text: str) -> str:
     """The catalog GPU type a row names, however its source spells it (``FrenzyInputError``
     naming ``gpu`` when none, or more than one, is meant)."""
@@ -163,13 +138,6 @@ def gpu_type(text: str) -> str:
     raise FrenzyInputError("gpu", f"unknown GPU type {name!r}")
 
 
-def _named(col: str, text: str, names: dict[str, str]) -> str:
-    key = text.strip().lower()
-    if key not in names:
-        raise FrenzyInputError(col, f"unknown value {text!r}; one of {', '.join(sorted(set(names)))}")
-    return names[key]
-
-
 def parse_row(d: dict[str, str]) -> Row:
     """One CSV row -> a Row with a spec and a plan, or with ``reason`` saying why it is not expressible."""
     r = Row(row=str(d.get("row") or "?"), source=str(d.get("source") or ""), model=str(d.get("model") or "?"),
@@ -186,7 +154,7 @@ def parse_row(d: dict[str, str]) -> Row:
         v: dict[str, Any] = {}
         optional = {c: d[c] for c in ("vpp", "cp") if (d.get(c) or "").strip()}
         for c, text in [*((c, d[c]) for c in INT_COLS), *optional.items()]:
-            v[c] = _int(c, re.sub(r"^zero[-_ ]*", "", text.strip(), flags=re.I) if c == "zero" else text)
+            v[c] = integer(c, re.sub(r"^zero[-_ ]*", "", text.strip(), flags=re.I) if c == "zero" else text)
             if v[c] < (0 if c == "zero" else 1):
                 raise FrenzyInputError(c, f"must be >= {0 if c == 'zero' else 1}, got {v[c]}")
             if v[c] > (MAX_PARAMS if c == "params" else MAX_DIM):
@@ -215,14 +183,12 @@ def parse_row(d: dict[str, str]) -> Row:
         notes = d.get("notes") or ""
         m = ATTN.search(notes)
         attention_text = (d.get("attention") or "").strip() or (m.group(1) if m else "flash")
-        attention = _named("attention", attention_text, ATTENTION_NAMES)
+        attention = named("attention", attention_text, ATTENTION)
         # fp8 / tf32 name the GEMM precision: 16-bit training with FP8 GEMMs, fp32 on TF32 cores
-        named = _named("precision", d["precision"], PRECISION_NAMES)
-        precision, matmul_precision = {"fp8": ("bf16", "fp8"), "tf32": ("fp32", "tf32")}.get(
-            named, (named, "default"))
-        act_ckpt = _named("act_ckpt", d["act_ckpt"], ACT_CKPT_NAMES)
-        tied_text = (d.get("tied_embeddings") or "").strip()
-        tied = _named("tied_embeddings", tied_text, TRUE_FALSE) if tied_text else True
+        prec = named("precision", d["precision"], PRECISION_NAMES)
+        precision, matmul_precision = {"fp8": ("bf16", "fp8"), "tf32": ("fp32", "tf32")}.get(prec, (prec, "default"))
+        act_ckpt = named("act_ckpt", d["act_ckpt"], ACT_CKPT)
+        tied = named("tied_embeddings", d.get("tied_embeddings") or "", TRUE_FALSE, blank=True)
         arch = "bert" if r.model.lower().startswith("bert") else "gpt"   # encoder: no causal mask
         lm_head = not NO_HEAD.search(notes)                             # e.g. a SQuAD span head
         # without an LM head the params beyond the embedding are the layers' (throughput.py): a
@@ -248,32 +214,9 @@ def parse_row(d: dict[str, str]) -> Row:
     return r
 
 
-class CsvProblem(ValueError):
-    """A file that is not a CSV of the schema as a whole (one line, exit 2)."""
-
-
 def load(path: Path) -> list[Row]:
-    """Every row of the file (a BOM, CRLF, undecodable bytes in the notes are tolerated); header
-    names are matched ignoring case and surrounding spaces."""
-    csv.field_size_limit(1 << 24)          # long notes are notes; a runaway quote is caught below
-    with open(path, newline="", encoding="utf-8-sig", errors="replace") as fh:
-        reader = csv.reader(fh)
-        try:
-            table = list(reader)
-        except csv.Error as e:
-            raise CsvProblem(f"{path}: not a readable CSV at line {reader.line_num}: {e}") from None
-    if not table:
-        raise CsvProblem(f"{path}: empty file")
-    header = [h.strip().lower() for h in table[0]]
-    dup = sorted({h for h in header if h and header.count(h) > 1})
-    if dup:
-        raise CsvProblem(f"{path}: column {dup[0]!r} appears more than once in the header")
-    rows = []
-    for cells in table[1:]:
-        if not any(c.strip() for c in cells):
-            continue                                        # a blank line
-        rows.append(parse_row(dict(zip(header, cells))))
-    return rows
+    """Every row of the file (``public_csv.read_rows``: a BOM, CRLF, cp1252, header case)."""
+    return [parse_row(d) for d in read_rows(path)]
 
 
 def predict(rows: list[Row], factors: Factors = DEFAULT_FACTORS) -> None:
