@@ -106,29 +106,6 @@ def _check_work(where: str, job: WorkloadJob) -> None:
         raise FrenzyInputError(where, f"makes {job.steps:,} optimizer steps; at most {MAX_STEPS:,}")
 
 
-def _model_file(model: str):
-    """The model a Hugging Face config.json (or a folder with one) describes, as ``frenzy
-    estimate --model PATH`` takes it; None when ``model`` is no such file."""
-    p = Path(model)
-    if not (p.is_file() or (p / "config.json").is_file()):
-        return None
-    from estimator.models import resolve_model
-    try:
-        return resolve_model(model)
-    except FrenzyInputError:
-        return None
-
-
-def _gpu_name(name: str, known: set[str], field: str) -> str:
-    """The one known GPU type ``name`` means (``catalog.resolve_gpu_name``'s rules: any case, the
-    size suffix dropped when only one size exists)."""
-    from estimator.catalog import resolve_gpu_name
-    try:
-        return resolve_gpu_name(name, dict.fromkeys(known), field=field)     # it reads the names only
-    except FrenzyInputError as err:
-        raise FrenzyInputError(field, err.rule.split(";")[0] + f" (known: {', '.join(sorted(known))})") from None
-
-
 def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
                   extra_gpu_types: Iterable[str] = ()) -> list[WorkloadJob]:
     """Read and validate a workload CSV; the first bad row raises ``FrenzyInputError`` naming
@@ -137,10 +114,12 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
     ``models`` defaults to the estimator's presets; requested GPU types are the catalog's plus
     ``extra_gpu_types`` (a cluster file's custom types: ``Cluster.gpu_types``).
     """
-    from estimator.models import PRESETS as presets, seq_len_rule
+    from estimator.catalog import resolve_gpu_name
+    from estimator.models import PRESETS as presets, resolve_model, seq_len_rule
     path = Path(path)
     known_models = set(models) if models is not None else _known_models()
-    known_gpus = _known_gpus() | set(extra_gpu_types)
+    extra_gpus = dict.fromkeys(extra_gpu_types)     # resolve_gpu_name reads their names only
+    specs: dict = {}                                # model -> its spec, resolved once per file
     if not path.is_file():
         raise FrenzyInputError("workload", f"{path} is a folder, not a file" if path.is_dir() else f"no such file: {path}")
     jobs: list[WorkloadJob] = []
@@ -171,14 +150,16 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
             if not math.isfinite(submit_s) or submit_s < 0 or submit_s > MAX_SUBMIT_S:
                 raise FrenzyInputError(f"{where}: submit_s", f"must be a time from 0 to {MAX_SUBMIT_S:g} s "
                                                              f"(ten years), got {submit}")
-            from_file = _model_file(model) if model not in known_models else None
-            if model not in known_models and from_file is None:
-                raise FrenzyInputError(f"{where}: model",
-                                       f"unknown model {model!r} (a preset: see `frenzy models`; or a "
-                                       "Hugging Face config.json, or a folder holding one)")
-            if gtype not in known_gpus:
-                # as people type it and the cluster file takes it: 'a100-80gb', 'H100'
-                gtype = _gpu_name(gtype, known_gpus, f"{where}: requested_gpu_type")
+            if model not in specs:            # a preset, or what `frenzy estimate --model` takes
+                if model in known_models:
+                    specs[model] = presets.get(model)
+                else:
+                    try:
+                        specs[model] = resolve_model(model)
+                    except FrenzyInputError as err:
+                        raise FrenzyInputError(f"{where}: model", f"unknown model {model!r} ({err.rule})") from None
+            # as people type it and the cluster file takes it: 'a100-80gb', 'H100'
+            gtype = resolve_gpu_name(gtype, extra_gpus, field=f"{where}: requested_gpu_type")
             # the bounds a submitted TrainingJob has (a job of 10^18 tokens kept the simulator
             # ticking for ever)
             job = WorkloadJob(
@@ -189,9 +170,8 @@ def read_workload(path: str | Path, *, models: Iterable[str] | None = None,
                 requested_gpu_type=gtype,
                 requested_gpus=_int_field(ngpu, where, "requested_gpus", most=MAX_CLUSTER_GPUS))
             _check_work(f"{where}: train_tokens", job)
-            spec = presets.get(model) or from_file
-            if spec is not None:      # the model's own rule, as `frenzy plan` says it (not "no plan fits")
-                rule = seq_len_rule(spec, job.seq_len)
+            if specs[model] is not None:      # the model's own rule, as `frenzy plan` says it (not "no plan fits")
+                rule = seq_len_rule(specs[model], job.seq_len)
                 if rule is not None:
                     raise FrenzyInputError(f"{where}: seq_len", rule)
             jobs.append(job)
@@ -369,19 +349,18 @@ def read_trace(path: str | Path, skipped: list[str] | None = None) -> list[Trace
             except ValueError:
                 raise FrenzyInputError(where, "submission_time and duration must be numbers") from None
             try:
-                g = float(row["num_gpu"])
+                g = float(row["num_gpu"])           # '2.0' too (a pandas export)
                 if not g.is_integer():
                     raise ValueError
-                n = int(g)
-            except (ValueError, OverflowError):
+            except ValueError:
                 raise FrenzyInputError(f"{where}: num_gpu", f"must be a whole number of GPUs, got {row['num_gpu']!r}") from None
-            if d == 0 or n == 0:
+            if d == 0 or g == 0:
                 if skipped is not None:
                     skipped.append(row["job_id"])
                 continue
             check_number(f"{where}: submission_time", t, low_open=False, high=MAX_SUBMIT_S)
             check_number(f"{where}: duration", d, high=MAX_SUBMIT_S)
-            check_number(f"{where}: num_gpu", n, integer=True, high=MAX_CLUSTER_GPUS)
+            n = int(check_number(f"{where}: num_gpu", g, integer=True, high=MAX_CLUSTER_GPUS))
             if row["job_id"] in seen:
                 raise FrenzyInputError(f"{where}: job_id", f"duplicate job_id {row['job_id']!r}")
             seen.add(row["job_id"])

@@ -395,7 +395,6 @@ class Simulator:
         result = run_round(self.policy, pending, self.state, t)
         # a policy may answer a round whose inputs did not change from memory (sia's ILP):
         # such rounds say nothing about its cost per decision and are left out of sched_ms
-        # (the first call's one-time set-up: ``metrics.summarise``)
         if not result.cached:
             self.sched_ms.append(result.policy_ms)
         self.rounds += 1

@@ -48,9 +48,9 @@ def pareto(plans: list[Plan]) -> list[Plan]:
 
 
 class PlanBook:
-    """All plans of each job shape on one cluster that Frenzy's trainer can launch there,
-    Pareto-pruned, fastest first: what a live submission may run (``select_resources`` keeps
-    only realisable plans), so the simulator's policies choose from the same menu."""
+    """All plans of each job shape on one cluster that Frenzy's trainer can launch there (none
+    the planner marks ``not_launchable``), Pareto-pruned, fastest first: what a live submission
+    may run, so the simulator's policies choose from the same menu."""
 
     def __init__(self, inventory: dict[str, int], gpus_per_node: dict[str, int],
                  margin_fractions: tuple[float, ...] = SIM_MARGIN_FRACTIONS,
@@ -76,18 +76,19 @@ class PlanBook:
         hit = self._cache.get(key)
         if hit is None:
             from estimator.plans import enumerate_plans
-            from trainer.fallback import realisable
             job = _training_job(model, seq_len, global_batch)
             found: list[Plan] = []
             for gpu_type, count in self.inventory.items():
                 for frac in self.margin_fractions:
                     try:
+                        # the planner marks what the trainer cannot launch (its own launch
+                        # rules, and offload states beyond the node's host memory)
                         found += [p for p in enumerate_plans(job, gpu_type, max_gpus=count,
                                                              gpus_per_node=self.gpus_per_node.get(gpu_type, 8),
                                                              safety_margin_gib=frac * self.memory_gib[gpu_type],
                                                              gpus=self.gpus or None,
                                                              host_ram_gib=self.host_ram_gib.get(gpu_type))
-                                  if realisable(p)]
+                                  if p.not_launchable is None]
                     except DoesNotFitError:
                         break            # a bigger margin will not fit either
             hit = pareto(found)

@@ -12,9 +12,9 @@ Definitions (all over the workload's jobs):
   GPUs to the round after its last step, past the makespan).
 * ``oom_events``: runs that died of out-of-memory.
 * ``sched_ms_p50`` / ``sched_ms_p99``: wall time of one ``Policy.schedule`` call (rounds a
-  policy answered from memory because its inputs had not changed are left out; with at least
-  ``SETUP_CALLS_AFTER`` timed calls, so is the first, which pays one-time set-up: sia's solver
-  440 ms, then ~5 ms a round. A short simulation keeps it: its few calls are all there is).
+  policy answered from memory because its inputs had not changed are left out). The first
+  call pays one-time set-up (sia's solver: 440 ms, then ~5 ms a round), which a short
+  simulation's p99 shows.
 * ``idle_waiting_gpu_h`` (beyond the contract): per GPU type, GPU-hours left free while a
   pending job had a plan of that type needing no more GPUs than were free (work conservation).
 * ``lower_bound_avg_jct_s``: mean over jobs of ``startup_s + steps x real step time`` of the
@@ -26,9 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .truth import step_factor
-
-# timed policy calls from which the first (one-time set-up) is left out of sched_ms
-SETUP_CALLS_AFTER = 10
 
 CONTRACT_KEYS = ("policy", "jobs", "completed", "avg_jct_s", "p50_jct_s", "p99_jct_s", "makespan_s",
                  "avg_queue_s", "gpu_util", "oom_events", "sched_ms_p50", "sched_ms_p99",
@@ -103,7 +100,6 @@ def summarise(sim, wall_s: float) -> SimResult:
     last = max((sj.end_s for sj in done), default=first)
     makespan = last - first
     held = max(last, sim.last_release_s) - first        # GPUs are allocated until released
-    timed = sim.sched_ms[1:] if len(sim.sched_ms) >= SETUP_CALLS_AFTER else sim.sched_ms
     total = sim.cluster.total_gpus
     per_job = [{"job_id": sj.wl.job_id, "model": sj.wl.model, "state": sj.state,
                 "submit_s": sj.wl.submit_s, "first_start_s": sj.first_start, "end_s": sj.end_s,
@@ -116,7 +112,7 @@ def summarise(sim, wall_s: float) -> SimResult:
         makespan_s=makespan, avg_queue_s=sum(queues) / len(queues) if queues else 0.0,
         gpu_util=sim.busy_gpu_s / (total * held) if total and held > 0 else 0.0,
         oom_events=sim.oom_events,
-        sched_ms_p50=percentile(timed, 50), sched_ms_p99=percentile(timed, 99),
+        sched_ms_p50=percentile(sim.sched_ms, 50), sched_ms_p99=percentile(sim.sched_ms, 99),
         lower_bound_avg_jct_s=_lower_bound(sim),
         rejected=sum(sj.state == "rejected" for sj in sim.jobs),
         failed=sum(sj.state == "failed" for sj in sim.jobs),
