@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from uuid import UUID
 
 from estimator.plan import Plan
-from trainer.fallback import not_launchable  # noqa: F401 (re-exported: the plans table uses it)
+from trainer.fallback import not_launchable
 from frenzy_cli.units import format_duration, format_memory, format_seconds  # noqa: F401 (re-exported)
 
 PLANS_KEY = "frenzy-plans"

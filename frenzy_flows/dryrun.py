@@ -20,7 +20,7 @@ from estimator.plan import Plan
 from scheduler.cluster import Cluster
 
 from frenzy_cli.units import format_duration, format_memory, format_seconds
-from frenzy_flows.artifacts import not_launchable
+from trainer.fallback import not_launchable
 
 # The largest GPU count the "needs at least" search tries per type: Llama 3 405B, the largest
 # published dense pretraining run, used 16,384 H100s. The search costs ~20 ms per type.
@@ -47,9 +47,11 @@ def _least_gpus(job: TrainingJob, gpu_type: str, gpus_per_node: int, margin: flo
     return least, any(p.gpus == least and not_launchable(p) is None for p in plans)
 
 
-def nearest_fits(job: TrainingJob, cluster: Cluster, margin: float) -> list[dict[str, Any]]:
+def nearest_fits(job: TrainingJob, cluster: Cluster, margin: float, *,
+                 other_types: bool = True) -> list[dict[str, Any]]:
     """Per GPU type the least GPU count that holds ``job``: every type of the cluster (``gpus``
-    None where none does), then up to ``NEAREST_OTHER_TYPES`` catalog types, fewest GPUs first."""
+    None where none does), then (``other_types``) up to ``NEAREST_OTHER_TYPES`` catalog types,
+    fewest GPUs first."""
     from estimator.catalog import GPU_NAMES
 
     out: list[dict[str, Any]] = []
@@ -61,7 +63,7 @@ def nearest_fits(job: TrainingJob, cluster: Cluster, margin: float) -> list[dict
         out.append({"gpu_type": gpu_type, "gpus": least[0] if least else None, "have": have,
                     "launchable": bool(least and least[1]), "in_cluster": True})
     others = []
-    for gpu_type in GPU_NAMES:
+    for gpu_type in GPU_NAMES if other_types else ():
         if gpu_type in inv or (job.allowed_gpu_types and gpu_type not in job.allowed_gpu_types):
             continue
         # a catalog type on nodes of 8 with the cluster file's default host memory
@@ -152,8 +154,8 @@ def dry_run(job: TrainingJob, cluster: Cluster, *, safety_margin_gib: float, pol
         # plans fit, but none is runnable here (pools, constraints, launchability): neither a type
         # the cluster already has enough of nor another type is the answer, only the cluster's
         # types that would need more GPUs than it has
-        needs = [n for n in nearest_fits(job, cluster, safety_margin_gib)
-                 if n["in_cluster"] and (n["gpus"] is None or n["gpus"] > n["have"])]
+        needs = [n for n in nearest_fits(job, cluster, safety_margin_gib, other_types=False)
+                 if n["gpus"] is None or n["gpus"] > n["have"]]
         return {**base, "launch": False, "reason": str(err), "needs": needs}
     plans = [p for ps in candidates.values() for p in ps]
     request = JobRequest(job_id=f"{job.name}-dry-run", submit_s=time.time(), plans=plans,

@@ -31,34 +31,33 @@ _CKPT_ORDER = ("none", "selective", "full")
 _OFFLOAD_ORDER = ("none", "optimizer", "optimizer+params")
 
 
-def realisable(p: Plan) -> bool:
-    """Whether the trainer can run ``p``: ``launch_config.check_realisable``'s rules, and no
-    reason the planner marked on it (``p.not_launchable``: the model's heads, host memory)."""
-    if p.not_launchable:
-        return False
-    try:
-        check_realisable(p)
-    except FrenzyInputError:
-        return False
-    return True
-
-
-def not_launchable(p: Plan) -> str | None:
-    """Why the trainer cannot launch ``p`` (its own rule, shortened; else the reason the
-    planner marked on it), or None."""
+def _why_not(p: Plan) -> tuple[str, str] | None:
+    """Why the trainer cannot launch ``p``, as (joiner, reason): its own rule, shortened
+    ("pp2: ..."), else the reason the planner marked on it (the model's heads, host memory)."""
     try:
         check_realisable(p)
     except ValueError as err:
         knob = str(getattr(err, "field", "plan")).removeprefix("plan.")
         rule = str(getattr(err, "rule", err)).split(": ", 1)[-1].split(" (")[0].strip()
-        return f"cannot launch {knob}{getattr(p, knob, '')}: {rule}"
-    return f"cannot launch: {p.not_launchable}" if p.not_launchable else None
+        return " ", f"{knob}{getattr(p, knob, '')}: {rule}"
+    return (": ", p.not_launchable) if p.not_launchable else None
+
+
+def realisable(p: Plan) -> bool:
+    """Whether the trainer can run ``p``."""
+    return _why_not(p) is None
+
+
+def not_launchable(p: Plan) -> str | None:
+    """Why the trainer cannot launch ``p`` ("cannot launch ..."), or None."""
+    why = _why_not(p)
+    return None if why is None else "cannot launch" + why[0] + why[1]
 
 
 def launch_refusal(plans: list[Plan]) -> str:
     """The one clause for plans that fit but none of which the trainer can launch here, with
     their reasons (at most three)."""
-    reasons = sorted({(not_launchable(p) or "").removeprefix("cannot launch").lstrip(": ") for p in plans} - {""})
+    reasons = sorted({why[1] for why in map(_why_not, plans) if why is not None})
     return ("no plan that fits can be launched here (" + "; ".join(reasons[:3])
             + ("; ..." if len(reasons) > 3 else "") + ")")
 
