@@ -145,6 +145,15 @@ def test_data_users_get_wrong_fails_before_launch_in_one_line(tmp_path):
         check_data({"kind": "datasets", "path": str(folder)}, vocab=256, seq_len=4)
     with pytest.raises(FrenzyInputError, match="holds 3 tokens, fewer than seq_len"):
         check_data({"kind": "datasets", "path": str(folder), "text_field": "body"}, vocab=256, seq_len=16)
+    none_rows = tmp_path / "ds-none"                 # a null text trained on "None", as in JSONL
+    datasets.Dataset.from_list([{"text": "a real row"}, {"text": None}]).save_to_disk(str(none_rows))
+    with pytest.raises(FrenzyInputError, match=r"ds-none row 1: 'text' is NoneType, not a string"):
+        check_data({"kind": "datasets", "path": str(none_rows)}, vocab=256, seq_len=64)
+    # the count check_data returns is the training stream's, which the eval split reads
+    f = tmp_path / "c.txt"
+    f.write_text(TEXT)
+    assert check_data({"kind": "text", "path": str(f)}, vocab=256, seq_len=64) == len(token_stream(
+        {"kind": "text", "path": str(f)}))
 
 
 def test_an_export_never_replaces_a_folder_that_is_not_an_export(tmp_path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from estimator.errors import FrenzyInputError
 
@@ -44,8 +44,10 @@ def _tokenizer(data: dict[str, Any]):
     return None if name == "byte" else load_tokenizer(name)
 
 
-def check_data(data: dict[str, Any], *, vocab: int, seq_len: int) -> None:
-    """Fail before launch if the data or tokenizer cannot be used, naming the file or setting."""
+def check_data(data: dict[str, Any], *, vocab: int, seq_len: int) -> int:
+    """Fail before launch if the data or tokenizer cannot be used, naming the file or setting.
+    Returns the tokens read: a text or JSONL file's all (each line checked), a datasets folder's
+    (often large) first rows only, until they hold ``seq_len + 1``."""
     kind = data.get("kind", "synthetic")
     path = data.get("path")
     if kind in ("text", "jsonl"):
@@ -61,37 +63,49 @@ def check_data(data: dict[str, Any], *, vocab: int, seq_len: int) -> None:
             import datasets  # noqa: F401
         except ImportError:
             raise FrenzyInputError("data.kind", "'datasets' needs the datasets package (pip install datasets)") from None
-    if kind != "synthetic":
-        tok = _tokenizer(data)          # loaded once for the vocabulary check and the count
-        tv = BYTE_VOCAB if tok is None else len(tok)
-        if tv > vocab:
-            raise FrenzyInputError("data.tokenizer", f"its vocabulary ({tv}) is larger than the model's vocab ({vocab})")
-        # every kind is read once here: a wrong datasets column or too little text fails
-        # before launch, not inside the training's ranks
-        # (a datasets folder, often large, is read only until it holds enough tokens)
-        texts = _texts(data, enough=seq_len + 1 if kind == "datasets" else None, tok=tok)
-        if not any(t.strip() for t in texts):
-            raise FrenzyInputError("data.path", f"{path!r} holds no text")
-        n = len(_tokens(texts, tok))          # the training stream: documents and their separators
-        if n < seq_len + 1:
-            raise FrenzyInputError("data.path", f"{path!r} holds {n} token{'s' if n != 1 else ''}, fewer than "
-                                                f"seq_len + 1 = {seq_len + 1}")
+    if kind == "synthetic":
+        return 0
+    tok = _tokenizer(data)          # loaded once for the vocabulary check and the count
+    tv = BYTE_VOCAB if tok is None else len(tok)
+    if tv > vocab:
+        raise FrenzyInputError("data.tokenizer", f"its vocabulary ({tv}) is larger than the model's vocab ({vocab})")
+    # read here, once: a wrong datasets column or too little text fails before launch, not
+    # inside the training's ranks
+    n, any_text = 0, False
+    for text in _texts(data):
+        any_text = any_text or bool(text.strip())
+        n += len(_tokens([text], tok))          # the training stream: the document and its separator
+        if kind == "datasets" and n >= seq_len + 1 and any_text:
+            break
+    if not any_text:
+        raise FrenzyInputError("data.path", f"{path!r} holds no text")
+    if n < seq_len + 1:
+        raise FrenzyInputError("data.path", f"{path!r} holds {n} token{'s' if n != 1 else ''}, fewer than "
+                                            f"seq_len + 1 = {seq_len + 1}")
+    return n
 
 
-def _texts(data: dict[str, Any], *, enough: int | None = None, tok=None) -> list[str]:
-    """The documents of ``data``; ``enough``: a datasets folder's first rows only, up to that
-    many tokens (``tok``'s; None: bytes), for the checks before launch."""
+def _as_text(value: Any, where: str, field: str) -> str:
+    """A document's text; null or a number trained on the text "None" / "3"."""
+    if not isinstance(value, str):
+        raise FrenzyInputError("data.text_field", f"{where}: {field!r} is {type(value).__name__}, not a string")
+    return value
+
+
+def _texts(data: dict[str, Any]) -> Iterator[str]:
+    """The documents of ``data``, one at a time (a datasets folder row by row: its column is not
+    loaded whole)."""
     kind, path, field = data.get("kind"), data.get("path"), data.get("text_field", "text")
     if kind == "text":
         raw = Path(path).read_bytes()
         try:
-            return [raw.decode("utf-8")]
+            yield raw.decode("utf-8")
         except UnicodeDecodeError as e:   # a binary file, an archive, another encoding: not text to learn
             line = raw.count(b"\n", 0, e.start) + 1
             raise FrenzyInputError("data.path", f"{path}:{line} is not UTF-8 text (byte {e.start}); "
                                                 "convert it to UTF-8") from None
+        return
     if kind == "jsonl":
-        out = []
         with open(path, "rb") as f:
             for i, raw_line in enumerate(f, 1):
                 try:
@@ -106,12 +120,8 @@ def _texts(data: dict[str, Any], *, enough: int | None = None, tok=None) -> list
                     raise FrenzyInputError("data.path", f"{path}:{i} is not JSON ({e.msg})") from None
                 if not isinstance(rec, dict) or field not in rec:
                     raise FrenzyInputError("data.text_field", f"{path}:{i} has no field {field!r}")
-                if not isinstance(rec[field], str):
-                    # null or a number trained on the text "None" / "3"
-                    raise FrenzyInputError("data.text_field", f"{path}:{i}: {field!r} is "
-                                                              f"{type(rec[field]).__name__}, not a string")
-                out.append(rec[field])
-        return out
+                yield _as_text(rec[field], f"{path}:{i}", field)
+        return
     if kind == "datasets":
         import datasets
 
@@ -121,15 +131,9 @@ def _texts(data: dict[str, Any], *, enough: int | None = None, tok=None) -> list
         if field not in ds.column_names:
             raise FrenzyInputError("data.text_field", f"datasets folder {path!r} has no column {field!r} "
                                                       f"(columns: {', '.join(ds.column_names)})")
-        if enough is None:
-            return [str(t) for t in ds[field]]
-        out, n = [], 0
-        for row in ds.select_columns([field]):      # row by row: the column is not loaded whole
-            out.append(str(row[field]))
-            n += len(_tokens([out[-1]], tok))
-            if n >= enough:
-                break
-        return out
+        for i, row in enumerate(ds.select_columns([field])):
+            yield _as_text(row[field], f"{path} row {i}", field)
+        return
     raise FrenzyInputError("data.kind", f"unknown kind {kind!r}")
 
 
@@ -242,9 +246,11 @@ def eval_source(spec: dict[str, Any], *, vocab: int) -> TokenSource | None:
                        holdout=ev["fraction"], part="eval")
 
 
-def check_eval(ev: dict[str, Any] | None, data: dict[str, Any], *, vocab: int, seq_len: int) -> None:
+def check_eval(ev: dict[str, Any] | None, data: dict[str, Any], *, vocab: int, seq_len: int,
+               tokens: int | None = None) -> None:
     """The eval split's preconditions, before launch: its file exists and is usable, or the
-    fraction leaves sequences on both sides."""
+    fraction leaves sequences on both sides. ``tokens``: the training file's count, when
+    ``check_data`` read it already."""
     if not ev:
         return
     if ev.get("data"):
@@ -254,7 +260,7 @@ def check_eval(ev: dict[str, Any] | None, data: dict[str, Any], *, vocab: int, s
             raise FrenzyInputError("eval." + e.field, e.rule) from None
         return
     if data.get("kind", "synthetic") in ("text", "jsonl"):
-        n = len(token_stream(data))
+        n = len(token_stream(data)) if tokens is None else tokens
         windows = max(1, (n - 1) // seq_len)
         if windows < 2:
             raise FrenzyInputError("eval.fraction", f"{data.get('path')!r} holds {windows} sequence of "

@@ -32,6 +32,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 EXPORT_MARKER = "frenzy_export.json"
 
 
+def holds_other_files(folder: Path) -> bool:
+    """Whether ``folder`` holds files that are not an earlier export (no ``EXPORT_MARKER``):
+    an export, which replaces its folder, never deletes such a one."""
+    return folder.is_dir() and any(folder.iterdir()) and not (folder / EXPORT_MARKER).is_file()
+
+
 def torch_dtype(precision: str):
     import torch
 
@@ -174,7 +180,7 @@ def export(accelerator, model, spec: dict[str, Any], out: Path, *, step: int, ma
     (tmp / EXPORT_MARKER).write_text(json.dumps({"step": step, "method": spec.get("finetune", {}).get("method", "full"),
                                                  "merged": bool(merge), "init_from": spec.get("init_from"),
                                                  "job_name": spec.get("job_name"), "time": time.time()}))
-    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+    if holds_other_files(out):
         # files appeared there since the preflight check: never delete what is not an export
         raise RuntimeError(f"export: {out} holds files that are not an earlier export; the export is left in {tmp}")
     shutil.rmtree(out, ignore_errors=True)

@@ -131,14 +131,18 @@ def check_resumable(job: TrainingJob, ck: checkpoints.Checkpoint) -> None:
     no job record is left to the load. Batch, length, precision and optimizer may change."""
     from estimator.models import resolve_model
 
+    from estimator.job import FinetuneSpec
+
     doc = _job_doc(ck.path.parent.parent)              # <run>/checkpoints/step-N
+    # only the two fields read here: a record that today's rules would refuse elsewhere (a
+    # field since tightened) still says which weights its checkpoint holds
     try:
-        then = TrainingJob.model_validate(doc) if doc is not None else None
+        was = FinetuneSpec.model_validate(doc.get("finetune") or {}) if isinstance(doc, dict) else None
     except ValueError:
-        then = None
-    if then is None:
+        was = None
+    if was is None or not doc.get("model"):
         return
-    was, now = then.finetune, job.finetune
+    now = job.finetune
     if (was.method == "full") != (now.method == "full"):
         raise FrenzyInputError("resume_from", f"{ck.path} holds {'full-model' if was.method == 'full' else was.method} "
                                               f"weights; this job trains {'every weight' if now.method == 'full' else now.method + ' adapters'}")
@@ -147,7 +151,7 @@ def check_resumable(job: TrainingJob, ck: checkpoints.Checkpoint) -> None:
                                               f"{', '.join(was.target_modules or ['the default modules'])}; this job's "
                                               f"are rank {now.rank} on {', '.join(now.target_modules or ['the default modules'])}")
     try:
-        a, b = resolve_model(then.model), resolve_model(job.model)
+        a, b = resolve_model(doc["model"]), resolve_model(job.model)
     except FrenzyInputError:                   # a model folder since moved: the load checks the shapes
         return
     if a.params != b.params or a.dims() != b.dims():

@@ -200,8 +200,8 @@ def preflight_job(job: TrainingJob, plan: Plan) -> dict[str, Any]:
     if positions and job.seq_len > positions:
         raise FrenzyInputError("seq_len", f"{job.seq_len} exceeds the model's {positions} positions")
     vocab = int(hf.get("vocab_size", 0)) or 1 << 30
-    check_data(spec["data"], vocab=vocab, seq_len=job.seq_len)
-    check_eval(spec["eval"], spec["data"], vocab=vocab, seq_len=job.seq_len)
+    tokens = check_data(spec["data"], vocab=vocab, seq_len=job.seq_len)
+    check_eval(spec["eval"], spec["data"], vocab=vocab, seq_len=job.seq_len, tokens=tokens)
     if job.entry_point:
         mod_name, _, fn_name = job.entry_point.partition(":")
         try:
@@ -229,10 +229,10 @@ def check_export_folder(path: str) -> None:
     """An export replaces its folder: one that holds anything but an earlier export (its
     ``modeling.EXPORT_MARKER``) is refused; pointing ``export.dir`` at an existing folder of
     data, models or code deleted it after the training."""
-    from .modeling import EXPORT_MARKER
+    from .modeling import EXPORT_MARKER, holds_other_files
 
     p = Path(path).expanduser().resolve()
-    if p.is_dir() and any(p.iterdir()) and not (p / EXPORT_MARKER).is_file():
+    if holds_other_files(p):
         raise FrenzyInputError("export.dir", f"{p} holds files that are not an earlier export (no {EXPORT_MARKER}): "
                                              "an export replaces its folder; give a new or empty folder")
 
