@@ -592,7 +592,7 @@ def _cpu_sem(c: float) -> _Sem:
     return _Sem(c, c, False)
 
 
-def op_sac_saved_tok(spec: ModelSpec, c: float, t: int = 1, sp_div: int = 1) -> float:
+def op_sac_saved_tok(spec: ModelSpec, c: float, t: int = 1, sp: bool = False) -> float:
     """Bytes per token one block keeps under per-op selective checkpointing (torchtitan's
     policy) beyond its input: the outputs of every other matmul, the 1st, 3rd, ... in the order
     the block runs them (llama: q, k, v, o, gate, up, down -> q, v, gate, down; fused
@@ -611,7 +611,7 @@ def op_sac_saved_tok(spec: ModelSpec, c: float, t: int = 1, sp_div: int = 1) -> 
         outs = [q + 2 * kvd, h, f, h]
     kept = outs[0::2]
     last = kept[-1] if len(outs) % 2 else 0          # the block's last projection, when kept
-    scattered = 2 * c * h / t if sp_div > 1 else 0.0
+    scattered = 2 * c * h / t if sp and t > 1 else 0.0
     return c * (sum(kept) - last) / t + c * last + scattered + (c * q + 4.0 * a) / t
 
 
@@ -1107,7 +1107,7 @@ def _stage_setup(spec: ModelSpec, prof: Profile, shape: tuple, cpu: bool) -> _St
         # per-op selective checkpointing: a checkpointed block (its input kept, one block
         # recomputed in the backward, as full) that also keeps its save list's outputs
         full = True
-        ckpt_keep_tok += op_sac_saved_tok(spec, c, t, sp_div)
+        ckpt_keep_tok += op_sac_saved_tok(spec, c, t, k.sp)
     # FSDP SHARD_GRAD_OP (torch's ZeRO-2; a pipeline's ZeRO-2 is FSDP2 without resharding
     # after the forward) keeps sharded parameters between steps and the unsharded ones from
     # the forward until each unit's post-backward reshard: the step sees only the shards,

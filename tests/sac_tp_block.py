@@ -129,7 +129,7 @@ def main(tp: int, sp: bool) -> None:
     checkpoint(block, x, use_reentrant=False, context_fn=torchtitan_context(caches))
     spec = ModelSpec(arch="llama", layers=1, hidden=h, heads=heads, kv_heads=heads, ffn=ffn, vocab=128)
     print(f"tp {tp} sp {sp}: measured {cached_bytes(caches[0]) / seq} bytes per token, "
-          f"op_sac_saved_tok {op_sac_saved_tok(spec, 4.0, tp, tp if sp else 1)}")
+          f"op_sac_saved_tok {op_sac_saved_tok(spec, 4.0, tp, sp)}")
 
 
 if __name__ == "__main__":
