@@ -71,9 +71,13 @@ def plan_of(gpu_type: str, gpus: int, global_batch: int, kw: dict):
     the global batch kept by gradient accumulation."""
     from estimator.plan import Plan
 
-    model_par = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
-    dp = gpus // model_par
+    dp = gpus // _model_parallel(kw)
     return Plan(gpu_type=gpu_type, gpus=gpus, dp=dp, grad_accum=global_batch // dp // kw["micro_batch"], **kw)
+
+
+def _model_parallel(kw: dict) -> int:
+    """The GPUs one data-parallel replica of a row's plan spans (tp x pp x cp)."""
+    return kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
 
 
 def runnable_rows(rows: list[tuple[str, dict, dict]], gpus: int, global_batch: int) -> list[tuple[str, dict, dict]]:
@@ -81,7 +85,7 @@ def runnable_rows(rows: list[tuple[str, dict, dict]], gpus: int, global_batch: i
     the global batch; the others are named on stderr."""
     keep = []
     for label, kw, job_kw in rows:
-        need = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
+        need = _model_parallel(kw)
         if gpus % need:
             print(f"gpu_check: {label}: needs a multiple of {need} GPUs (--gpus {need}); skipped", file=sys.stderr)
         elif global_batch % (gpus // need * kw["micro_batch"]):

@@ -87,8 +87,14 @@ def test_parallel_set_runs_every_plan_kind_the_trainer_launches_and_says_what_on
     assert {p.tp for p in plans.values()} >= {1, 2} and any(p.pp == 2 for p in plans.values())
     assert any(p.cp == 2 for p in plans.values())
     assert {p.offload for p in plans.values()} >= {"optimizer", "optimizer+params"}
+    from estimator.models import resolve_model
+    from estimator.plans import not_launchable_reason
+
+    spec = resolve_model("llama-3.2-1b")
     for label, plan in plans.items():
+        # the trainer's own rule and the model's (heads, pipeline stages, embedding sharding)
         assert plan.global_batch == 8 and not_launchable(plan) is None, label
+        assert not_launchable_reason(plan, spec) is None, label
         assert reestimate(check_job("llama-3.2-1b", 2048, 8, 10), plan, safety_margin_gib=0.0) is not None, label
     one = runnable_rows(rows, 1, 8)
     assert [label for label, _, _ in one] == [label for label, kw, _ in rows if "offload" in kw]
