@@ -85,9 +85,11 @@ def test_estimate_and_plan_tables_scale_units_for_tiny_models(capsys):
 
 
 def test_boolean_estimate_flags_take_a_bare_form_like_sp(capsys):
-    """`--sp` alone meant true; `--tied-embeddings` alone was a usage error (exit 2)."""
+    """`--sp` alone meant true; `--tied-embeddings` alone was a usage error (exit 2). The model
+    unties its embeddings by default, so a bare flag read as 'the model's default' would differ."""
     def params(*flags):
-        assert main(["estimate", "--model", "gpt2", *flags, "--json"]) == 0
+        assert main(["estimate", "--model", "llama-3.1-8b", *flags, "--json"]) == 0
         return json.loads(capsys.readouterr().out)["params"]
 
     assert params("--tied-embeddings") == params("--tied-embeddings", "true") < params("--tied-embeddings", "false")
+    assert params() == params("--tied-embeddings", "false")                   # untied unless told
