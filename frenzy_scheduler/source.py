@@ -121,7 +121,8 @@ class LedgerSource:
             kept = self._runs.get(j.job_id)
             if kept is None or kept[0] is not rj or kept[1] is not j or kept[2] is not base:
                 seen = RunningJob(job_id=rj.job_id, plan=rj.plan, placement=rj.placement, start_s=rj.start_s,
-                                  expected_end_s=rj.expected_end_s, request=self.request_of(j), resizes=j.resizes)
+                                  expected_end_s=rj.expected_end_s, request=self.request_of(j), resizes=j.resizes,
+                                  reason=j.start_reason)
                 if base is not None:
                     seen.start_s = j.started_at
                     seen.expected_end_s = j.started_at + max(1, j.steps_total - base[1]) * rj.plan.step_time_s
@@ -202,7 +203,8 @@ class LedgerSource:
         # the starts and the wait answers in one transaction (one commit a round)
         for job_id, alloc, why in self.queue.start_all([(d.job_id, d.plan, d.placement) for d in starts],
                                                        lease_s=self.lease_s, assignment=assignment_json,
-                                                       waits=waits, known=self.rows):
+                                                       waits=waits, known=self.rows,
+                                                       reasons={d.job_id: d.reason for d in starts if d.reason}):
             d = by_id[job_id]
             if alloc is None:
                 self.counts["skipped"] += 1

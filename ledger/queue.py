@@ -121,6 +121,7 @@ class QueueJob:
     error: str = ""
     ended_at: float | None = None
     flow_run_id: str | None = None
+    start_reason: str = ""              # why the scheduler started the current run (QueueJobRow)
 
     @classmethod
     def of(cls, r: Any, *, plans: bool = True) -> "QueueJob":
@@ -135,7 +136,7 @@ class QueueJob:
                    started_at=r.started_at, predicted_start_s=r.predicted_start_s,
                    wait_gpu_type=r.wait_gpu_type, wait_gpus=r.wait_gpus, wait_reason=r.wait_reason,
                    request=dict(r.request or {}), request_state=r.request_state, error=r.error,
-                   ended_at=r.ended_at, flow_run_id=r.flow_run_id)
+                   ended_at=r.ended_at, flow_run_id=r.flow_run_id, start_reason=r.start_reason or "")
 
     @property
     def open_request(self) -> bool:
@@ -244,6 +245,7 @@ class JobQueue:
             if row is None:
                 return False
             row.allocation_id, row.allocation, row.started_at = assignment["allocation_id"], dict(assignment), now
+            row.start_reason = ""                 # a re-size: the run is no longer what the start was
             row.resizes += 1
             if row.request.get("id") == request_id:
                 row.request_state = "done"
@@ -295,7 +297,7 @@ class JobQueue:
                 return False
             now = db_now(s)
             row.state, row.allocation_id, row.allocation = "running", assignment["allocation_id"], dict(assignment)
-            row.started_at, row.updated_at = now, now
+            row.started_at, row.updated_at, row.start_reason = now, now, ""
             row.wait_reason, row.predicted_start_s, row.wait_gpu_type, row.wait_gpus = "", None, None, None
             return True
 
@@ -364,14 +366,16 @@ class JobQueue:
     def start_all(self, starts: list[tuple[str, Plan, dict[str, list[int]]]], *, lease_s: float,
                   assignment: Callable[[Any, Plan], dict[str, Any]],
                   waits: dict[str, dict[str, Any]] | None = None,
-                  known: dict[str, Any] | None = None) -> list[tuple[str, Any, str]]:
+                  known: dict[str, Any] | None = None,
+                  reasons: dict[str, str] | None = None) -> list[tuple[str, Any, str]]:
         """Allocate and mark started every ``(job_id, plan, placement)`` in one transaction and
         a fixed number of statements (``Ledger.claim_many``; one commit per round instead of
         two per start). A start whose GPUs are taken, or whose job is no longer pending, is
         skipped alone. Returns ``(job_id, Allocation or None, why not)`` per start, in order.
         ``assignment(alloc, plan)``: the Assignment JSON the queue row records. ``waits`` and
         ``known``: as ``set_waits``'s, written in the same transaction when there are starts
-        and ``known`` is given (the round's writes in one commit), else by ``set_waits``."""
+        and ``known`` is given (the round's writes in one commit), else by ``set_waits``.
+        ``reasons``: job id -> why the scheduler starts it (``QueueJobRow.start_reason``)."""
         out: list[tuple[str, Any, str]] = []
         if not starts:
             self.set_waits(waits or {}, known=known)
@@ -401,15 +405,18 @@ class JobQueue:
                     out[i] = (job_id, None, got)
                     continue
                 a = assignment(got, got.plan)
-                rows.append({"b_id": job_id, "allocation_id": a["allocation_id"], "allocation": dict(a)})
+                rows.append({"b_id": job_id, "allocation_id": a["allocation_id"], "allocation": dict(a),
+                             "start_reason": (reasons or {}).get(job_id, "")})
                 out[i] = (job_id, got, "")
             if rows and self.ledger.is_postgres:     # one statement for every start (rows locked above)
                 s.execute(_START_PG, {"ids": [r["b_id"] for r in rows], "allocs": [r["allocation_id"] for r in rows],
-                                      "assignments": [json.dumps(r["allocation"]) for r in rows], "now": now})
+                                      "assignments": [json.dumps(r["allocation"]) for r in rows],
+                                      "reasons": [r["start_reason"] for r in rows], "now": now})
             elif rows:
                 s.execute(t.update().where(t.c.job_id == bindparam("b_id"))
                           .values(state="running", allocation_id=bindparam("allocation_id"),
-                                  allocation=bindparam("allocation"), started_at=now, updated_at=now,
+                                  allocation=bindparam("allocation"), start_reason=bindparam("start_reason"),
+                                  started_at=now, updated_at=now,
                                   wait_reason="", predicted_start_s=None, wait_gpu_type=None, wait_gpus=None), rows)
             if waits and known is not None:
                 self._write_waits(s, _wait_changes(waits, _pending_in(waits, known)))
@@ -478,7 +485,7 @@ class JobQueue:
             row = self._row(s, job_id, plans=False)
             if row is None or row.state != "running":
                 return False
-            row.allocation_id, row.allocation = assignment["allocation_id"], dict(assignment)
+            row.allocation_id, row.allocation, row.start_reason = assignment["allocation_id"], dict(assignment), ""
             row.updated_at = db_now(s)
             return True
 
@@ -573,9 +580,10 @@ class JobQueue:
 
 # ``start_all``'s queue rows in one UPDATE on PostgreSQL (the assignments as JSON text)
 _START_PG = text(
-    "UPDATE queue_jobs AS q SET state = 'running', allocation_id = v.a, allocation = v.j, started_at = :now, "
-    "updated_at = :now, wait_reason = '', predicted_start_s = NULL, wait_gpu_type = NULL, wait_gpus = NULL "
-    "FROM unnest(CAST(:ids AS varchar[]), CAST(:allocs AS varchar[]), CAST(:assignments AS json[])) AS v(id, a, j) "
+    "UPDATE queue_jobs AS q SET state = 'running', allocation_id = v.a, allocation = v.j, start_reason = v.r, "
+    "started_at = :now, updated_at = :now, wait_reason = '', predicted_start_s = NULL, wait_gpu_type = NULL, "
+    "wait_gpus = NULL FROM unnest(CAST(:ids AS varchar[]), CAST(:allocs AS varchar[]), CAST(:assignments AS json[]), "
+    "CAST(:reasons AS varchar[])) AS v(id, a, j, r) "
     "WHERE q.job_id = v.id")
 # ``set_waits``' rows in one UPDATE on PostgreSQL (arrays of the column values, unnested)
 _SET_WAITS_COLS = {"ids": "b_id", "starts": "predicted_start_s", "types": "wait_gpu_type", "gpus": "wait_gpus",

@@ -152,6 +152,10 @@ class QueueJobRow(SQLModel, table=True):
     wait_gpu_type: Optional[str] = None
     wait_gpus: Optional[int] = None
     wait_reason: str = ""
+    # why the scheduler started the current run (its start decision's reason, e.g. "stopgap"; ""
+    # for the policy's own choice, and once the run moved to another allocation): the policy
+    # reads it back as RunningJob.reason
+    start_reason: str = ""
     # {"id", "kind": grow|shrink|move|preempt, "plan", "placement", "reason", "at"}; {} = none
     request: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
     request_state: str = ""          # "" | pending | acked (stop written) | done | ignored

@@ -53,6 +53,8 @@ class RunningJob:
     # private notes on it; None only for runs the scheduler knows nothing about
     request: JobRequest | None = None
     resizes: int = 0                     # re-sizes (grow, shrink, recall) of this job so far
+    reason: str = ""                     # why this run started: its start Decision's reason ("" for
+                                         # the policy's own choice; "stopgap", "grow", "move up", ...)
 
 
 @dataclass(slots=True)

@@ -545,6 +545,30 @@ def test_round_decisions_become_requests_events_and_reservations(url):
     assert snap.state.nodes[0].free == [0]
 
 
+def test_a_runs_start_reason_reaches_the_next_rounds_as_its_running_jobs_reason(url):
+    """A stopgap start is recorded on the job's queue row (``start_reason``), so the live rounds
+    hand the run to the policy as a stopgap (``RunningJob.reason``), as the simulator does; the
+    run's move onto another allocation clears it."""
+    from frenzy_scheduler.source import LedgerSource, assignment_json
+    from scheduler.round import check_decisions
+    from scheduler.types import Decision
+    led = ledger_with_cluster(url)
+    q = JobQueue(led)
+    q.enqueue("s", "s", {"name": "s"}, plans(), steps=50)
+    src = LedgerSource(led)
+    snap = src.snapshot()
+    src.apply(check_decisions("t", [Decision("s", plans()[1], {"a100-0": [0]}, reason="stopgap")],
+                              snap.pending, snap.state), 0.0)
+    assert [(r.job_id, r.reason) for r in src.snapshot().state.running] == [("s", "stopgap")]
+    row = q.get("s")
+    assert row.start_reason == "stopgap"
+    assert LedgerSource(led).snapshot().state.running[0].reason == "stopgap"   # a new scheduler reads it too
+    led.release(row.allocation_id)
+    moved = led.allocate_best_fit("s", plans()[0])
+    assert q.moved("s", assignment_json(moved, plans()[0]))
+    assert [(r.job_id, r.reason) for r in src.snapshot().state.running] == [("s", "")]
+
+
 def test_a_recall_is_a_preempt_request_published_as_recalled(url):
     from frenzy_scheduler.source import LedgerSource
     from scheduler.round import check_decisions

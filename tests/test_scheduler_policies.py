@@ -201,7 +201,7 @@ def running(state, req, decision, start, end):
             if n.node_id == nid:
                 n.free = [d for d in n.free if d not in devs]
     state.running.append(RunningJob(job_id=jid, plan=decision.plan, placement=dict(decision.placement),
-                                    start_s=start, expected_end_s=end, request=req))
+                                    start_s=start, expected_end_s=end, request=req, reason=decision.reason))
 
 
 # 4 GPUs at full efficiency; 8 GPUs 43% faster but at 71% parallel efficiency: worth it only
@@ -516,7 +516,9 @@ def test_a_job_that_can_finish_soon_on_free_gpus_distrusts_its_predicted_wait():
     occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 600)
     j = job("j", [plan("A100-80GB", 8, 10, 1.0), plan("RTX3090-24GB", 8, 10, 2.0)], steps=800)
     assert FrenzyPolicy().schedule([j], st, NOW)[0].plan.gpu_type == "RTX3090-24GB"
-    assert FrenzyPolicy(wait_inflation=0.0).schedule([j], st, NOW) == []
+    assert FrenzyPolicy(wait_inflation=0.0, stopgap=False).schedule([j], st, NOW) == []
+    # trusting the wait, it still starts now, as a stopgap (step 3b)
+    assert [d.reason for d in FrenzyPolicy(wait_inflation=0.0).schedule([j], st, NOW)] == ["stopgap"]
 
 
 def test_stopgap_rule_alone_weighs_the_wait_against_the_later_move():
@@ -540,22 +542,51 @@ def test_a_job_starts_now_on_a_slower_type_unless_its_plan_is_due_very_soon():
         assert [x.plan.gpu_type for x in d] == ([want] if want else []), (busy_for, stopgap)
 
 
-def test_a_stopgap_run_moves_up_when_its_plan_frees_while_others_wait():
+def test_a_stopgap_must_end_within_five_times_its_predicted_wait():
+    """The A100s free in 30 min: a stopgap on the RTX cards (2.5x slower) may run up to 5 x 30
+    min = 9,000 s, 3,600 steps; one step more and the job waits for its own plan."""
     fast, slow = plan("A100-80GB", 8, 15, 1.0), plan("RTX3090-24GB", 8, 15, 2.5)
-    j = job("j", [fast, slow], steps=36_000)
-    wide = job("w", [plan("RTX3090-24GB", 16, 15, 1.0)], steps=36_000)   # waits for all 16 RTX GPUs
-    for kw, moves in (({"grow_while_waiting": True}, True), ({"stopgap_move_up": True}, True), ({}, False)):
+    for steps, kw, want in ((3600, {}, ["stopgap"]), (3610, {}, []), (36_000, {}, []),
+                            (36_000, {"stopgap_end_within_wait": 0}, ["stopgap"])):
         st = cluster(MIXED)
         occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 1800)
-        start = next(d for d in FrenzyPolicy(stopgap=True).schedule([j], st, NOW) if d.job_id == "j")
-        assert start.plan is slow                             # the stopgap
+        d = FrenzyPolicy(**kw).schedule([job("j", [fast, slow], steps=steps)], st, NOW)
+        assert [x.reason for x in d] == want, (steps, kw)
+
+
+def test_a_stopgap_run_moves_up_when_its_plan_frees_while_others_wait():
+    fast, slow = plan("A100-80GB", 8, 15, 1.0), plan("RTX3090-24GB", 8, 15, 2.5)
+    j = job("j", [fast, slow], steps=3600)
+    wide = job("w", [plan("RTX3090-24GB", 16, 15, 1.0)], steps=36_000)   # waits for all 16 RTX GPUs
+    for kw, moves in (({"grow_while_waiting": True, "stopgap_move_up": False}, True), ({}, True),
+                      ({"stopgap_move_up": False}, False)):
+        st = cluster(MIXED)
+        occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 1800)
+        start = next(d for d in FrenzyPolicy().schedule([j], st, NOW) if d.job_id == "j")
+        assert start.plan is slow and start.reason == "stopgap"
         st = cluster(MIXED)                                   # the A100s are free again
-        running(st, j, start, NOW, NOW + 36_000 * 2.5)
+        running(st, j, start, NOW, NOW + 3600 * 2.5)
         d = FrenzyPolicy(preempt_yields=False, **kw).schedule([wide], st, NOW + 600)   # 6b alone: its own test
         got = [(x.action, x.job_id, x.plan and x.plan.gpu_type) for x in d]
         # moving up inside the queue pass also frees j's RTX cards for w in the same round
         assert got[:2] == ([("preempt", "j", None), ("start", "j", "A100-80GB")] if moves else []), got
-        assert got[2:] == ([("start", "w", "RTX3090-24GB")] if "stopgap_move_up" in kw else []), got
+        assert got[2:] == ([("start", "w", "RTX3090-24GB")] if kw == {} else []), got
+
+
+def test_only_runs_started_as_stopgaps_move_up_unless_every_run_may():
+    """The same slow run, started as a stopgap or by the policy's own choice: only the stopgap
+    moves to the freed A100s (``move_up_any`` moves both; every slow run moving restarted runs
+    the policy had put on slower types on purpose, measured worse)."""
+    fast, slow = plan("A100-80GB", 8, 15, 1.0), plan("RTX3090-24GB", 8, 15, 2.5)
+    wide = job("w", [plan("RTX3090-24GB", 16, 15, 1.0)], steps=36_000)
+    for reason, kw, moves in (("stopgap", {}, True), ("", {}, False), ("", {"stopgap_move_up_any": True}, True)):
+        j = job("j", [fast, slow], steps=3600)
+        st = cluster(MIXED)
+        running(st, j, Decision(job_id="j", plan=slow, placement={"rtx-0": list(range(8))}, reason=reason),
+                NOW, NOW + 3600 * 2.5)
+        d = FrenzyPolicy(preempt_yields=False, **kw).schedule([wide], st, NOW + 600)
+        assert [(x.action, x.job_id) for x in d][:2] == ([("preempt", "j"), ("start", "j")] if moves else []), \
+            (reason, kw)
 
 
 def test_a_stopgap_keeps_its_place_in_the_fast_types_queue_when_it_reserves():
@@ -566,8 +597,8 @@ def test_a_stopgap_keeps_its_place_in_the_fast_types_queue_when_it_reserves():
     for reserve in (False, True):
         st = cluster(MIXED)
         occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 1800)
-        running(st, j, Decision(job_id="j", plan=slow, placement={"rtx-0": list(range(8))}), NOW - 600,
-                NOW + 36_000 * 2.5)
+        running(st, j, Decision(job_id="j", plan=slow, placement={"rtx-0": list(range(8))}, reason="stopgap"),
+                NOW - 600, NOW + 36_000 * 2.5)
         pol = FrenzyPolicy(stopgap=True, stopgap_move_up=True, stopgap_reserve=reserve, preempt_yields=False)
         assert [d.job_id for d in pol.schedule([big], st, NOW) if d.action == "start"] == []
         starts[reserve] = pol.waits()["big"].predicted_start_s
@@ -611,7 +642,8 @@ def test_a_run_that_would_finish_as_soon_on_another_type_yields_its_gpus_to_a_wa
         occupy(st, "a100-0", list(range(8)), plan("A100-80GB", 8, 10, 1), end=NOW + 1800)
         occupy(st, "rtx-1", list(range(8)), plan("RTX3090-24GB", 8, 10, 1), end=NOW + 50_000)
         s = job("s", [fast, slow], steps=36_000)
-        start = next(d for d in FrenzyPolicy(stopgap=True).schedule([s], st, 0.0) if d.job_id == "s")
+        # (a stopgap with no end bound: 90,000 s on the RTX cards against a 2,800 s wait)
+        start = next(d for d in FrenzyPolicy(stopgap_end_within_wait=0).schedule([s], st, 0.0) if d.job_id == "s")
         running(st, s, start, 0.0, NOW + 36_000 * 2.5)
         d = FrenzyPolicy(preemption=False, shrink=False, **kw).schedule([w], st, NOW)
         got = [(x.action, x.job_id, x.plan and x.plan.gpu_type) for x in d]

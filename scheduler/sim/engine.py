@@ -379,7 +379,7 @@ class Simulator:
         del self.pending[wl.job_id]
         self.running[wl.job_id] = RunningJob(job_id=wl.job_id, plan=plan, placement=sj.run.placement,
                                              start_s=t, expected_end_s=ready + steps_left * predicted,
-                                             request=sj.req, resizes=sj.resizes)
+                                             request=sj.req, resizes=sj.resizes, reason=d.reason)
         self._push(self._world(end), _END, self._index[wl.job_id], self._token)
 
     def _wants_round(self) -> bool:

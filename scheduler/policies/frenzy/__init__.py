@@ -22,6 +22,11 @@ its configuration in one dataclass of ``config.FrenzyConfig``:
    ``short_s``). A job that could finish within 30 min on GPUs free now counts a predicted
    wait 5x: predicted starts are optimistic (later, shorter jobs overtake), and GPUs a
    short run takes now are free again before the next burst. Longer jobs trust the wait.
+   3b. Stopgaps (``policy._stopgaps``, ``Stopgap``). After the queue pass, a waiter starts now
+   on GPUs nobody chose (delaying no reservation) when the head start repays moving onto its
+   own plan later and the stopgap run ends within 5x the predicted wait (step 3a's factor);
+   such a run (``RunningJob.reason == "stopgap"``) moves up to its faster plan, in SRPT order,
+   once that plan starts now.
 4. Backfill (``Backfill``). Jobs that must wait get a reservation (the first
    ``max_reservations``, in priority order); later jobs start now only where they delay no
    reservation: conservative backfilling over the profile.

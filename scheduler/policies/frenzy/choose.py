@@ -302,3 +302,11 @@ def stopgap_pays(pick: Pick, stop: Pick, move_cost_s: float, now: float) -> bool
     stopgap alone finishes no later than waiting)."""
     wait = pick.start - now
     return stop.dur <= wait + pick.dur or wait * pick.dur > move_cost_s * stop.dur
+
+
+def stopgap_ends_in_time(pick: Pick, stop: Pick, now: float, within: float) -> bool:
+    """The stopgap run ends within ``within`` x the predicted wait for ``pick`` (0: no bound).
+    Predicted waits run long (later, shorter jobs overtake; ``wait_weight``), so such a stopgap
+    most likely ends before the job's own plan frees and gives its slow GPUs back before the next
+    burst; a longer one would hold them for as long as the job stays at the back of the queue."""
+    return within <= 0 or stop.dur <= within * (pick.start - now)

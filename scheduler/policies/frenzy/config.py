@@ -61,40 +61,49 @@ class Choice:
 
 @dataclass(frozen=True, slots=True)
 class Stopgap:
-    """Work-conserving starts and moves (step 3b, ``choose.start_now``): measured, OFF by default.
+    """Work-conserving starts (step 3b, ``choose.start_now``) and their later move (``move_up``).
 
     ``enabled``: after the queue pass, a waiter starts now on the fastest plan that fits the GPUs
-    left free (delaying no reservation), unless its own plan is due very soon: moving onto it
-    once its GPUs free costs a restart ``C``, which the head start repays when the wait ``w``
-    exceeds ``C x d_now / d_later``. Off: on the small cluster (itp01, seeds 0-1) it took frenzy
-    from -23% / -18% to +5% / +65% against Sia (the stopgaps hold slow GPUs the next arrivals
-    needed), and it only halves the round-based-world loss on the Sia-like cluster07 window
-    (+28% -> +15%; docs/benchmarks.md, ablation). Measured again with step 6b (in its first form,
-    runs losing time for a 1.5x larger gain also yield) making stopgaps preemptible: idle
-    GPU-hours while a job waits fall from 308 to 6 on cluster07 (round world), but JCT against
-    Sia goes +0.3% -> +2.3% there (seed 1) and itp01 on the small cluster -16.4% -> +2.3% (seed
-    0): still off."""
+    left free (delaying no reservation), when the head start repays the restart of moving onto
+    its own plan later (``choose.stopgap_pays``) and the stopgap run ends within
+    ``end_within_wait`` x the predicted wait (``choose.stopgap_ends_in_time``). ``move_up``: a
+    run that started as a stopgap (``RunningJob.reason``) competes in the queue pass, in SRPT
+    order, for its faster plan when that starts now.
 
-    enabled: bool = False
-    move_up: bool = False             # a run on a plan slower than its fastest queue plan competes in
-                                     # the queue pass, in SRPT order, for a faster plan that starts
-                                     # now (its remaining time, restart included, must drop by the
-                                     # growth gain): Sia's re-allocation, without its churn
+    Measured (``bench/policy_sweep.py``, every ``bench/jct.py`` block, truth seeds 0-3, event and
+    60 s round worlds, 72 rows against the faithful Sia; docs/benchmarks.md, "stopgaps that end
+    in time"): without stopgaps frenzy was behind on 13 rows (geometric mean -10.94%) and left
+    up to 3,600 GPU-hours idle while jobs that could use them waited; stopgaps with every slow
+    run moving up (the earlier ``move_up``): behind on 12, cluster02 +9-13% (111 move-up
+    restarts of runs frenzy had put on slower types by choice); moving up only stopgaps, no end
+    bound: behind on 11, -11.79%, but itp01 on the small cluster at seed 1 +21% against the
+    default (13-B models' stopgaps held the RTX 3090s for days when a burst of small jobs came);
+    with the end bound: behind on 8, -12.65%."""
+
+    enabled: bool = True
+    move_up: bool = True              # a run started as a stopgap moves to its faster plan when that
+                                     # starts now and its remaining time, restart included, drops by the
+                                     # growth gain: Sia's re-allocation, without its churn
+    move_up_any: bool = False         # (measured, off) every run on a plan slower than its fastest queue
+                                     # plan moves up, not only stopgaps: cluster02's round world +9-13%
+    end_within_wait: float = 5.0      # a stopgap run must end within this x the predicted wait for the
+                                     # job's own plan: (1 + Choice.wait_inflation), the measured ratio of
+                                     # realised to predicted waits (p90 3.2-5.0, docs/benchmarks.md,
+                                     # "itp05 / large-4type in the round world, diagnosed"). Longer
+                                     # stopgaps hold slow GPUs through the next burst (unbounded: itp01 /
+                                     # small seed 1 +21%); 0: no bound. Tried 2, 3, 5, 10: behind on 13,
+                                     # 12, 8, 10 of 72 rows
     reserve: bool = False             # (measured, off) a mover whose faster plan starts later keeps a
                                      # reservation there (one of Backfill.max_reservations), when the
                                      # move, restart included and the steps it makes meanwhile counted,
-                                     # is predicted to finish it by the growth gain sooner: a stopgap
-                                     # keeps its place on the fast type and moves when that comes due.
-                                     # With stopgap + move_up: idle-while-waiting 297-308 -> 2-6 GPU-h on
-                                     # cluster07, itp01 small -18% at seed 0, but cluster02's round world
-                                     # +11-14% (every seed, held out too), cluster04 +2-7%: off
-                                     # (docs/benchmarks.md, "stopgaps that keep their reservation")
+                                     # is predicted to finish it by the growth gain sooner. With every
+                                     # slow run moving up: cluster02's round world +11-14%; with stopgaps
+                                     # only and no end bound: behind on 11 of 72, -11.85%
     yield_first: bool = False         # (measured, off) step 6 may preempt a mover (a run slower than
                                      # its fastest queue plan) for a head job with less work than the
                                      # mover has left (ratio 1, plain SRPT, not Preemption.ratio's 4),
-                                     # movers first: the stopgap is the first to make room for a burst.
-                                     # On top of ``reserve``: identical results on every row run (no head
-                                     # preempted a mover), so off
+                                     # movers first. Identical results where measured (no head preempted
+                                     # a mover); with stopgaps only, no end bound: -11.24%, worse
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,8 @@ from estimator.plan import Plan
 from scheduler.placement import FreeIndex, gpu_memory_gib
 from scheduler.types import ClusterState, Decision, JobRequest, Policy, Wait
 
-from .choose import DeepBound, choose, idle_menu, lightly_loaded, order_queue, start_now, stopgap_pays, wait_weight
+from .choose import (DeepBound, choose, idle_menu, lightly_loaded, order_queue, start_now, stopgap_ends_in_time,
+                     stopgap_pays, wait_weight)
 from .config import FrenzyConfig
 from .gate import build_menu, memory_gate
 from .grow import grow_runs
@@ -18,6 +19,7 @@ from .records import GpuCounts, Menu, Run, WaitNote, Waiter
 from .resize import restart_cost, steps_left
 
 INF = math.inf
+STOPGAP = "stopgap"      # the reason of a stopgap start (Decision.reason -> RunningJob.reason)
 CKPT_FOOTPRINT = 1.074      # unknown checkpoint size: at most the 1-GPU-equivalent footprint of the
                             # job's smallest plan (pessimistic; GiB -> GB)
 
@@ -245,13 +247,16 @@ class FrenzyPolicy(Policy):
         return out
 
     def _movers(self, runs: dict[str, Run], now: float) -> dict[str, tuple[Run, float, float]]:
-        """Runs on a plan slower than their fastest queue plan by more than the growth gain, with
-        time left: job id -> (run, remaining s, remaining steps)."""
+        """Runs started as stopgaps (every run with ``Stopgap.move_up_any``) on a plan slower than
+        their fastest queue plan by more than the growth gain, with time left: job id -> (run,
+        remaining s, remaining steps)."""
         cfg = self.config
+        anyone = cfg.stopgap.move_up_any
         out = {}
         for jid, run in runs.items():
             rj = run.rj
-            if not run.menu.queue or rj.resizes >= cfg.growth.max_resizes_per_job:
+            if not (anyone or rj.reason == STOPGAP) or not run.menu.queue \
+                    or rj.resizes >= cfg.growth.max_resizes_per_job:
                 continue
             if run.menu.queue[0].step_s * (1.0 + cfg.growth.min_gain) >= rj.plan.step_time_s:
                 continue
@@ -311,7 +316,8 @@ class FrenzyPolicy(Policy):
                 continue
             ckpt = w.job.checkpoint_gb or CKPT_FOOTPRINT * w.menu.footprint_gib
             move = restart_cost(ckpt, w.pick.cand.gpu_type, w.pick.cand.gpus, per_node, self.config.restart)
-            if not stopgap_pays(w.pick, stop, move, now):
+            if not stopgap_pays(w.pick, stop, move, now) \
+                    or not stopgap_ends_in_time(w.pick, stop, now, self.config.stopgap.end_within_wait):
                 continue
             c = stop.cand
             placement = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
@@ -319,7 +325,7 @@ class FrenzyPolicy(Policy):
                 continue
             idx.commit(placement)
             profiles[c.gpu_type].add_release(now + stop.dur, c.gpus)
-            out.append(Decision(job_id=w.job.job_id, plan=c.plan, placement=placement, reason="stopgap"))
+            out.append(Decision(job_id=w.job.job_id, plan=c.plan, placement=placement, reason=STOPGAP))
         return out
 
     def waits(self) -> dict[str, Wait]:
