@@ -154,6 +154,28 @@ def test_bad_policy_decision_is_an_error():
         run([job("a", 0, 10), job("b", 0, 10)], cluster({A100: (1, 8)}), Greedy(), [plan(A100, 1, 1.0, 5)])
 
 
+def test_a_runs_start_reason_reaches_the_policy_in_the_next_rounds():
+    """The simulator hands each run to the policy with its start decision's reason
+    (``RunningJob.reason``), as the live scheduler does from the ledger: frenzy's stopgaps are
+    found that way."""
+    from scheduler.types import Decision, Policy
+
+    class Tagging(Policy):
+        name = "tagging"
+        seen: list[tuple[str, str]] = []
+
+        def schedule(self, pending, state, now):
+            self.seen += [(r.job_id, r.reason) for r in state.running]
+            node = state.nodes[0]
+            return [Decision(j.job_id, j.plans[0], {node.node_id: [d]}, reason=f"why-{j.job_id}")
+                    for d, j in zip(node.free, pending)]
+
+    pol = Tagging()
+    run([job("a", 0, 10), job("b", 5, 10)], cluster({A100: (1, 8)}), pol, [plan(A100, 1, 1.0, 5)],
+        startup_s=0.0)
+    assert ("a", "why-a") in pol.seen
+
+
 def test_tiresias_preempts_a_long_job_for_a_new_one_and_resumes_it():
     clu = cluster({A100: (1, 1)})
     plans = [plan(A100, 1, 1.0, 10)]

@@ -54,6 +54,21 @@ def _cols(names: list[str]) -> str:
     return ", ".join(f'"{c}"' for c in names)
 
 
+# SQLite: a written row takes the next counter value
+_SQLITE_MARK = ("UPDATE ledger_changes SET counter = counter + 1 WHERE id = 1; "
+                "UPDATE {t} SET chg = (SELECT counter FROM ledger_changes WHERE id = 1) WHERE rowid = NEW.rowid;")
+
+
+def update_trigger(table: str, cols: list[str], postgres: bool) -> str:
+    """The statement creating ``table``'s marker-moving update trigger over ``cols`` (a later
+    revision adding a column drops the trigger and runs this with the longer list)."""
+    if postgres:
+        return (f"CREATE TRIGGER frenzy_chg_upd BEFORE UPDATE OF {_cols(cols)} ON {table} "
+                "FOR EACH ROW EXECUTE FUNCTION frenzy_mark_change()")
+    return (f"CREATE TRIGGER frenzy_chg_upd_{table} AFTER UPDATE OF {_cols(cols)} ON {table} "
+            f"BEGIN {_SQLITE_MARK.format(t=table)} END")
+
+
 def upgrade() -> None:
     op.create_table('ledger_changes',
                     sa.Column('id', sa.Integer(), nullable=False),
@@ -73,18 +88,14 @@ BEGIN UPDATE ledger_changes SET deletes = deletes + 1 WHERE id = 1; RETURN NULL;
         for table, cols in MARKED.items():
             op.execute(f"CREATE TRIGGER frenzy_chg_ins BEFORE INSERT ON {table} "
                        "FOR EACH ROW EXECUTE FUNCTION frenzy_mark_change()")
-            op.execute(f"CREATE TRIGGER frenzy_chg_upd BEFORE UPDATE OF {_cols(cols)} ON {table} "
-                       "FOR EACH ROW EXECUTE FUNCTION frenzy_mark_change()")
+            op.execute(update_trigger(table, cols, postgres=True))
             op.execute(f"CREATE TRIGGER frenzy_chg_del AFTER DELETE OR TRUNCATE ON {table} "
                        "FOR EACH STATEMENT EXECUTE FUNCTION frenzy_count_delete()")
     else:
-        mark = ("UPDATE ledger_changes SET counter = counter + 1 WHERE id = 1; "
-                "UPDATE {t} SET chg = (SELECT counter FROM ledger_changes WHERE id = 1) WHERE rowid = NEW.rowid;")
         for table, cols in MARKED.items():
             op.execute(f"CREATE TRIGGER frenzy_chg_ins_{table} AFTER INSERT ON {table} "
-                       f"BEGIN {mark.format(t=table)} END")
-            op.execute(f"CREATE TRIGGER frenzy_chg_upd_{table} AFTER UPDATE OF {_cols(cols)} ON {table} "
-                       f"BEGIN {mark.format(t=table)} END")
+                       f"BEGIN {_SQLITE_MARK.format(t=table)} END")
+            op.execute(update_trigger(table, cols, postgres=False))
             op.execute(f"CREATE TRIGGER frenzy_chg_del_{table} AFTER DELETE ON {table} "
                        "BEGIN UPDATE ledger_changes SET deletes = deletes + 1 WHERE id = 1; END")
 

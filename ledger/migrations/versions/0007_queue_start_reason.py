@@ -28,17 +28,11 @@ AFTER = [*BEFORE, "start_reason"]
 
 
 def _update_trigger(cols: list[str]) -> None:
-    """Replace queue_jobs' marker-moving update trigger by one over ``cols`` (as 0005 made it)."""
-    names = _MARKS._cols(cols)
-    if op.get_bind().dialect.name == "postgresql":
-        op.execute("DROP TRIGGER IF EXISTS frenzy_chg_upd ON queue_jobs")
-        op.execute(f"CREATE TRIGGER frenzy_chg_upd BEFORE UPDATE OF {names} ON queue_jobs "
-                   "FOR EACH ROW EXECUTE FUNCTION frenzy_mark_change()")
-    else:
-        mark = ("UPDATE ledger_changes SET counter = counter + 1 WHERE id = 1; "
-                "UPDATE queue_jobs SET chg = (SELECT counter FROM ledger_changes WHERE id = 1) WHERE rowid = NEW.rowid;")
-        op.execute("DROP TRIGGER IF EXISTS frenzy_chg_upd_queue_jobs")
-        op.execute(f"CREATE TRIGGER frenzy_chg_upd_queue_jobs AFTER UPDATE OF {names} ON queue_jobs BEGIN {mark} END")
+    """Replace queue_jobs' marker-moving update trigger by one over ``cols`` (0005's statement)."""
+    postgres = op.get_bind().dialect.name == "postgresql"
+    op.execute("DROP TRIGGER IF EXISTS frenzy_chg_upd ON queue_jobs" if postgres
+               else "DROP TRIGGER IF EXISTS frenzy_chg_upd_queue_jobs")
+    op.execute(_MARKS.update_trigger("queue_jobs", cols, postgres))
 
 
 def upgrade() -> None:

@@ -314,10 +314,11 @@ class FrenzyPolicy(Policy):
             stop = start_now(w.cands, max(w.job.steps_left, 1), profiles, total, now)
             if stop is None:
                 continue
+            if not stopgap_ends_in_time(w.pick, stop, now, self.config.stopgap.end_within_wait):
+                continue                  # (checked first: it needs no restart cost)
             ckpt = w.job.checkpoint_gb or CKPT_FOOTPRINT * w.menu.footprint_gib
             move = restart_cost(ckpt, w.pick.cand.gpu_type, w.pick.cand.gpus, per_node, self.config.restart)
-            if not stopgap_pays(w.pick, stop, move, now) \
-                    or not stopgap_ends_in_time(w.pick, stop, now, self.config.stopgap.end_within_wait):
+            if not stopgap_pays(w.pick, stop, move, now):
                 continue
             c = stop.cand
             placement = idx.place_compact(c.gpu_type, c.gpus, c.plan.tp)
