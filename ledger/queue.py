@@ -480,12 +480,14 @@ class JobQueue:
     def moved(self, job_id: str, assignment: dict[str, Any]) -> bool:
         """The running job's run moved to another allocation without a request (an
         out-of-memory fallback): the row names it, so a cancellation frees the GPUs the run
-        holds and the queue shows where it runs. False when the job is not running."""
+        holds and the queue shows where it runs. False when the job is not running. The
+        start's reason stays: the fallback is a safer plan of the same start, in the same pool
+        (a stopgap that fell back is still a stopgap, free to move up to its own plan)."""
         with self.ledger._tx() as s:
             row = self._row(s, job_id, plans=False)
             if row is None or row.state != "running":
                 return False
-            row.allocation_id, row.allocation, row.start_reason = assignment["allocation_id"], dict(assignment), ""
+            row.allocation_id, row.allocation = assignment["allocation_id"], dict(assignment)
             row.updated_at = db_now(s)
             return True
 

@@ -548,7 +548,8 @@ def test_round_decisions_become_requests_events_and_reservations(url):
 def test_a_runs_start_reason_reaches_the_next_rounds_as_its_running_jobs_reason(url):
     """A stopgap start is recorded on the job's queue row (``start_reason``), so the live rounds
     hand the run to the policy as a stopgap (``RunningJob.reason``), as the simulator does; the
-    run's move onto another allocation clears it."""
+    run's out-of-memory fallback onto another allocation keeps it (the same start, a safer plan),
+    a re-size clears it."""
     from frenzy_scheduler.source import LedgerSource, assignment_json
     from scheduler.round import check_decisions
     from scheduler.types import Decision
@@ -566,6 +567,9 @@ def test_a_runs_start_reason_reaches_the_next_rounds_as_its_running_jobs_reason(
     led.release(row.allocation_id)
     moved = led.allocate_best_fit("s", plans()[0])
     assert q.moved("s", assignment_json(moved, plans()[0]))
+    assert [(r.job_id, r.reason) for r in src.snapshot().state.running] == [("s", "stopgap")]
+    assert q.resized("s", "no-request", assignment_json(moved, plans()[0]), steps_done=5,
+                     allocation_id=str(moved.id))
     assert [(r.job_id, r.reason) for r in src.snapshot().state.running] == [("s", "")]
 
 
