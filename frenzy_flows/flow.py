@@ -36,19 +36,22 @@ async def _registered_pools() -> list[str]:
 @task(name="train")
 def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
           ledger_url: SecretStr | None, inventory: dict[str, int], settings: str | None = None,
-          own_pool: bool = False, worker_wait_s: float = 3600.0) -> dict:
+          own_pool: bool = False, worker_wait_s: float = 3600.0, first_attempt: int = 1) -> dict:
     """Train on the assignment: on the pool's workers when any are online; in-process as the
     same `frenzy-train` flow (a subflow) only when the pool is the control machine's own
     (``own_pool``, `scheduler.discover.is_control_machine_pool`). Any other pool without a
     worker is waited for up to ``worker_wait_s`` (the queue and the log say so, with the command
     that starts one), keeping the allocation's lease; then `dispatch.NoWorkerError`, and the
     submit flow releases the GPUs. Either way the train flow holds the pool's `gpu:<pool>` slots
-    for each allocation it trains on, so Prefect's count of busy GPUs follows the ledger's."""
+    for each allocation it trains on, so Prefect's count of busy GPUs follows the ledger's.
+    ``first_attempt``: the number of the first launch (a run handed on from another pool's
+    train flow goes on counting)."""
     pool, url = assignment.pool, secret_value(ledger_url)
     if not dispatch.has_workers(pool):
         if own_pool:            # the train flow holds the pool's slots for each allocation it trains on
             return train_on_pool(job, plan, assignment=assignment, job_id=job_id,
-                                 ledger_url=ledger_url, inventory=inventory, settings=settings)
+                                 ledger_url=ledger_url, inventory=inventory, settings=settings,
+                                 first_attempt=first_attempt)
         _wait_for_worker(pool, job_id, assignment, url, worker_wait_s)
     if len(assignment.placement) > 1:       # one flow run per node, trained as a gang
         from frenzy_flows.gang import dispatch_gang
@@ -58,7 +61,8 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
                              timeout_s=dispatch.dispatch_timeout(job.deadline_s), inventory=inventory)
     dispatch._logger().info("dispatching to work pool %s", pool)
     return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id, settings=settings,
-                                     timeout_s=dispatch.dispatch_timeout(job.deadline_s), ledger_url=url)
+                                     timeout_s=dispatch.dispatch_timeout(job.deadline_s), ledger_url=url,
+                                     first_attempt=first_attempt)
 
 
 def _wait_for_worker(pool: str, job_id: str, assignment: Assignment, ledger_url: str | None,
@@ -182,18 +186,32 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
         # from the grant to the end of the run, every allocation of the job is released on the way out
         with allocation_lifetime(secret_value(ledger_secret), job_id, log=log.warning):
             assignment = wait_for_gpus(job, job_id, ledger_secret, wait_timeout_s=wait_timeout_s)
-            chosen = assignment.plan
+            chosen, first_placement = assignment.plan, assignment.placement
             # the candidates the scheduler chose among (a type without a registered pool, or
             # whose plans cannot launch, was never one: shown, it read as "faster, not taken")
             artifacts.plans_table(candidates, chosen, steps=job.steps,
                                   pool_notes=dispatch.pool_notes(topology))
             artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
             events.placed(job.name, chosen, assignment, job_id=job_id)
+            handed: list[dict] = []       # a run's parts in earlier train flows (TrainResult.handoff)
             while True:
                 try:
                     trained = train(job, job_id, assignment.plan, assignment, ledger_secret, topology.inventory(),
                                     settings, own_pool=is_control_machine_pool(topology, assignment.pool),
-                                    worker_wait_s=wait_timeout_s)
+                                    worker_wait_s=wait_timeout_s,
+                                    first_attempt=1 + sum(len(h.get("attempts") or []) for h in handed))
+                    if trained.get("handoff"):
+                        # the scheduler moved the run to another pool's or node's GPUs: its train
+                        # flow stopped with a checkpoint and left them held; launch it there
+                        handed.append(trained)
+                        assignment = Assignment.model_validate(trained["handoff"])
+                        log.info("the run goes on on pool %s (%s, %s) from its checkpoint", assignment.pool,
+                                 assignment.plan.short(), assignment.placement)
+                        continue
+                    if handed:
+                        from frenzy_flows.gang import merge_results
+                        trained = merge_results([*handed, trained])
+                        handed = []
                     # the trainer reports a run that ran out of fallbacks or time; it does not raise
                     ok = trained.get("status") in ("completed", "stopped")
                     status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
@@ -217,7 +235,7 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
     finally:
         queue.finish(job_id, {"failed": "failed", "stopped": "stopped"}.get(status, "done"), error=error or "")
 
-    chosen = with_placed_nodes(chosen, assignment.placement)   # the plans as they ran: on their placement's nodes
+    chosen = with_placed_nodes(chosen, first_placement)   # the plans as they ran: on their placement's nodes
     if trained.get("assignment"):       # the run moved (a re-size, a fallback): where it ended
         assignment = Assignment.model_validate(trained["assignment"])
     final = Plan.model_validate(trained["final_plan"]) if trained.get("final_plan") else chosen

@@ -24,6 +24,14 @@ class Assignment(BaseModel):
         return cls(allocation_id=str(alloc.id), plan=plan, pool=alloc.pool, gpu_type=alloc.gpu_type,
                    placement=alloc.placement, devices=list(alloc.devices))
 
+    def trains_where(self, other: "Assignment") -> bool:
+        """Whether a run launched for ``other`` lands where this one-node assignment's process
+        trains: the same pool and its one node. Anything else (another pool: another GPU type's
+        workers; another node: that node's work queue; several nodes: a gang) must be launched
+        by the submit flow, not relaunched in this process on devices that are not its own."""
+        return (other.pool == self.pool and len(self.placement) == 1
+                and set(other.placement) == set(self.placement))
+
 
 def with_placed_nodes(plan: Plan, placement: dict[str, list[int]]) -> Plan:
     """``plan`` with ``nodes`` = the nodes of its placement, as many as a gang starts flow runs

@@ -59,8 +59,9 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
                               if progress is not None else None)
         finally:
             artifacts.progress_end(progress)
-    with allocation_lifetime(ledger_url, job_id, log=log.warning):   # released however this ends
-        return _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt)
+    handed: set[str] = set()        # the allocation a handed-on run goes on from stays held
+    with allocation_lifetime(ledger_url, job_id, log=log.warning, keep=handed):   # released however this ends
+        return _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt, handed)
 
 
 # while a node prepares (a download), its job's queue row is beaten this often (the row lives
@@ -121,7 +122,8 @@ def _own_pool() -> str | None:
     return name[len(TRAIN_DEPLOYMENT_PREFIX):] if name and name.startswith(TRAIN_DEPLOYMENT_PREFIX) else None
 
 
-def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt=1) -> dict[str, Any]:
+def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt=1,
+           handed: set[str] | None = None) -> dict[str, Any]:
     from ledger import Ledger
 
     if assignment is None:
@@ -143,7 +145,8 @@ def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, firs
                                         on_placed=placed.append,
                                         slots=lambda pool, gpus: dispatch.hold_gpu_slots(pool, gpus,
                                                                                          ledger_url=ledger_url),
-                                        first_attempt=first_attempt)
+                                        first_attempt=first_attempt,
+                                        on_handoff=(lambda a: handed.add(a.allocation_id)) if handed is not None else None)
     finally:
         artifacts.progress_end(progress)
     # where the job ended (a fallback's or a re-size's allocation): the submit flow reports it

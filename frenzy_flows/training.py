@@ -8,7 +8,10 @@ re-size or preemption is written into the run's control file (``trainer.control`
 training stops at the next step boundary on every rank with a checkpoint; the GPUs are released;
 a re-size takes its target GPUs and relaunches on the new plan (same global batch) in the same
 run folder, so it resumes from that checkpoint; a preempted job goes back to the queue and
-relaunches on the allocation the scheduler gives it next.
+relaunches on the allocation the scheduler gives it next. Only where this process trains: a
+target on another pool (a stopgap moving up to its faster GPU type), another node of the pool,
+or several nodes is handed back to the submit flow (``TrainResult.handoff``), which launches it
+on that pool's or node's workers, or as a gang.
 
 Fencing: the same watcher checks, every period, that the run's GPU lease still holds (the
 lease thread's verdict, and one indexed read of the allocation by the database's clock). A
@@ -344,7 +347,8 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                            on_placed: Callable[[Assignment], None] | None = None,
                            slots: Callable[[str, int], contextlib.AbstractContextManager] | None = None,
                            first_attempt: int = 1,
-                           fallbacks_for: Callable[[Plan], Iterator[Plan]] | None = None):
+                           fallbacks_for: Callable[[Plan], Iterator[Plan]] | None = None,
+                           on_handoff: Callable[[Assignment], None] | None = None):
     """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``. ``fallbacks``:
     the out-of-memory fallback plans to try (default: the trainer's own ladder).
     ``wait_timeout_s``: how long a preempted run waits in the queue for new GPUs.
@@ -358,7 +362,13 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     counting its launches, ``trainer.runner.run_training``). ``fallbacks_for(plan)``: the
     fallback ladder of a plan, asked again whenever a re-size or a new placement changes the
     plan the run trains on (a ladder made for the starting plan stepped down from its GPU count
-    and memory, not the new plan's); it takes the place of ``fallbacks``."""
+    and memory, not the new plan's); it takes the place of ``fallbacks``.
+
+    A re-size's target or a preempted run's next allocation that is not where this process
+    trains (``Assignment.trains_where``: another pool, another node, several nodes) is not
+    launched here: the run stops with its checkpoint, the result is "stopped" with
+    ``handoff`` set to that allocation (kept held, ``on_handoff`` told first), and the
+    caller's submitter launches it where it belongs (``frenzy_flows.flow``)."""
     from ledger import Ledger, LedgerUnavailable
     from ledger.queue import JobQueue
     from trainer import interrupt
@@ -411,6 +421,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                     on_step(step, total, loss)
 
             segments = []
+            handoff: Assignment | None = None    # the run goes on elsewhere (``TrainResult.handoff``)
             now_plan = plan
             training_log = readable_log(log)     # the run log: sentences, not FRENZY_<TAG> {json}
             # one deadline for the whole run: a segment after a re-size or a preemption (and the
@@ -428,6 +439,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                                       deadline_s=None if end is None else max(0.0, end - time.monotonic()),
                                       fallbacks=ladder, first_attempt=first_attempt)
                 segments.append(result)
+                first_attempt += len(result.attempts)      # a relaunch goes on counting launches
                 if watcher.fenced is not None:
                     break
                 req = (watcher.forwarded.get(result.stop.request_id)
@@ -444,12 +456,23 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                                      what=job.name, allocation_id=stopped_on)
                 if new is None:
                     break
+                if not assignment.trains_where(new):
+                    # its GPUs are another pool's, another node's or several nodes': launched here
+                    # the ranks would train on this process's own devices under that name
+                    handoff = new
+                    log(f"frenzy: the run goes on from step {done} on {new.plan.short()} on {new.placement} "
+                        f"(pool {new.pool}); handing it to its submitter to launch there")
+                    break
                 now_plan = new.plan
                 current.update(alloc_id=new.allocation_id, plan=now_plan, devices=list(new.devices), pool=new.pool,
                                first=True)
                 if on_placed is not None:
                     on_placed(new)
         result = merge_segments(segments)
+        if handoff is not None:
+            if on_handoff is not None:
+                on_handoff(handoff)
+            result = result.model_copy(update={"handoff": handoff.model_dump(mode="json")})
         if watcher.fenced is not None and result.status == "stopped":
             result = fenced_result(result, watcher.fenced["reason"])
             log(f"frenzy: {result.error}")

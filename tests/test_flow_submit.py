@@ -131,3 +131,51 @@ def test_settings_fallback_order_can_forbid_fallbacks(registered, frenzy_home, m
     with pytest.raises(RuntimeError, match="out of memory"):
         submit_training(job=dict(TINY, name="flow-nofb"), cluster=registered, settings="no-fallbacks")
     assert Ledger().cluster_state().running == []          # the failed run released its GPUs
+
+
+def test_a_run_moved_to_another_pool_is_launched_there_and_completes(tmp_path, frenzy_home, monkeypatch):
+    """The scheduler moves a running job to another pool's GPUs (as a stopgap moving up to its
+    faster type): the run's train flow stops with a checkpoint and hands the target back; the
+    submit flow launches it on that pool (here the control machine's second CPU pool, trained
+    in-process) and the job completes there, resumed from the checkpoint, every step once."""
+    from deployments.pools import sync_pools
+    from frenzy_flows import submit_training
+    from ledger import Ledger
+    from scheduler import policies
+    from scheduler.cluster import load_cluster
+    from scheduler.types import Decision, Policy
+
+    path = tmp_path / "two.yaml"
+    path.write_text("pools:\n  - {name: cpu, gpu: CPU, nodes: 1, gpus_per_node: 2}\n"
+                    "  - {name: cpu-b, gpu: CPU, nodes: 1, gpus_per_node: 2}\n")
+    sync_pools(load_cluster(str(path)))
+    steps = 400           # a few seconds of steps: a round sees the run mid-training
+
+    class MoveOnce(Policy):
+        # round-based, a round a second: nothing else starts one while the run holds its GPUs
+        name, restarts_runs, round_s = "move-once", True, 1.0
+
+        def __init__(self):
+            self.moved = False
+
+        def schedule(self, pending, state, now):
+            free = {n.node_id: n.free for n in state.nodes}
+            out = [Decision(j.job_id, next(p for p in j.plans if p.gpus == 2), {"cpu-0": [0, 1]})
+                   for j in pending if len(free["cpu-0"]) == 2]
+            for r in state.running:
+                if not self.moved and r.request.steps_left < steps - 3:
+                    self.moved = True
+                    out += [Decision(r.job_id, None, {}, action="preempt", reason="stopgap"),
+                            Decision(r.job_id, r.plan, {"cpu-b-0": [0, 1]}, reason="stopgap")]
+            return out
+
+    monkeypatch.setitem(policies.POLICIES, "move-once", MoveOnce)
+    result = submit_training(job=dict(TINY, name="flow-moved", train_steps=steps, checkpoint_every=1000),
+                             cluster=str(path), policy="move-once")
+    assert result.status == "completed"
+    assert result.allocation.pool == "cpu-b" and result.allocation.placement == {"cpu-b-0": [0, 1]}
+    assert len(result.losses) == steps
+    assert len(result.attempts) == 2 and 3 < result.attempts[1]["resumed_from_step"] < steps
+    assert [a["number"] for a in result.attempts] == [1, 2]
+    ledger = Ledger()
+    assert not [a for a in ledger.allocations() if a.status == "active"]

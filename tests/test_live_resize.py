@@ -18,7 +18,11 @@ TINY = {"name": "live-resize", "model": "gpt2-tiny", "seq_len": 64, "global_batc
         "train_steps": 120, "precision": "fp32", "lr": 0.003, "checkpoint_every": 1000}
 
 
-def _setup(tmp_path, name, steps=None):
+TWO_POOLS = ("pools:\n  - {name: cpu, gpu: CPU, nodes: 1, gpus_per_node: 2}\n"
+             "  - {name: cpu-b, gpu: CPU, nodes: 1, gpus_per_node: 2}\n")
+
+
+def _setup(tmp_path, name, steps=None, cluster_yaml=None):
     from estimator.job import TrainingJob
     from estimator.plans import plans_for_job
     from ledger import Ledger
@@ -26,7 +30,7 @@ def _setup(tmp_path, name, steps=None):
     from scheduler.cluster import parse_cluster
     from trainer.fallback import realisable
 
-    cluster = parse_cluster("pools:\n  - {name: cpu, gpu: CPU, nodes: 1, gpus_per_node: 2}\n")
+    cluster = parse_cluster(cluster_yaml or "pools:\n  - {name: cpu, gpu: CPU, nodes: 1, gpus_per_node: 2}\n")
     led = Ledger(f"sqlite:///{tmp_path / (name + '.db')}")
     led.sync_cluster(cluster)
     job = TrainingJob.model_validate({**TINY, "name": name, **({"train_steps": steps} if steps else {})})
@@ -80,12 +84,62 @@ def test_shrink_request_stops_relaunches_and_resumes_exactly(tmp_path, frenzy_ho
     assert res.status == "completed", lines[-20:]
     assert res.final_plan.gpus == 1 and res.final_plan.global_batch == two.global_batch
     assert [a.plan.gpus for a in res.attempts] == [2, 1]
+    assert [a.number for a in res.attempts] == [1, 2]          # the relaunch goes on counting
     assert res.attempts[1].resumed_from_step > 0
     assert len(res.losses) == job.steps
     assert res.losses == pytest.approx(ref.losses, rel=1e-4, abs=1e-5)
     assert [p.gpus for p in ladders] == [2, 1]
     row = q.get("j")
     assert (row.resizes, row.request_state, row.allocation["placement"]) == (1, "done", {"cpu-0": [1]})
+    assert not [a for a in led.allocations() if a.status == "active"]
+
+
+def test_a_move_to_another_pool_is_handed_to_the_submitter_and_resumes_there_exactly(tmp_path, frenzy_home):
+    """A re-size whose target is another pool's GPUs (a stopgap moving up to its faster type)
+    must not relaunch in this process, which would train on its own devices under that pool's
+    name: the run stops with a checkpoint, its result is "stopped" with the target as
+    ``handoff`` (held, not released), and a launch there (what the submit flow does) resumes it
+    with the same losses as an uninterrupted run."""
+    from frenzy_flows.lifetime import allocation_lifetime
+    from frenzy_flows.results import Assignment
+    from frenzy_flows.training import run_allocated_training
+
+    led, q, job, one, two = _setup(tmp_path, "handoff", cluster_yaml=TWO_POOLS)
+    q.enqueue("ref", "ref", job.model_dump(mode="json"), [two], steps=job.steps)
+    t, out, _, _ = _train(led, job.model_copy(update={"name": "ref"}), "ref", two, {"cpu-0": [0, 1]})
+    t.join(300)
+    ref = out["result"]
+    assert ref.status == "completed" and len(ref.losses) == job.steps
+
+    q.enqueue("h", "h", job.model_dump(mode="json"), [two], steps=job.steps)
+    handed: set[str] = set()
+    with allocation_lifetime(led.url, "h", keep=handed):      # as the train flow wraps it
+        t, out, steps, lines = _train(led, job.model_copy(update={"name": "h"}), "h", two, {"cpu-0": [0, 1]},
+                                      on_handoff=lambda a: handed.add(a.allocation_id))
+        end = time.time() + 240
+        while len(steps) < 3 and time.time() < end:
+            time.sleep(0.05)
+        assert q.request("h", "move", plan=two, placement={"cpu-b-0": [0, 1]}, reason="stopgap moves up")
+        t.join(300)
+    first = out["result"]
+    assert first.status == "stopped" and first.handoff is not None, lines[-20:]
+    there = Assignment.model_validate(first.handoff)
+    assert (there.pool, there.placement) == ("cpu-b", {"cpu-b-0": [0, 1]})
+    assert handed == {there.allocation_id}
+    active = [a for a in led.allocations() if a.status == "active"]
+    assert [str(a.id) for a in active] == [there.allocation_id]       # the target held, the old one freed
+    assert any("handing it to its submitter" in line for line in lines)
+    row = q.get("h")
+    assert row.state == "running" and row.allocation["pool"] == "cpu-b"
+    done = len(first.losses)
+    assert 3 <= done < job.steps
+
+    lines2: list[str] = []
+    second = run_allocated_training(job.model_copy(update={"name": "h"}), "h", there.plan, there,
+                                    ledger_url=led.url, log=lines2.append)
+    assert second.status == "completed" and second.handoff is None, lines2[-20:]
+    assert second.attempts[0].resumed_from_step == done
+    assert first.losses + second.losses == pytest.approx(ref.losses, rel=1e-4, abs=1e-5)
     assert not [a for a in led.allocations() if a.status == "active"]
 
 

@@ -165,6 +165,9 @@ class TrainResult(BaseModel):
     mlflow_tracking_uri: str | None = None
     mlflow_url: str | None = None
     ledger_error: str | None = None              # the ledger could not record the end (run still counts)
+    handoff: dict[str, Any] | None = None        # status "stopped": the allocation (an Assignment's JSON) the
+                                                 # run goes on from in another process (another pool or
+                                                 # node, or a gang): its submitter launches it there
 
     @property
     def ok(self) -> bool:
