@@ -417,7 +417,7 @@ def dispatch_to_pool(job: Any, plan: Plan, allocation: Any, *, timeout_s: float 
                           # only when set: train flows deployed before it keep working
                           **({"settings": settings} if settings else {}),
                           **({"first_attempt": first_attempt} if first_attempt > 1 else {})}, queue,
-                         beat=queue_beat(job_id, ledger_url) if job_id else None)
+                         beat=queue_beat(job_id, ledger_url, assignment.get("allocation_id")) if job_id else None)
 
 
 def node_work_queue(pool: str, placement: Mapping[str, Any]) -> str | None:
@@ -454,9 +454,12 @@ def node_work_queue(pool: str, placement: Mapping[str, Any]) -> str | None:
     return None
 
 
-def queue_beat(job_id: str, ledger_url: str | None = None) -> Callable[[], None]:
+def queue_beat(job_id: str, ledger_url: str | None = None,
+               allocation_id: str | None = None) -> Callable[[], None]:
     """The heartbeat of ``job_id``'s queue row in the ledger at ``ledger_url`` (connected at
-    the first beat), as its submitter beats it while it waits."""
+    the first beat), as its submitter beats it while it waits; with ``allocation_id``, that
+    allocation's lease is renewed too (the run takes its lease over at its first launch: a
+    slow worker, a handed-on run's next part, must not see it run out before)."""
     queue = None
 
     def beat() -> None:
@@ -467,6 +470,8 @@ def queue_beat(job_id: str, ledger_url: str | None = None) -> Callable[[], None]
 
             queue = JobQueue(Ledger(ledger_url))
         queue.touch(job_id, plans=False)
+        if allocation_id:
+            queue.ledger.heartbeat(allocation_id)
 
     return beat
 

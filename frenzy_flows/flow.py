@@ -3,6 +3,7 @@ it estimates, selects GPU types among the registered pools, assigns GPUs on the 
 trains."""
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 from prefect import flow, get_run_logger, task
@@ -58,7 +59,8 @@ def train(job: TrainingJob, job_id: str, plan: Plan, assignment: Assignment,
 
         dispatch._logger().info("dispatching to work pool %s as a gang of %d nodes", pool, len(assignment.placement))
         return dispatch_gang(job, plan, assignment, job_id=job_id, ledger_url=url, settings=settings,
-                             timeout_s=dispatch.dispatch_timeout(job.deadline_s), inventory=inventory)
+                             timeout_s=dispatch.dispatch_timeout(job.deadline_s), inventory=inventory,
+                             first_attempt=first_attempt)
     dispatch._logger().info("dispatching to work pool %s", pool)
     return dispatch.dispatch_to_pool(job, plan, assignment, job_id=job_id, settings=settings,
                                      timeout_s=dispatch.dispatch_timeout(job.deadline_s), ledger_url=url,
@@ -194,9 +196,13 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
             artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
             events.placed(job.name, chosen, assignment, job_id=job_id)
             handed: list[dict] = []       # a run's parts in earlier train flows (TrainResult.handoff)
+            started = time.monotonic()
             while True:
                 try:
-                    trained = train(job, job_id, assignment.plan, assignment, ledger_secret, topology.inventory(),
+                    part = job
+                    if handed and job.deadline_s is not None:   # one deadline for every part of the run
+                        part = job.model_copy(update={"deadline_s": max(1.0, job.deadline_s - (time.monotonic() - started))})
+                    trained = train(part, job_id, assignment.plan, assignment, ledger_secret, topology.inventory(),
                                     settings, own_pool=is_control_machine_pool(topology, assignment.pool),
                                     worker_wait_s=wait_timeout_s,
                                     first_attempt=1 + sum(len(h.get("attempts") or []) for h in handed))

@@ -293,7 +293,7 @@ def _retake(ledger, queue, job_id: str, assignment: Assignment, why: str, log) -
 def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_id: str, timeout_s: float | None,
                   ledger_url: str | None = None, settings: str | None = None, env: Mapping[str, str] | None = None,
                   poll_s: float = 2.0, retries: int = GANG_RETRIES, wait_timeout_s: float = 3600.0,
-                  inventory: dict[str, int] | None = None) -> dict:
+                  inventory: dict[str, int] | None = None, first_attempt: int = 1) -> dict:
     """Train a multi-node assignment as a gang (module docstring); returns the train flow's
     dict of node 0 (losses and attempts of every launch, when the scheduler re-sized it or a
     node ran out of memory). ``GangError`` after ``retries`` failed relaunches, or when out of
@@ -314,7 +314,6 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
     log = dispatch._logger()
     ledger = Ledger(ledger_url)
     queue, gang = JobQueue(ledger), Gang(ledger)
-    deployment_id = dispatch.find_train_deployment(assignment.pool)
     run_dir = prepare_run_dir(job, job_id, shared_runs_root())      # every node's folder
     parameters = {"job": job.model_dump(mode="json"), "job_id": job_id,
                   **({"settings": settings} if settings else {})}
@@ -323,7 +322,7 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
     segments: list[dict] = []          # results of launches stopped to re-size or preempt, or out of memory
     fallbacks = None                   # the out-of-memory ladder, made at the first OOM (as the runner does)
     watcher = None                     # each launch's; the fallbacks' events read the newest's step
-    launch = 0
+    launch = first_attempt - 1         # launches go on counting the run's attempts (a handed-on run)
     while True:
         launch += 1
         if not is_multi_node(assignment):        # the scheduler placed the relaunch on one node
@@ -334,6 +333,9 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
                 first_attempt=launch, ledger_url=ledger_url))
             return merge_results(segments)
         plan = assignment.plan
+        # the pool of this launch's placement: a re-size, a preemption's next allocation or a
+        # fallback may have moved the gang to another pool's nodes
+        deployment_id = dispatch.find_train_deployment(assignment.pool)
         gang_id = f"{job_id[:40]}-g{launch}-{uuid.uuid4().hex[:6]}"
         params = {**parameters, "plan": plan.model_dump(mode="json"),
                   "assignment": assignment.model_dump(mode="json")}

@@ -59,8 +59,10 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
                               if progress is not None else None)
         finally:
             artifacts.progress_end(progress)
-    handed: set[str] = set()        # the allocation a handed-on run goes on from stays held
-    with allocation_lifetime(ledger_url, job_id, log=log.warning, keep=handed):   # released however this ends
+    # the allocation a handed-on run goes on from stays held for its submitter; a run started by
+    # hand (no assignment) has none: that allocation is released with the rest
+    handed: set[str] | None = set() if assignment is not None else None
+    with allocation_lifetime(ledger_url, job_id, log=log.warning, keep=handed if handed is not None else ()):   # released however this ends
         return _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt, handed)
 
 
@@ -149,5 +151,9 @@ def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, firs
                                         on_handoff=(lambda a: handed.add(a.allocation_id)) if handed is not None else None)
     finally:
         artifacts.progress_end(progress)
+    if result.handoff is not None and handed is None:
+        log.warning("the run goes on only on GPUs this worker does not have (%s); a run started by hand "
+                    "stops here with its checkpoint: submit the job to go on", result.handoff.get("placement"))
+        result = result.model_copy(update={"handoff": None})
     # where the job ended (a fallback's or a re-size's allocation): the submit flow reports it
     return {**result.model_dump(mode="json"), "assignment": placed[-1].model_dump(mode="json")}

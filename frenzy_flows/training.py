@@ -270,12 +270,15 @@ def oom_fallbacks(job: TrainingJob, plan: Plan, *, inventory: dict[str, int] | N
 
 
 def fallback_allocation(ledger, job_id: str, plan: Plan, log: Callable[[str], None],
-                        pool: str | None = None) -> Assignment:
+                        pool: str | None = None, node: str | None = None) -> Assignment:
     """GPUs for an out-of-memory fallback plan (best fit, fewest nodes: several nodes make the
-    relaunch a gang): on the run's own ``pool`` first, whose workers already train it, then
-    wherever the ledger has them free now (another GPU type's pool: the relaunch goes to that
-    pool's workers); ``RuntimeError`` when none are."""
-    alloc = ledger.allocate_best_fit(job_id, plan, pool=pool) if pool else None
+    relaunch a gang): on the run's own ``node`` of its ``pool`` first (where its process
+    trains), then the rest of its pool, whose workers already train it, then wherever the
+    ledger has them free now (another GPU type's pool: the relaunch goes to that pool's
+    workers); ``RuntimeError`` when none are."""
+    alloc = ledger.allocate_best_fit(job_id, plan, pool=pool, node=node) if pool and node else None
+    if alloc is None and pool:
+        alloc = ledger.allocate_best_fit(job_id, plan, pool=pool)
     if alloc is None:
         alloc = ledger.allocate_best_fit(job_id, plan)
     if alloc is None:
@@ -309,15 +312,24 @@ def record_measurement(ledger, job_id: str, alloc_id: str | None, result) -> str
 
 def merge_segments(segments: list) -> Any:
     """One TrainResult for a run that relaunched: losses and attempts of every segment in
-    order (each segment resumes after the last step of the one before), the rest from the
-    last one."""
+    order, the rest from the last one. Each segment's losses are its steps after the step it
+    resumed from; an earlier segment's steps past that point were trained again (a relaunch
+    that found an older checkpoint, or none: a run folder not on storage both machines see)
+    and give way to the later segment's."""
     if len(segments) == 1:
         return segments[0]
-    last = segments[-1]
-    return last.model_copy(update={
-        "losses": [x for s in segments for x in s.losses],
-        "attempts": [a for s in segments for a in s.attempts],
-        "eval_losses": [e for s in segments for e in s.eval_losses]})
+    first = segments[0].attempts[0].resumed_from_step if segments[0].attempts else 0
+    losses: list[float] = []
+    evals: list = []
+    for seg in segments:
+        if seg.attempts:
+            resumed = seg.attempts[0].resumed_from_step
+            del losses[max(0, resumed - first):]
+            evals = [e for e in evals if e.step <= resumed]
+        losses += seg.losses
+        evals += seg.eval_losses
+    return segments[-1].model_copy(update={
+        "losses": losses, "attempts": [a for s in segments for a in s.attempts], "eval_losses": evals})
 
 
 def _check_same_ledger(ledger, alloc_id: str | None) -> None:
@@ -374,13 +386,15 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     from trainer import interrupt
     from trainer.resume import prepare_run_dir, shared_runs_root
     from trainer.loglines import readable_log
-    from trainer.runner import run_training
+    from trainer.runner import LaunchElsewhere, run_training
 
     ledger = Ledger(ledger_url)
     _check_same_ledger(ledger, assignment.allocation_id)
     queue = JobQueue(ledger)
     current = {"alloc_id": assignment.allocation_id, "plan": plan, "devices": assignment.devices,
                "pool": assignment.pool, "first": True, "lease": None}
+    home_node = next(iter(assignment.placement)) if len(assignment.placement) == 1 else None
+    elsewhere: dict[str, Assignment] = {}      # a fallback placed where this process does not train
     leases = contextlib.ExitStack()
 
     def acquire(p: Plan) -> list[str]:
@@ -388,12 +402,16 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
             current["first"] = False
         else:
             release()
-            placed = fallback_allocation(ledger, job_id, p, log, pool=current["pool"])
-            current.update(alloc_id=placed.allocation_id, plan=p, devices=list(placed.devices), pool=placed.pool)
+            placed = fallback_allocation(ledger, job_id, p, log, pool=current["pool"], node=home_node)
             try:        # the queue row names the allocation the run holds (a cancellation frees it)
                 queue.moved(job_id, placed.model_dump(mode="json"))
             except Exception as err:       # a database hiccup: the run goes on; the lease still fences it
                 log(f"frenzy: could not record the fallback allocation on the queue row: {err}")
+            if not assignment.trains_where(placed):
+                # not this process's devices (another node or pool): the submitter launches it there
+                elsewhere["to"] = placed
+                raise LaunchElsewhere(f"the fallback {p.short()} got GPUs on {placed.placement} (pool {placed.pool})")
+            current.update(alloc_id=placed.allocation_id, plan=p, devices=list(placed.devices), pool=placed.pool)
             if on_placed is not None:
                 on_placed(placed)
         current["lease"] = leases.enter_context(ledger.lease(current["alloc_id"]))
@@ -441,6 +459,9 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                 segments.append(result)
                 first_attempt += len(result.attempts)      # a relaunch goes on counting launches
                 if watcher.fenced is not None:
+                    break
+                if "to" in elsewhere:
+                    handoff = elsewhere["to"]
                     break
                 req = (watcher.forwarded.get(result.stop.request_id)
                        if result.status == "stopped" and result.stop is not None else None)

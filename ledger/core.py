@@ -627,10 +627,10 @@ class Ledger:
         return out
 
     def allocate_best_fit(self, job_id: str, plan: Plan, lease_s: float = DEFAULT_LEASE_S,
-                          pool: str | None = None) -> Allocation | None:
+                          pool: str | None = None, node: str | None = None) -> Allocation | None:
         """Choose free GPUs of ``plan.gpu_type`` (fewest nodes, best fit: the placement code
-        the policies use), on ``pool`` only when given, and claim them atomically; None when
-        they are not free now.
+        the policies use), on ``pool`` only when given, on ``node`` only when given, and claim
+        them atomically; None when they are not free now.
 
         The free GPUs are read without locks; only the chosen rows are locked (PostgreSQL:
         ``FOR UPDATE`` in id order). If a concurrent claim took one of them first, the
@@ -639,18 +639,20 @@ class Ledger:
         for attempt in range(_BEST_FIT_ATTEMPTS):
             try:
                 with self._tx() as s:
-                    return self._best_fit_once(s, job_id, plan, lease_s, pool)
+                    return self._best_fit_once(s, job_id, plan, lease_s, pool, node)
             except _Taken:
                 # another claim committed on a chosen GPU: it made progress, we re-choose
                 time.sleep(random.uniform(0, 0.002 * (attempt + 1)))
         return None
 
     def _best_fit_once(self, s: Session, job_id: str, plan: Plan, lease_s: float,
-                       pool: str | None = None) -> Allocation | None:
+                       pool: str | None = None, node: str | None = None) -> Allocation | None:
         stmt = select(GpuRow).where(GpuRow.gpu_type == plan.gpu_type, GpuRow.active == True,  # noqa: E712
                                     GpuRow.alloc_id == None)  # noqa: E711
         if pool is not None:
             stmt = stmt.where(GpuRow.pool == pool)
+        if node is not None:
+            stmt = stmt.where(GpuRow.node_id == node)
         stmt = stmt.order_by(GpuRow.id)
         free_rows = s.exec(stmt).all()
         if len(free_rows) < plan.gpus:

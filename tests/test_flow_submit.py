@@ -177,5 +177,12 @@ def test_a_run_moved_to_another_pool_is_launched_there_and_completes(tmp_path, f
     assert len(result.losses) == steps
     assert len(result.attempts) == 2 and 3 < result.attempts[1]["resumed_from_step"] < steps
     assert [a["number"] for a in result.attempts] == [1, 2]
+    # handed on, not relaunched in place: a second `frenzy-train` run trained the rest
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["frenzy-train"])))
+    parts = [r for r in runs if (r.parameters or {}).get("job_id") == result.job_id]
+    assert len(parts) == 2
     ledger = Ledger()
     assert not [a for a in ledger.allocations() if a.status == "active"]

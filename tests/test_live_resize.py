@@ -143,6 +143,39 @@ def test_a_move_to_another_pool_is_handed_to_the_submitter_and_resumes_there_exa
     assert not [a for a in led.allocations() if a.status == "active"]
 
 
+def test_an_oom_fallback_placed_on_another_pool_is_handed_on_not_launched_here(tmp_path, frenzy_home, monkeypatch):
+    """An out-of-memory fallback whose GPUs the ledger finds only on another pool (this node's
+    other GPU is another job's) is not launched in this process: the run stops at its newest
+    checkpoint with the fallback's allocation as ``handoff``, and a launch there goes on from
+    that step (numbered as the run's next attempt: the rehearsed failure fires on the first)."""
+    from frenzy_flows.results import Assignment
+    from frenzy_flows.training import run_allocated_training
+
+    led, q, job, one, two = _setup(tmp_path, "oomaway", steps=12, cluster_yaml=TWO_POOLS)
+    job = job.model_copy(update={"checkpoint_every": 5})
+    other = led.allocate("other", one, {"cpu-0": [1]})          # this node's second GPU is taken
+    q.enqueue("o", "o", job.model_dump(mode="json"), [one, two], steps=job.steps)
+    monkeypatch.setenv("FRENZY_INJECT_OOM_AT_STEP", "7")
+    t, out, _, lines = _train(led, job, "o", one, {"cpu-0": [0]}, fallbacks=iter([two]))
+    t.join(300)
+    first = out["result"]
+    assert first.status == "stopped" and first.handoff is not None, lines[-20:]
+    there = Assignment.model_validate(first.handoff)
+    assert (there.pool, there.placement, there.plan.gpus) == ("cpu-b", {"cpu-b-0": [0, 1]}, 2)
+    assert first.stop.step == 5 and len(first.losses) == 5          # the OOM attempt's steps 6-7 go
+    assert [a.outcome for a in first.attempts] == ["oom"]
+    active = {str(a.id) for a in led.allocations() if a.status == "active"}
+    assert active == {str(other.id), there.allocation_id}              # the fallback's GPUs held
+    assert q.get("o").allocation_id == there.allocation_id             # and the queue row names them
+
+    # the next part, as the submit flow launches it (the rehearsal stays set: it fires on attempt 1 only)
+    second = run_allocated_training(job, "o", there.plan, there, ledger_url=led.url, log=lines.append,
+                                    first_attempt=1 + len(first.attempts))
+    assert second.status == "completed", lines[-20:]
+    assert second.attempts[0].resumed_from_step == 5 and second.attempts[0].number == 2
+    assert len(first.losses + second.losses) == job.steps
+
+
 def test_a_policy_shrink_decided_in_a_round_reaches_the_live_run(tmp_path, frenzy_home):
     """The whole chain: scheduler round -> request on the queue row -> the run's watcher -> the
     control file -> stop, relaunch on the target -> the scheduler sees the re-sized run."""

@@ -14,6 +14,8 @@
   deadline) after an optimizer step, with a checkpoint: the result says the step and the
   reason, and a relaunch in the same run folder (any plan with the same global batch)
   continues from that step; ``timeout`` -> the deadline passed before the program stopped.
+  An ``acquire`` that raises ``LaunchElsewhere`` (a fallback's GPUs are another process's to
+  launch on) ends the run ``stopped`` at its newest checkpoint the same way.
 * The deadline (``deadline_s``) stops the program through the control file too: the runner
   writes a stop request (with an export of the model) when the time left is down to what a
   step, a checkpoint save and the exit take (measured as the run goes, ``stop_margin_s``).
@@ -129,6 +131,12 @@ class Measured(BaseModel):
     memory_measured: bool = False
     allocator: str | None = None      # the caching allocator's mode: "expandable" | "default"
     per_rank: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class LaunchElsewhere(Exception):
+    """Raised by ``acquire``: the GPUs of the next launch (an out-of-memory fallback's) are not
+    where this process trains. The run ends "stopped" at its newest checkpoint, as for a
+    stop request, and its caller launches the rest there (``frenzy_flows.training``)."""
 
 
 class StopInfo(BaseModel):
@@ -521,7 +529,18 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                 status, error = "failed", f"interrupted ({interrupt.requested()}) before attempt {number}"
                 log(f"frenzy: {error}")
                 break
-            devices = list(acquire(current))
+            try:
+                devices = list(acquire(current))
+            except LaunchElsewhere as moved:
+                latest = checkpoints.latest_checkpoint(run_dir) or external
+                stop = StopInfo(step=latest.step if latest is not None else 0, reason=f"launch elsewhere: {moved}")
+                status = "stopped"
+                for gone in [s for s in losses if s > stop.step]:   # the next launch trains them again
+                    del losses[gone]
+                for gone in [s for s in evals if s > stop.step]:
+                    del evals[gone]
+                log(f"frenzy: {moved}; stopping here at the checkpoint of step {stop.step}")
+                break
             try:
                 local = current.gpus // machines           # this node's processes
                 if len(devices) < local:
