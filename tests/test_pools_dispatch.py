@@ -457,3 +457,26 @@ def test_a_train_run_started_by_hand_takes_gpus_of_its_own_pool(tmp_path, monkey
         hand_run_assignment(led, "j2", one)
     monkeypatch.delenv("PREFECT__RUNTIME__DEPLOYMENT__NAME")
     assert _own_pool() is None
+
+
+def test_the_dispatchers_beat_renews_the_allocations_lease_too(tmp_path):
+    """Between the grant (or a handed-on run's hand-over) and the run's first launch nobody
+    renewed the allocation's lease: a worker slow to start the run could see it run out. The
+    dispatcher's beat renews it beside the queue row."""
+    from ledger import Ledger
+    from ledger.queue import JobQueue
+    from scheduler.cluster import cluster_from_dict
+
+    from frenzy_flows import dispatch
+
+    led = Ledger(f"sqlite:///{tmp_path / 'beat.db'}")
+    led.sync_cluster(cluster_from_dict(_cluster("beat")))
+    job, plan = _plan_and_job()
+    JobQueue(led).enqueue("b", "b", job.model_dump(mode="json"), [plan], steps=job.steps)
+    alloc = led.allocate("b", plan, {"beat-0": [0, 1]}, lease_s=5.0)
+    before = led.allocation(str(alloc.id)).lease_expires_at
+    dispatch.queue_beat("b", led.url, str(alloc.id))()
+    after = led.allocation(str(alloc.id)).lease_expires_at
+    assert after - before > 200            # renewed by the default lease (300 s), not the 5 s granted
+    dispatch.queue_beat("b", led.url)()    # without an allocation: the row only, the lease untouched
+    assert led.allocation(str(alloc.id)).lease_expires_at == after
