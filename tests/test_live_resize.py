@@ -163,7 +163,7 @@ def test_an_oom_fallback_placed_on_another_pool_is_handed_on_not_launched_here(t
     there = Assignment.model_validate(first.handoff)
     assert (there.pool, there.placement, there.plan.gpus) == ("cpu-b", {"cpu-b-0": [0, 1]}, 2)
     assert first.stop.step == 5 and len(first.losses) == 5          # the OOM attempt's steps 6-7 go
-    assert [a.outcome for a in first.attempts] == ["oom"]
+    assert [a.outcome for a in first.attempts] == ["oom"] and first.final_plan == one   # what ran here
     active = {str(a.id) for a in led.allocations() if a.status == "active"}
     assert active == {str(other.id), there.allocation_id}              # the fallback's GPUs held
     assert q.get("o").allocation_id == there.allocation_id             # and the queue row names them

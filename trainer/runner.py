@@ -535,6 +535,7 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                 latest = checkpoints.latest_checkpoint(run_dir) or external
                 stop = StopInfo(step=latest.step if latest is not None else 0, reason=f"launch elsewhere: {moved}")
                 status = "stopped"
+                current = attempts[-1].plan if attempts else current    # the plan that last ran here
                 for gone in [s for s in losses if s > stop.step]:   # the next launch trains them again
                     del losses[gone]
                 for gone in [s for s in evals if s > stop.step]:
