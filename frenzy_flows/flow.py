@@ -234,7 +234,10 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
                 if not requeued_by_scheduler(queue, job_id, assignment.allocation_id):
                     break
                 # the scheduler cancelled the run (it did not answer a request in time) and queued
-                # the job again: wait for its next allocation; the launch resumes the checkpoint
+                # the job again: wait for its next allocation; the launch resumes the checkpoint,
+                # and what this part reported (its steps up to there, its launches) counts
+                if trained.get("attempts"):
+                    handed.append(trained)
                 log.warning("the scheduler cancelled the run (%s); waiting for GPUs to resume from the last "
                             "checkpoint", (queue.get(job_id).wait_reason or "no answer in time"))
                 assignment = wait_for_gpus(job, job_id, ledger_secret, wait_timeout_s=wait_timeout_s)

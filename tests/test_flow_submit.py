@@ -186,3 +186,41 @@ def test_a_run_moved_to_another_pool_is_launched_there_and_completes(tmp_path, f
     assert len(parts) == 2
     ledger = Ledger()
     assert not [a for a in ledger.allocations() if a.status == "active"]
+
+
+def test_a_part_the_scheduler_cancelled_still_counts_in_the_result(registered, frenzy_home, monkeypatch):
+    """The scheduler cancels a run that stopped answering and queues the job again: the next
+    part resumes from the checkpoint, and the cancelled part's steps and launches stay in the
+    submission's result (they were dropped: the next part's attempts were numbered from 1 again)."""
+    from estimator.plan import Plan
+    from frenzy_flows import flow as submit_flow
+    from frenzy_flows import submit_training
+    from ledger import Ledger
+    from ledger.queue import JobQueue
+    from trainer.runner import Attempt, Measured, TrainResult
+
+    calls = []
+
+    def fake_train(job, job_id, plan, assignment, *args, first_attempt=1, **kw):
+        calls.append(first_attempt)
+        part = len(calls)
+        done = 4 if part == 1 else job.steps
+        start = 0 if part == 1 else 3                      # the second resumes from step 3's checkpoint
+        res = TrainResult(status="failed" if part == 1 else "completed", losses=[10.0 - s for s in range(start, done)],
+                          attempts=[Attempt(plan=plan, outcome="failed" if part == 1 else "ok",
+                                            resumed_from_step=start, number=first_attempt)],
+                          measured=Measured(), checkpoint_dir=None, final_plan=Plan.model_validate(plan.model_dump()),
+                          error="cancelled" if part == 1 else None)
+        if part == 1:               # what JobQueue.cancel_run leaves: the row pending, its run cancelled
+            JobQueue(Ledger()).requeue(job_id, steps_done=3, preempted=True, reason="no answer in time",
+                                       allocation_id=assignment.allocation_id)
+        return {**res.model_dump(mode="json"), "assignment": assignment.model_dump(mode="json")}
+
+    monkeypatch.setattr(submit_flow, "train", fake_train)
+    seen = iter([True, False])
+    monkeypatch.setattr(submit_flow, "requeued_by_scheduler", lambda *a: next(seen))
+    result = submit_training(job=dict(TINY, name="flow-cancelled", train_steps=6), cluster=registered)
+    assert result.status == "completed"
+    assert calls == [1, 2]                                  # the next part goes on counting launches
+    assert [a["number"] for a in result.attempts] == [1, 2]
+    assert result.losses == [10.0, 9.0, 8.0, 7.0, 6.0, 5.0]   # steps 1-3 of the first part, 4-6 of the second
