@@ -160,7 +160,8 @@ def test_a_run_moved_to_another_pool_is_launched_there_and_completes(tmp_path, f
 
         def schedule(self, pending, state, now):
             free = {n.node_id: n.free for n in state.nodes}
-            out = [Decision(j.job_id, next(p for p in j.plans if p.gpus == 2), {"cpu-0": [0, 1]})
+            # a plain data-parallel plan: no DeepSpeed to import in each of the two launches
+            out = [Decision(j.job_id, next(p for p in j.plans if p.gpus == 2 and p.zero == 0), {"cpu-0": [0, 1]})
                    for j in pending if len(free["cpu-0"]) == 2]
             for r in state.running:
                 if not self.moved and r.request.steps_left < steps - 3:
