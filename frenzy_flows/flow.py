@@ -25,6 +25,7 @@ from frenzy_flows.results import Assignment, SubmitResult, predicted_figures, tr
 from frenzy_flows.tasks import (as_secret, enqueue, estimate_memory, load_settings, new_job_id,
                                 secret_value, select_resources, wait_for_gpus, with_site_defaults)
 from frenzy_flows.train_flow import train_on_pool
+from frenzy_flows.training import merge_results
 
 
 async def _registered_pools() -> list[str]:
@@ -195,29 +196,28 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
                                   pool_notes=dispatch.pool_notes(topology))
             artifacts.memory_breakdown(estimate_plan(job, chosen, gpus=gpus), chosen)   # the chosen plan's
             events.placed(job.name, chosen, assignment, job_id=job_id)
-            handed: list[dict] = []       # a run's parts in earlier train flows (TrainResult.handoff)
+            parts: list[dict] = []        # the run's earlier parts: handed on (TrainResult.handoff) or cancelled
             started = time.monotonic()
             while True:
                 try:
                     part = job
-                    if handed and job.deadline_s is not None:   # one deadline for every part of the run
+                    if parts and job.deadline_s is not None:   # one deadline for every part of the run
                         part = job.model_copy(update={"deadline_s": max(1.0, job.deadline_s - (time.monotonic() - started))})
                     trained = train(part, job_id, assignment.plan, assignment, ledger_secret, topology.inventory(),
                                     settings, own_pool=is_control_machine_pool(topology, assignment.pool),
                                     worker_wait_s=wait_timeout_s,
-                                    first_attempt=1 + sum(len(h.get("attempts") or []) for h in handed))
+                                    first_attempt=1 + sum(len(p.get("attempts") or []) for p in parts))
                     if trained.get("handoff"):
                         # the scheduler moved the run to another pool's or node's GPUs: its train
                         # flow stopped with a checkpoint and left them held; launch it there
-                        handed.append(trained)
+                        parts.append(trained)
                         assignment = Assignment.model_validate(trained["handoff"])
                         log.info("the run goes on on pool %s (%s, %s) from its checkpoint", assignment.pool,
                                  assignment.plan.short(), assignment.placement)
                         continue
-                    if handed:
-                        from frenzy_flows.gang import merge_results
-                        trained = merge_results([*handed, trained])
-                        handed = []
+                    if parts:
+                        trained = merge_results([*parts, trained])
+                        parts = []
                     # the trainer reports a run that ran out of fallbacks or time; it does not raise
                     ok = trained.get("status") in ("completed", "stopped")
                     status, error = (trained["status"], None) if ok else ("failed", trained.get("error") or trained.get("status"))
@@ -237,7 +237,7 @@ def submit_training(job: Annotated[TrainingJob, RunForm()],
                 # the job again: wait for its next allocation; the launch resumes the checkpoint,
                 # and what this part reported (its steps up to there, its launches) counts
                 if trained.get("attempts"):
-                    handed.append(trained)
+                    parts.append(trained)
                 log.warning("the scheduler cancelled the run (%s); waiting for GPUs to resume from the last "
                             "checkpoint", (queue.get(job_id).wait_reason or "no answer in time"))
                 assignment = wait_for_gpus(job, job_id, ledger_secret, wait_timeout_s=wait_timeout_s)

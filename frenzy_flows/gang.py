@@ -309,7 +309,7 @@ def dispatch_gang(job: TrainingJob, plan: Plan, assignment: Assignment, *, job_i
 
     from frenzy_flows.tasks import load_settings
     from frenzy_flows.training import (RequestWatcher, answer_request, fallback_allocation, fenced_result,
-                                       lease_fence, oom_fallbacks, record_measurement)
+                                       lease_fence, merge_results, oom_fallbacks, record_measurement)
 
     log = dispatch._logger()
     ledger = Ledger(ledger_url)
@@ -450,17 +450,6 @@ def _node_result(flow_run_id) -> dict:
         result = client.read_flow_run(flow_run_id).state.result(raise_on_failure=True)
     return result if isinstance(result, dict) else {"result": result}
 
-
-def merge_results(segments: list[dict]) -> dict:
-    """The train flow's dicts of consecutive launches of one job (re-sized between them) as
-    one: every launch's losses and attempts in order, the rest from the last."""
-    from frenzy_flows.training import merge_segments
-    from trainer.runner import TrainResult
-
-    if len(segments) == 1:
-        return segments[0]
-    return {**segments[-1], **merge_segments([TrainResult.model_validate(s) for s in segments]).model_dump(
-        mode="json", include={"losses", "attempts", "eval_losses"})}
 
 
 def _states(ids: list) -> list[Any]:

@@ -59,11 +59,12 @@ def train_on_pool(job: TrainingJob, plan: Plan, assignment: Assignment | None = 
                               if progress is not None else None)
         finally:
             artifacts.progress_end(progress)
-    # the allocation a handed-on run goes on from stays held for its submitter; a run started by
-    # hand (no assignment) has none: that allocation is released with the rest
-    handed: set[str] | None = set() if assignment is not None else None
-    with allocation_lifetime(ledger_url, job_id, log=log.warning, keep=handed if handed is not None else ()):   # released however this ends
-        return _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt, handed)
+    handed: set[str] = set()        # the allocation a handed-on run goes on from stays held
+    with allocation_lifetime(ledger_url, job_id, log=log.warning, keep=handed):   # released however this ends
+        out = _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt)
+        if out.get("handoff"):
+            handed.add(out["handoff"]["allocation_id"])
+        return out
 
 
 # while a node prepares (a download), its job's queue row is beaten this often (the row lives
@@ -124,11 +125,11 @@ def _own_pool() -> str | None:
     return name[len(TRAIN_DEPLOYMENT_PREFIX):] if name and name.startswith(TRAIN_DEPLOYMENT_PREFIX) else None
 
 
-def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt=1,
-           handed: set[str] | None = None) -> dict[str, Any]:
+def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, first_attempt=1) -> dict[str, Any]:
     from ledger import Ledger
 
-    if assignment is None:
+    by_hand = assignment is None        # no submitter to hand the run on to
+    if by_hand:
         assignment = hand_run_assignment(Ledger(ledger_url), job_id, plan)
     progress = artifacts.progress_start(job.steps)
     last = {"step": 0}
@@ -147,11 +148,10 @@ def _train(job, plan, assignment, job_id, ledger_url, inventory, site, log, firs
                                         on_placed=placed.append,
                                         slots=lambda pool, gpus: dispatch.hold_gpu_slots(pool, gpus,
                                                                                          ledger_url=ledger_url),
-                                        first_attempt=first_attempt,
-                                        on_handoff=(lambda a: handed.add(a.allocation_id)) if handed is not None else None)
+                                        first_attempt=first_attempt)
     finally:
         artifacts.progress_end(progress)
-    if result.handoff is not None and handed is None:
+    if result.handoff is not None and by_hand:
         log.warning("the run goes on only on GPUs this worker does not have (%s); a run started by hand "
                     "stops here with its checkpoint: submit the job to go on", result.handoff.get("placement"))
         result = result.model_copy(update={"handoff": None})

@@ -332,6 +332,17 @@ def merge_segments(segments: list) -> Any:
         "losses": losses, "attempts": [a for s in segments for a in s.attempts], "eval_losses": evals})
 
 
+def merge_results(segments: list[dict]) -> dict:
+    """``merge_segments`` over the train flows' dicts of consecutive parts of one run (a gang's
+    launches, a run handed on to another pool): the rest, "assignment" included, from the last."""
+    from trainer.runner import TrainResult
+
+    if len(segments) == 1:
+        return segments[0]
+    return {**segments[-1], **merge_segments([TrainResult.model_validate(s) for s in segments]).model_dump(
+        mode="json", include={"losses", "attempts", "eval_losses"})}
+
+
 def _check_same_ledger(ledger, alloc_id: str | None) -> None:
     """Before anything starts: the allocation the run was given is in the ledger it opened. A
     pool's worker gets no ledger URL from its dispatcher (it is a secret); without
@@ -359,8 +370,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                            on_placed: Callable[[Assignment], None] | None = None,
                            slots: Callable[[str, int], contextlib.AbstractContextManager] | None = None,
                            first_attempt: int = 1,
-                           fallbacks_for: Callable[[Plan], Iterator[Plan]] | None = None,
-                           on_handoff: Callable[[Assignment], None] | None = None):
+                           fallbacks_for: Callable[[Plan], Iterator[Plan]] | None = None):
     """Train ``job`` on ``assignment``; returns ``trainer.runner.TrainResult``. ``fallbacks``:
     the out-of-memory fallback plans to try (default: the trainer's own ladder).
     ``wait_timeout_s``: how long a preempted run waits in the queue for new GPUs.
@@ -379,8 +389,8 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     A re-size's target or a preempted run's next allocation that is not where this process
     trains (``Assignment.trains_where``: another pool, another node, several nodes) is not
     launched here: the run stops with its checkpoint, the result is "stopped" with
-    ``handoff`` set to that allocation (kept held, ``on_handoff`` told first), and the
-    caller's submitter launches it where it belongs (``frenzy_flows.flow``)."""
+    ``handoff`` set to that allocation (kept held: the caller's ``allocation_lifetime`` must
+    keep it too), and the caller's submitter launches it where it belongs (``frenzy_flows.flow``)."""
     from ledger import Ledger, LedgerUnavailable
     from ledger.queue import JobQueue
     from trainer import interrupt
@@ -394,7 +404,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
     current = {"alloc_id": assignment.allocation_id, "plan": plan, "devices": assignment.devices,
                "pool": assignment.pool, "first": True, "lease": None}
     home_node = next(iter(assignment.placement)) if len(assignment.placement) == 1 else None
-    elsewhere: dict[str, Assignment] = {}      # a fallback placed where this process does not train
+    elsewhere: dict[str, Assignment] = {}      # "to": where the run goes on, not in this process
     leases = contextlib.ExitStack()
 
     def acquire(p: Plan) -> list[str]:
@@ -439,7 +449,6 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                     on_step(step, total, loss)
 
             segments = []
-            handoff: Assignment | None = None    # the run goes on elsewhere (``TrainResult.handoff``)
             now_plan = plan
             training_log = readable_log(log)     # the run log: sentences, not FRENZY_<TAG> {json}
             # one deadline for the whole run: a segment after a re-size or a preemption (and the
@@ -460,8 +469,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                 first_attempt += len(result.attempts)      # a relaunch goes on counting launches
                 if watcher.fenced is not None:
                     break
-                if "to" in elsewhere:
-                    handoff = elsewhere["to"]
+                if "to" in elsewhere:          # a fallback placed off this node
                     break
                 req = (watcher.forwarded.get(result.stop.request_id)
                        if result.status == "stopped" and result.stop is not None else None)
@@ -480,7 +488,7 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                 if not assignment.trains_where(new):
                     # its GPUs are another pool's, another node's or several nodes': launched here
                     # the ranks would train on this process's own devices under that name
-                    handoff = new
+                    elsewhere["to"] = new
                     log(f"frenzy: the run goes on from step {done} on {new.plan.short()} on {new.placement} "
                         f"(pool {new.pool}); handing it to its submitter to launch there")
                     break
@@ -490,10 +498,8 @@ def run_allocated_training(job: TrainingJob, job_id: str, plan: Plan, assignment
                 if on_placed is not None:
                     on_placed(new)
         result = merge_segments(segments)
-        if handoff is not None:
-            if on_handoff is not None:
-                on_handoff(handoff)
-            result = result.model_copy(update={"handoff": handoff.model_dump(mode="json")})
+        if "to" in elsewhere:
+            result = result.model_copy(update={"handoff": elsewhere["to"].model_dump(mode="json")})
         if watcher.fenced is not None and result.status == "stopped":
             result = fenced_result(result, watcher.fenced["reason"])
             log(f"frenzy: {result.error}")

@@ -162,7 +162,9 @@ def test_a_runs_start_reason_reaches_the_policy_in_the_next_rounds():
 
     class Tagging(Policy):
         name = "tagging"
-        seen: list[tuple[str, str]] = []
+
+        def __init__(self):
+            self.seen: list[tuple[str, str]] = []      # (job, reason) of every run it was shown
 
         def schedule(self, pending, state, now):
             self.seen += [(r.job_id, r.reason) for r in state.running]

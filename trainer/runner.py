@@ -133,6 +133,13 @@ class Measured(BaseModel):
     per_rank: list[dict[str, Any]] = Field(default_factory=list)
 
 
+def _forget_after(step: int, *by_step: dict[int, Any]) -> None:
+    """Drop the entries past ``step`` (a checkpoint's): those steps are trained again."""
+    for d in by_step:
+        for gone in [s for s in d if s > step]:
+            del d[gone]
+
+
 class LaunchElsewhere(Exception):
     """Raised by ``acquire``: the GPUs of the next launch (an out-of-memory fallback's) are not
     where this process trains. The run ends "stopped" at its newest checkpoint, as for a
@@ -536,10 +543,7 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
                 stop = StopInfo(step=latest.step if latest is not None else 0, reason=f"launch elsewhere: {moved}")
                 status = "stopped"
                 current = attempts[-1].plan if attempts else current    # the plan that last ran here
-                for gone in [s for s in losses if s > stop.step]:   # the next launch trains them again
-                    del losses[gone]
-                for gone in [s for s in evals if s > stop.step]:
-                    del evals[gone]
+                _forget_after(stop.step, losses, evals)     # the next launch trains them again
                 log(f"frenzy: {moved}; stopping here at the checkpoint of step {stop.step}")
                 break
             try:
@@ -561,10 +565,7 @@ def run_training(job: TrainingJob, plan: Plan, *, run_dir: str | Path,
             resumed = latest.step if latest is not None else 0
             # an attempt that failed after its last checkpoint logged steps this one trains
             # again: its losses go (the run's curve, and a stop's step, are this attempt's)
-            for gone in [s for s in losses if s > resumed]:
-                del losses[gone]
-            for gone in [s for s in evals if s > resumed]:
-                del evals[gone]
+            _forget_after(resumed, losses, evals)
             log(f"frenzy: attempt {number} on {current.short()} devices={','.join(devices[:local])}"
                 + (f" as node {node.machine_rank} of {machines} (rendezvous {address}:{port})" if node else "")
                 + (f", resuming from step {resumed}" if resumed else ""))
